@@ -1,0 +1,1 @@
+"""resilientjob.agent: the in-pod side (telemetry, elastic launcher, training runtime, layer copy)."""

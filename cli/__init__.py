@@ -1,0 +1,49 @@
+"""The `rjob` command. Each command group lives in a private module that exposes `register(subparsers)`;
+modules are imported only when their command runs, so `rjob plan` never pays for kopf or torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> (module, one-line help). A module's `register` adds the parser and sets `handler`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "profiles": ("resilientjob.cli._profiles", "list the built-in model profiles"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad flags already; keep its message to one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"rjob: error: {message}\n")
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="rjob", description="ResilientJob: resilient distributed training on Kubernetes.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module_name).register(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in args_list if not arg.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(args_list)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0 if command is None else 2
+    result: int = handler(args)
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`python -m resilientjob.cli` is `rjob`."""
+
+import sys
+
+from resilientjob.cli import main
+
+sys.exit(main())

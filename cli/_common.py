@@ -1,0 +1,71 @@
+"""Shared plumbing for `rjob` commands: JSON output and the one-line, exit-2 error contract."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from resilientjob.planner import PlannerError
+from resilientjob.planner._errors import error_from_validation
+
+USAGE_ERROR = 2
+
+
+class CliError(Exception):
+    """A user error to print as one line; exits with status 2."""
+
+
+def fail(message: str) -> int:
+    print(f"rjob: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a command handler so that bad input ends in one line on stderr and exit 2, never a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except PlannerError as exc:
+            return fail(str(exc))
+        except ValidationError as exc:
+            return fail(str(error_from_validation(exc)))
+        except CliError as exc:
+            return fail(str(exc))
+
+    return run
+
+
+def emit(
+    payload: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str] | None = None
+) -> None:
+    """Print a result: JSON for machines, or a short human rendering."""
+    if as_json or human is None:
+        print(json.dumps(payload, indent=None if as_json else 2, sort_keys=False))
+    else:
+        print(human(payload))
+
+
+def int_list(text: str, field: str) -> list[int]:
+    """Parse `3,7` into [3, 7]; a clear error names the flag otherwise."""
+    if not text.strip():
+        return []
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CliError(f"{field}: expected comma-separated integers, got {text!r}") from None
+
+
+def float_list(text: str, field: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CliError(f"{field}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise CliError(f"{field}: expected at least one number")
+    return values

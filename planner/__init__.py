@@ -1,0 +1,44 @@
+"""resilientjob.planner: the pure core. Plans, profiles, estimators, templates, fail-slow algorithms and the
+simulator. Imports numpy, scipy and pydantic only, so the operator, the agent and the simulator all call the
+very same code."""
+
+from ._errors import PlannerError
+from .estimator import (
+    allreduce_time,
+    estimate_pipeline,
+    pipeline_time,
+    reroute_step_time,
+    stage_peak_memory,
+    symmetric_step_time,
+)
+from .plan import Candidate, PipelinePlan, Plan, Policy, StagePlan, Transfer
+from .profile import LayerProfile, ModelProfile, builtin_profiles, uniform_profile
+from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list
+from .spec import ClusterSpec, JobSpec, TransitionCosts
+
+__all__ = [
+    "Candidate",
+    "ClusterSpec",
+    "JobSpec",
+    "LayerProfile",
+    "ModelProfile",
+    "PipelinePlan",
+    "Plan",
+    "PlannerError",
+    "Policy",
+    "StagePlan",
+    "Transfer",
+    "TransitionCosts",
+    "allreduce_rounds",
+    "allreduce_time",
+    "builtin_profiles",
+    "estimate_pipeline",
+    "match_slots",
+    "pipeline_time",
+    "place_plan",
+    "reroute_step_time",
+    "stage_peak_memory",
+    "symmetric_step_time",
+    "transfer_list",
+    "uniform_profile",
+]

@@ -1,0 +1,180 @@
+"""Step-time and memory estimators (Odyssey section IV-C, Oobleck section 4.1.2).
+
+`pipeline_time` simulates the 1F1B schedule stage by stage (Odyssey eq. 11): every forward waits for the
+previous op of its stage and for the same micro-batch's forward upstream; every backward for the same
+micro-batch's backward downstream. It is exact for the schedule, handles unequal stages and micro-batch
+counts, and equals the closed form of eq. 9 when stages are equal. Results are cached because plan search
+asks for the same pipeline shape many times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from ._errors import PlannerError
+from .plan import PipelinePlan
+from .profile import ModelProfile
+from .spec import ClusterSpec
+
+
+def symmetric_step_time(num_stages: int, microbatches: int, forward_s: float, backward_s: float) -> float:
+    """Odyssey eq. 9: (N_pp + N_m - 1)(T_f + T_b) for equal stages."""
+    return (num_stages + microbatches - 1) * (forward_s + backward_s)
+
+
+def reroute_step_time(
+    num_stages: int,
+    microbatches: int,
+    dp: int,
+    failed_per_stage: Sequence[int],
+    forward_s: float,
+    backward_s: float,
+) -> float:
+    """Odyssey eq. 13 (eq. 12 with one failure): peers of a stage that lost F_i of its dp replicas each take
+    N_m * F_i / (dp - F_i) extra micro-batches. A stage that lost every replica cannot be rerouted."""
+    if len(failed_per_stage) != num_stages:
+        raise PlannerError("failed_per_stage", f"needs {num_stages} entries, got {len(failed_per_stage)}")
+    extra = 0.0
+    for stage, failed in enumerate(failed_per_stage):
+        if failed >= dp:
+            raise PlannerError("failed", f"stage {stage} lost all {dp} replicas; rerouting is impossible")
+        if failed > 0:
+            extra += microbatches * failed / (dp - failed)
+    return (num_stages + microbatches - 1 + extra) * (forward_s + backward_s)
+
+
+def pipeline_time(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    microbatches: int,
+    send_s: Sequence[float] | None = None,
+) -> float:
+    """Makespan of one 1F1B iteration. `send_s[i]` is the transfer time between stage i and i + 1."""
+    if len(forward_s) != len(backward_s) or not forward_s:
+        raise PlannerError("stages", "forward and backward times must be non-empty and of equal length")
+    if microbatches < 1:
+        raise PlannerError("microbatches", f"must be >= 1, got {microbatches}")
+    sends = tuple(send_s) if send_s is not None else (0.0,) * (len(forward_s) - 1)
+    if len(sends) != len(forward_s) - 1:
+        raise PlannerError("send_s", f"needs {len(forward_s) - 1} entries, got {len(sends)}")
+    return _simulate_1f1b(tuple(forward_s), tuple(backward_s), microbatches, sends)
+
+
+@lru_cache(maxsize=65536)
+def _simulate_1f1b(
+    forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, sends: tuple[float, ...]
+) -> float:
+    stages = len(forward)
+    # Each stage's op order: warm-up forwards, then one-forward-one-backward, then cool-down backwards.
+    orders: list[list[tuple[bool, int]]] = []
+    for stage in range(stages):
+        warmup = min(stages - stage - 1, microbatches)
+        order = [(True, mb) for mb in range(warmup)]
+        for k in range(microbatches - warmup):
+            order.append((True, warmup + k))
+            order.append((False, k))
+        order.extend((False, mb) for mb in range(microbatches - warmup, microbatches))
+        orders.append(order)
+
+    unset = -1.0
+    forward_end = [[unset] * microbatches for _ in range(stages)]
+    backward_end = [[unset] * microbatches for _ in range(stages)]
+    position = [0] * stages
+    clock = [0.0] * stages
+    remaining = 2 * stages * microbatches
+    while remaining:
+        progressed = False
+        for stage in range(stages):
+            order = orders[stage]
+            while position[stage] < len(order):
+                is_forward, mb = order[position[stage]]
+                if is_forward:
+                    ready = 0.0 if stage == 0 else forward_end[stage - 1][mb]
+                    if ready == unset:
+                        break
+                    if stage:
+                        ready += sends[stage - 1]
+                    end = max(clock[stage], ready) + forward[stage]
+                    forward_end[stage][mb] = end
+                else:
+                    if stage == stages - 1:
+                        ready = forward_end[stage][mb]
+                    else:
+                        ready = backward_end[stage + 1][mb]
+                        if ready == unset:
+                            break
+                        ready += sends[stage]
+                    end = max(clock[stage], ready) + backward[stage]
+                    backward_end[stage][mb] = end
+                clock[stage] = end
+                position[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the schedule is deadlock-free by construction
+            raise RuntimeError("1F1B simulation made no progress")
+    return max(clock)
+
+
+def in_flight_microbatches(stage: int, num_stages: int, microbatches: int) -> int:
+    """Activations stage `stage` holds at its 1F1B peak: the warm-up depth plus the one in steady state."""
+    return min(num_stages - stage, microbatches)
+
+
+def stage_peak_memory(
+    profile: ModelProfile,
+    start: int,
+    end: int,
+    gpus: int,
+    stage: int,
+    num_stages: int,
+    microbatches: int,
+) -> int:
+    """Odyssey eq. 14 per GPU: parameters, gradients (= parameters) and optimizer state, plus activations of
+    the micro-batches in flight at the stage's position in the pipeline; split over the stage's GPUs."""
+    param = profile.prefix("param")
+    optimizer = profile.prefix("optimizer")
+    activation = profile.prefix("activation")
+    static = 2 * (param[end] - param[start]) + (optimizer[end] - optimizer[start])
+    dynamic = in_flight_microbatches(stage, num_stages, microbatches) * (activation[end] - activation[start])
+    return int((static + dynamic) / gpus)
+
+
+def send_time(profile: ModelProfile, cluster: ClusterSpec, last_layer: int, same_node: bool) -> float:
+    """Time to move one micro-batch's boundary activations out of `last_layer`."""
+    size = profile.layers[last_layer].output_bytes
+    bandwidth = cluster.intra_node_bandwidth if same_node else cluster.inter_node_bandwidth
+    return size / bandwidth
+
+
+def estimate_pipeline(
+    profile: ModelProfile, cluster: ClusterSpec, pipeline: PipelinePlan, microbatches: int | None = None
+) -> float:
+    """Step time of one pipeline (no gradient sync), from the profile and the stages' GPU counts."""
+    forward: list[float] = []
+    backward: list[float] = []
+    sends: list[float] = []
+    stages = pipeline.stages
+    for index, stage in enumerate(stages):
+        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
+        forward.append(fwd)
+        backward.append(bwd)
+        if index + 1 < len(stages):
+            same_node = stages[index + 1].node == stage.node
+            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same_node))
+    return pipeline_time(forward, backward, microbatches or pipeline.microbatches, sends)
+
+
+def allreduce_time(
+    profile: ModelProfile, cluster: ClusterSpec, rounds: Sequence[Sequence[tuple[int, int]]], replicas: int
+) -> float:
+    """Gradient synchronisation: rounds run one after another; segments within a round in parallel, each a
+    ring all-reduce of its parameter bytes over `replicas` participants between nodes."""
+    if replicas <= 1:
+        return 0.0
+    param = profile.prefix("param")
+    factor = 2 * (replicas - 1) / replicas / cluster.inter_node_bandwidth
+    return sum(
+        max((float(param[end] - param[start]) for start, end in segments), default=0.0) * factor
+        for segments in rounds
+    )

@@ -1,0 +1,134 @@
+"""Data types validate on construction and name the bad field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from resilientjob.planner import (
+    ClusterSpec,
+    JobSpec,
+    ModelProfile,
+    PipelinePlan,
+    Plan,
+    PlannerError,
+    Policy,
+    StagePlan,
+    builtin_profiles,
+    uniform_profile,
+)
+
+
+def _layer(**overrides: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "forward_s": 0.1,
+        "backward_s": 0.2,
+        "param_bytes": 10,
+        "optimizer_bytes": 20,
+        "activation_bytes": 5,
+    }
+    base.update(overrides)
+    return base
+
+
+def test_profile_loads_json_and_yaml_with_extra_keys(tmp_path: Path) -> None:
+    data = {"name": "m", "layers": [_layer(extra="ignored"), _layer(forward_s=0.3)], "profiler": "x"}
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    (tmp_path / "p.yaml").write_text(
+        "name: m\nlayers:\n"
+        + "".join(
+            f"  - {json.dumps(layer)}\n"
+            for layer in data["layers"]  # type: ignore[attr-defined]
+        )
+    )
+    for name in ("p.json", "p.yaml"):
+        profile = ModelProfile.load(tmp_path / name)
+        assert profile.num_layers == 2
+        assert profile.stage_times(0, 2) == pytest.approx((0.4, 0.4))
+        assert profile.state_bytes(1, 2) == 30
+
+
+@pytest.mark.parametrize(
+    ("layers", "field"),
+    [
+        ([_layer(forward_s=-1.0)], "profile.layers.0.forward_s"),
+        ([_layer(param_bytes=-5)], "profile.layers.0.param_bytes"),
+        ([{"forward_s": 1.0}], "profile.layers.0.backward_s"),
+        ([], "profile.layers"),
+    ],
+)
+def test_bad_profile_names_the_field(layers: list[dict[str, object]], field: str) -> None:
+    with pytest.raises(PlannerError) as info:
+        ModelProfile.from_mapping({"layers": layers})
+    assert info.value.field == field
+
+
+def test_missing_and_malformed_profile_files(tmp_path: Path) -> None:
+    with pytest.raises(PlannerError, match="cannot read"):
+        ModelProfile.load(tmp_path / "absent.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PlannerError, match="not valid JSON"):
+        ModelProfile.load(tmp_path / "bad.json")
+
+
+def test_builtin_profiles_load_by_name() -> None:
+    names = builtin_profiles()
+    assert {"llama2-7b", "gpt3-2.7b", "gpt3-6.7b", "bert-large"} <= set(names)
+    llama = ModelProfile.load("llama2-7b")
+    assert llama.num_layers == 34  # embedding, 32 blocks, head
+    assert 6e9 < llama.prefix("param")[-1] / 2 < 8e9  # bf16 bytes -> ~7B parameters
+
+
+def test_multi_gpu_stage_is_faster() -> None:
+    profile = uniform_profile(4)
+    one = sum(profile.stage_times(0, 4, 1))
+    four = sum(profile.stage_times(0, 4, 4))
+    assert four == pytest.approx(one / (1 + 3 * 0.9))
+
+
+def test_job_spec_rejects_indivisible_batch() -> None:
+    with pytest.raises(ValidationError, match="not a multiple of microbatch_size"):
+        JobSpec(global_batch=10, microbatch_size=4)
+    assert JobSpec(global_batch=12, microbatch_size=4).num_microbatches == 3
+
+
+def test_cluster_spec_bounds() -> None:
+    with pytest.raises(ValidationError):
+        ClusterSpec(nodes=0)
+    with pytest.raises(ValidationError):
+        ClusterSpec(nodes=2, inter_node_bandwidth=float("inf"))
+
+
+def _plan(stages_a: list[tuple[int, int, int]], stages_b: list[tuple[int, int, int]]) -> Plan:
+    def pipeline(stages: list[tuple[int, int, int]]) -> PipelinePlan:
+        return PipelinePlan(
+            stages=tuple(StagePlan(layers=(s, e), node=n) for s, e, n in stages), microbatches=4
+        )
+
+    return Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=2,
+        pipelines=(pipeline(stages_a), pipeline(stages_b)),
+        step_time_s=2.0,
+    )
+
+
+def test_plan_summary() -> None:
+    plan = _plan([(0, 2, 0), (2, 4, 1)], [(0, 1, 2), (1, 3, 3), (3, 4, 4)])
+    assert plan.layout == "DP2 PP[2,3]"
+    assert plan.global_batch == 16
+    assert plan.throughput == 8.0
+    assert plan.nodes == (0, 1, 2, 3, 4)
+    assert plan.layers_by_node()[3] == {1, 2}
+
+
+def test_plan_rejects_gaps_and_double_booking() -> None:
+    with pytest.raises(ValidationError, match="contiguous"):
+        _plan([(0, 2, 0), (3, 4, 1)], [(0, 4, 2)])
+    with pytest.raises(ValidationError, match="assigned to two stages"):
+        _plan([(0, 2, 0), (2, 4, 1)], [(0, 4, 1)])
+    with pytest.raises(ValidationError, match="different layer counts"):
+        _plan([(0, 2, 0), (2, 4, 1)], [(0, 3, 2)])
