@@ -1,0 +1,74 @@
+"""Min-max allocation against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilientjob.planner import PlannerError
+from resilientjob.planner.balance import balance_linear, balance_monotone, makespan
+
+
+def _brute_force(times: list[float], total: int, minimum: int) -> float:
+    best = float("inf")
+    ranges = [range(minimum, total + 1)] * len(times)
+    for counts in itertools.product(*ranges):
+        if sum(counts) == total:
+            best = min(best, makespan(times, counts))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    times=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=4),
+    extra=st.integers(0, 9),
+    minimum=st.integers(0, 2),
+)
+def test_linear_is_optimal(times: list[float], extra: int, minimum: int) -> None:
+    total = len(times) * minimum + extra
+    counts = balance_linear(times, total, minimum)
+    assert sum(counts) == total
+    assert min(counts) >= minimum
+    assert makespan(times, counts) == pytest.approx(_brute_force(times, total, minimum))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=3),
+    slopes=st.lists(st.floats(0.1, 3.0), min_size=3, max_size=3),
+    extra=st.integers(0, 8),
+)
+def test_monotone_is_optimal_for_affine_pipelines(
+    fixed: list[float], slopes: list[float], extra: int
+) -> None:
+    groups = len(fixed)
+    total = groups + extra
+
+    def cost(i: int, m: int) -> float:
+        return fixed[i] + slopes[i] * m
+
+    counts = balance_monotone(cost, groups, total)
+    best = min(
+        max(cost(i, m) for i, m in enumerate(c))
+        for c in itertools.product(range(1, total + 1), repeat=groups)
+        if sum(c) == total
+    )
+    assert max(cost(i, m) for i, m in enumerate(counts)) == pytest.approx(best)
+
+
+def test_too_few_microbatches_proposes_the_nearest() -> None:
+    with pytest.raises(PlannerError, match="the nearest that can is 4") as info:
+        balance_linear([1.0] * 4, 3)
+    assert info.value.field == "microbatches"
+    with pytest.raises(PlannerError, match="finite and positive"):
+        balance_linear([1.0, 0.0], 4)
+
+
+def test_large_instance_is_exact_against_greedy() -> None:
+    times = [1.0 + (i * 37 % 101) / 50 for i in range(512)]
+    counts = balance_linear(times, 4096)
+    greedy = balance_monotone(lambda i, m: times[i] * m, 512, 4096)
+    assert makespan(times, counts) == pytest.approx(makespan(times, greedy))
