@@ -1,0 +1,62 @@
+"""Redis connection and the key layout shared by the agents and the operator.
+
+Every key of a job lives under `rjob:{namespace}:{job}:` so that one Redis can serve many jobs and an ACL
+can confine each job's agents to their own prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+HEARTBEAT_TTL_S = 2.0
+"""A heartbeat key lives this long; agents renew it every 0.5 s, so three missed beats mean dead."""
+
+STREAM_MAXLEN = 10_000
+"""Iteration and report streams are capped (approximately) at this many entries."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobKeys:
+    """Names of one job's Redis keys."""
+
+    namespace: str
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"rjob:{self.namespace}:{self.job}:"
+
+    def heartbeat(self, node: int) -> str:
+        return f"{self.prefix}hb:{node}"
+
+    @property
+    def iterations(self) -> str:
+        return f"{self.prefix}iters"
+
+    @property
+    def reports(self) -> str:
+        return f"{self.prefix}reports"
+
+    @property
+    def plan(self) -> str:
+        """The published plan (a PlanAnnouncement): the commit point of every generation."""
+        return f"{self.prefix}plan"
+
+    @property
+    def plan_channel(self) -> str:
+        """Pub/sub channel announcing each new generation: the fast path to the workers."""
+        return f"{self.prefix}plan:events"
+
+    def chaos(self, node: int) -> str:
+        """Fault injection for the local stack: a slowdown factor with an expiry."""
+        return f"{self.prefix}chaos:{node}"
+
+
+def connect(url: str, password: str | None = None) -> aioredis.Redis:
+    """A client for `url`; `password` (from the job's Secret) overrides one embedded in the URL."""
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        url, password=password or None, socket_connect_timeout=2.0, health_check_interval=10
+    )
+    return client

@@ -1,0 +1,71 @@
+"""A synthetic training loop for the local stack until the real training runtime runs in the pods: it
+follows the published plan (this node's share of the layout, the plan's estimated step time scaled down),
+honours injected slowdowns, and reports real measured iteration times through the telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from .telemetry import Telemetry
+from .telemetry_messages import PlanAnnouncement
+
+
+async def slowdown(telemetry: Telemetry) -> float:
+    """The chaos factor injected for this node (`rjob local chaos slow`), 1.0 when none or expired."""
+    raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
+    if raw is None:
+        return 1.0
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        chaos = json.loads(raw)
+        if float(chaos["until"]) > time.time():
+            return max(1.0, min(100.0, float(chaos["factor"])))
+    return 1.0
+
+
+def step_seconds(announcement: PlanAnnouncement, time_scale: float) -> float:
+    """The layout's estimated step time scaled into a fast loop (bounded so that a tiny or huge model
+    still gives a visible, quick step)."""
+    return min(2.0, max(0.02, announcement.plan.step_time_s * time_scale))
+
+
+def samples_of(announcement: PlanAnnouncement, node: int) -> int | None:
+    """Samples this node counts per step: its pipeline's batch share if it runs that pipeline's first stage,
+    0 for the other stages (so that summing over nodes counts each sample once), None if not in the plan."""
+    for pipeline in announcement.plan.pipelines:
+        stages = [stage for stage in pipeline.stages if not stage.rerouted]
+        if any(stage.node == node for stage in stages):
+            first = stages[0].node if stages else -1
+            return pipeline.microbatches * announcement.plan.microbatch_size if first == node else 0
+    return None
+
+
+async def train(telemetry: Telemetry, stopped: asyncio.Event, time_scale: float = 0.05) -> None:
+    """Run steps for as long as `stopped` is not set, switching layouts as generations arrive."""
+    current: PlanAnnouncement | None = None
+
+    async def follow() -> None:
+        nonlocal current
+        async for announcement in telemetry.plan_updates(stopped):
+            current = announcement
+
+    follower = asyncio.create_task(follow())
+    step = 0
+    try:
+        while not stopped.is_set():
+            plan = current
+            samples = samples_of(plan, telemetry.node) if plan is not None else None
+            if plan is None or samples is None:
+                await asyncio.sleep(0.1)  # not (or no longer) part of the layout: wait for a plan using it
+                continue
+            started = time.perf_counter()
+            await asyncio.sleep(step_seconds(plan, time_scale) * await slowdown(telemetry))
+            elapsed = time.perf_counter() - started
+            step += 1
+            await telemetry.record_iteration(plan.generation, step, elapsed, samples)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower

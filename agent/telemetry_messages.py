@@ -1,0 +1,123 @@
+"""The messages agents and the operator exchange through Redis, and the one way to decode them.
+
+Everything read from Redis is untrusted: a worker may be buggy, a key may be overwritten by hand, a hostile
+process may share the server. `decode` therefore bounds the size, validates with pydantic and returns None
+for anything bad, counting it in `rjob_telemetry_dropped_total{source,reason}`; it never raises.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypeVar
+
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from resilientjob.planner.plan import Plan
+
+MAX_MESSAGE_BYTES = 16 * 1024
+"""Heartbeats, iterations and reports are tiny; anything larger is dropped unread."""
+
+MAX_PLAN_BYTES = 16 * 2**20
+"""A plan for thousands of nodes is a few MiB at most."""
+
+TELEMETRY_DROPPED = Counter(
+    "rjob_telemetry_dropped_total",
+    "Messages read from Redis and dropped because they were oversized, malformed or invalid.",
+    ["source", "reason"],
+)
+
+
+class DropReason(StrEnum):
+    OVERSIZED = "oversized"
+    MALFORMED = "malformed"  # not UTF-8 JSON
+    INVALID = "invalid"  # JSON, but not a valid message
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Heartbeat(_Message):
+    node: int = Field(ge=0, le=1_000_000)
+    pod: str = Field(max_length=253)
+    generation: int = Field(ge=-1)
+    step: int = Field(ge=0)
+    sent_at: float = Field(ge=0, allow_inf_nan=False, description="Unix time on the agent.")
+
+
+class IterationRecord(_Message):
+    node: int = Field(ge=0, le=1_000_000)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0)
+    seconds: float = Field(gt=0, le=86400, allow_inf_nan=False, description="Wall time of this step.")
+    samples: int = Field(ge=0, le=2**31, description="Samples this worker processed in the step.")
+    sent_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+class SlowKind(StrEnum):
+    COMPUTE = "compute"
+    COMMUNICATION = "communication"
+
+
+class SlowReport(_Message):
+    """A worker's change-point detector saw its iteration time shift up (or back down: `recovered`)."""
+
+    node: int = Field(ge=0, le=1_000_000)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0)
+    slowdown: float = Field(gt=0, le=1000, allow_inf_nan=False, description="New level / baseline level.")
+    baseline_s: float = Field(gt=0, allow_inf_nan=False)
+    kind: SlowKind = SlowKind.COMPUTE
+    recovered: bool = False
+    detected_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+class PlanAnnouncement(_Message):
+    """What the operator publishes for each generation (Redis key, pub/sub and the plan ConfigMap)."""
+
+    generation: int = Field(ge=0)
+    layout: str = Field(max_length=4096)
+    policy: str = Field(max_length=64)
+    plan: Plan
+    published_at: float = Field(ge=0, allow_inf_nan=False)
+    trigger: str = Field(default="", max_length=64, description="What caused this generation (a Reason).")
+    nodes: list[int] = Field(default_factory=list, max_length=100_000, description="Nodes that changed.")
+    reason: str = Field(default="", max_length=4096)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def decode(model: type[M], raw: bytes | str | None, source: str, limit: int = MAX_MESSAGE_BYTES) -> M | None:
+    """Validate one message; None (and a counted drop) for anything oversized, malformed or invalid."""
+    if raw is None:
+        return None
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > limit:
+        TELEMETRY_DROPPED.labels(source, DropReason.OVERSIZED).inc()
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED).inc()
+        return None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        json_broken = any(error["type"] == "json_invalid" for error in exc.errors())
+        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED if json_broken else DropReason.INVALID).inc()
+        return None
+    except (ValueError, RecursionError):
+        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED).inc()
+        return None
+
+
+def dropped(source: str, reason: DropReason) -> float:
+    """How many messages from `source` were dropped for `reason` in this process (for tests and status)."""
+    value: float = TELEMETRY_DROPPED.labels(source, reason)._value.get()
+    return value
+
+
+def encode(message: BaseModel) -> bytes:
+    return message.model_dump_json().encode()

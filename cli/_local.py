@@ -1,0 +1,223 @@
+"""`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
+operator, a process kubelet). `up`, `apply -f FILE`, `get`, `logs POD`, `chaos kill POD`,
+`chaos slow POD --factor F --for 60s`, `down`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._common import CliError, guarded
+
+GROUP, VERSION, PLURAL = "resilientjob.io", "v1alpha1", "resilientjobs"
+
+
+def _state_dir() -> Path:
+    return Path(os.environ.get("RJOB_LOCAL_DIR") or Path.home() / ".rjob" / "local")
+
+
+def _state() -> dict[str, Any]:
+    path = _state_dir() / "state.json"
+    if not path.exists():
+        raise CliError("the local stack is not running: run `rjob local up`")
+    state: dict[str, Any] = json.loads(path.read_text())
+    return state
+
+
+def _call(
+    method: str, path: str, body: Any = None, content_type: str = "application/json"
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(_state()["api_url"] + path, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("local", help="run the control plane locally")
+    commands = parser.add_subparsers(dest="local_command", required=True)
+    commands.add_parser("up", help="start API server, Redis, operator and kubelet in the background")
+    apply = commands.add_parser("apply", help="create or update objects from a YAML file")
+    apply.add_argument("-f", "--filename", required=True)
+    commands.add_parser("get", help="list jobs and their pods")
+    logs = commands.add_parser("logs", help="print a pod's output")
+    logs.add_argument("pod")
+    chaos = commands.add_parser("chaos", help="inject faults").add_subparsers(
+        dest="chaos_command", required=True
+    )
+    kill = chaos.add_parser("kill", help="SIGKILL a pod's process")
+    kill.add_argument("pod")
+    slow = chaos.add_parser("slow", help="slow a pod's steps down for a while")
+    slow.add_argument("pod")
+    slow.add_argument("--factor", type=float, default=1.5)
+    slow.add_argument("--for", dest="duration", default="60s", help="duration such as 60s or 2m")
+    commands.add_parser("down", help="stop everything")
+    parser.set_defaults(handler=guarded(_run))
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = args.local_command
+    if command == "up":
+        return _up()
+    if command == "down":
+        return _down()
+    if command == "apply":
+        return _apply(Path(args.filename))
+    if command == "get":
+        return _get()
+    if command == "logs":
+        log = _state_dir() / "pods" / args.pod / "log"
+        if not log.exists():
+            raise CliError(f"pod: no logs for {args.pod!r}")
+        sys.stdout.write(log.read_text(errors="replace"))
+        return 0
+    if args.chaos_command == "kill":
+        return _kill(args.pod)
+    return _slow(args.pod, args.factor, args.duration)
+
+
+def _up() -> int:
+    directory = _state_dir()
+    if (directory / "state.json").exists():
+        print(f"already up ({directory})")
+        return 0
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "stack.log").open("ab") as log:
+        subprocess.Popen(
+            [sys.executable, "-m", "resilientjob.operator.localstack", str(directory)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 20
+    while not (directory / "state.json").exists():
+        if time.monotonic() > deadline:
+            raise CliError(f"local stack did not start; see {directory / 'stack.log'}")
+        time.sleep(0.1)
+    state = _state()
+    print(f"API server {state['api_url']}\nRedis      {state['redis_url']}\nstate      {directory}")
+    return 0
+
+
+def _down() -> int:
+    path = _state_dir() / "state.json"
+    if not path.exists():
+        print("not running")
+        return 0
+    pid = int(json.loads(path.read_text())["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink()
+        return 0
+    deadline = time.monotonic() + 15
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("stopped")
+    return 0
+
+
+def _resource_path(document: dict[str, Any]) -> str:
+    namespace = (document.get("metadata") or {}).get("namespace") or "default"
+    api_version, kind = document.get("apiVersion", ""), document.get("kind", "")
+    plural = {"ResilientJob": PLURAL, "ConfigMap": "configmaps", "Secret": "secrets"}.get(kind)
+    if plural is None:
+        raise CliError(f"kind: {kind!r} is not supported by the local stack")
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{base}/namespaces/{namespace}/{plural}"
+
+
+def _apply(path: Path) -> int:
+    try:
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    except (OSError, yaml.YAMLError) as exc:
+        raise CliError(f"filename: cannot read {str(path)!r}: {exc}") from None
+    for document in documents:
+        collection = _resource_path(document)
+        name = document["metadata"]["name"]
+        status, payload = _call("POST", collection, document)
+        if status == 409:
+            status, payload = _call(
+                "PATCH",
+                f"{collection}/{name}",
+                {"spec": document.get("spec"), "data": document.get("data")},
+                "application/merge-patch+json",
+            )
+        if status >= 400:
+            raise CliError(f"{name}: {payload.get('message') if isinstance(payload, dict) else payload}")
+        print(f"{document['kind'].lower()}/{name} applied")
+    return 0
+
+
+def _get() -> int:
+    _, jobs = _call("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}")
+    print(f"{'NAME':<20} {'PHASE':<14} {'WORKERS':<8} {'LAYOUT':<24} {'THROUGHPUT':>10} GEN")
+    for job in (jobs or {}).get("items", []):
+        status = job.get("status") or {}
+        print(
+            f"{job['metadata']['name']:<20} {status.get('phase', ''):<14} {status.get('workers', ''):<8} "
+            f"{status.get('layout', ''):<24} {status.get('throughput', 0):>10} "
+            f"{status.get('planGeneration', '')}"
+        )
+    _, pods = _call("GET", "/api/v1/pods")
+    print(f"\n{'POD':<28} {'PHASE':<10} GENERATION")
+    for pod in (pods or {}).get("items", []):
+        annotations = pod["metadata"].get("annotations") or {}
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        print(
+            f"{pod['metadata']['name']:<28} {phase:<10} {annotations.get('resilientjob.io/generation', '')}"
+        )
+    return 0
+
+
+def _kill(pod: str) -> int:
+    pid_file = _state_dir() / "pods" / pod / "pid"
+    if not pid_file.exists():
+        raise CliError(f"pod: {pod!r} is not running locally")
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    except ProcessLookupError:
+        raise CliError(f"pod: {pod!r} has already exited") from None
+    print(f"pod/{pod} killed")
+    return 0
+
+
+def _seconds(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+    except (ValueError, IndexError):
+        raise CliError(f"for: expected a duration such as 60s, got {text!r}") from None
+
+
+def _slow(pod: str, factor: float, duration: str) -> int:
+    import redis
+
+    if factor < 1:
+        raise CliError(f"factor: must be >= 1, got {factor}")
+    _, body = _call("GET", f"/api/v1/namespaces/default/pods/{pod}")
+    labels = ((body or {}).get("metadata") or {}).get("labels") or {}
+    if "resilientjob.io/node" not in labels:
+        raise CliError(f"pod: {pod!r} is not a ResilientJob worker")
+    key = f"rjob:default:{labels['resilientjob.io/job']}:chaos:{labels['resilientjob.io/node']}"
+    client = redis.Redis.from_url(_state()["redis_url"])
+    client.set(key, json.dumps({"factor": factor, "until": time.time() + _seconds(duration)}))
+    client.close()
+    print(f"pod/{pod} slowed x{factor} for {duration}")
+    return 0

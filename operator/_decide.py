@@ -1,0 +1,183 @@
+"""Pure decisions of the reconciler: which nodes have failed or joined, given what the API server and Redis
+say, and what the status should read afterwards. No I/O here, so every rule is unit-testable."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from resilientjob.planner.plan import Plan
+
+from . import api
+from ._manifests import LABEL_JOB, LABEL_NODE
+
+# Pod-level signals that the node under a pod is gone, as the node lifecycle controller reports them.
+NODE_LOST_REASONS = frozenset(
+    {"NodeLost", "Evicted", "NodeShutdown", "Terminated", "UnexpectedAdmissionError"}
+)
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """What the reconciler needs to know about one worker pod."""
+
+    node: int
+    name: str
+    uid: str
+    phase: str
+    ready: bool
+    deleting: bool
+    reason: str
+
+    @property
+    def failed(self) -> str | None:
+        """Why this pod no longer runs a healthy worker, or None."""
+        if self.deleting:
+            return "pod is being deleted"
+        if self.phase in ("Failed", "Succeeded"):
+            return f"pod {self.phase.lower()}" + (f" ({self.reason})" if self.reason else "")
+        if self.reason in NODE_LOST_REASONS:
+            return f"node lost ({self.reason})"
+        return None
+
+
+def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
+    """The view of a pod of `job`, or None for any other pod (or one without a valid node label)."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(LABEL_JOB) != job:
+        return None
+    try:
+        node = int(labels.get(LABEL_NODE, ""))
+    except ValueError:
+        return None
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    node_not_ready = any(
+        c.get("type") == "Ready" and c.get("status") != "True" and c.get("reason") == "NodeNotReady"
+        for c in conditions
+    )
+    reason = str(status.get("reason") or ("NodeLost" if node_not_ready else ""))
+    return PodView(
+        node=node,
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid") or ""),
+        phase=str(status.get("phase") or "Pending"),
+        ready=ready,
+        deleting=bool(meta.get("deletionTimestamp")),
+        reason=reason,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One snapshot of a job's workers."""
+
+    pods: Mapping[int, PodView]
+    expired_heartbeats: frozenset[int]
+
+
+def detect_failures(plan: Plan, observed: Observation) -> dict[int, tuple[api.Reason, str]]:
+    """Nodes the plan uses that have failed, with the reason and a human explanation."""
+    failures: dict[int, tuple[api.Reason, str]] = {}
+    for node in plan.nodes:
+        pod = observed.pods.get(node)
+        if pod is None:
+            failures[node] = (api.Reason.NODE_FAILED, "pod deleted")
+        elif pod.failed is not None:
+            failures[node] = (api.Reason.NODE_FAILED, pod.failed)
+        elif node in observed.expired_heartbeats:
+            failures[node] = (api.Reason.HEARTBEAT_EXPIRED, "heartbeat expired in Redis")
+    return failures
+
+
+def detect_joins(plan: Plan, observed: Observation, nodes: int) -> set[int]:
+    """Ready, healthy pods for nodes the plan does not use: replacement or returning nodes."""
+    used = set(plan.nodes)
+    return {
+        node
+        for node, pod in observed.pods.items()
+        if node < nodes and node not in used and pod.ready and pod.failed is None
+    }
+
+
+def decision(plan: Plan, trigger: api.Reason, nodes: Iterable[int], why: str) -> api.Decision:
+    chosen = next((c for c in plan.candidates if c.layout == plan.layout and c.policy == plan.policy), None)
+    reason = why
+    if chosen is not None and chosen.reason:
+        reason = f"{why}; {chosen.reason}"
+    return api.Decision(
+        generation=plan.generation,
+        trigger=trigger,
+        nodes=sorted(nodes),
+        policy=str(plan.policy),
+        layout=plan.layout,
+        reason=reason,
+        planning_s=round(plan.planning_s, 6),
+        candidates=[
+            api.CandidateStatus(
+                policy=str(c.policy),
+                layout=c.layout,
+                step_time_s=round(c.step_time_s, 6),
+                transition_s=round(c.transition_s, 6),
+                score=round(c.score, 6),
+                feasible=c.feasible,
+                reason=c.reason,
+            )
+            for c in plan.candidates[:64]
+        ],
+        decided_at=now_rfc3339(),
+    )
+
+
+def explain(decision: api.Decision) -> str:
+    """One line for the Event: what happened and why this plan won."""
+    best = sorted((c for c in decision.candidates if c.feasible), key=lambda c: -c.score)[:3]
+    ranked = "; ".join(
+        f"{c.policy} {c.layout}: step {c.step_time_s:.3g}s, "
+        f"transition {c.transition_s:.3g}s, score {c.score:.4g}"
+        for c in best
+    )
+    nodes = ",".join(str(n) for n in decision.nodes)
+    head = (
+        f"generation {decision.generation}: {decision.trigger} nodes [{nodes}] "
+        f"-> {decision.policy} {decision.layout}"
+    )
+    return f"{head} ({decision.reason})" + (f"; candidates: {ranked}" if ranked else "")
+
+
+def set_condition(
+    conditions: list[api.Condition], type_: api.ConditionType, status: bool, reason: api.Reason, message: str
+) -> list[api.Condition]:
+    """Replace the condition of this type; keep its transition time when its status did not change."""
+    flag = "True" if status else "False"
+    old = next((c for c in conditions if c.type == type_), None)
+    when = old.last_transition_time if old is not None and old.status == flag else now_rfc3339()
+    new = api.Condition(
+        type=type_, status=flag, reason=reason, message=message[:32768], last_transition_time=when
+    )
+    return [c for c in conditions if c.type != type_] + [new]
+
+
+def plan_status(status: api.ResilientJobStatus, plan: Plan, alive: int) -> api.ResilientJobStatus:
+    """The status fields that follow from the published plan."""
+    total = len(plan.nodes)
+    return status.model_copy(
+        update={
+            "plan_generation": plan.generation,
+            "layout": plan.layout,
+            "policy": str(plan.policy),
+            "failed_nodes": sorted(plan.failed_nodes),
+            "workers_alive": alive,
+            "workers_total": total,
+            "workers": f"{alive}/{total}",
+            "estimated_throughput": round(plan.throughput, 3),
+        }
+    )

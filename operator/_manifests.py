@@ -1,0 +1,184 @@
+"""The Kubernetes objects the operator creates for a job, as plain dicts (pure functions, no I/O): a headless
+Service, the plan ConfigMap and one Pod per node, all owned by the ResilientJob so that deleting the job
+deletes them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+
+from . import api
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_JOB = "resilientjob.io/job"
+LABEL_NODE = "resilientjob.io/node"
+ANNOTATION_GENERATION = "resilientjob.io/generation"
+ANNOTATION_LAYOUT = "resilientjob.io/layout"
+MANAGER = "resilientjob-operator"
+PODINFO_DIR = "/etc/podinfo"
+PLAN_DIR = "/etc/resilientjob"
+AGENT_COMMAND = ["python", "-m", "resilientjob.agent"]
+
+
+def pod_name(job: str, node: int) -> str:
+    return f"{job}-node-{node}"
+
+
+def service_name(job: str) -> str:
+    return f"{job}-workers"
+
+
+def plan_configmap_name(job: str) -> str:
+    return f"{job}-plan"
+
+
+def job_labels(job: str) -> dict[str, str]:
+    return {LABEL_NAME: "resilientjob", LABEL_MANAGED_BY: MANAGER, LABEL_JOB: job}
+
+
+def job_selector(job: str) -> str:
+    return f"{LABEL_JOB}={job}"
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": meta["name"],
+        "uid": meta.get("uid") or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    body: Mapping[str, Any], name: str, extra_labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    return {
+        "name": name,
+        "namespace": body["metadata"]["namespace"],
+        "labels": {**job_labels(job), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(body)],
+    }
+
+
+def service_manifest(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Headless: each worker gets a stable DNS name `<pod>.<service>` for rendezvous and layer copies."""
+    job = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(body, service_name(job)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_JOB: job},
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": 29500}, {"name": "transfer", "port": 29600}],
+        },
+    }
+
+
+def plan_configmap(body: Mapping[str, Any], announcement: PlanAnnouncement) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(body, plan_configmap_name(job)),
+        "data": plan_configmap_data(announcement),
+    }
+
+
+def plan_configmap_data(announcement: PlanAnnouncement) -> dict[str, str]:
+    return {
+        "generation": str(announcement.generation),
+        "layout": announcement.layout,
+        "policy": announcement.policy,
+        "plan.json": announcement.model_dump_json(),
+    }
+
+
+def generation_annotations(generation: int, layout: str) -> dict[str, str]:
+    return {ANNOTATION_GENERATION: str(generation), ANNOTATION_LAYOUT: layout}
+
+
+def pod_manifest(
+    body: Mapping[str, Any],
+    spec: api.ResilientJobSpec,
+    node: int,
+    generation: int,
+    layout: str,
+    redis_url: str,
+) -> dict[str, Any]:
+    job = body["metadata"]["name"]
+    namespace = body["metadata"]["namespace"]
+    env: list[dict[str, Any]] = [
+        {"name": "RJOB_JOB", "value": job},
+        {"name": "RJOB_NAMESPACE", "value": namespace},
+        {"name": "RJOB_NODE", "value": str(node)},
+        {"name": "RJOB_NODES", "value": str(spec.nodes)},
+        {"name": "RJOB_MODEL", "value": spec.model},
+        {"name": "RJOB_REDIS_URL", "value": redis_url},
+        {"name": "RJOB_PODINFO_DIR", "value": PODINFO_DIR},
+        {"name": "RJOB_CHECKPOINT_PATH", "value": spec.checkpoint.path},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    secret = spec.redis.password_secret_ref
+    if secret is not None:
+        env.append(
+            {
+                "name": "RJOB_REDIS_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image,
+        "command": list(spec.command) or list(AGENT_COMMAND),
+        "env": env,
+        "volumeMounts": [{"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}],
+    }
+    if spec.device_resource is not api.DeviceResource.NONE:
+        count = str(spec.gpus_per_node)
+        container["resources"] = {"limits": {spec.device_resource.value: count}}
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "podinfo",
+            "downwardAPI": {
+                "items": [
+                    {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                ]
+            },
+        }
+    ]
+    if spec.checkpoint.volume:
+        volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume}})
+        container["volumeMounts"].append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
+    metadata = _metadata(body, pod_name(job, node), {LABEL_NODE: str(node)})
+    metadata["annotations"] = generation_annotations(generation, layout)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "hostname": pod_name(job, node),
+            "subdomain": service_name(job),
+            # The operator replaces failed workers through the planner, never by kubelet restarts that would
+            # bring stale state back into a job that has moved on.
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def downward_annotations_text(annotations: Mapping[str, str]) -> str:
+    """The downward API's file format for a map: one `key="value"` per line, sorted (json quoting)."""
+    return "".join(f"{key}={json.dumps(value)}\n" for key, value in sorted(annotations.items()))

@@ -1,0 +1,98 @@
+"""The operator's one seam to the planner: turn a ResilientJob spec into planner inputs and call the plan
+search (`resilientjob.planner.search.initial_plan` / `replan`). Pure: no I/O; the ConfigMap holding a
+referenced profile is read by the caller and passed in decoded."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import Plan
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
+
+from .api import ResilientJobSpec, inline_profile
+
+try:
+    from resilientjob.planner.search import initial_plan, replan
+except ImportError:  # the plan-search module is being written in parallel; see _interim_planner
+    from ._interim_planner import initial_plan, replan
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerInputs:
+    """Everything the plan search needs, derived once per job."""
+
+    profile: ModelProfile
+    cluster: ClusterSpec
+    job: JobSpec
+    costs: TransitionCosts
+
+
+def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> ModelProfile:
+    """The job's layer profile: inline, from a referenced ConfigMap (decoded), or a built-in by model name."""
+    source = spec.profile
+    if source is not None and source.inline is not None:
+        return inline_profile(source.inline, spec.model)
+    if source is not None and source.config_map_ref is not None:
+        if referenced is None:
+            raise PlannerError("spec.profile.configMapRef", "the referenced ConfigMap key was not found")
+        return ModelProfile.from_mapping(referenced, source="spec.profile.configMapRef")
+    if source is not None and source.measure:
+        raise PlannerError(
+            "spec.profile.measure", "measuring at start is not available yet; give inline or configMapRef"
+        )
+    if ":" in spec.model:
+        raise PlannerError("spec.profile", f"model {spec.model!r} is a function; it needs a profile")
+    return ModelProfile.load(spec.model)
+
+
+def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> PlannerInputs:
+    profile = resolve_profile(spec, referenced)
+    cluster = ClusterSpec(nodes=spec.nodes, gpus_per_node=spec.gpus_per_node)
+    job = JobSpec(
+        global_batch=spec.global_batch_size,
+        microbatch_size=spec.micro_batch_size,
+        fault_tolerance=spec.fault_tolerance,
+    )
+    overheads = spec.fail_slow.overheads
+    costs = TransitionCosts(
+        checkpoint_interval_s=float(spec.checkpoint.interval_s), restart_s=overheads.topology_s
+    )
+    return PlannerInputs(profile=profile, cluster=cluster, job=job, costs=costs)
+
+
+def plan_initial(spec: ResilientJobSpec, inputs: PlannerInputs) -> Plan:
+    started = time.perf_counter()
+    plan: Plan = initial_plan(
+        inputs.profile, inputs.cluster, inputs.job, policy=spec.policy, costs=inputs.costs
+    )
+    updated: Plan = plan.model_copy(update={"planning_s": time.perf_counter() - started})
+    return updated
+
+
+def plan_next(
+    spec: ResilientJobSpec,
+    inputs: PlannerInputs,
+    current: Plan,
+    *,
+    failed: Collection[int] = (),
+    joined: Collection[int] = (),
+) -> Plan:
+    """Generation current+1 for the given changes; PlannerError when no plan can run the job."""
+    started = time.perf_counter()
+    plan: Plan = replan(
+        current,
+        inputs.profile,
+        inputs.cluster,
+        inputs.job,
+        failed=sorted(failed),
+        joined=sorted(joined),
+        policy=spec.policy,
+        costs=inputs.costs,
+    )
+    updated: Plan = plan.model_copy(update={"planning_s": time.perf_counter() - started})
+    return updated

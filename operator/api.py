@@ -1,0 +1,324 @@
+"""The ResilientJob API (`resilientjob.io/v1alpha1`): pydantic models that are the source of truth for the
+CRD (`scripts/gen_crds.py` generates `crds/` from them), for the operator's validation of every object it
+reads, and for the status it writes.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in Python. Every model forbids
+unknown fields, so a typo in a manifest is an error naming the field rather than a silently ignored key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from resilientjob.planner._errors import PlannerError, error_from_validation
+from resilientjob.planner.plan import Policy
+from resilientjob.planner.profile import LayerProfile, ModelProfile, builtin_profiles
+
+GROUP = "resilientjob.io"
+VERSION = "v1alpha1"
+KIND = "ResilientJob"
+PLURAL = "resilientjobs"
+SINGULAR = "resilientjob"
+SHORT_NAME = "rjob"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# A model is a built-in profile name or `package.module:function` returning the ordered layers.
+MODEL_PATTERN = r"^([a-z0-9][a-z0-9.-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+
+
+def _immutable(what: str) -> dict[str, Any]:
+    """A CEL transition rule: the field cannot change once the job exists (enforced by the API server)."""
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": f"{what} is immutable"}]}
+
+
+class _Api(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_enum_values=False
+    )
+
+
+class DeviceResource(StrEnum):
+    """The extended resource each worker pod requests (`none` runs on CPU)."""
+
+    NVIDIA_GPU = "nvidia.com/gpu"
+    ASCEND_NPU = "huawei.com/Ascend910"
+    NONE = "none"
+
+
+class Phase(StrEnum):
+    """Where a job is in its life."""
+
+    PENDING = "Pending"  # accepted, pods being created
+    RUNNING = "Running"  # every planned worker is training
+    RECONFIGURING = "Reconfiguring"  # a new generation was published and is being applied
+    FAILED = "Failed"  # the spec is invalid or no plan can run the job
+
+
+class ConditionType(StrEnum):
+    VALID = "Valid"
+    PLANNED = "Planned"
+    DEGRADED = "Degraded"
+
+
+class Reason(StrEnum):
+    """Named reasons for conditions and Events; tools match on these, never on message text."""
+
+    SPEC_VALID = "SpecValid"
+    INVALID_SPEC = "InvalidSpec"
+    PLANNED = "Planned"
+    PLAN_INFEASIBLE = "PlanInfeasible"
+    NODE_FAILED = "NodeFailed"
+    HEARTBEAT_EXPIRED = "HeartbeatExpired"
+    NODE_SLOW = "NodeSlow"
+    NODE_JOINED = "NodeJoined"
+    REPLANNED = "Replanned"
+    ALL_HEALTHY = "AllHealthy"
+
+
+class LayerSpec(_Api):
+    """One layer of an inline profile (per micro-batch, on one device)."""
+
+    name: str = Field(default="", max_length=253)
+    forward_s: float = Field(ge=0, le=3600, description="Forward time per micro-batch, seconds.")
+    backward_s: float = Field(ge=0, le=3600, description="Backward time per micro-batch, seconds.")
+    param_bytes: int = Field(ge=0, description="Parameter bytes.")
+    optimizer_bytes: int = Field(ge=0, description="Optimizer state bytes.")
+    activation_bytes: int = Field(ge=0, description="Activations kept for backward per micro-batch.")
+    output_bytes: int = Field(default=0, ge=0, description="Bytes sent to the next stage per micro-batch.")
+
+
+class ConfigMapKeyRef(_Api):
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap in the job's namespace.")
+    key: str = Field(
+        default="profile.json", min_length=1, max_length=253, description="Key holding JSON/YAML."
+    )
+
+
+class ProfileSource(_Api):
+    """Where the per-layer profile comes from: exactly one of inline, configMapRef or measure."""
+
+    inline: list[LayerSpec] | None = Field(default=None, min_length=1, max_length=4096)
+    config_map_ref: ConfigMapKeyRef | None = None
+    measure: bool = Field(default=False, description="Measure the layers on the first node at start.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ProfileSource:
+        given = sum([self.inline is not None, self.config_map_ref is not None, self.measure])
+        if given != 1:
+            raise ValueError("set exactly one of inline, configMapRef or measure")
+        return self
+
+
+class StrategyOverheads(_Api):
+    """Fixed costs (seconds) of each fail-slow mitigation level, the ski-rental 'buy' prices."""
+
+    microbatch_s: float = Field(default=1.0, ge=0, le=86400, description="Rebalance micro-batches.")
+    topology_s: float = Field(default=20.0, ge=0, le=86400, description="Move stages off a slow node.")
+    restart_s: float = Field(default=120.0, ge=0, le=86400, description="Checkpoint and restart.")
+
+
+class FailSlowSpec(_Api):
+    enabled: bool = True
+    slowdown_threshold: float = Field(
+        default=1.1,
+        gt=1,
+        le=100,
+        description="A worker is slow when its step time exceeds the median x this.",
+    )
+    min_duration_s: float = Field(
+        default=5.0, ge=0, le=86400, description="Ignore slowdowns shorter than this (seconds)."
+    )
+    overheads: StrategyOverheads = Field(default_factory=StrategyOverheads)
+
+
+class CheckpointSpec(_Api):
+    volume: str | None = Field(default=None, max_length=253, description="PersistentVolumeClaim name.")
+    path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
+    interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")
+
+
+class SecretKeyRef(_Api):
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="password", min_length=1, max_length=253)
+
+
+class RedisSpec(_Api):
+    url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^rediss?://",
+        description="redis:// or rediss:// URL; empty = the operator's default.",
+    )
+    password_secret_ref: SecretKeyRef | None = None
+
+
+class ResilientJobSpec(_Api):
+    """What the user asks for. Fields that shape the model state cannot change while the job exists."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.faultTolerance < self.nodes", "message": "faultTolerance must be < nodes"},
+                {
+                    "rule": "self.globalBatchSize % self.microBatchSize == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize",
+                },
+            ]
+        }
+    )
+
+    image: str = Field(min_length=1, max_length=1024, description="Worker container image.")
+    command: list[str] = Field(
+        default_factory=list, max_length=256, description="Worker command; empty = the ResilientJob agent."
+    )
+    model: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=MODEL_PATTERN,
+        description="Built-in profile name or module:function returning the ordered layers.",
+        json_schema_extra=_immutable("model"),
+    )
+    profile: ProfileSource | None = Field(default=None, json_schema_extra=_immutable("profile"))
+    nodes: int = Field(ge=1, le=4096, description="Worker pods (one per node) at start.")
+    gpus_per_node: int = Field(default=1, ge=1, le=64, json_schema_extra=_immutable("gpusPerNode"))
+    device_resource: DeviceResource = Field(
+        default=DeviceResource.NONE, json_schema_extra=_immutable("deviceResource")
+    )
+    global_batch_size: int = Field(ge=1, le=2**24, json_schema_extra=_immutable("globalBatchSize"))
+    micro_batch_size: int = Field(ge=1, le=2**20, json_schema_extra=_immutable("microBatchSize"))
+    fault_tolerance: int = Field(default=1, ge=0, le=4095, description="f: simultaneous failures to survive.")
+    policy: Policy = Policy.AUTO
+    fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    redis: RedisSpec = Field(default_factory=RedisSpec, json_schema_extra=_immutable("redis"))
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ResilientJobSpec:
+        # The same rules as the CRD's CEL validations: a real API server rejects these objects, the
+        # emulator does not, so the operator checks again and reports the field in a condition.
+        if self.fault_tolerance >= self.nodes:
+            raise PlannerError("faultTolerance", f"{self.fault_tolerance} must be < nodes ({self.nodes})")
+        if self.global_batch_size % self.micro_batch_size:
+            raise PlannerError(
+                "globalBatchSize",
+                f"{self.global_batch_size} is not a multiple of microBatchSize {self.micro_batch_size}",
+            )
+        if ":" not in self.model and self.profile is None and self.model not in builtin_profiles():
+            raise PlannerError(
+                "model", f"{self.model!r} is not a built-in profile ({', '.join(builtin_profiles())})"
+            )
+        return self
+
+
+class Condition(_Api):
+    type: ConditionType
+    status: str = Field(pattern=r"^(True|False|Unknown)$")
+    reason: Reason
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(default="", description="RFC 3339.")
+
+
+class CandidateStatus(_Api):
+    """One plan the planner considered, with the numbers that decided it."""
+
+    policy: str
+    layout: str
+    step_time_s: float
+    transition_s: float
+    score: float
+    feasible: bool = True
+    reason: str = ""
+
+
+class Decision(_Api):
+    generation: int = Field(ge=0)
+    trigger: Reason
+    nodes: list[int] = Field(default_factory=list, description="Nodes that failed, slowed or joined.")
+    policy: str
+    layout: str
+    reason: str = ""
+    planning_s: float = Field(default=0.0, ge=0)
+    candidates: list[CandidateStatus] = Field(default_factory=list, max_length=64)
+    decided_at: str = ""
+
+
+class Recovery(_Api):
+    generation: int = Field(ge=0)
+    trigger: Reason
+    nodes: list[int] = Field(default_factory=list)
+    policy: str
+    layout: str
+    detect_s: float = Field(default=0.0, ge=0)
+    plan_s: float = Field(default=0.0, ge=0)
+    at: str = ""
+
+
+class ResilientJobStatus(_Api):
+    phase: Phase = Phase.PENDING
+    conditions: list[Condition] = Field(default_factory=list)
+    plan_generation: int = Field(default=-1, ge=-1, description="-1 until the first plan is published.")
+    layout: str = ""
+    policy: str = ""
+    workers: str = Field(default="", description="alive/total, for the printer column.")
+    workers_alive: int = Field(default=0, ge=0)
+    workers_total: int = Field(default=0, ge=0)
+    failed_nodes: list[int] = Field(default_factory=list)
+    slow_nodes: list[int] = Field(default_factory=list)
+    last_decision: Decision | None = None
+    throughput: float = Field(default=0.0, ge=0, description="Measured samples per second.")
+    estimated_throughput: float = Field(default=0.0, ge=0, description="The plan's estimate, samples/s.")
+    recoveries: list[Recovery] = Field(default_factory=list, max_length=50)
+
+
+RECOVERY_HISTORY = 50
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> ResilientJobSpec:
+    """Validate a manifest's spec; raises PlannerError naming the field as `spec.<camelCaseField>`."""
+    if not isinstance(raw, Mapping):
+        raise PlannerError("spec", "missing or not a mapping")
+    try:
+        return ResilientJobSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, PlannerError):
+            raise PlannerError(f"spec.{cause.field}", cause.message) from None
+        raise error_from_validation(exc, prefix="spec") from None
+
+
+def parse_status(raw: Mapping[str, Any] | None) -> ResilientJobStatus:
+    """The status as last written; an unreadable status (hand-edited) starts over rather than crash."""
+    try:
+        return ResilientJobStatus.model_validate(dict(raw or {}))
+    except ValidationError:
+        return ResilientJobStatus()
+
+
+def inline_profile(layers: list[LayerSpec], name: str) -> ModelProfile:
+    """The planner's profile for an inline layer list."""
+    return ModelProfile(
+        name=name,
+        layers=tuple(
+            LayerProfile(
+                name=layer.name or f"layer{index}",
+                forward_s=layer.forward_s,
+                backward_s=layer.backward_s,
+                param_bytes=layer.param_bytes,
+                optimizer_bytes=layer.optimizer_bytes,
+                activation_bytes=layer.activation_bytes,
+                output_bytes=layer.output_bytes,
+            )
+            for index, layer in enumerate(layers)
+        ),
+    )
+
+
+def status_patch(status: ResilientJobStatus) -> dict[str, Any]:
+    """The JSON form written to the API (camelCase, enums as strings)."""
+    return status.model_dump(mode="json", by_alias=True)

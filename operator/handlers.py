@@ -1,0 +1,122 @@
+"""kopf handlers: thin glue between kopf's watches and `JobController`. Run with `rjob operator` (or
+`kopf run -m resilientjob.operator.handlers`).
+
+- each ResilientJob gets a daemon that owns its controller (validate, create objects, reconcile loop) and
+  stops with the job; kopf restarts it with backoff when it raises TemporaryError;
+- pod events of managed pods go straight to their job's controller and wake its loop, so a deleted or
+  failed pod is acted on within one event round-trip instead of a poll period;
+- job deletion removes the job's Redis keys (pods go with their owner reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from . import api
+from ._kube import KubeApi
+from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
+from .reconciler import InvalidJob, JobController, forget_job
+from .settings import OperatorSettings
+
+SETTINGS = OperatorSettings.from_env()
+CONTROLLERS: dict[tuple[str, str], JobController] = {}
+_API: dict[str, KubeApi] = {}
+
+
+def _connection(settings: kopf.OperatorSettings, logger: kopf.Logger) -> kopf.ConnectionInfo:
+    if SETTINGS.api_url:
+        return kopf.ConnectionInfo(server=SETTINGS.api_url, insecure=True, default_namespace="default")
+    if SETTINGS.kubeconfig:
+        import os
+
+        os.environ["KUBECONFIG"] = SETTINGS.kubeconfig
+    info = kopf.login_with_service_account(logger=logger, settings=settings) or kopf.login_with_kubeconfig(
+        logger=logger, settings=settings
+    )
+    if info is None:
+        raise kopf.LoginError("no in-cluster service account and no kubeconfig found")
+    return info
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> kopf.ConnectionInfo:
+    info = _connection(settings, logger)
+    _API["api"] = KubeApi(info)
+    return info
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base in annotations: the status schema is strict and belongs to the API models.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="resilientjob.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="resilientjob.io", key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = "resilientjob.io/finalizer"
+    settings.posting.level = logging.INFO
+    settings.peering.standalone = SETTINGS.standalone
+    settings.peering.name = "resilientjob"
+    settings.peering.mandatory = False
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 30
+    if SETTINGS.metrics_port:
+        start_http_server(SETTINGS.metrics_port)
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    for controller in list(CONTROLLERS.values()):
+        await controller.close()
+    if "api" in _API:
+        await _API["api"].close()
+
+
+def _api() -> KubeApi:
+    if "api" not in _API:
+        raise kopf.TemporaryError("not logged in yet", delay=1.0)
+    return _API["api"]
+
+
+@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=2.0, backoff=1.0)  # type: ignore[arg-type]
+async def run_job(
+    body: kopf.Body, name: str, namespace: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
+) -> None:
+    """The job's controller for as long as the job exists (restarted by kopf on errors, with backoff)."""
+    key = (namespace, name)
+    controller = CONTROLLERS.get(key) or JobController(_api(), SETTINGS, namespace, name)
+    CONTROLLERS[key] = controller
+    try:
+        await controller.setup(body)
+        await controller.run(stopped)
+    except InvalidJob as exc:
+        logger.warning(f"job not runnable: {exc}")
+        await stopped.wait()
+    finally:
+        if stopped:
+            CONTROLLERS.pop(key, None)
+            await controller.close()
+
+
+@kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGER})
+def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+    pod = event["object"]
+    meta = pod.get("metadata") or {}
+    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    controller = CONTROLLERS.get((str(meta.get("namespace")), job)) if job else None
+    if controller is not None:
+        controller.observe_pod(pod, deleted=event.get("type") == "DELETED")
+
+
+@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)  # type: ignore[arg-type]
+async def forget(spec: kopf.Spec, name: str, namespace: str, **_: Any) -> None:
+    url = (spec.get("redis") or {}).get("url") or SETTINGS.redis_url
+    controller = CONTROLLERS.get((namespace, name))
+    if controller is not None and controller.redis is not None:
+        await controller.redis.forget()
+        return
+    if not (spec.get("redis") or {}).get("passwordSecretRef"):
+        await forget_job(url, namespace, name)

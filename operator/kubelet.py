@@ -1,0 +1,180 @@
+"""A process kubelet for the local stack: runs each Pod of the (emulated) API server as a local process.
+
+Pod phase follows the process (Running while it lives, Succeeded/Failed by exit code), annotations and
+labels are written to files the way the downward API does, `fieldRef`/`secretKeyRef` environment variables
+are resolved, and a deleted pod's process is stopped. It talks to the API over HTTP like any kubelet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._kube import KubeApi, core_path
+from ._manifests import LABEL_MANAGED_BY, MANAGER, downward_annotations_text
+
+
+@dataclass(slots=True)
+class RunningPod:
+    name: str
+    uid: str
+    process: subprocess.Popen[bytes]
+    podinfo: Path
+    annotations: dict[str, str]
+    reported: str = ""
+
+
+class ProcessKubelet:
+    """Poll the API for pods, start/stop their processes, and report their phases."""
+
+    def __init__(
+        self, kube: KubeApi, state_dir: Path, namespace: str = "default", interval_s: float = 0.1
+    ) -> None:
+        self.kube = kube
+        self.state_dir = state_dir
+        self.namespace = namespace
+        self.interval_s = interval_s
+        self.pods: dict[str, RunningPod] = {}
+
+    def log_path(self, pod: str) -> Path:
+        return self.state_dir / "pods" / pod / "log"
+
+    async def run(self, stopped: asyncio.Event) -> None:
+        try:
+            while not stopped.is_set():
+                await self.sync_once()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopped.wait(), self.interval_s)
+        finally:
+            for pod in list(self.pods.values()):
+                self._stop(pod)
+
+    async def sync_once(self) -> None:
+        listed = await self.kube.list(core_path(self.namespace, "pods"))
+        present: dict[str, dict[str, Any]] = {
+            p["metadata"]["uid"]: p
+            for p in listed
+            if (p["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER
+            and not p["metadata"].get("deletionTimestamp")
+        }
+        for uid, pod in list(self.pods.items()):
+            if uid not in present:
+                self._stop(pod)
+                del self.pods[uid]
+        for uid, body in present.items():
+            running = self.pods.get(uid)
+            if running is None:
+                if (body.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+                    continue
+                running = await self._start(body)
+                self.pods[uid] = running
+            annotations = dict(body["metadata"].get("annotations") or {})
+            if annotations != running.annotations:
+                running.annotations = annotations
+                self._write_podinfo(running.podinfo, body)
+            await self._report(running)
+
+    def _write_podinfo(self, directory: Path, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        for name, values in (
+            ("annotations", meta.get("annotations") or {}),
+            ("labels", meta.get("labels") or {}),
+        ):
+            # Atomic replace, as the kubelet's symlink swap makes downward-API updates atomic for readers.
+            temporary = directory / f".{name}.tmp"
+            temporary.write_text(downward_annotations_text(values))
+            os.replace(temporary, directory / name)
+
+    async def _env(self, body: dict[str, Any], podinfo: Path) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("RJOB_")}
+        container = body["spec"]["containers"][0]
+        fields = {
+            "metadata.name": body["metadata"]["name"],
+            "metadata.namespace": body["metadata"].get("namespace", self.namespace),
+            "status.podIP": "127.0.0.1",
+        }
+        for item in container.get("env") or []:
+            source = item.get("valueFrom") or {}
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+            elif "fieldRef" in source:
+                env[item["name"]] = fields.get(source["fieldRef"]["fieldPath"], "")
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                secret = await self.kube.get(core_path(self.namespace, "secrets", ref["name"])) or {}
+                value = (secret.get("data") or {}).get(ref["key"])
+                if value is not None:
+                    env[item["name"]] = base64.b64decode(value).decode()
+        env["RJOB_PODINFO_DIR"] = str(podinfo)
+        return env
+
+    async def _start(self, body: dict[str, Any]) -> RunningPod:
+        name = body["metadata"]["name"]
+        directory = self.state_dir / "pods" / name
+        podinfo = directory / "podinfo"
+        podinfo.mkdir(parents=True, exist_ok=True)
+        self._write_podinfo(podinfo, body)
+        command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
+        if command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the image's python is this environment's python
+        with self.log_path(name).open("ab") as log:
+            process = subprocess.Popen(
+                command,
+                env=await self._env(body, podinfo),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        (directory / "pid").write_text(str(process.pid))
+        return RunningPod(
+            name, body["metadata"]["uid"], process, podinfo, dict(body["metadata"].get("annotations") or {})
+        )
+
+    async def _report(self, pod: RunningPod) -> None:
+        code = pod.process.poll()
+        if code is None:
+            phase, status = (
+                "Running",
+                {
+                    "phase": "Running",
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            )
+        else:
+            phase = "Succeeded" if code == 0 else "Failed"
+            status = {
+                "phase": phase,
+                "reason": "Completed" if code == 0 else "Error",
+                "message": f"exit code {code}",
+                "conditions": [{"type": "Ready", "status": "False"}],
+            }
+        if phase != pod.reported:
+            await self.kube.patch(core_path(self.namespace, "pods", pod.name) + "/status", {"status": status})
+            pod.reported = phase
+
+    def kill(self, pod_name: str, signum: int = signal.SIGKILL) -> bool:
+        """Chaos: signal a pod's process (its phase then follows from the exit)."""
+        for pod in self.pods.values():
+            if pod.name == pod_name and pod.process.poll() is None:
+                pod.process.send_signal(signum)
+                return True
+        return False
+
+    @staticmethod
+    def _stop(pod: RunningPod) -> None:
+        if pod.process.poll() is None:
+            pod.process.terminate()
+            try:
+                pod.process.wait(3)
+            except subprocess.TimeoutExpired:
+                pod.process.kill()
+                pod.process.wait(3)

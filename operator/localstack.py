@@ -1,0 +1,101 @@
+"""The local stack behind `rjob local up`: the emulated API server (real HTTP), a real redis-server, the
+real operator process and the process kubelet, supervised by one background process that writes where
+everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kmock
+import kopf
+
+from ._kube import KubeApi
+from .emulator import LocalApiServer
+from .kubelet import ProcessKubelet
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_for_port(port: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s}s")
+
+
+async def serve(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopped.set)
+    redis_port = free_port()
+    redis = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=(state_dir / "redis.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+    operator: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_for_port(redis_port)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        async with LocalApiServer() as emulator, kmock.Server(emulator) as server:
+            api_url = str(server.url).rstrip("/")
+            env = {**os.environ, "RJOB_API_URL": api_url, "RJOB_REDIS_URL": redis_url, "RJOB_STANDALONE": "1"}
+            operator = subprocess.Popen(
+                [sys.executable, "-m", "resilientjob.cli", "operator"],
+                env=env,
+                stdout=(state_dir / "operator.log").open("ab"),
+                stderr=subprocess.STDOUT,
+            )
+            kube = KubeApi(kopf.ConnectionInfo(server=api_url, insecure=True))
+            kubelet = ProcessKubelet(kube, state_dir)
+            state = {
+                "api_url": api_url,
+                "redis_url": redis_url,
+                "pid": os.getpid(),
+                "operator_pid": operator.pid,
+            }
+            (state_dir / "state.json").write_text(json.dumps(state))
+            try:
+                await kubelet.run(stopped)
+            finally:
+                await kube.close()
+    finally:
+        for process in (operator, redis):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(5)
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / "state.json").unlink()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(Path(sys.argv[1])))

@@ -1,0 +1,31 @@
+"""The operator's Prometheus metrics (served by `rjob operator --metrics-port`)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120)
+
+PLAN_GENERATION = Gauge("rjob_plan_generation", "Published plan generation.", ["job"])
+ACTIVE_WORKERS = Gauge("rjob_active_workers", "Workers alive in the current plan.", ["job"])
+STEP_TIME = Gauge("rjob_step_time_seconds", "Measured step time (slowest reporting worker).", ["job"])
+SAMPLES_PER_SECOND = Gauge("rjob_samples_per_second", "Measured training throughput.", ["job"])
+RECONFIGURATIONS = Counter(
+    "rjob_reconfigurations_total", "Generations published after the first, by policy.", ["job", "policy"]
+)
+RECOVERY_SECONDS = Histogram(
+    "rjob_recovery_seconds",
+    "Recovery time by phase: detect, plan (decision), transfer and resume (reported by workers).",
+    ["phase"],
+    buckets=_LATENCY_BUCKETS,
+)
+DETECTION_SECONDS = Histogram(
+    "rjob_detection_latency_seconds",
+    "From the last sign of life (pod event, last heartbeat seen) to the decision, by detection path.",
+    ["path"],
+    buckets=_LATENCY_BUCKETS,
+)
+FAIL_SLOW_EVENTS = Counter(
+    "rjob_fail_slow_events_total", "Fail-slow change points reported by workers.", ["job"]
+)
+INVALID_JOBS = Counter("rjob_invalid_jobs_total", "ResilientJobs rejected for an invalid spec.")

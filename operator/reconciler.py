@@ -1,0 +1,435 @@
+"""One ResilientJob's controller: create its objects, watch its workers, and publish new generations.
+
+Each pass observes (pods from watch events, confirmed by a GET before acting; heartbeat keys; telemetry
+streams), decides with the pure rules in `_decide` and the planner, and applies. A generation is committed
+by a compare-and-set of the plan key in Redis; everything after the commit (plan ConfigMap, pod
+annotations, status, Event) is idempotent and is finished by whichever pass sees the status lagging behind
+the committed generation, including the first pass of a restarted operator. So a SIGKILL at any point
+neither loses nor repeats a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from resilientjob.agent._redis import JobKeys, connect
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import Plan
+
+from . import _decide, _manifests, api, metrics
+from ._kube import KubeApi, core_path, custom_path
+from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs
+from ._redis_state import JobRedis, announcement
+from .settings import OperatorSettings
+
+log = logging.getLogger("resilientjob.operator")
+
+_PATCH_CONCURRENCY = 32
+
+
+class InvalidJob(Exception):
+    """The spec cannot run; the condition and Event are already recorded."""
+
+
+class JobController:
+    """State and actions for one job, owned by its kopf daemon."""
+
+    def __init__(self, kube: KubeApi, settings: OperatorSettings, namespace: str, name: str) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.namespace = namespace
+        self.name = name
+        self.pods: dict[int, _decide.PodView] = {}
+        self.pod_seen_at: dict[int, float] = {}
+        self.wakeup = asyncio.Event()
+        self.spec: api.ResilientJobSpec | None = None
+        self.inputs: PlannerInputs | None = None
+        self.redis: JobRedis | None = None
+        self.body: Mapping[str, Any] = {}
+        self.status = api.ResilientJobStatus()
+        self._written_status: dict[str, Any] | None = None
+        self._heartbeat_seen: dict[int, float] = {}
+        self._rates: dict[int, tuple[int, float, int]] = {}  # node -> (generation, seconds, samples)
+        self._status_due = 0.0
+
+    def _event_body(self) -> kopf.Body:
+        # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
+        return cast(kopf.Body, dict(self.body))
+
+    # ---- paths ---------------------------------------------------------------------------------------
+    def _job_path(self, status: bool = False) -> str:
+        path = custom_path(api.GROUP, api.VERSION, self.namespace, api.PLURAL, self.name)
+        return path + "/status" if status else path
+
+    def _pod_path(self, node: int) -> str:
+        return core_path(self.namespace, "pods", _manifests.pod_name(self.name, node))
+
+    # ---- pod events (from the kopf pod watch) -----------------------------------------------------------
+    def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
+        view = _decide.pod_view(pod, self.name)
+        if view is None:
+            return
+        current = self.pods.get(view.node)
+        if deleted:
+            # A DELETED event for an older incarnation must not hide its replacement.
+            if current is not None and current.uid == view.uid:
+                del self.pods[view.node]
+        else:
+            self.pods[view.node] = view
+        self.pod_seen_at[view.node] = time.monotonic()
+        self.wakeup.set()
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    async def setup(self, body: Mapping[str, Any]) -> None:
+        """Validate and connect; raises InvalidJob after recording why (condition + Event, no pods)."""
+        self.body = body
+        self.status = api.parse_status(body.get("status"))
+        try:
+            spec = api.parse_spec(body.get("spec"))
+            referenced = await self._referenced_profile(spec)
+            inputs = planner_inputs(spec, referenced)
+        except PlannerError as exc:
+            await self._reject(exc)
+            raise InvalidJob(str(exc)) from None
+        self.spec, self.inputs = spec, inputs
+        if self.redis is None:
+            password = await self._redis_password(spec)
+            client = connect(spec.redis.url or self.settings.redis_url, password)
+            self.redis = JobRedis(client, JobKeys(self.namespace, self.name))
+
+    async def _referenced_profile(self, spec: api.ResilientJobSpec) -> dict[str, Any] | None:
+        ref = spec.profile.config_map_ref if spec.profile is not None else None
+        if ref is None:
+            return None
+        import yaml
+
+        configmap = await self.kube.get(core_path(self.namespace, "configmaps", ref.name))
+        text = ((configmap or {}).get("data") or {}).get(ref.key)
+        if text is None:
+            raise PlannerError("spec.profile.configMapRef", f"ConfigMap {ref.name!r} has no key {ref.key!r}")
+        try:
+            decoded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlannerError("spec.profile.configMapRef", f"not valid JSON/YAML: {exc}") from None
+        if not isinstance(decoded, dict):
+            raise PlannerError("spec.profile.configMapRef", "must hold a mapping with a 'layers' list")
+        return decoded
+
+    async def _redis_password(self, spec: api.ResilientJobSpec) -> str | None:
+        ref = spec.redis.password_secret_ref
+        if ref is None:
+            return None
+        import base64
+
+        secret = await self.kube.get(core_path(self.namespace, "secrets", ref.name))
+        value = ((secret or {}).get("data") or {}).get(ref.key)
+        if value is None:
+            raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
+        return base64.b64decode(value).decode()
+
+    async def _reject(self, error: PlannerError) -> None:
+        metrics.INVALID_JOBS.inc()
+        conditions = _decide.set_condition(
+            self.status.conditions, api.ConditionType.VALID, False, api.Reason.INVALID_SPEC, str(error)
+        )
+        self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
+        await self._write_status(force=True)
+        kopf.event(
+            self._event_body(), type="Warning", reason=api.Reason.INVALID_SPEC.value, message=str(error)
+        )
+
+    # ---- initial generation --------------------------------------------------------------------------
+    async def ensure_started(self) -> PlanAnnouncement:
+        """Generation 0 committed, and the Service, plan ConfigMap and pods created (all idempotent)."""
+        spec, inputs, redis = self._require()
+        published = await redis.published()
+        if published is None:
+            try:
+                plan = plan_initial(spec, inputs)
+            except PlannerError as exc:
+                await self._infeasible(exc)
+                raise InvalidJob(str(exc)) from None
+            message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
+            published = await redis.commit(message, None) or await redis.published()
+            if published is None:
+                raise kopf.TemporaryError("the plan key could not be committed or read", delay=1.0)
+        conditions = _decide.set_condition(
+            self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
+        )
+        self.status = self.status.model_copy(update={"conditions": conditions})
+        await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
+        await self._apply_configmap(published)
+        for node in published.plan.nodes:
+            manifest = _manifests.pod_manifest(
+                self.body, spec, node, published.generation, published.layout, redis_url=self._redis_url()
+            )
+            await self.kube.create(core_path(self.namespace, "pods"), manifest)
+        for pod in await self.kube.list(
+            core_path(self.namespace, "pods"), _manifests.job_selector(self.name)
+        ):
+            self.observe_pod(pod, deleted=False)
+        return published
+
+    def _redis_url(self) -> str:
+        assert self.spec is not None
+        return self.spec.redis.url or self.settings.redis_url
+
+    def _require(self) -> tuple[api.ResilientJobSpec, PlannerInputs, JobRedis]:
+        if self.spec is None or self.inputs is None or self.redis is None:
+            raise RuntimeError("JobController.setup() must succeed first")
+        return self.spec, self.inputs, self.redis
+
+    async def _infeasible(self, error: PlannerError) -> None:
+        conditions = _decide.set_condition(
+            self.status.conditions, api.ConditionType.PLANNED, False, api.Reason.PLAN_INFEASIBLE, str(error)
+        )
+        self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
+        await self._write_status(force=True)
+        kopf.event(
+            self._event_body(), type="Warning", reason=api.Reason.PLAN_INFEASIBLE.value, message=str(error)
+        )
+
+    # ---- applying a committed generation -------------------------------------------------------------
+    async def _apply_configmap(self, message: PlanAnnouncement) -> None:
+        path = core_path(self.namespace, "configmaps", _manifests.plan_configmap_name(self.name))
+        if not await self.kube.create(
+            core_path(self.namespace, "configmaps"), _manifests.plan_configmap(self.body, message)
+        ):
+            await self.kube.patch(path, {"data": _manifests.plan_configmap_data(message)})
+
+    async def apply(self, message: PlanAnnouncement) -> None:
+        """Bring the ConfigMap, pod annotations, status and Events in line with a committed generation."""
+        await self._apply_configmap(message)
+        annotations = {
+            "metadata": {"annotations": _manifests.generation_annotations(message.generation, message.layout)}
+        }
+        limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
+
+        async def annotate(node: int) -> None:
+            async with limit:
+                await self.kube.patch(self._pod_path(node), annotations)
+
+        await asyncio.gather(*(annotate(node) for node in message.plan.nodes if node in self.pods))
+        first = self.status.plan_generation < 0
+        alive = sum(1 for node in message.plan.nodes if node in self.pods and self.pods[node].failed is None)
+        status = _decide.plan_status(self.status, message.plan, alive)
+        trigger = api.Reason(message.trigger) if message.trigger in set(api.Reason) else api.Reason.REPLANNED
+        decision = _decide.decision(message.plan, trigger, message.nodes, message.reason)
+        conditions = _decide.set_condition(
+            status.conditions,
+            api.ConditionType.PLANNED,
+            True,
+            api.Reason.PLANNED,
+            f"generation {message.generation}",
+        )
+        degraded = bool(message.plan.failed_nodes)
+        conditions = _decide.set_condition(
+            conditions,
+            api.ConditionType.DEGRADED,
+            degraded,
+            trigger if degraded else api.Reason.ALL_HEALTHY,
+            f"failed nodes {sorted(message.plan.failed_nodes)}" if degraded else "every node in use",
+        )
+        update: dict[str, Any] = {
+            "last_decision": decision,
+            "conditions": conditions,
+            "phase": api.Phase.RUNNING,
+        }
+        if not first:
+            recovery = api.Recovery(
+                generation=message.generation,
+                trigger=trigger,
+                nodes=list(message.nodes),
+                policy=message.policy,
+                layout=message.layout,
+                detect_s=0.0,
+                plan_s=round(message.plan.planning_s, 6),
+                at=decision.decided_at,
+            )
+            update["recoveries"] = [*status.recoveries, recovery][-api.RECOVERY_HISTORY :]
+            metrics.RECONFIGURATIONS.labels(self.name, message.policy).inc()
+        self.status = status.model_copy(update=update)
+        await self._write_status(force=True)
+        metrics.PLAN_GENERATION.labels(self.name).set(message.generation)
+        kopf.event(
+            self._event_body(),
+            type="Normal",
+            reason=(api.Reason.PLANNED if first else trigger).value,
+            message=_decide.explain(decision),
+        )
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    async def run(self, stopped: kopf.DaemonStopped) -> None:
+        """Reconcile until the job is deleted or the operator stops."""
+        published = await self.ensure_started()
+        if self.status.plan_generation < published.generation:
+            await self.apply(published)
+        while not stopped:
+            try:
+                await self.reconcile_once()
+            except (RedisError, OSError) as exc:
+                log.warning("job %s/%s: redis unavailable (%r); retrying", self.namespace, self.name, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), self.settings.poll_interval_s)
+            self.wakeup.clear()
+
+    async def reconcile_once(self) -> None:
+        spec, _inputs, redis = self._require()
+        published = await redis.published()
+        if published is None:
+            published = await self.ensure_started()
+        if self.status.plan_generation < published.generation:
+            await self.apply(published)
+        plan = published.plan
+        expired = await self._expired_heartbeats(plan)
+        observed = _decide.Observation(pods=dict(self.pods), expired_heartbeats=frozenset(expired))
+        failures = await self._confirmed(_decide.detect_failures(plan, observed))
+        joins = _decide.detect_joins(plan, observed, spec.nodes)
+        if failures or joins:
+            await self._reconfigure(published, failures, joins)
+        await self._telemetry(published)
+
+    async def _confirmed(
+        self, failures: dict[int, tuple[api.Reason, str]]
+    ) -> dict[int, tuple[api.Reason, str]]:
+        """Re-read each suspected pod before fencing: the watch may lag behind our own creations."""
+        confirmed: dict[int, tuple[api.Reason, str]] = {}
+        for node, cause in failures.items():
+            if cause[0] is api.Reason.NODE_FAILED and node not in self.pods:
+                pod = await self.kube.get(self._pod_path(node))
+                if pod is not None and _decide.pod_view(pod, self.name) is not None:
+                    self.observe_pod(pod, deleted=False)
+                    view = self.pods.get(node)
+                    if view is not None and view.failed is None:
+                        continue
+            confirmed[node] = cause
+        return confirmed
+
+    async def _expired_heartbeats(self, plan: Plan) -> set[int]:
+        """Nodes whose heartbeat was seen by this operator and has since expired. A node that never beat
+        (still starting, or before a restart) is judged by its pod alone."""
+        assert self.redis is not None
+        nodes = plan.nodes
+        live = await self.redis.live_heartbeats(nodes)
+        now = time.monotonic()
+        for node in live:
+            self._heartbeat_seen[node] = now
+        return {node for node in nodes if node not in live and node in self._heartbeat_seen}
+
+    async def _reconfigure(
+        self, current: PlanAnnouncement, failures: dict[int, tuple[api.Reason, str]], joins: set[int]
+    ) -> None:
+        spec, inputs, redis = self._require()
+        detected = time.monotonic()
+        for node, (reason, _) in failures.items():
+            path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
+            since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.pod_seen_at.get(node)
+            if since is not None:
+                metrics.DETECTION_SECONDS.labels(path).observe(max(0.0, detected - since))
+            # Fence first: a worker that lost its heartbeat may still be alive and must not come back
+            # with the weights of a generation the job has left.
+            await self.kube.delete(self._pod_path(node), grace_period_s=0)
+            self._heartbeat_seen.pop(node, None)
+        trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values()))[0]
+        why = "; ".join(f"node {n}: {cause}" for n, (_, cause) in sorted(failures.items()))
+        if joins:
+            why = "; ".join(filter(None, [why, f"nodes {sorted(joins)} joined"]))
+        try:
+            plan = plan_next(spec, inputs, current.plan, failed=failures.keys(), joined=joins)
+        except PlannerError as exc:
+            await self._infeasible(exc)
+            raise InvalidJob(str(exc)) from None
+        metrics.RECOVERY_SECONDS.labels("plan").observe(plan.planning_s)
+        nodes = sorted(set(failures) | joins)
+        message = announcement(plan, trigger=trigger, nodes=nodes, reason=why)
+        committed = await redis.commit(message, current.generation)
+        if committed is None:
+            log.info(
+                "job %s/%s: generation %d already committed elsewhere",
+                self.namespace,
+                self.name,
+                plan.generation,
+            )
+            return
+        self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
+        await self.apply(committed)
+
+    async def _telemetry(self, published: PlanAnnouncement) -> None:
+        """Measured throughput and fail-slow reports; status written at most every status_interval_s."""
+        assert self.redis is not None and self.spec is not None
+        for record in await self.redis.new_iterations():
+            if record.generation == published.generation:
+                self._rates[record.node] = (record.generation, record.seconds, record.samples)
+        slow = set(self.status.slow_nodes)
+        for report in await self.redis.new_reports():
+            if report.generation != published.generation or report.node not in published.plan.nodes:
+                continue
+            if report.recovered:
+                slow.discard(report.node)
+                continue
+            if report.node not in slow:
+                metrics.FAIL_SLOW_EVENTS.labels(self.name).inc()
+                kopf.event(
+                    self._event_body(),
+                    type="Warning",
+                    reason=api.Reason.NODE_SLOW.value,
+                    message=f"node {report.node} is {report.slowdown:.2f}x slower than its baseline "
+                    f"({report.baseline_s:.3g}s/step) at step {report.step}",
+                )
+            slow.add(report.node)
+        rates = {
+            n: r for n, r in self._rates.items() if r[0] == published.generation and n in published.plan.nodes
+        }
+        throughput = sum(samples / seconds for _, seconds, samples in rates.values())
+        step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
+        alive = sum(
+            1 for node in published.plan.nodes if node in self.pods and self.pods[node].failed is None
+        )
+        total = len(published.plan.nodes)
+        metrics.ACTIVE_WORKERS.labels(self.name).set(alive)
+        metrics.SAMPLES_PER_SECOND.labels(self.name).set(throughput)
+        metrics.STEP_TIME.labels(self.name).set(step)
+        self.status = self.status.model_copy(
+            update={
+                "throughput": round(throughput, 2),
+                "workers_alive": alive,
+                "workers_total": total,
+                "workers": f"{alive}/{total}",
+                "slow_nodes": sorted(slow),
+            }
+        )
+        await self._write_status(force=False)
+
+    async def _write_status(self, force: bool) -> None:
+        """Patch the status when it changed (and, unless forced, at most every status_interval_s)."""
+        payload = api.status_patch(self.status)
+        now = time.monotonic()
+        if payload == self._written_status or (not force and now < self._status_due):
+            return
+        await self.kube.patch(self._job_path(status=True), {"status": payload})
+        self._written_status = payload
+        self._status_due = now + self.settings.status_interval_s
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.close()
+            self.redis = None
+
+
+async def forget_job(redis_url: str, namespace: str, name: str, password: str | None = None) -> int:
+    """Delete a deleted job's Redis keys."""
+    client: aioredis.Redis = connect(redis_url, password)
+    try:
+        return await JobRedis(client, JobKeys(namespace, name)).forget()
+    finally:
+        await client.aclose()

@@ -1,0 +1,74 @@
+"""Operator settings (environment variables `RJOB_*`, or flags of `rjob operator`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    api_url: str | None = None
+    """Kubernetes API server URL without credentials (the local emulator). None: in-cluster or kubeconfig."""
+
+    kubeconfig: str | None = None
+    """Path of a kubeconfig to log in with (a real cluster, e.g. kind); None: kopf's default login."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis used by jobs whose spec gives no `redis.url`."""
+
+    namespace: str | None = None
+    """Watch one namespace; None: all namespaces."""
+
+    poll_interval_s: float = 0.25
+    """How often each job's loop checks heartbeats and telemetry (pod events wake it at once)."""
+
+    status_interval_s: float = 1.0
+    """How often measured throughput and worker counts are written to the status at most."""
+
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 disables it."""
+
+    standalone: bool = False
+    """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0 or self.status_interval_s <= 0:
+            raise ValueError("poll_interval_s and status_interval_s must be > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+
+    @classmethod
+    def from_env(cls) -> OperatorSettings:
+        env = os.environ
+        given: dict[str, object] = {}
+        for name, variable, kind in (
+            ("api_url", "RJOB_API_URL", str),
+            ("kubeconfig", "RJOB_KUBECONFIG", str),
+            ("redis_url", "RJOB_REDIS_URL", str),
+            ("namespace", "RJOB_NAMESPACE", str),
+            ("poll_interval_s", "RJOB_POLL_INTERVAL_S", float),
+            ("status_interval_s", "RJOB_STATUS_INTERVAL_S", float),
+            ("metrics_port", "RJOB_METRICS_PORT", int),
+        ):
+            if env.get(variable):
+                given[name] = kind(env[variable])
+        given["standalone"] = env.get("RJOB_STANDALONE", "") in ("1", "true", "yes")
+        return cls(**given)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that makes `from_env` return these settings (for child processes)."""
+        env = {
+            "RJOB_REDIS_URL": self.redis_url,
+            "RJOB_POLL_INTERVAL_S": str(self.poll_interval_s),
+            "RJOB_METRICS_PORT": str(self.metrics_port),
+            "RJOB_STANDALONE": "1" if self.standalone else "",
+        }
+        for key, value in (
+            ("RJOB_API_URL", self.api_url),
+            ("RJOB_KUBECONFIG", self.kubeconfig),
+            ("RJOB_NAMESPACE", self.namespace),
+        ):
+            if value:
+                env[key] = value
+        return env

@@ -1,0 +1,187 @@
+"""Agent telemetry against a real redis-server (with a password): heartbeats with a TTL, the capped
+iteration stream, change-point reports, plan announcements, and hostile data dropped and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError
+
+from resilientjob.agent._redis import JobKeys, connect
+from resilientjob.agent.telemetry import LevelShiftDetector, Telemetry
+from resilientjob.agent.telemetry_messages import (
+    MAX_MESSAGE_BYTES,
+    DropReason,
+    IterationRecord,
+    PlanAnnouncement,
+    decode,
+    dropped,
+)
+from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+
+PASSWORD = "s3cret-for-tests"
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            PASSWORD,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            break
+        time.sleep(0.02)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(5)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    redis = connect(redis_url, PASSWORD)
+    await redis.flushall()
+    yield redis
+    await redis.aclose()
+
+
+def two_node_plan(generation: int = 0) -> Plan:
+    stages = (StagePlan(layers=(0, 2), node=0), StagePlan(layers=(2, 4), node=1))
+    return Plan(
+        policy=Policy.DYNAMIC,
+        generation=generation,
+        microbatch_size=1,
+        pipelines=(PipelinePlan(stages=stages, microbatches=4),),
+        step_time_s=0.1,
+    )
+
+
+async def test_wrong_password_is_refused(redis_url: str) -> None:
+    redis = connect(redis_url, "wrong")
+    with pytest.raises(AuthenticationError):
+        await redis.ping()
+    await redis.aclose()
+
+
+async def test_heartbeat_key_expires_after_its_ttl(client: aioredis.Redis) -> None:
+    keys = JobKeys("ns", "job")
+    telemetry = Telemetry(
+        client, keys, node=3, pod="job-node-3", heartbeat_interval_s=0.05, heartbeat_ttl_s=0.3
+    )
+    stopped = asyncio.Event()
+    beating = asyncio.create_task(telemetry.heartbeat_forever(stopped))
+    await asyncio.sleep(0.2)
+    assert await client.exists(keys.heartbeat(3))
+    assert 0 < await client.pttl(keys.heartbeat(3)) <= 300
+    stopped.set()
+    await beating
+    await asyncio.sleep(0.4)
+    assert not await client.exists(keys.heartbeat(3))
+
+
+async def test_iterations_go_to_a_capped_stream_and_the_operator_reads_them(client: aioredis.Redis) -> None:
+    keys = JobKeys("ns", "job")
+    telemetry = Telemetry(client, keys, node=0, pod="p")
+    reader = JobRedis(client, keys)
+    assert await reader.new_iterations() == []  # the operator starts at the stream's end
+    for step in range(5):
+        await telemetry.record_iteration(generation=0, step=step, seconds=0.1 + step / 100, samples=4)
+    records = await reader.new_iterations()
+    assert [r.step for r in records] == [0, 1, 2, 3, 4]
+    assert records[-1].seconds == pytest.approx(0.14)
+    assert await reader.new_iterations() == []
+
+
+async def test_garbage_in_the_streams_is_counted_and_ignored(client: aioredis.Redis) -> None:
+    keys = JobKeys("ns", "garbage")
+    reader = JobRedis(client, keys)
+    await reader.new_iterations()
+    before = {reason: dropped("operator.iterations", reason) for reason in DropReason}
+    good = IterationRecord(node=0, generation=0, step=1, seconds=0.2, samples=4, sent_at=time.time())
+    await client.xadd(keys.iterations, {"m": b"\xff\xfe not utf8"})
+    await client.xadd(keys.iterations, {"m": b"{not json"})
+    await client.xadd(keys.iterations, {"m": b'{"node": -1, "generation": 0}'})
+    await client.xadd(keys.iterations, {"m": b'{"seconds": NaN}'})
+    await client.xadd(keys.iterations, {"m": b"x" * (MAX_MESSAGE_BYTES + 1)})
+    await client.xadd(keys.iterations, {"m": b"[" * 100_00})
+    await client.xadd(keys.iterations, {"other": b"field"})
+    await client.xadd(keys.iterations, {"m": good.model_dump_json().encode()})
+    records = await reader.new_iterations()
+    assert records == [good]
+    after = {reason: dropped("operator.iterations", reason) for reason in DropReason}
+    assert after[DropReason.OVERSIZED] - before[DropReason.OVERSIZED] == 1
+    assert after[DropReason.MALFORMED] - before[DropReason.MALFORMED] >= 3
+    assert sum(after.values()) - sum(before.values()) == 7
+
+
+async def test_plan_announcements_reach_the_agent_and_garbage_is_dropped(client: aioredis.Redis) -> None:
+    keys = JobKeys("ns", "plans")
+    operator_side = JobRedis(client, keys)
+    assert await operator_side.commit(announcement(two_node_plan(0)), None) is not None
+    agent = Telemetry(client, keys, node=0, pod="p")
+    stopped = asyncio.Event()
+    received: list[PlanAnnouncement] = []
+
+    async def listen() -> None:
+        async for message in agent.plan_updates(stopped):
+            received.append(message)
+            if message.generation == 1:
+                stopped.set()
+
+    listener = asyncio.create_task(listen())
+    await asyncio.sleep(0.3)
+    before = dropped("agent.plan", DropReason.MALFORMED)
+    await client.publish(keys.plan_channel, b"garbage")
+    # A stale compare-and-set loses; the right one wins exactly once.
+    assert await operator_side.commit(announcement(two_node_plan(1)), 5) is None
+    assert await operator_side.commit(announcement(two_node_plan(1)), 0) is not None
+    assert await operator_side.commit(announcement(two_node_plan(1)), 0) is None
+    await asyncio.wait_for(listener, 3)
+    assert [m.generation for m in received] == [0, 1]
+    assert dropped("agent.plan", DropReason.MALFORMED) == before + 1
+
+
+def test_decode_never_raises_on_hostile_input() -> None:
+    for raw in (b"", b"null", b"1e999999", b'{"node": "0"' * 1000, "\u0000", b'{"__class__": 1}'):
+        assert decode(IterationRecord, raw, "test") is None
+
+
+def test_level_shift_detector_reports_slowdown_then_recovery() -> None:
+    detector = LevelShiftDetector(threshold=1.3, confirm=3)
+    reports = [detector.update(0.1) for _ in range(20)]
+    assert all(r is None for r in reports)
+    slow = [detector.update(0.2) for _ in range(10)]
+    ratios = [r for r in slow if r is not None]
+    assert len(ratios) == 1 and ratios[0] == pytest.approx(2.0)
+    assert detector.slow and detector.baseline_level == pytest.approx(0.1)
+    back = [r for r in (detector.update(0.1) for _ in range(10)) if r is not None]
+    assert len(back) == 1 and back[0] < 1.3 and not detector.slow
+
+
+def test_detector_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        LevelShiftDetector(threshold=1.0)

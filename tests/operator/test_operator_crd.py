@@ -1,0 +1,108 @@
+"""The committed CRD equals the generator's output and is a valid CustomResourceDefinition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from resilientjob.operator import api
+from resilientjob.operator.crd import CRD_FILE, crd_manifest, crd_yaml
+from resilientjob.planner._errors import PlannerError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_committed_crd_matches_the_generator() -> None:
+    assert (ROOT / CRD_FILE).read_text() == crd_yaml(), "run scripts/gen_crds.py"
+
+
+def test_crd_is_a_valid_customresourcedefinition() -> None:
+    manifest = yaml.safe_load((ROOT / CRD_FILE).read_text())
+    kubernetes_validate.validate(manifest, "1.30", strict=True)
+
+
+def _walk(node: object, path: str = ""):  # type: ignore[no-untyped-def]
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            yield from _walk(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _walk(value, f"{path}/{index}")
+
+
+def test_schema_is_structural() -> None:
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema["properties"]["spec"]):
+        assert (
+            "$ref" not in node and "anyOf" not in node and "x-kubernetes-preserve-unknown-fields" not in node
+        ), path
+        if path.endswith(("properties", "x-kubernetes-validations")) or "/x-kubernetes-validations/" in path:
+            continue
+        if "/properties/" in path or path == "" or path.endswith("items"):
+            assert "type" in node, f"no type at {path}"
+
+
+def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
+    version = crd_manifest()["spec"]["versions"][0]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["policy"]["default"] == "auto"
+    assert set(spec["properties"]["policy"]["enum"]) == {
+        "auto",
+        "reroute",
+        "dynamic",
+        "templates",
+        "checkpoint",
+    }
+    assert spec["properties"]["nodes"]["minimum"] == 1
+    assert spec["properties"]["model"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+    assert {"image", "model", "nodes", "globalBatchSize", "microBatchSize"} <= set(spec["required"])
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase",
+        "Workers",
+        "Layout",
+        "Throughput",
+        "Age",
+    ]
+    assert crd_manifest()["spec"]["names"]["shortNames"] == ["rjob"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"nodes": 0}, "spec.nodes"),
+        ({"faultTolerance": 4}, "spec.faultTolerance"),
+        ({"globalBatchSize": 10, "microBatchSize": 3}, "spec.globalBatchSize"),
+        ({"policy": "nope"}, "spec.policy"),
+        ({"deviceResource": "amd.com/gpu"}, "spec.deviceResource"),
+        ({"model": "not-a-profile"}, "spec.model"),
+        ({"profile": {"measure": True, "inline": []}}, "spec.profile"),
+    ],
+)
+def test_parse_spec_names_the_field(change: dict[str, object], field: str) -> None:
+    spec = {
+        "image": "x",
+        "model": "llama2-7b",
+        "nodes": 4,
+        "globalBatchSize": 8,
+        "microBatchSize": 1,
+        **change,
+    }
+    with pytest.raises(PlannerError) as caught:
+        api.parse_spec(spec)
+    assert caught.value.field.startswith(field), caught.value.field
+
+
+def test_parse_spec_applies_defaults() -> None:
+    spec = api.parse_spec(
+        {"image": "x", "model": "llama2-7b", "nodes": 4, "globalBatchSize": 8, "microBatchSize": 1}
+    )
+    assert (
+        spec.policy == "auto"
+        and spec.fault_tolerance == 1
+        and spec.device_resource is api.DeviceResource.NONE
+    )
+    assert spec.fail_slow.enabled and spec.checkpoint.interval_s == 1800

@@ -1,0 +1,171 @@
+"""The operator end to end against the emulated API server and a real Redis: creation, fail-stop, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from _rjob_stack import eventually, job_manifest, rjob_path
+
+pytestmark = pytest.mark.cluster
+
+PODS = "/api/v1/namespaces/default/pods"
+
+
+async def get_json(emulator: Any, path: str) -> dict[str, Any] | None:
+    response = await emulator.get(path)
+    return await response.json() if response.status == 200 else None
+
+
+async def job_pods(emulator: Any, job: str) -> list[dict[str, Any]]:
+    listing = await get_json(emulator, PODS) or {"items": []}
+    return [p for p in listing["items"] if p["metadata"].get("labels", {}).get("resilientjob.io/job") == job]
+
+
+async def test_create_job_makes_pods_service_configmap_and_status(cluster: Any) -> None:
+    emulator, _, _ = cluster
+    await emulator.post(rjob_path(), json=job_manifest("demo"))
+
+    async def running() -> dict[str, Any] | None:
+        body = await get_json(emulator, rjob_path("demo"))
+        status = (body or {}).get("status") or {}
+        return status if status.get("planGeneration") == 0 and status.get("phase") == "Running" else None
+
+    status = await eventually(running, 20, "status with generation 0")
+    pods = await job_pods(emulator, "demo")
+    assert sorted(p["metadata"]["name"] for p in pods) == [f"demo-node-{n}" for n in range(4)]
+    job = await get_json(emulator, rjob_path("demo"))
+    assert job is not None
+    for pod in pods:
+        meta = pod["metadata"]
+        assert meta["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+        assert meta["annotations"]["resilientjob.io/generation"] == "0"
+        assert meta["annotations"]["resilientjob.io/layout"] == status["layout"]
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["RJOB_NODE"]["value"] == meta["labels"]["resilientjob.io/node"]
+    service = await get_json(emulator, "/api/v1/namespaces/default/services/demo-workers")
+    assert service is not None and service["spec"]["clusterIP"] == "None"
+    configmap = await get_json(emulator, "/api/v1/namespaces/default/configmaps/demo-plan")
+    assert configmap is not None and configmap["data"]["generation"] == "0"
+    plan = json.loads(configmap["data"]["plan.json"])
+    assert plan["layout"] == status["layout"]
+    assert sum(p["microbatches"] for p in plan["plan"]["pipelines"]) == 16
+    assert status["workersTotal"] == 4 and status["layout"].startswith("DP")
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Valid"] == "SpecValid"
+
+
+async def test_deleted_pod_gives_new_generation_within_2s(cluster: Any) -> None:
+    emulator, _, _ = cluster
+    await emulator.post(rjob_path(), json=job_manifest("kill"))
+
+    async def generation(g: int) -> dict[str, Any] | None:
+        status = ((await get_json(emulator, rjob_path("kill"))) or {}).get("status") or {}
+        return status if status.get("planGeneration") == g else None
+
+    await eventually(lambda: generation(0), 20, "generation 0")
+    started = time.monotonic()
+    await emulator.delete(f"{PODS}/kill-node-2")
+    status = await eventually(lambda: generation(1), 2.0, "generation 1 after a pod deletion")
+    elapsed = time.monotonic() - started
+    assert elapsed < 2.0
+    assert status["failedNodes"] == [2]
+    assert status["lastDecision"]["trigger"] == "NodeFailed"
+    assert status["lastDecision"]["nodes"] == [2]
+    plan_nodes = {
+        s["node"]
+        for p in json.loads(
+            (await get_json(emulator, "/api/v1/namespaces/default/configmaps/kill-plan"))["data"]["plan.json"]  # type: ignore[index]
+        )["plan"]["pipelines"]
+        for s in p["stages"]
+        if not s["rerouted_to"]
+    }
+    assert 2 not in plan_nodes
+    for pod in await job_pods(emulator, "kill"):
+        assert pod["metadata"]["annotations"]["resilientjob.io/generation"] == "1"
+
+
+async def test_expired_heartbeat_is_detected_within_3s(cluster: Any, redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    emulator, _, _ = cluster
+    await emulator.post(rjob_path(), json=job_manifest("hb"))
+
+    async def generation(g: int) -> dict[str, Any] | None:
+        status = ((await get_json(emulator, rjob_path("hb"))) or {}).get("status") or {}
+        return status if status.get("planGeneration") == g else None
+
+    await eventually(lambda: generation(0), 20, "generation 0")
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        # Four agents beating every 0.5 s with the agents' TTL; node 1 stops.
+        for _ in range(3):
+            for node in range(4):
+                await client.set(f"rjob:default:hb:hb:{node}", b"{}", px=2000)
+            await asyncio.sleep(0.5)
+        stopped_at = time.monotonic()
+        keep_beating = asyncio.create_task(_beat(client, [0, 2, 3]))
+        status = await eventually(lambda: generation(1), 3.5, "generation 1 after node 1 stopped beating")
+        detected = time.monotonic() - stopped_at
+        keep_beating.cancel()
+    finally:
+        await client.aclose()
+    assert detected < 3.0 + 0.5  # TTL 2 s after the last beat (<= 0.5 s before stopped_at) + poll
+    assert status["failedNodes"] == [1]
+    assert status["lastDecision"]["trigger"] == "HeartbeatExpired"
+    # Fenced: the pod of the silent node is deleted so that it cannot rejoin with stale state.
+    assert "hb-node-1" not in {p["metadata"]["name"] for p in await job_pods(emulator, "hb")}
+
+
+async def _beat(client: Any, nodes: list[int]) -> None:
+    while True:
+        for node in nodes:
+            await client.set(f"rjob:default:hb:hb:{node}", b"{}", px=2000)
+        await asyncio.sleep(0.5)
+
+
+async def test_sigkill_mid_reconfiguration_then_restart_gives_one_generation(
+    cluster: Any, redis_url: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    emulator, _, operator = cluster
+    await emulator.post(rjob_path(), json=job_manifest("crash"))
+
+    async def status_of() -> dict[str, Any]:
+        return ((await get_json(emulator, rjob_path("crash"))) or {}).get("status") or {}
+
+    async def generation(g: int) -> dict[str, Any] | None:
+        status = await status_of()
+        return status if status.get("planGeneration") == g else None
+
+    await eventually(lambda: generation(0), 20, "generation 0")
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        # Kill the operator the moment generation 1 is committed in Redis, before it is fully applied.
+        await emulator.delete(f"{PODS}/crash-node-0")
+
+        async def committed() -> int | None:
+            raw = await client.get("rjob:default:crash:plan")
+            generation = json.loads(raw)["generation"] if raw else 0
+            return generation if generation >= 1 else None
+
+        assert await eventually(committed, 3, "generation 1 committed") == 1
+        operator.kill()
+        operator.start()
+        status = await eventually(lambda: generation(1), 20, "generation 1 applied after the restart")
+        await asyncio.sleep(1.5)  # a restarted operator that re-decided would publish generation 2 by now
+        status = await status_of()
+        raw = await client.get("rjob:default:crash:plan")
+    finally:
+        await client.aclose()
+    assert status["planGeneration"] == 1
+    assert json.loads(raw)["generation"] == 1
+    assert status["failedNodes"] == [0]
+    assert [r["generation"] for r in status["recoveries"]] == [1]
+    pods = await job_pods(emulator, "crash")
+    assert sorted(p["metadata"]["name"] for p in pods) == ["crash-node-1", "crash-node-2", "crash-node-3"]
+    assert {p["metadata"]["annotations"]["resilientjob.io/generation"] for p in pods} == {"1"}
