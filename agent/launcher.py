@@ -1,0 +1,287 @@
+"""Launch and supervise a job's workers with torch elastic; publish plans; fall back to checkpoints.
+
+Each node gets its own `torch.distributed.elastic.multiprocessing` process context (`start_processes`, the
+supervision layer `LocalElasticAgent` is built on), exactly as each pod's agent supervises only its own
+workers: a dead node therefore never tears down the survivors, who reconfigure live. The rendezvous is driven
+by the plan instead of elastic's `RendezvousHandler`: the launcher hosts a `TCPStore`, publishes plan
+generation g under `plan/<g>`, and workers re-initialise the default process group under the `gen<g>/`
+prefix with the plan's ranks (see `runtime.join_world`). Workers are restarted only on the fallback path,
+when no live replica of some layer remains: every process context is closed and the survivors start again
+from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import Plan
+
+from ._runtime_plans import Replanner
+from ._runtime_schedule import world_nodes
+from .worker import JobConfig, worker_main
+
+
+@dataclass(slots=True)
+class Recovery:
+    """One reaction to failures: what happened when (launcher clock, seconds since the epoch)."""
+
+    failed: tuple[int, ...]
+    generation: int
+    policy: str
+    detected_at: float
+    planned_at: float
+    planning_s: float
+    restarted: bool
+    committed_before: int
+
+
+@dataclass(slots=True)
+class JobResult:
+    """Everything a run left in the store, decoded."""
+
+    losses: dict[int, float]
+    samples: dict[int, list[int]]
+    received: dict[int, list[tuple[int, int, int, int]]]
+    plans: list[Plan]
+    recoveries: list[Recovery]
+    events: dict[str, Any]
+    wall_s: float
+    return_values: dict[int, Any] = field(default_factory=dict)
+
+
+class NodeAgent:
+    """One node's supervisor: starts its worker(s) through torch elastic and reports how they ended."""
+
+    def __init__(self, node: int, log_dir: Path, start_method: str) -> None:
+        self.node = node
+        self.log_dir = log_dir
+        self.start_method = start_method
+        self.context: PContext | None = None
+
+    def start(self, args: tuple[object, ...]) -> None:
+        self.context = start_processes(
+            name=f"rjob-node{self.node}",
+            entrypoint=worker_main,
+            args={0: args},
+            envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(self.log_dir / f"node{self.node}"), redirects=Std.ALL),
+            start_method=self.start_method,
+        )
+
+    def poll(self) -> tuple[bool, bool, Any]:
+        """(finished, failed, return value)."""
+        assert self.context is not None
+        result = self.context.wait(timeout=0)
+        if result is None:
+            return False, False, None
+        return True, result.is_failed(), result.return_values.get(0)
+
+    def stop(self) -> None:
+        if self.context is not None:
+            self.context.close()
+
+
+class Launcher:
+    """Runs a job to `config.steps` committed steps through failures, publishing each new plan."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        plan: Plan,
+        replanner: Replanner,
+        log_dir: Path,
+        fail_at: Mapping[int, int] | None = None,
+        reroute_first: bool = False,
+        upgrade_after: int = 2,
+        grace_s: float = 0.5,
+        start_method: str = "forkserver",
+        on_plan: Callable[[Plan], None] | None = None,
+        live: bool = True,
+    ) -> None:
+        self.config = config
+        self.plan = plan.model_copy(update={"generation": 0})
+        self.replanner = replanner
+        self.log_dir = Path(log_dir)
+        self.fail_at = dict(fail_at or {})
+        self.reroute_first = reroute_first
+        self.upgrade_after = upgrade_after
+        self.grace_s = grace_s
+        self.start_method = start_method
+        self.on_plan = on_plan
+        self.live = live
+        # live=False sends every failure down the checkpoint-restart path: the benchmark's baseline.
+        self.store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.agents: dict[int, NodeAgent] = {}
+        self.plans: list[Plan] = []
+        self.recoveries: list[Recovery] = []
+        self.failed: set[int] = set()
+        self.returns: dict[int, Any] = {}
+        self._upgrade_at: int | None = None
+
+    # ---- plans -------------------------------------------------------------------------------------------
+    def publish(self, plan: Plan) -> None:
+        self.store.set(f"plan/{plan.generation}", plan.model_dump_json())
+        self.store.set("generation", str(plan.generation))
+        self.plan = plan
+        self.plans.append(plan)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+
+    def _committed(self) -> int:
+        return int(self.store.add("committed", 0))
+
+    def _fully_applied(self) -> bool:
+        return int(self.store.add(f"applied/{self.plan.generation}", 0)) >= len(world_nodes(self.plan))
+
+    # ---- processes ---------------------------------------------------------------------------------------
+    def _start(self, nodes: list[int], restore: bool) -> None:
+        host, port = "127.0.0.1", self.store.port
+        for node in nodes:
+            agent = NodeAgent(node, self.log_dir, self.start_method)
+            fail_at = None if restore else self.fail_at.get(node)
+            agent.start((node, self.config, host, port, fail_at, restore))
+            self.agents[node] = agent
+
+    def run(self, timeout_s: float = 120.0) -> JobResult:
+        started = time.time()
+        self.publish(self.plan)
+        self._start(list(self.plan.nodes), restore=False)
+        running = set(self.agents)
+        while running:
+            if time.time() - started > timeout_s:
+                self.shutdown()
+                raise TimeoutError(f"timeout_s: job did not finish within {timeout_s} s")
+            newly_failed = self._poll(running)
+            if newly_failed:
+                detected = time.time()
+                time.sleep(self.grace_s)  # simultaneous failures arrive within a short window: plan once
+                newly_failed |= self._poll(running)
+                self._recover(frozenset(newly_failed), detected, running)
+            elif self._upgrade_at is not None and self._committed() >= self._upgrade_at:
+                self._upgrade_at = None
+                self.publish(self.replanner.dynamic(self.plan, frozenset(self.failed)))
+            time.sleep(0.02)
+        return self._result(time.time() - started)
+
+    def _poll(self, running: set[int]) -> set[int]:
+        failed = set()
+        for node in sorted(running):
+            finished, is_failed, value = self.agents[node].poll()
+            if finished:
+                running.discard(node)
+                if is_failed:
+                    failed.add(node)
+                else:
+                    self.returns[node] = value
+        self.failed |= failed
+        return failed
+
+    def _recover(self, failed: frozenset[int], detected: float, running: set[int]) -> None:
+        committed = self._committed()
+        begin = time.perf_counter()
+        restart = (
+            not self.live or not self._fully_applied()
+        )  # a failure in the middle of a switch: layers may be half-copied
+        plan: Plan | None = None
+        if not restart:
+            try:
+                if self.reroute_first:
+                    plan = self.replanner.reroute(self.plan, frozenset(self.failed))
+                    self._upgrade_at = committed + self.upgrade_after
+                else:
+                    plan = self.replanner.dynamic(self.plan, frozenset(self.failed))
+            except PlannerError:
+                try:  # rerouting impossible (a stage lost every peer) but a layout may still be placed
+                    plan = self.replanner.dynamic(self.plan, frozenset(self.failed))
+                    self._upgrade_at = None
+                except PlannerError:
+                    restart = True
+        if restart or plan is None:
+            for node in sorted(running):
+                self.agents[node].stop()
+            alive = sorted(running)
+            running.clear()
+            plan = self.replanner.restart(self.plan, alive)
+            self._upgrade_at = None
+        planning = time.perf_counter() - begin
+        plan = plan.model_copy(update={"planning_s": planning})
+        self.recoveries.append(
+            Recovery(
+                failed=tuple(sorted(failed)),
+                generation=plan.generation,
+                policy=str(plan.policy),
+                detected_at=detected,
+                planned_at=time.time(),
+                planning_s=planning,
+                restarted=restart,
+                committed_before=committed,
+            )
+        )
+        self.publish(plan)
+        if restart:
+            self._start(list(plan.nodes), restore=True)
+            running.update(plan.nodes)
+
+    def shutdown(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+
+    # ---- results -----------------------------------------------------------------------------------------
+    def _get(self, key: str) -> str | None:
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def _result(self, wall_s: float) -> JobResult:
+        losses: dict[int, float] = {}
+        samples: dict[int, list[int]] = {}
+        for step in range(self.config.steps):
+            text = self._get(f"loss/{step}")
+            if text is not None:
+                losses[step] = float(text.split(":", 1)[1])
+            entries = self._get(f"samples/{step}")
+            if entries:
+                parsed = [entry.split(":", 1) for entry in entries.split(";") if entry]
+                newest = max(
+                    int(g) for g, _ in parsed
+                )  # a step redone after a restart supersedes the lost one
+                samples[step] = [int(i) for g, ids in parsed if int(g) == newest for i in ids.split(",")]
+        received: dict[int, list[tuple[int, int, int, int]]] = {}
+        events: dict[str, Any] = {}
+        for plan in self.plans:
+            text = self._get(f"received/{plan.generation}")
+            rows = [tuple(int(v) for v in row.split(",")) for row in (text or "").split(";") if row]
+            received[plan.generation] = rows  # type: ignore[assignment]
+            for node in range(max(self.plan.nodes + tuple(self.failed)) + 1):
+                for kind in ("applied", "abort", "resumed"):
+                    value = self._get(f"event/{kind}/{plan.generation}/{node}")
+                    if value is not None:
+                        events[f"{kind}/{plan.generation}/{node}"] = (
+                            json.loads(value) if kind == "applied" else float(value)
+                        )
+        for node in self.failed:
+            value = self._get(f"event/fail/{node}")
+            if value is not None:
+                events[f"fail/{node}"] = float(value)
+        return JobResult(
+            losses=losses,
+            samples=samples,
+            received=received,
+            plans=list(self.plans),
+            recoveries=list(self.recoveries),
+            events=events,
+            wall_s=wall_s,
+            return_values=dict(self.returns),
+        )

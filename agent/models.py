@@ -1,0 +1,324 @@
+"""Models as ordered layer lists (embedding ... blocks ... head), the unit every plan splits and moves.
+
+The runtime never sees a monolithic `nn.Module`: a stage holds layers [start, end) and a transfer moves one
+layer, so models are described by a `ModelSpec` that can build any single layer on demand. Layer `i` is
+initialised from its own seed, so every worker that builds layer `i` gets bit-identical weights without
+communicating, and a worker that receives layer `i` later can allocate it and overwrite it in place.
+
+Built in: a small GPT (pre-norm attention + GELU MLP), a Llama-style stack (RMSNorm, rotary attention,
+SwiGLU, no biases) and calibrated-sleep layers whose compute is a sleep of a fixed duration, so that two CPU
+cores can emulate many workers without contention distorting step times. User models come from
+`module:function` returning the ordered layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelKind(StrEnum):
+    GPT = "gpt"
+    LLAMA = "llama"
+    SLEEP = "sleep"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a built-in model. `layers` counts every layer: embedding + blocks + head."""
+
+    kind: ModelKind = ModelKind.GPT
+    layers: int = 8
+    vocab: int = 32
+    hidden: int = 32
+    heads: int = 2
+    seq_len: int = 16
+    seed: int = 0
+    forward_sleep_s: float = 0.0
+    """Sleep layers only: seconds per forward per micro-batch (backward sleeps twice as long)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ModelKind):
+            raise ValueError(f"kind: must be one of {[k.value for k in ModelKind]}, got {self.kind!r}")
+        if self.layers < 3 and self.kind != ModelKind.SLEEP:
+            raise ValueError(f"layers: need embedding + at least one block + head (3), got {self.layers}")
+        if self.layers < 1:
+            raise ValueError(f"layers: must be >= 1, got {self.layers}")
+        for name in ("vocab", "hidden", "heads", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: must divide hidden={self.hidden}, got {self.heads}")
+        if self.forward_sleep_s < 0:
+            raise ValueError(f"forward_sleep_s: must be >= 0, got {self.forward_sleep_s}")
+
+
+# ---- layers ----------------------------------------------------------------------------------------------
+class Embedding(nn.Module):
+    """Token + learned position embedding; input token ids (m, T) -> hidden (m, T, d)."""
+
+    def __init__(self, vocab: int, hidden: int, seq_len: int, positions: bool = True) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.positions = nn.Parameter(torch.randn(seq_len, hidden) * 0.02) if positions else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.tokens(tokens)
+        if self.positions is not None:
+            hidden = hidden + self.positions[: tokens.shape[1]]
+        return hidden
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on (m, heads, T, head_dim); pairs the two halves of the head dimension."""
+    _, _, length, dim = x.shape
+    half = dim // 2
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype) / half))
+    angles = torch.arange(length, dtype=x.dtype)[:, None] * freqs[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., :half], x[..., half : 2 * half]
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, bias: bool, rotary: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.out = nn.Linear(hidden, hidden, bias=bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        q, k, v = self.qkv(x).split(hidden, dim=-1)
+        shape = (batch, length, self.heads, hidden // self.heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        if self.rotary:
+            q, k = _rotary(q), _rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(batch, length, hidden))
+        return out
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block (GPT-2 style)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, bias=True, rotary=False)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, rotary attention without biases, SwiGLU MLP (Llama 2 style)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        inner = 4 * hidden * 2 // 3
+        self.norm1 = RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, bias=False, rotary=True)
+        self.norm2 = RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, inner, bias=False)
+        self.up = nn.Linear(hidden, inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x)
+        out: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return out
+
+
+class Head(nn.Module):
+    """Final norm + projection to vocabulary logits."""
+
+    def __init__(self, hidden: int, vocab: int, rms: bool = False) -> None:
+        super().__init__()
+        self.norm: nn.Module = RMSNorm(hidden) if rms else nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(self.norm(x))
+        return out
+
+
+class _SleepFn(torch.autograd.Function):
+    """Identity whose forward and backward take a calibrated wall-clock time without using the CPU."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, fwd: float, bwd: float
+    ) -> torch.Tensor:
+        ctx.backward_s = bwd  # type: ignore[attr-defined]
+        time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)  # type: ignore[attr-defined]
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    """A tiny affine layer whose compute is a calibrated sleep (so many emulated workers fit on 2 cores)."""
+
+    def __init__(self, hidden: int, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.forward_s = forward_s
+        self.backward_s = backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.long:  # first layer: token ids -> a float hidden state
+            x = F.one_hot(x, self.scale.numel()).float()
+        out: torch.Tensor = _SleepFn.apply(  # type: ignore[no-untyped-call]
+            x * self.scale, self.forward_s, self.backward_s
+        )
+        return out
+
+
+# ---- model specs -----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ModelSpec:
+    """Builds layer `i` of a model identically on every worker; knows the activation shape between layers."""
+
+    name: str
+    num_layers: int
+    build: Callable[[int], nn.Module]
+    vocab: int
+    seq_len: int
+    hidden_shape: Callable[[int], tuple[int, ...]]
+    """Activation shape between layers for a micro-batch of the given size."""
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def layer(self, index: int) -> nn.Module:
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer: {index} outside [0, {self.num_layers})")
+        return self.build(index)
+
+
+def builtin_model(config: ModelConfig) -> ModelSpec:
+    """The GPT, Llama-style or sleep model of `config` as a `ModelSpec`."""
+    hidden, last = config.hidden, config.layers - 1
+
+    def build(index: int) -> nn.Module:
+        # Seeding per layer makes layer i's initial weights independent of which other layers a worker holds.
+        torch.manual_seed(config.seed * 100_003 + index)
+        if config.kind == ModelKind.SLEEP:
+            return SleepLayer(hidden, config.forward_sleep_s, 2 * config.forward_sleep_s)
+        llama = config.kind == ModelKind.LLAMA
+        if index == 0:
+            return Embedding(config.vocab, hidden, config.seq_len, positions=not llama)
+        if index == last:
+            return Head(hidden, config.vocab, rms=llama)
+        return LlamaBlock(hidden, config.heads) if llama else GPTBlock(hidden, config.heads)
+
+    return ModelSpec(
+        name=f"{config.kind.value}-{config.layers}",
+        num_layers=config.layers,
+        build=build,
+        vocab=config.vocab if config.kind != ModelKind.SLEEP else hidden,
+        seq_len=config.seq_len,
+        hidden_shape=lambda micro: (micro, config.seq_len, hidden),
+        meta={"config": config},
+    )
+
+
+def user_model(target: str, vocab: int, seq_len: int, seed: int = 0) -> ModelSpec:
+    """A model from `module:function`; the function returns the ordered layers (embedding ... head).
+
+    The function is called once (seeded), layers are deep-copied on demand, and the activation shape between
+    layers is read from one forward pass over a one-sample batch (the layers must share it).
+    """
+    module_name, sep, function_name = target.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"model: expected 'module:function', got {target!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"model: cannot load {target!r}: {exc}") from None
+    torch.manual_seed(seed)
+    layers: Sequence[nn.Module] = list(function())
+    if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
+        raise ValueError(f"model: {target!r} must return a non-empty sequence of torch.nn.Module")
+    with torch.no_grad():
+        x = torch.zeros(1, seq_len, dtype=torch.long)
+        shapes = []
+        for layer in layers[:-1]:
+            x = layer(x)
+            shapes.append(tuple(x.shape[1:]))
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"model: layers of {target!r} must share one activation shape, got {sorted(set(shapes))}"
+        )
+    inner = shapes[0] if shapes else (seq_len,)
+    return ModelSpec(
+        name=target,
+        num_layers=len(layers),
+        build=lambda index: copy.deepcopy(layers[index]),
+        vocab=vocab,
+        seq_len=seq_len,
+        hidden_shape=lambda micro: (micro, *inner),
+    )
+
+
+def load_model(name: str, **overrides: object) -> ModelSpec:
+    """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides) or `module:function`."""
+    if ":" in name:
+        return user_model(
+            name,
+            vocab=int(overrides.get("vocab", 32)),  # type: ignore[call-overload]
+            seq_len=int(overrides.get("seq_len", 16)),  # type: ignore[call-overload]
+            seed=int(overrides.get("seed", 0)),  # type: ignore[call-overload]
+        )
+    try:
+        kind = ModelKind(name)
+    except ValueError:
+        raise ValueError(
+            f"model: expected one of {[k.value for k in ModelKind]} or module:function, got {name!r}"
+        ) from None
+    return builtin_model(ModelConfig(kind=kind, **overrides))  # type: ignore[arg-type]
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample loss summed over the micro-batch: each sample's mean token cross-entropy.
+
+    Summing (not averaging) per sample lets the runtime divide by the global batch once, so any split of the
+    batch over pipelines and micro-batches yields the gradient of the same global mean.
+    """
+    if logits.dim() == 3:
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return per_token.mean(dim=1).sum()
+    return F.mse_loss(logits, torch.zeros_like(logits), reduction="sum") / max(1, logits[0].numel())

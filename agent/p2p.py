@@ -1,0 +1,129 @@
+"""A layer's trainable state (parameters + AdamW state) and its peer-to-peer copy between workers.
+
+A layer travels as a fixed list of tensors: its parameters in `named_parameters` order, then per parameter
+the AdamW `exp_avg`, `exp_avg_sq` and `step`. The optimizer state is created eagerly (zeros, step 0; AdamW's
+first update is then identical to its lazy initialisation), so the list, and therefore the bytes a transfer
+moves, is the same before and after the first step and equals `layer_state_bytes`, the figure the profiler
+writes into `LayerProfile.param_bytes + optimizer_bytes` and the restorer puts into `Transfer.bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilientjob.planner.plan import Transfer
+
+# Tags of layer-state messages live above the pipeline's activation tags.
+_TAG_BASE = 1 << 30
+
+
+@dataclass(slots=True)
+class LayerState:
+    """One layer held by a worker: the module and its own AdamW (AdamW is element-wise, so per-layer
+    optimizers update exactly as one optimizer over all layers would)."""
+
+    index: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer = field(init=False)
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=self.lr, weight_decay=0.0, foreach=False
+        )
+        for param in self.module.parameters():
+            self.optimizer.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param),
+                "exp_avg_sq": torch.zeros_like(param),
+            }
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything that defines this layer's training state, in wire order."""
+        params = [param.detach() for param in self.module.parameters()]
+        state = [
+            self.optimizer.state[param][key]
+            for param in self.module.parameters()
+            for key in ("exp_avg", "exp_avg_sq", "step")
+        ]
+        return params + state
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The same tensors keyed by name (checkpoint keys)."""
+        out = {f"param.{name}": param.detach() for name, param in self.module.named_parameters()}
+        for name, param in self.module.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                out[f"optim.{name}.{key}"] = self.optimizer.state[param][key]
+        return out
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors())
+
+
+def layer_state_bytes(module: nn.Module) -> tuple[int, int]:
+    """(parameter bytes, optimizer bytes) of a layer as the runtime stores and sends it."""
+    params = list(module.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    step_bytes = torch.tensor(0.0).element_size()
+    return param_bytes, 2 * param_bytes + step_bytes * len(params)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """What actually crossed the wire for one planned transfer."""
+
+    layer: int
+    src: int
+    dst: int
+    bytes: int
+
+
+def execute_transfers(
+    transfers: Iterable[Transfer],
+    node: int,
+    rank_of: Mapping[int, int],
+    layers: dict[int, LayerState],
+    make_layer: Callable[[int], LayerState],
+    timeout_s: float,
+) -> list[TransferRecord]:
+    """Send and receive this node's share of the transfer plan; return what this node received.
+
+    Sends are non-blocking and receives blocking, in the plan's order on every node, so two nodes that send
+    each other layers cannot deadlock. A received layer enters `layers` only once all its tensors arrived.
+    """
+    pending: list[dist.Work] = []
+    received: list[TransferRecord] = []
+    wait = timedelta(seconds=timeout_s)
+    for transfer in transfers:
+        if transfer.src == node:
+            if transfer.layer not in layers:
+                raise RuntimeError(f"transfer: node {node} must send layer {transfer.layer} it does not hold")
+            for offset, tensor in enumerate(layers[transfer.layer].tensors()):
+                tag = _TAG_BASE + transfer.layer * 1024 + offset
+                work = dist.isend(tensor.contiguous(), dst=rank_of[transfer.dst], tag=tag)
+                if work is not None:
+                    pending.append(work)
+        elif transfer.dst == node:
+            fresh = make_layer(transfer.layer)
+            size = 0
+            with torch.no_grad():
+                for offset, tensor in enumerate(fresh.tensors()):
+                    tag = _TAG_BASE + transfer.layer * 1024 + offset
+                    work = dist.irecv(tensor, src=rank_of[transfer.src], tag=tag)
+                    if work is not None:
+                        work.wait(wait)
+                    size += tensor.nbytes
+            layers[transfer.layer] = fresh
+            received.append(TransferRecord(transfer.layer, transfer.src, transfer.dst, size))
+    for work in pending:
+        work.wait(wait)
+    return received

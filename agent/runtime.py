@@ -1,0 +1,289 @@
+"""The training runtime of one worker: execute any plan, and switch to a new plan in the same process.
+
+A `Trainer` holds the layers its node owns under the current plan. One step runs the node's 1F1B ops (see
+`_runtime_schedule`), sums gradients layer range by layer range across replicas in the restorer's colour
+rounds, then commits: a world all-reduce of the step's loss and of a "new plan seen" flag, after which every
+worker applies its optimizers. Only committed steps count; a step that fails before the commit is abandoned
+and redone under the next plan, so the global step and the global batch are preserved.
+
+Why the update equals the symmetric one: each micro-batch's loss is the sum of its per-sample losses divided
+by the global batch B, and replicas' gradients are summed (never averaged). Whatever the split of the batch
+over pipelines, micro-batches or rerouted peers, every parameter receives sum(per-sample gradients) / B.
+
+Reconfiguration re-initialises the default process group in place: `destroy_process_group()`, then
+`init_process_group(store=PrefixStore(f"gen{g}/", store))` over the same TCPStore the launcher hosts, with
+this plan's ranks; the per-generation prefix keeps the new rendezvous from reading the old one's keys. A
+collective blocked on a dead peer fails after `collective_timeout_s` (gloo timeouts), not after 30 minutes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+
+from resilientjob.planner.plan import Plan
+
+from ._runtime_schedule import Op, OpKind, SyncGroup, build_ops, held_layers, sync_groups, world_nodes
+from .data import SampleOrder, SyntheticDataset
+from .models import ModelSpec, lm_loss
+from .p2p import LayerState, TransferRecord, execute_transfers
+
+
+class ReconfigurationError(RuntimeError):
+    """The new world cannot resume live (workers disagree on the step); the checkpoint path must take over."""
+
+
+def backend_for(device: torch.device | str) -> str:
+    """Collective backend for a device type: CUDA -> NCCL, Ascend NPU -> HCCL, CPU -> gloo."""
+    # A string is split by hand: torch.device("npu") only parses once torch_npu has registered the type.
+    kind = device.split(":")[0] if isinstance(device, str) else device.type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  - registers the NPU device and the HCCL backend (extra `ascend`)
+        except ImportError:
+            raise ValueError("device: npu needs torch_npu (pip install 'resilientjob[ascend]')") from None
+        return "hccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ValueError(f"device: no collective backend for device type {kind!r}")
+
+
+def join_world(
+    store: Store, generation: int, rank: int, world_size: int, timeout_s: float, device: str = "cpu"
+) -> None:
+    """(Re)create the default process group for one plan generation, in this process."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        backend=backend_for(device),
+        store=PrefixStore(f"gen{generation}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds spent in each phase of the last reconfiguration (written to the store for benchmarks)."""
+
+    rendezvous_s: float = 0.0
+    copy_s: float = 0.0
+    bytes_received: int = 0
+
+
+@dataclass(slots=True)
+class Trainer:
+    """One worker's model shard, optimizer state and position in the data stream."""
+
+    node: int
+    model: ModelSpec
+    dataset: SyntheticDataset
+    global_batch: int
+    lr: float = 1e-3
+    collective_timeout_s: float = 5.0
+    device: str = "cpu"
+    layers: dict[int, LayerState] = field(default_factory=dict)
+    step: int = 0
+    """Committed steps so far; the next step to run."""
+    plan: Plan | None = None
+    generation: int = -1
+    received: list[TransferRecord] = field(default_factory=list)
+    timings: StepTimings = field(default_factory=StepTimings)
+    _ops: list[Op] = field(default_factory=list)
+    _groups: list[tuple[SyncGroup, dist.ProcessGroup | None]] = field(default_factory=list)
+    _rank_of: dict[int, int] = field(default_factory=dict)
+    _order: SampleOrder | None = None
+
+    def __post_init__(self) -> None:
+        self._order = SampleOrder(self.dataset.num_samples, self.global_batch, seed=self.dataset.seed)
+
+    # ---- layers ------------------------------------------------------------------------------------------
+    def make_layer(self, index: int) -> LayerState:
+        return LayerState(index, self.model.layer(index), lr=self.lr)
+
+    def init_layers(self, plan: Plan) -> None:
+        """Build this node's layers of the first plan from their seeds (no communication)."""
+        for index in sorted(held_layers(plan).get(self.node, set())):
+            self.layers[index] = self.make_layer(index)
+
+    @property
+    def active(self) -> bool:
+        return self.plan is not None and self.node in self._rank_of
+
+    # ---- plans -------------------------------------------------------------------------------------------
+    def apply_plan(self, plan: Plan, store: Store) -> bool:
+        """Join plan `plan.generation`, copy missing layers, drop surplus ones.
+
+        Returns False if this node has no part in the plan."""
+        if plan.global_batch != self.global_batch:
+            raise ReconfigurationError(
+                f"global_batch: plan has {plan.global_batch}, job runs {self.global_batch}"
+            )
+        nodes = world_nodes(plan)
+        self.plan, self.generation = plan, plan.generation
+        if self.node not in nodes:
+            self._rank_of = {}
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return False
+        started = time.perf_counter()
+        self._rank_of = {node: rank for rank, node in enumerate(nodes)}
+        join_world(
+            store,
+            plan.generation,
+            self._rank_of[self.node],
+            len(nodes),
+            self.collective_timeout_s,
+            self.device,
+        )
+        # Everyone resumes at the same committed step, or nobody resumes live.
+        steps = torch.tensor([self.step, -self.step], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if int(steps[0]) != -int(steps[1]):
+            raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
+        rendezvous = time.perf_counter()
+        records = execute_transfers(
+            plan.transfers, self.node, self._rank_of, self.layers, self.make_layer, self.collective_timeout_s
+        )
+        keep = held_layers(plan).get(self.node, set())
+        missing = keep - set(self.layers)
+        if missing:
+            raise ReconfigurationError(
+                f"transfers: node {self.node} lacks layers {sorted(missing)} after copying"
+            )
+        for index in set(self.layers) - keep:
+            del self.layers[index]
+        self.received.extend(records)
+        self._ops = build_ops(plan).get(self.node, [])
+        self._groups = []
+        for group in sync_groups(plan):
+            # Every rank must take part in creating every group, members or not.
+            ranks = [self._rank_of[node] for node in group.holders]
+            handle = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            if self.node in group.holders:
+                self._groups.append((group, handle))
+        self.timings = StepTimings(
+            rendezvous_s=rendezvous - started,
+            copy_s=time.perf_counter() - rendezvous,
+            bytes_received=sum(record.bytes for record in records),
+        )
+        return True
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def _inputs(self, step: int, microbatch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        assert self._order is not None and self.plan is not None
+        ids = self._order.microbatch_ids(step, microbatch, self.plan.microbatch_size)
+        inputs, targets = self.dataset.batch(ids)
+        return ids, inputs, targets
+
+    def _forward(self, layers: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+        for index in range(*layers):
+            x = self.layers[index].module(x)
+        return x
+
+    def _recv(
+        self, shape: tuple[int, ...], src: int, tag: int, mailbox: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        if src == self.node:
+            return mailbox.pop(tag)
+        buffer = torch.empty(shape)
+        work = dist.irecv(buffer, src=self._rank_of[src], tag=tag)
+        if work is not None:
+            work.wait(timedelta(seconds=self.collective_timeout_s))
+        return buffer
+
+    def run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
+        """Run and commit one step. Returns (mean loss, whether a newer plan is waiting, sample ids whose
+        loss this node computed). Raises RuntimeError if a peer fails; nothing is committed then."""
+        assert self.plan is not None and self._order is not None
+        step, plan = self.step, self.plan
+        for layer in self.layers.values():
+            layer.zero_grad()
+        shape = self.model.hidden_shape(plan.microbatch_size)
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        mailbox: dict[int, torch.Tensor] = {}
+        sends: list[dist.Work] = []
+        loss_sum = 0.0
+        sample_ids: list[int] = []
+        for op in self._ops:
+            key = (op.microbatch, op.layers[0])
+            if op.kind == OpKind.FORWARD:
+                if op.first:
+                    ids, x, targets = self._inputs(step, op.microbatch)
+                    inputs: torch.Tensor | None = None
+                else:
+                    assert op.recv_from is not None
+                    x = self._recv(shape, op.recv_from, op.tag, mailbox).requires_grad_()
+                    inputs = x
+                y = self._forward(op.layers, x)
+                if op.last:
+                    ids, _, targets = self._inputs(step, op.microbatch)
+                    y = lm_loss(y, targets) / plan.global_batch
+                    loss_sum += float(y.detach())
+                    sample_ids.extend(ids)
+                else:
+                    sends.extend(self._send(y.detach(), op.send_to, op.send_tag, mailbox))
+                saved[key] = (inputs, y)
+            else:
+                inputs, y = saved.pop(key)
+                if op.last:
+                    torch.autograd.backward([y])
+                else:
+                    assert op.recv_from is not None
+                    torch.autograd.backward([y], [self._recv(tuple(y.shape), op.recv_from, op.tag, mailbox)])
+                if inputs is not None:
+                    assert inputs.grad is not None
+                    sends.extend(self._send(inputs.grad, op.send_to, op.send_tag, mailbox))
+        wait = timedelta(seconds=self.collective_timeout_s)
+        for work in sends:
+            work.wait(wait)
+        self._sync_gradients()
+        # Commit: the loss sum, and whether anybody saw a newer plan (so all switch after the same step).
+        commit = torch.tensor(
+            [loss_sum, 1.0 if latest_generation > self.generation else 0.0], dtype=torch.float64
+        )
+        dist.all_reduce(commit)
+        for layer in self.layers.values():
+            layer.optimizer.step()
+        self.step += 1
+        return float(commit[0]), bool(commit[1] > 0), sample_ids
+
+    def _send(
+        self, tensor: torch.Tensor, dst: int | None, tag: int, mailbox: dict[int, torch.Tensor]
+    ) -> list[dist.Work]:
+        assert dst is not None
+        if dst == self.node:
+            mailbox[tag] = tensor
+            return []
+        work = dist.isend(tensor.contiguous(), dst=self._rank_of[dst], tag=tag)
+        return [work] if work is not None else []
+
+    def _sync_gradients(self) -> None:
+        """Sum gradients of each layer range over its holders, one colour round at a time."""
+        wait = timedelta(seconds=self.collective_timeout_s)
+        rounds = sorted({group.round for group, _ in self._groups})
+        for number in rounds:
+            in_flight = []
+            for group, handle in self._groups:
+                if group.round != number or handle is None:
+                    continue
+                params = [p for index in range(*group.layers) for p in self.layers[index].module.parameters()]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                work = dist.all_reduce(flat, group=handle, async_op=True)
+                in_flight.append((work, flat, params))
+            for work, flat, params in in_flight:
+                work.wait(wait)
+                offset = 0
+                for param in params:
+                    count = param.numel()
+                    param.grad = flat[offset : offset + count].view_as(param).clone()
+                    offset += count

@@ -1,0 +1,258 @@
+"""The worker process: one per device, driven by plans the launcher publishes in the job's TCPStore.
+
+Store layout (the launcher hosts the store; in a cluster the agent mirrors the operator's Redis plan into it):
+  generation            newest plan generation (integer)
+  plan/<g>              Plan JSON of generation g
+  applied/<g>           count of workers that finished switching to g
+  loss/<step>           "<g>:<loss>" written by world rank 0 at each commit
+  committed             committed steps so far
+  samples/<step>        "<g>:<ids>;" appended by every node that computed losses in that step
+  received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
+  event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store, TCPStore
+
+from resilientjob.planner.plan import Plan
+
+from ._runtime_schedule import held_layers
+from .checkpoint import Checkpointer
+from .data import SyntheticDataset
+from .models import load_model
+from .p2p import LayerState
+from .runtime import ReconfigurationError, Trainer
+
+FAILURE_EXIT_CODE = 17
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    """What every worker of a job needs besides the plan."""
+
+    model: str = "gpt"
+    model_options: dict[str, object] = field(default_factory=dict)
+    num_samples: int = 256
+    seed: int = 0
+    lr: float = 3e-3
+    steps: int = 10
+    collective_timeout_s: float = 5.0
+    """A collective or receive blocked on a dead peer fails after this long."""
+    plan_timeout_s: float = 60.0
+    """How long a worker waits for the next plan after a failure before giving up."""
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 5
+    async_checkpoint: bool = True
+    return_state: bool = False
+    """Return each worker's final layer parameters (tests compare them with the reference run)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "steps", "checkpoint_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("collective_timeout_s", "plan_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def read_generation(store: Store) -> int:
+    return int(store.add("generation", 0))
+
+
+def read_plan(store: Store, generation: int) -> Plan:
+    return Plan.model_validate_json(store.get(f"plan/{generation}"))
+
+
+def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan:
+    """Block until a plan newer than `generation` is published; return the newest."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        latest = read_generation(store)
+        if latest > generation:
+            return read_plan(store, latest)
+        time.sleep(0.02)
+    raise TimeoutError(f"plan_timeout_s: no plan after generation {generation} within {timeout_s} s")
+
+
+def _settle(trainer: Trainer, store: Store, plan: Plan, timeout_s: float) -> bool:
+    """Apply `plan`, or the next one if a peer dies during the switch. False if this node is left out."""
+    while True:
+        try:
+            joined = trainer.apply_plan(plan, store)
+        except ReconfigurationError:
+            raise
+        except RuntimeError:
+            plan = wait_for_plan_after(store, plan.generation, timeout_s)
+            continue
+        generation = plan.generation
+        store.add(f"applied/{generation}", 1)
+        timings = trainer.timings
+        store.set(
+            f"event/applied/{generation}/{trainer.node}",
+            json.dumps(
+                {
+                    "time": time.time(),
+                    "rendezvous_s": timings.rendezvous_s,
+                    "copy_s": timings.copy_s,
+                    "bytes": timings.bytes_received,
+                }
+            ),
+        )
+        for record in trainer.received:
+            if record.dst == trainer.node:
+                store.append(  # type: ignore[attr-defined]
+                    f"received/{generation}", f"{record.layer},{record.src},{record.dst},{record.bytes};"
+                )
+        trainer.received.clear()
+        return joined
+
+
+def worker_main(
+    node: int, config: JobConfig, host: str, port: int, fail_at: int | None, restore: bool
+) -> dict[str, object]:
+    """Entry point of one worker process (started by the launcher through torch elastic)."""
+    torch.set_num_threads(1)
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+    model = load_model(config.model, **config.model_options)
+    dataset = SyntheticDataset(config.num_samples, seq_len=model.seq_len, vocab=model.vocab, seed=config.seed)
+    plan = read_plan(store, read_generation(store))
+    trainer = Trainer(
+        node=node,
+        model=model,
+        dataset=dataset,
+        global_batch=plan.global_batch,
+        lr=config.lr,
+        collective_timeout_s=config.collective_timeout_s,
+    )
+    checkpointer = (
+        Checkpointer(Path(config.checkpoint_dir), config.checkpoint_interval, config.async_checkpoint)
+        if config.checkpoint_dir
+        else None
+    )
+    trainer.init_layers(plan)
+    if restore:
+        if checkpointer is None:
+            raise ValueError("checkpoint_dir: a restart needs a checkpoint directory")
+        step = checkpointer.latest_complete(model.num_layers)
+        if step is not None:
+            for layer in trainer.layers.values():
+                checkpointer.load(step, layer)
+            trainer.step = step
+        else:  # nothing complete yet: start over from the seeded initial weights
+            trainer.step = 0
+    if not _settle(trainer, store, plan, config.plan_timeout_s):
+        return {"node": node, "step": trainer.step, "left": True}
+    resumed_generation = -1
+    first_grads: dict[int, list[torch.Tensor]] = {}
+    while trainer.step < config.steps:
+        if fail_at is not None and trainer.step == fail_at:
+            store.set(f"event/fail/{node}", repr(time.time()))
+            os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets
+        step = trainer.step
+        try:
+            loss, switch, ids = trainer.run_step(read_generation(store))
+        except ReconfigurationError:
+            raise
+        except RuntimeError:
+            store.set(f"event/abort/{trainer.generation}/{node}", repr(time.time()))
+            new_plan = wait_for_plan_after(store, trainer.generation, config.plan_timeout_s)
+            if not _settle(trainer, store, new_plan, config.plan_timeout_s):
+                break
+            continue
+        if config.return_state and step == 0:
+            first_grads = _grads(trainer.layers)
+        if trainer.generation != resumed_generation:
+            resumed_generation = trainer.generation
+            store.set(f"event/resumed/{trainer.generation}/{node}", repr(time.time()))
+        if trainer._rank_of.get(node) == 0:
+            store.set(f"loss/{step}", f"{trainer.generation}:{loss!r}")
+            store.set("committed", str(trainer.step))
+        if ids:
+            store.append(  # type: ignore[attr-defined]
+                f"samples/{step}", f"{trainer.generation}:{','.join(map(str, ids))};"
+            )
+        if checkpointer is not None and checkpointer.due(trainer.step):
+            assert trainer.plan is not None
+            owners = _designated_writers(trainer.plan)
+            checkpointer.save(
+                trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
+            )
+        latest = read_plan(store, read_generation(store)) if switch else None
+        if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s):
+            break
+    if checkpointer is not None:
+        checkpointer.wait()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    result: dict[str, object] = {"node": node, "step": trainer.step, "left": trainer.step < config.steps}
+    if config.return_state:
+        result["params"] = {
+            index: [p.detach().clone() for p in layer.module.parameters()]
+            for index, layer in trainer.layers.items()
+        }
+        result["first_grads"] = first_grads
+    return result
+
+
+def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:
+    """The synchronised gradients of a step (optimizers leave them in place until the next step)."""
+    return {
+        index: [
+            p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.module.parameters()
+        ]
+        for index, layer in layers.items()
+    }
+
+
+def _designated_writers(plan: Plan) -> dict[int, int]:
+    """Layer -> the lowest node holding it: exactly one writer per layer per checkpoint."""
+    owners: dict[int, int] = {}
+    for node, layers in sorted(held_layers(plan).items()):
+        for layer in layers:
+            owners.setdefault(layer, node)
+    return owners
+
+
+def reference_run(
+    config: JobConfig, global_batch: int, microbatch_size: int
+) -> tuple[list[float], dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]]:
+    """The failure-free single-process run of the same job (same seed, data order and global batch)."""
+    from .data import SampleOrder
+    from .models import lm_loss
+
+    model = load_model(config.model, **config.model_options)
+    dataset = SyntheticDataset(config.num_samples, seq_len=model.seq_len, vocab=model.vocab, seed=config.seed)
+    order = SampleOrder(config.num_samples, global_batch, seed=config.seed)
+    layers = [LayerState(index, model.layer(index), lr=config.lr) for index in range(model.num_layers)]
+    losses = []
+    first_grads: dict[int, list[torch.Tensor]] = {}
+    for step in range(config.steps):
+        for layer in layers:
+            layer.zero_grad()
+        total = 0.0
+        for microbatch in range(global_batch // microbatch_size):
+            inputs, targets = dataset.batch(order.microbatch_ids(step, microbatch, microbatch_size))
+            x = inputs
+            for layer in layers:
+                x = layer.module(x)
+            loss = lm_loss(x, targets) / global_batch
+            torch.autograd.backward([loss])
+            total += float(loss.detach())
+        if step == 0:
+            first_grads = _grads(dict(enumerate(layers)))
+        for layer in layers:
+            layer.optimizer.step()
+        losses.append(total)
+    params = {layer.index: [p.detach().clone() for p in layer.module.parameters()] for layer in layers}
+    return losses, params, first_grads

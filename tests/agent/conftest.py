@@ -1,0 +1,38 @@
+"""Fixtures for the training runtime tests: a tiny GPT job and its exact byte profile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from resilientjob.agent.models import load_model
+from resilientjob.agent.profiler import measure_profile
+from resilientjob.agent.worker import JobConfig
+from resilientjob.planner.profile import ModelProfile
+
+GPT8 = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
+
+
+@pytest.fixture(scope="session")
+def gpt_profile() -> ModelProfile:
+    """Bytes are exact (what the runtime sends); times are nominal so plans do not depend on CPU load."""
+    return measure_profile(load_model("gpt", **GPT8), timed=False)
+
+
+def _job_config(**overrides: object) -> JobConfig:
+    options: dict[str, object] = {
+        "model": "gpt",
+        "model_options": dict(GPT8),
+        "num_samples": 128,
+        "steps": 8,
+        "collective_timeout_s": 3.0,
+    }
+    options.update(overrides)
+    return JobConfig(**options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def job_config() -> Callable[..., JobConfig]:
+    """A tiny-GPT job config factory; keyword arguments override fields."""
+    return _job_config

@@ -1,0 +1,163 @@
+"""Models, data order, profiler, backend choice and the per-step schedule (single process, fast)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilientjob.agent._runtime_plans import Replanner, layout
+from resilientjob.agent._runtime_schedule import OpKind, build_ops, sync_groups
+from resilientjob.agent.data import SampleOrder, SyntheticDataset
+from resilientjob.agent.models import ModelConfig, ModelKind, load_model
+from resilientjob.agent.p2p import LayerState, layer_state_bytes
+from resilientjob.agent.profiler import measure_profile
+from resilientjob.agent.runtime import backend_for
+from resilientjob.cli import main as rjob
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.planner.profile import ModelProfile, uniform_profile
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_builtin_models_chain_layers_and_build_identically(kind: str) -> None:
+    spec = load_model(kind, layers=5, hidden=16, heads=2, vocab=11, seq_len=6)
+    x = torch.randint(11, (3, 6))
+    for index in range(spec.num_layers):
+        x = spec.layer(index)(x)
+    assert x.shape == (3, 6, 11)
+    first, again = spec.layer(2), spec.layer(2)
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True))
+    flat = [torch.cat([p.reshape(-1) for p in spec.layer(i).parameters()]) for i in (1, 2)]
+    assert not torch.equal(flat[0], flat[1])  # each layer has its own seed
+
+
+def test_model_config_rejects_bad_fields() -> None:
+    with pytest.raises(ValueError, match="heads"):
+        ModelConfig(hidden=10, heads=3)
+    with pytest.raises(ValueError, match="layers"):
+        ModelConfig(kind=ModelKind.GPT, layers=2)
+    with pytest.raises(ValueError, match="model"):
+        load_model("resnet")
+
+
+def test_user_model_from_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_layers.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            def build():
+                return [torch.nn.Embedding(7, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 7)]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = load_model("my_layers:build", vocab=7, seq_len=5)
+    assert spec.num_layers == 3
+    assert spec.hidden_shape(2) == (2, 5, 4)
+    with pytest.raises(ValueError, match="model"):
+        load_model("my_layers:missing")
+    sys.modules.pop("my_layers", None)
+
+
+def test_sleep_layers_take_calibrated_time() -> None:
+    spec = load_model("sleep", layers=2, hidden=8, forward_sleep_s=0.01)
+    x = spec.layer(0)(torch.randint(8, (1, 4)))
+    begin = time.perf_counter()
+    spec.layer(1)(x).sum().backward()
+    elapsed = time.perf_counter() - begin
+    assert 0.03 <= elapsed < 0.2  # 10 ms forward + 20 ms backward
+
+
+def test_dataset_is_deterministic_and_learnable_shape() -> None:
+    data = SyntheticDataset(num_samples=10, seq_len=8, vocab=5, seed=3)
+    assert torch.equal(data.sample(4), SyntheticDataset(10, 8, 5, seed=3).sample(4))
+    assert not torch.equal(data.sample(4), data.sample(5))
+    inputs, targets = data.batch([1, 2])
+    assert inputs.shape == targets.shape == (2, 8)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_every_sample_once_per_epoch_for_any_batch_split() -> None:
+    order = SampleOrder(num_samples=24, global_batch=8, seed=1)
+    epoch0 = [i for step in range(3) for i in order.step_ids(step)]
+    assert sorted(epoch0) == list(range(24))
+    assert order.step_ids(3) != order.step_ids(0)  # the next epoch is reshuffled
+    split = [i for mb in range(4) for i in order.microbatch_ids(2, mb, 2)]
+    assert split == order.step_ids(2)
+
+
+def test_backend_by_device() -> None:
+    assert backend_for("cpu") == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ValueError, match="torch_npu"):
+        backend_for("npu:0")  # HCCL needs torch_npu, imported only when an NPU is asked for
+    with pytest.raises(ValueError, match="device"):
+        backend_for("meta")
+
+
+def test_profile_bytes_match_what_a_layer_sends(tmp_path: Path) -> None:
+    spec = load_model("gpt", layers=4, hidden=16, heads=2, vocab=9, seq_len=4)
+    profile = measure_profile(spec, repeats=1)
+    for index, layer in enumerate(profile.layers):
+        state = LayerState(index, spec.layer(index))
+        assert layer.state_bytes == state.nbytes()
+        assert (layer.param_bytes, layer.optimizer_bytes) == layer_state_bytes(state.module)
+        assert layer.forward_s > 0 and layer.backward_s > 0
+    out = tmp_path / "p.json"
+    assert rjob(["profile", "gpt", "--layers", "4", "--hidden", "16", "--heads", "2", "--out", str(out)]) == 0
+    assert ModelProfile.load(out).num_layers == 4
+    assert rjob(["profile", "nonsense"]) == 2
+
+
+def _stage(start: int, end: int, node: int, **extra: object) -> StagePlan:
+    return StagePlan(layers=(start, end), node=node, **extra)  # type: ignore[arg-type]
+
+
+def test_schedule_is_1f1b_for_one_pipeline_and_covers_rerouted_work() -> None:
+    plan = Plan(
+        policy=Policy.REROUTE,
+        microbatch_size=1,
+        step_time_s=1,
+        pipelines=(
+            PipelinePlan(stages=(_stage(0, 2, 0), _stage(2, 4, 1)), microbatches=3),
+            PipelinePlan(stages=(_stage(0, 2, 2, rerouted_to=(0,)), _stage(2, 4, 3)), microbatches=3),
+        ),
+    )
+    ops = build_ops(plan)
+    assert [f"{op.kind}{op.microbatch}" for op in ops[1]] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+    # Node 0 runs both pipelines' first stage: 2 x 3 micro-batches, forward and backward each.
+    assert sorted((op.pipeline, op.kind) for op in ops[0]).count((1, OpKind.FORWARD)) == 3
+    assert len(ops[0]) == 12 and 2 not in ops
+    groups = sync_groups(plan)
+    assert {(g.layers, g.holders) for g in groups} == {((0, 2), (0,)), ((2, 4), (1, 3))}
+
+
+def test_heterogeneous_sync_groups_follow_colour_rounds() -> None:
+    plan = layout(uniform_profile(8), nodes=7, replicas=2, microbatches=8, microbatch_size=1)
+    groups = sync_groups(plan)
+    for number in {g.round for g in groups}:
+        members = [node for g in groups if g.round == number for node in g.holders]
+        assert len(members) == len(set(members))  # one all-reduce per node per round
+    covered = sorted(layer for g in groups for layer in range(*g.layers))
+    assert covered == list(range(8))
+
+
+def test_replanner_reroute_dynamic_and_loss_beyond_f() -> None:
+    profile = uniform_profile(8)
+    plan = layout(profile, nodes=8, replicas=2, microbatches=8, microbatch_size=1)
+    replanner = Replanner(profile)
+    rerouted = replanner.reroute(plan, frozenset({1}))
+    assert rerouted.policy == Policy.REROUTE and rerouted.transfers == ()
+    assert [s.rerouted_to for s in rerouted.pipelines[0].stages if s.node == 1] == [(5,)]
+    dynamic = replanner.dynamic(plan, frozenset({1}))
+    assert 1 not in dynamic.nodes and len(dynamic.nodes) == 7
+    assert dynamic.transfer_bytes() > 0 and dynamic.global_batch == plan.global_batch
+    with pytest.raises(PlannerError, match="failed"):
+        replanner.dynamic(plan, frozenset({1, 5}))
+    restart = replanner.restart(plan, [0, 2, 3, 4, 6, 7])
+    assert restart.policy == Policy.CHECKPOINT and len(restart.nodes) == 6

@@ -1,0 +1,151 @@
+"""Real worker processes on gloo: heterogeneous training, live recovery, layer copy and checkpoint fallback.
+
+Each test runs a job through the launcher (torch elastic process contexts, one per node), kills nodes with
+`fail_at={node: step}` (the worker exits abruptly at the start of that step, like a crash), and compares with
+the failure-free single-process run of the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilientjob.agent._runtime_plans import Replanner, layout
+from resilientjob.agent.data import SampleOrder
+from resilientjob.agent.launcher import JobResult, Launcher
+from resilientjob.agent.worker import JobConfig, reference_run
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.planner.profile import ModelProfile
+
+pytestmark = pytest.mark.torch
+
+
+def _assert_matches_reference(result: JobResult, reference: list[float], steps: int) -> None:
+    assert sorted(result.losses) == list(range(steps))
+    for step in range(steps):
+        assert result.losses[step] == pytest.approx(reference[step], rel=0.01), step
+
+
+def _assert_each_sample_once(result: JobResult, plan: Plan, steps: int) -> None:
+    order = SampleOrder(128, plan.global_batch, seed=0)
+    for step in range(steps):
+        assert sorted(result.samples[step]) == sorted(order.step_ids(step)), step
+
+
+def _assert_bytes_equal_transfer_plan(result: JobResult) -> None:
+    for plan in result.plans:
+        moved = sorted(result.received[plan.generation])
+        planned = sorted((t.layer, t.src, t.dst, t.bytes) for t in plan.transfers)
+        assert moved == planned, plan.generation
+
+
+def test_heterogeneous_update_equals_the_symmetric_one(
+    tmp_path: Path, job_config: Callable[..., JobConfig]
+) -> None:
+    # Replica A: 2 stages, 3 micro-batches; replica B: 1 stage, 1 micro-batch. Stage boundaries differ.
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=2,
+        step_time_s=1.0,
+        pipelines=(
+            PipelinePlan(
+                stages=(StagePlan(layers=(0, 3), node=0), StagePlan(layers=(3, 8), node=1)), microbatches=3
+            ),
+            PipelinePlan(stages=(StagePlan(layers=(0, 8), node=2),), microbatches=1),
+        ),
+    )
+    config = job_config(steps=3, return_state=True)
+    reference, params, grads = reference_run(config, plan.global_batch, plan.microbatch_size)
+    result = Launcher(config, plan, Replanner(_unused_profile()), tmp_path).run(timeout_s=90)
+    _assert_matches_reference(result, reference, 3)
+    for node, value in result.return_values.items():
+        # The summed gradient is the symmetric one up to float summation order...
+        for layer, tensors in value["first_grads"].items():
+            for got, want in zip(tensors, grads[layer], strict=True):
+                torch.testing.assert_close(
+                    got, want, rtol=1e-4, atol=1e-7, msg=f"grad node {node} layer {layer}"
+                )
+        # ...and Adam turns it into the same weights; its g / sqrt(v) normalisation can amplify rounding on
+        # near-zero gradients to a fraction of the learning rate, hence the looser weight tolerance.
+        for layer, tensors in value["params"].items():
+            for got, want in zip(tensors, params[layer], strict=True):
+                torch.testing.assert_close(
+                    got, want, rtol=0, atol=config.lr, msg=f"node {node} layer {layer}"
+                )
+    assert {layer for v in result.return_values.values() for layer in v["params"]} == set(range(8))
+
+
+def _unused_profile() -> ModelProfile:
+    from resilientjob.planner.profile import uniform_profile
+
+    return uniform_profile(8)
+
+
+def test_kill_one_of_eight_continues_on_seven(
+    tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    steps = 7
+    plan = layout(gpt_profile, nodes=8, replicas=2, microbatches=8, microbatch_size=2)
+    assert plan.layout == "DP2 PP[4,4]"
+    config = job_config(steps=steps)
+    reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
+    result = Launcher(config, plan, Replanner(gpt_profile), tmp_path, fail_at={5: 3}).run(timeout_s=120)
+    assert [p.layout for p in result.plans] == ["DP2 PP[4,4]", "DP2 PP[4,3]"]
+    assert result.recoveries[0].failed == (5,) and not result.recoveries[0].restarted
+    assert result.recoveries[0].committed_before == 3
+    _assert_matches_reference(result, reference, steps)
+    _assert_each_sample_once(result, plan, steps)
+    _assert_bytes_equal_transfer_plan(result)
+    assert result.plans[1].transfer_bytes() > 0
+
+
+def test_two_simultaneous_failures_reroute_then_dynamic(
+    tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    steps = 8
+    plan = layout(gpt_profile, nodes=8, replicas=2, microbatches=8, microbatch_size=2)
+    config = job_config(steps=steps)
+    reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
+    launcher = Launcher(
+        config,
+        plan,
+        Replanner(gpt_profile),
+        tmp_path,
+        fail_at={2: 3, 5: 3},
+        reroute_first=True,
+        upgrade_after=2,
+    )
+    result = launcher.run(timeout_s=120)
+    policies = [p.policy for p in result.plans]
+    assert policies == [Policy.DYNAMIC, Policy.REROUTE, Policy.DYNAMIC]
+    assert result.recoveries[0].failed == (2, 5)
+    rerouted = [s for p in result.plans[1].pipelines for s in p.stages if s.rerouted]
+    assert {s.node for s in rerouted} == {2, 5}
+    assert len(result.plans[2].nodes) == 6 and result.plans[2].transfer_bytes() > 0
+    _assert_matches_reference(result, reference, steps)
+    _assert_each_sample_once(result, plan, steps)
+    _assert_bytes_equal_transfer_plan(result)
+
+
+def test_failure_beyond_f_restarts_from_checkpoint(
+    tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    steps, interval = 8, 3
+    plan = layout(gpt_profile, nodes=4, replicas=2, microbatches=4, microbatch_size=2)
+    config = job_config(steps=steps, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=interval)
+    reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
+    # Nodes 1 and 3 hold the second stage of both replicas: no live copy of those layers remains.
+    stage_nodes = {s.node for p in plan.pipelines for s in p.stages if s.layers[0] > 0}
+    assert stage_nodes == {1, 3}
+    launcher = Launcher(config, plan, Replanner(gpt_profile), tmp_path / "logs", fail_at={1: 5, 3: 5})
+    result = launcher.run(timeout_s=120)
+    recovery = result.recoveries[0]
+    assert recovery.restarted and result.plans[-1].policy == Policy.CHECKPOINT
+    lost = recovery.committed_before - (recovery.committed_before // interval) * interval
+    assert recovery.committed_before == 5 and lost <= interval
+    assert sorted(result.plans[-1].nodes) == [0, 2]
+    _assert_matches_reference(result, reference, steps)
+    _assert_each_sample_once(result, plan, steps)
