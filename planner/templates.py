@@ -1,0 +1,408 @@
+"""Oobleck pipeline templates (Oobleck sections 4-5): node specification, GPU-stage mapping, instantiation,
+batch distribution and reinstantiation after failures.
+
+- `node_specification`: the smallest memory-feasible template size n0 and the consecutive sizes n0..N - f n0,
+  which by the Frobenius argument (appendix A) combine into any N' in [(f + 1) n0, N] nodes.
+- `generate_templates`: one optimal template per size (exact optimum of the 1F1B objective, see
+  `_stage_mapping`), each reported with the exact 1F1B iteration time at 4 x stages micro-batches.
+- `enumerate_instantiations` / `instantiate`: coin-change enumeration of template counts (eq. 5, Fig. 7)
+  with at least f + 1 pipelines, micro-batches distributed to minimise the slowest pipeline exactly.
+- `reinstantiate` (in `_template_recovery`): section 5.1's simple / borrow / merge steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ._errors import PlannerError
+from ._stage_mapping import Mapping, StageMapper
+from .balance import balance_monotone
+from .estimator import allreduce_time, estimate_pipeline, stage_peak_memory
+from .plan import PipelinePlan, Plan, Policy, StagePlan
+from .profile import ModelProfile
+from .restorer import allreduce_rounds
+from .spec import ClusterSpec, JobSpec
+
+__all__ = [
+    "PipelineTemplate",
+    "TemplateSet",
+    "TemplateStage",
+    "assemble",
+    "distribute",
+    "enumerate_instantiations",
+    "generate_templates",
+    "instantiate",
+    "node_specification",
+    "pipeline_plan",
+    "reinstantiate",
+    "template_step_time",
+]
+
+# Above this many template combinations, instantiation ranks only those built from at most two template
+# sizes: the number of partitions explodes with the cluster (about 2e8 for 100 nodes).
+_MAX_COMBINATIONS = 20_000
+
+
+class TemplateStage(BaseModel):
+    """Layers [start, end) on some GPUs of one template node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: tuple[int, int]
+    node: int = Field(ge=0, description="Node index within the template, 0..nodes-1.")
+    gpus: tuple[int, ...] = Field(min_length=1, description="GPU indices within that node.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TemplateStage:
+        if not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers must be [start, end) with start < end, got {list(self.layers)}")
+        if len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
+            raise ValueError(f"gpus must be distinct non-negative indices, got {list(self.gpus)}")
+        return self
+
+
+class PipelineTemplate(BaseModel):
+    """How a pipeline of `nodes` nodes runs the model: stages in order, each inside one node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    nodes: int = Field(ge=1)
+    stages: tuple[TemplateStage, ...] = Field(min_length=1)
+    iteration_s: float = Field(ge=0, description="Exact 1F1B time at 4 x stages micro-batches.")
+    objective_s: float = Field(default=0.0, ge=0, description="sum t + (4S - 1) max t, what was minimised.")
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineTemplate:
+        expected = 0
+        for stage in self.stages:
+            if stage.layers[0] != expected:
+                raise ValueError(f"stages must be contiguous from layer 0; gap or overlap at {expected}")
+            if stage.node >= self.nodes:
+                raise ValueError(f"stage on node {stage.node} outside a {self.nodes}-node template")
+            expected = stage.layers[1]
+        if {stage.node for stage in self.stages} != set(range(self.nodes)):
+            raise ValueError("every template node must host at least one stage")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+class TemplateSet(BaseModel):
+    """Templates of consecutive sizes n0, n0 + 1, ...; any N' in [(f + 1) n0, N] is a sum of them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n0: int = Field(ge=1)
+    fault_tolerance: int = Field(ge=0)
+    templates: tuple[PipelineTemplate, ...] = Field(min_length=1)
+    planning_s: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> TemplateSet:
+        sizes = [template.nodes for template in self.templates]
+        if sizes != list(range(self.n0, self.n0 + len(sizes))):
+            raise ValueError(f"template sizes must be consecutive from n0={self.n0}, got {sizes}")
+        return self
+
+    @property
+    def sizes(self) -> list[int]:
+        return [template.nodes for template in self.templates]
+
+    def for_nodes(self, n: int) -> PipelineTemplate:
+        index = n - self.n0
+        if not 0 <= index < len(self.templates):
+            raise PlannerError("nodes", f"no template of {n} nodes (sizes {self.n0}..{self.sizes[-1]})")
+        return self.templates[index]
+
+
+# ---- node specification and generation ------------------------------------------------------------------
+def _mapper(profile: ModelProfile, cluster: ClusterSpec, largest: int) -> StageMapper:
+    return StageMapper(profile, cluster.gpus_per_node, largest, cluster.device_memory_bytes)
+
+
+def _specify(
+    profile: ModelProfile, cluster: ClusterSpec, fault_tolerance: int
+) -> tuple[list[int], StageMapper, dict[int, Mapping]]:
+    if fault_tolerance < 0:
+        raise PlannerError("fault_tolerance", f"must be >= 0, got {fault_tolerance}")
+    total = cluster.nodes
+    mapper = _mapper(profile, cluster, total)
+    mappings: dict[int, Mapping] = {}
+    n0 = None
+    # Each node hosts at least one stage of at least one layer, so sizes beyond L cannot exist.
+    for size in range(1, min(total, profile.num_layers) + 1):
+        found = mapper.best(size)
+        if found is not None:
+            n0, mappings[size] = size, found
+            break
+    if n0 is None:
+        raise PlannerError(
+            "device_memory_bytes",
+            f"{profile.name} does not fit {min(total, profile.num_layers)} nodes of "
+            f"{cluster.gpus_per_node} x {cluster.device_memory_bytes} bytes at any stage split",
+        )
+    if (fault_tolerance + 1) * n0 > total:
+        raise PlannerError(
+            "fault_tolerance",
+            f"f={fault_tolerance} needs {(fault_tolerance + 1) * n0} nodes ({fault_tolerance + 1} pipelines "
+            f"of at least {n0}), the cluster has {total}",
+        )
+    largest = total - fault_tolerance * n0
+    sizes = [n0]
+    for size in range(n0 + 1, largest + 1):
+        found = mapper.best(size) if size <= profile.num_layers else None
+        if found is None:
+            break
+        sizes.append(size)
+        mappings[size] = found
+    if sizes[-1] < min(largest, 2 * n0 - 1):
+        # Consecutive sizes n0..2n0-1 are what make every N' >= n0 representable (appendix A).
+        raise PlannerError(
+            "nodes", f"templates stop at {sizes[-1]} nodes; covering every cluster size needs {2 * n0 - 1}"
+        )
+    return sizes, mapper, mappings
+
+
+def node_specification(profile: ModelProfile, cluster: ClusterSpec, fault_tolerance: int) -> list[int]:
+    """[n0, ..., N - f n0]: template sizes. Sizes above the layer count (or memory-infeasible ones) are left
+    out; the remaining run still has at least n0 consecutive sizes, which keeps the Frobenius guarantee."""
+    return _specify(profile, cluster, fault_tolerance)[0]
+
+
+def _template(profile: ModelProfile, cluster: ClusterSpec, mapping: Mapping) -> PipelineTemplate:
+    stages = tuple(
+        TemplateStage(
+            layers=(stage.start, stage.end),
+            node=stage.node,
+            gpus=tuple(range(stage.first_gpu, stage.first_gpu + stage.gpus)),
+        )
+        for stage in mapping.stages
+    )
+    template = PipelineTemplate(
+        nodes=mapping.nodes, stages=stages, iteration_s=0.0, objective_s=mapping.objective
+    )
+    iteration = template_step_time(profile, cluster, template, 4 * template.num_stages)
+    return template.model_copy(update={"iteration_s": iteration})
+
+
+def generate_templates(profile: ModelProfile, cluster: ClusterSpec, fault_tolerance: int) -> TemplateSet:
+    """Node specification plus the optimal GPU-stage mapping of every template size."""
+    began = time.perf_counter()
+    sizes, _, mappings = _specify(profile, cluster, fault_tolerance)
+    templates = tuple(_template(profile, cluster, mappings[size]) for size in sizes)
+    return TemplateSet(
+        n0=sizes[0],
+        fault_tolerance=fault_tolerance,
+        templates=templates,
+        planning_s=time.perf_counter() - began,
+    )
+
+
+# ---- pipelines from templates ---------------------------------------------------------------------------
+def pipeline_plan(
+    profile: ModelProfile,
+    template: PipelineTemplate,
+    nodes: Sequence[int],
+    microbatches: int,
+) -> PipelinePlan:
+    """The template laid on real node ids (`nodes[i]` plays template node i), with stage estimates."""
+    if len(nodes) != template.nodes:
+        raise PlannerError("nodes", f"template needs {template.nodes} nodes, got {len(nodes)}")
+    count = template.num_stages
+    stages = []
+    for index, stage in enumerate(template.stages):
+        start, end = stage.layers
+        forward, backward = profile.stage_times(start, end, len(stage.gpus))
+        peak = stage_peak_memory(profile, start, end, len(stage.gpus), index, count, microbatches)
+        stages.append(
+            StagePlan(
+                layers=stage.layers,
+                node=nodes[stage.node],
+                gpus=stage.gpus,
+                forward_s=forward,
+                backward_s=backward,
+                peak_memory_bytes=peak,
+            )
+        )
+    return PipelinePlan(stages=tuple(stages), microbatches=microbatches, template=template.nodes)
+
+
+def template_step_time(
+    profile: ModelProfile, cluster: ClusterSpec, template: PipelineTemplate, microbatches: int
+) -> float:
+    """Exact 1F1B time of one pipeline of this template running `microbatches` micro-batches."""
+    plan = pipeline_plan(profile, template, list(range(template.nodes)), microbatches)
+    return estimate_pipeline(profile, cluster, plan)
+
+
+def enumerate_instantiations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> list[tuple[int, ...]]:
+    """Every (x_0, ..., x_{p-1}) with sum x_i sizes[i] == nodes and sum x_i >= min_pipelines.
+
+    Oobleck eq. 5: X(p', N') = X(p' - 1, N') ++ theta(X(p', N' - n_p'), p'), filled bottom-up over N'.
+    """
+    if nodes < 0:
+        raise PlannerError("nodes", f"must be >= 0, got {nodes}")
+    if any(size < 1 for size in sizes):
+        raise PlannerError("sizes", f"template sizes must be positive, got {list(sizes)}")
+    count = len(sizes)
+    # table[n]: combinations over the templates seen so far that use exactly n nodes.
+    table: list[list[tuple[int, ...]]] = [[] for _ in range(nodes + 1)]
+    table[0] = [(0,) * count]
+    for index, size in enumerate(sizes):
+        for total in range(size, nodes + 1):
+            bumped = [(*x[:index], x[index] + 1, *x[index + 1 :]) for x in table[total - size]]
+            table[total] = table[total] + bumped
+    return [x for x in table[nodes] if sum(x) >= min_pipelines]
+
+
+def _count_instantiations(sizes: Sequence[int], nodes: int) -> int:
+    ways = [1] + [0] * nodes
+    for size in sizes:
+        for total in range(size, nodes + 1):
+            ways[total] += ways[total - size]
+    return ways[nodes]
+
+
+def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> list[tuple[int, ...]]:
+    if _count_instantiations(sizes, nodes) <= _MAX_COMBINATIONS:
+        return enumerate_instantiations(sizes, nodes, min_pipelines)
+    # Too many partitions to rank one by one: keep those mixing at most two template sizes.
+    found: list[tuple[int, ...]] = []
+    for i, first in enumerate(sizes):
+        for j in range(i, len(sizes)):
+            second = sizes[j]
+            for many in range(nodes // first + 1):
+                rest = nodes - many * first
+                if i == j:
+                    if rest == 0:
+                        counts = [0] * len(sizes)
+                        counts[i] = many
+                        found.append(tuple(counts))
+                    continue
+                if rest % second == 0:
+                    counts = [0] * len(sizes)
+                    counts[i], counts[j] = many, rest // second
+                    found.append(tuple(counts))
+    return sorted({x for x in found if sum(x) >= min_pipelines})
+
+
+class _TimeCache:
+    """Exact 1F1B times per (template size, micro-batches), shared by every combination ranked."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet) -> None:
+        self.profile, self.cluster, self.templates = profile, cluster, templates
+        self.cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, size: int, microbatches: int) -> float:
+        key = (size, microbatches)
+        if key not in self.cache:
+            template = self.templates.for_nodes(size)
+            self.cache[key] = template_step_time(self.profile, self.cluster, template, microbatches)
+        return self.cache[key]
+
+
+def distribute(times: _TimeCache, sizes: Sequence[int], total: int) -> list[int]:
+    """Micro-batches per pipeline minimising the slowest pipeline's 1F1B time (exact greedy, balance.py)."""
+    return balance_monotone(lambda index, count: times(sizes[index], count), len(sizes), total)
+
+
+def assemble(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    job: JobSpec,
+    templates: TemplateSet,
+    pipelines: Sequence[tuple[PipelineTemplate, Sequence[int]]],
+    times: _TimeCache | None = None,
+) -> Plan:
+    """A Plan from templates laid on node ids: micro-batches balanced, step time = slowest pipeline +
+    gradient all-reduce rounds."""
+    cache = times or _TimeCache(profile, cluster, templates)
+    total = job.num_microbatches
+    if total < len(pipelines):
+        raise PlannerError(
+            "global_batch",
+            f"{job.global_batch} samples are {total} micro-batches, fewer than the {len(pipelines)} "
+            f"pipelines; the nearest global batch that can be split is "
+            f"{len(pipelines) * job.microbatch_size}",
+        )
+    counts = distribute(cache, [template.nodes for template, _ in pipelines], total)
+    plans = tuple(
+        pipeline_plan(profile, template, nodes, count)
+        for (template, nodes), count in zip(pipelines, counts, strict=True)
+    )
+    rounds = allreduce_rounds(plans)
+    compute = max(
+        cache(template.nodes, count) for (template, _), count in zip(pipelines, counts, strict=True)
+    )
+    step = compute + allreduce_time(profile, cluster, rounds, len(plans))
+    return Plan(
+        policy=Policy.TEMPLATES,
+        microbatch_size=job.microbatch_size,
+        pipelines=plans,
+        step_time_s=step,
+        allreduce_rounds=tuple(tuple(segments) for segments in rounds),
+    )
+
+
+def instantiate(
+    templates: TemplateSet,
+    nodes: Sequence[int],
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    job: JobSpec,
+) -> Plan:
+    """The fastest combination of templates using every node in `nodes` with >= f + 1 pipelines.
+
+    Pipelines take node ids from `nodes` in order, largest template first."""
+    began = time.perf_counter()
+    if len(set(nodes)) != len(nodes):
+        raise PlannerError("nodes", "node ids repeat")
+    if any(node < 0 for node in nodes):
+        raise PlannerError("nodes", "node ids must be non-negative")
+    minimum = templates.fault_tolerance + 1
+    if len(nodes) < minimum * templates.n0:
+        raise PlannerError(
+            "nodes",
+            f"{len(nodes)} nodes cannot hold {minimum} pipelines of at least {templates.n0} nodes",
+        )
+    combos = _combinations(templates.sizes, len(nodes), minimum)
+    if not combos:
+        raise PlannerError("nodes", f"no combination of template sizes {templates.sizes} uses {len(nodes)}")
+    fewest = min(sum(combo) for combo in combos)
+    if job.num_microbatches < fewest:
+        raise PlannerError(
+            "global_batch",
+            f"{job.global_batch} samples are {job.num_microbatches} micro-batches, fewer than the {fewest} "
+            f"pipelines needed; the nearest global batch that can be split is {fewest * job.microbatch_size}",
+        )
+    cache = _TimeCache(profile, cluster, templates)
+    best: tuple[float, tuple[int, ...]] | None = None
+    for combo in combos:
+        sizes = [size for size, many in zip(templates.sizes, combo, strict=True) for _ in range(many)]
+        if len(sizes) > job.num_microbatches:
+            continue
+        counts = distribute(cache, sizes, job.num_microbatches)
+        slowest = max(cache(size, count) for size, count in zip(sizes, counts, strict=True))
+        if best is None or slowest < best[0]:
+            best = (slowest, combo)
+    if best is None:  # unreachable: the combination with `fewest` pipelines always fits
+        raise PlannerError("global_batch", f"no combination fits {job.num_microbatches} micro-batches")
+    chosen = sorted(
+        (size for size, many in zip(templates.sizes, best[1], strict=True) for _ in range(many)),
+        reverse=True,
+    )
+    pipelines = []
+    offset = 0
+    for size in chosen:
+        pipelines.append((templates.for_nodes(size), list(nodes[offset : offset + size])))
+        offset += size
+    plan = assemble(profile, cluster, job, templates, pipelines, cache)
+    return plan.model_copy(update={"planning_s": time.perf_counter() - began})
+
+
+from ._template_recovery import reinstantiate  # noqa: E402  (recovery builds on the functions above)
