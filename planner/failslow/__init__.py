@@ -1,1 +1,74 @@
-"""Fail-slow detection and mitigation (Falcon sections 4-5): pure algorithms, no I/O."""
+"""Fail-slow detection and mitigation (Falcon sections 4-5): pure algorithms, no I/O.
+
+Detection: `iteration_times` (period of the collective-call stream by ACF), `ChangeDetector` and
+`BatchDetector` (BOCD + verification, one stream or many workers), `SlidingWindowDetector` (the baseline).
+Localisation: `suspicious_groups`, `ring_schedule`, `tree_schedule`, `slow_links`, `slow_gpus`.
+Mitigation: `redistribute` (S2), `reassign_congested_links` and `consolidate_stragglers` (S3),
+`MitigationController` (Algorithm 1, which names the nodes S4 hands to the fail-stop path).
+Labelled synthetic traces for tests and benchmarks live in `resilientjob.planner.failslow.tracegen`.
+"""
+
+from ._acf import CollectiveCall, IterationTimes, acf, encode, iteration_times, recurring_period
+from ._bocd import BatchDetector, ChangeDetector, DetectorConfig
+from ._events import ChangeEvent, ChangeKind
+from ._localize import (
+    GroupProfile,
+    Link,
+    RootCause,
+    Suspects,
+    binary_tree_parents,
+    ring_schedule,
+    slow_gpus,
+    slow_links,
+    suspicious_groups,
+    tree_schedule,
+)
+from ._mitigate import (
+    NodeGrid,
+    Redistribution,
+    TopologyChange,
+    Traffic,
+    consolidate_stragglers,
+    reassign_congested_links,
+    redistribute,
+)
+from ._skirental import EFFECTIVE, Decision, MitigationController, MitigationCosts, Strategy
+from ._window import SlidingWindowDetector, WindowConfig
+
+__all__ = [
+    "EFFECTIVE",
+    "BatchDetector",
+    "ChangeDetector",
+    "ChangeEvent",
+    "ChangeKind",
+    "CollectiveCall",
+    "Decision",
+    "DetectorConfig",
+    "GroupProfile",
+    "IterationTimes",
+    "Link",
+    "MitigationController",
+    "MitigationCosts",
+    "NodeGrid",
+    "Redistribution",
+    "RootCause",
+    "SlidingWindowDetector",
+    "Strategy",
+    "Suspects",
+    "TopologyChange",
+    "Traffic",
+    "WindowConfig",
+    "acf",
+    "binary_tree_parents",
+    "consolidate_stragglers",
+    "encode",
+    "iteration_times",
+    "reassign_congested_links",
+    "recurring_period",
+    "redistribute",
+    "ring_schedule",
+    "slow_gpus",
+    "slow_links",
+    "suspicious_groups",
+    "tree_schedule",
+]
