@@ -37,3 +37,8 @@ results: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .pytest_cache .ruff_cache
+
+## The operator on a kind cluster: image, chart, real-cluster tests (needs docker and kind; not run in CI).
+.PHONY: e2e-kind
+e2e-kind: $(STAMP)
+	deploy/kind/e2e.sh
