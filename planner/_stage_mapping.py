@@ -28,18 +28,28 @@ feasibility pass), then only caps in (c_min, (best - MinSum_inf)/(N_b - 1)], wal
 cap c returns a solution whose slowest stage m <= c, and MinSum is constant on [m, c], so the next cap to try
 is the largest stage time below m. Stage counts S are visited by a lower bound and skipped once it exceeds
 the best J found. Every skipped (S, c) is provably no better, so the result is the exact optimum of J.
+
+`StageMapper.best` first runs the node-level search of `_node_mapping` (one stage per node as the
+incumbent, per-S lower bounds, then branch and bound over caps with banded node blocks), which is exact
+whenever memory admits the same stages at every r below the caps that matter, and typically settles a
+template in well under a millisecond to a few milliseconds. Only when memory depends on r there does it
+fall back to the stage-count search above (`best_by_stage_count`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import PlannerError
 from .profile import ModelProfile
+
+if TYPE_CHECKING:
+    from ._node_mapping import NodeSearch
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -124,6 +134,7 @@ class StageMapper:
             np.arange(self.positions)[None, :] + gpu_counts[:, None] <= self.positions - 1
         )
         self._memory_cache: dict[int, IntArray] = {}
+        self._nodes: NodeSearch | None = None  # the node-level fast path, built on first use
         levels = max(1, int(np.floor(np.log2(layers))) + 1)
         self._levels = levels
         self._log2 = np.zeros(layers + 2, dtype=np.int64)
@@ -289,6 +300,20 @@ class StageMapper:
             raise PlannerError("nodes", f"template size must be in [1, {self.max_nodes}], got {nodes}")
         top = min(self.layers, nodes * self.gpus)
         if nodes > top:
+            return None
+        if self._nodes is None:
+            from ._node_mapping import NodeSearch  # it builds on this module's types
+
+            self._nodes = NodeSearch(self)
+        decided, found = self._nodes.best(nodes)
+        if decided:
+            return found
+        return self.best_by_stage_count(nodes)
+
+    def best_by_stage_count(self, nodes: int) -> Mapping | None:
+        """The stage-count DP search (exact with memory that depends on r); `best` falls back to it."""
+        top = min(self.layers, nodes * self.gpus)
+        if not 1 <= nodes <= top:
             return None
         sum_floor = self.work / float(self.speedups.max())
         single = self.times[:, np.arange(self.layers), np.arange(1, self.layers + 1)]

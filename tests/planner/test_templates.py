@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilientjob.planner._errors import PlannerError
-from resilientjob.planner._stage_mapping import StageMapper
+from resilientjob.planner._node_mapping import NodeSearch
+from resilientjob.planner._stage_mapping import Mapping, StageMapper
 from resilientjob.planner.estimator import pipeline_time, stage_peak_memory
 from resilientjob.planner.profile import LayerProfile, ModelProfile, uniform_profile
 from resilientjob.planner.spec import ClusterSpec, JobSpec
@@ -82,11 +83,34 @@ def random_profile(rng: random.Random, layers: int) -> ModelProfile:
     )
 
 
-@pytest.mark.parametrize("seed", range(40))
+def random_speedups(rng: random.Random, profile: ModelProfile, gpus: int) -> ModelProfile:
+    """The same layers with an arbitrary speed-up table: sub-linear, super-linear or not even monotone."""
+    table = {d: rng.uniform(0.6, 1.2 * d) for d in range(2, gpus + 1)}
+    return profile.model_copy(update={"multi_gpu_speedup": table})
+
+
+def check_mapping(profile: ModelProfile, found: Mapping, gpus: int, nodes: int, memory: int) -> None:
+    """Contiguous layers from 0 to L, every GPU of every node used once, every stage within memory."""
+    used = {(stage.node, stage.first_gpu + g) for stage in found.stages for g in range(stage.gpus)}
+    assert used == {(n, g) for n in range(nodes) for g in range(gpus)}
+    assert sum(stage.gpus for stage in found.stages) == nodes * gpus
+    assert found.stages[0].start == 0 and found.stages[-1].end == profile.num_layers
+    assert [s.start for s in found.stages[1:]] == [s.end for s in found.stages[:-1]]
+    count = found.num_stages
+    times = []
+    for k, stage in enumerate(found.stages):
+        assert stage_peak_memory(profile, stage.start, stage.end, stage.gpus, k, count, 4 * count) <= memory
+        times.append(sum(profile.stage_times(stage.start, stage.end, stage.gpus)))
+    assert found.objective == pytest.approx(sum(times) + (4 * count - 1) * max(times), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_stage_mapping_equals_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     layers, gpus, nodes = rng.randint(2, 7), rng.randint(1, 3), rng.randint(1, 3)
     profile = random_profile(rng, layers)
+    if seed >= 40:  # arbitrary speed-up tables, not only 1 + (d - 1) * efficiency
+        profile = random_speedups(rng, profile, gpus)
     memory = rng.choice([10**9, 400, 250, 150])
     expected = brute_force_objective(profile, gpus, nodes, memory)
     found = StageMapper(profile, gpus, nodes + rng.randint(0, 2), memory).best(nodes)
@@ -95,13 +119,51 @@ def test_stage_mapping_equals_brute_force(seed: int) -> None:
         return
     assert found is not None
     assert found.objective == pytest.approx(expected, rel=1e-9)
-    # The mapping itself is well formed: contiguous layers, every GPU of every node used once.
-    used = {(stage.node, stage.first_gpu + g) for stage in found.stages for g in range(stage.gpus)}
-    assert used == {(n, g) for n in range(nodes) for g in range(gpus)}
-    assert [s.start for s in found.stages[1:]] == [s.end for s in found.stages[:-1]]
-    count = found.num_stages
-    for k, stage in enumerate(found.stages):
-        assert stage_peak_memory(profile, stage.start, stage.end, stage.gpus, k, count, 4 * count) <= memory
+    check_mapping(profile, found, gpus, nodes, memory)
+
+
+def test_node_search_equals_stage_count_search() -> None:
+    """The node-level fast path against the stage-count DP (itself checked by brute force above) on larger
+    random instances, including every branch: early stops, branch and bound, and the memory fallback."""
+    decided = bounded = fallback = 0
+    for seed in range(120):
+        rng = random.Random(1000 + seed)
+        layers, gpus, nodes = rng.randint(4, 18), rng.randint(1, 4), rng.randint(1, 5)
+        profile = random_profile(rng, layers)
+        if rng.random() < 0.4:
+            profile = random_speedups(rng, profile, gpus)
+        memory = rng.choice([10**9, 10**9, 2000, 800, 400])
+        mapper = StageMapper(profile, gpus, nodes + rng.randint(0, 2), memory)
+        search = NodeSearch(mapper)
+        done, found = search.best(nodes)
+        expected = StageMapper(profile, gpus, nodes, memory).best_by_stage_count(nodes)
+        if not done:
+            fallback += 1
+            assert found is None
+            continue
+        decided += 1
+        bounded += any(not bottleneck and toll > 0 for bottleneck, _, toll in search._passes)
+        if expected is None:
+            assert found is None
+            continue
+        assert found is not None
+        assert found.objective == pytest.approx(expected.objective, rel=1e-9)
+        check_mapping(profile, found, gpus, nodes, memory)
+    assert decided >= 80 and bounded >= 5 and fallback >= 2, (decided, bounded, fallback)
+
+
+def test_node_search_shares_passes_across_sizes() -> None:
+    """One StageMapper answers every template size; sizes that reach the same caps reuse passes."""
+    rng = random.Random(3)
+    profile = random_speedups(rng, random_profile(rng, 16), 4)
+    mapper = StageMapper(profile, 4, 6, 10**9)
+    separate = [StageMapper(profile, 4, 6, 10**9).best_by_stage_count(size) for size in range(1, 7)]
+    for size, expected in zip(range(1, 7), separate, strict=True):
+        found = mapper.best(size)
+        assert (found is None) == (expected is None)
+        if found is not None and expected is not None:
+            assert found.objective == pytest.approx(expected.objective, rel=1e-9)
+            check_mapping(profile, found, 4, size, 10**9)
 
 
 def test_template_reports_exact_1f1b_time() -> None:
