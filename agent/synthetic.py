@@ -1,6 +1,10 @@
 """A synthetic training loop for the local stack until the real training runtime runs in the pods: it
 follows the published plan (this node's share of the layout, the plan's estimated step time scaled down),
-honours injected slowdowns, and reports real measured iteration times through the telemetry."""
+honours injected slowdowns, and reports real measured iteration times through the telemetry.
+
+A node the plan does not use (parked by fail-slow mitigation S4, or joined and waiting) keeps timing probe
+steps and reports them with zero samples: that is how the operator learns that a parked node recovered
+(Falcon keeps profiling a replaced node for the same reason)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Hashable
 
 from .telemetry import Telemetry
 from .telemetry_messages import PlanAnnouncement
@@ -29,6 +34,16 @@ def step_seconds(announcement: PlanAnnouncement, time_scale: float) -> float:
     """The layout's estimated step time scaled into a fast loop (bounded so that a tiny or huge model
     still gives a visible, quick step)."""
     return min(2.0, max(0.02, announcement.plan.step_time_s * time_scale))
+
+
+def role_of(announcement: PlanAnnouncement, node: int) -> Hashable:
+    """What this node computes under the plan: its stages' layers and its pipeline's micro-batches, or
+    "probe" when the plan does not use it. The change-point detector restarts only when this changes."""
+    for pipeline in announcement.plan.pipelines:
+        layers = tuple(s.layers for s in pipeline.stages if s.node == node and not s.rerouted)
+        if layers:
+            return (layers, pipeline.microbatches)
+    return "probe"
 
 
 def samples_of(announcement: PlanAnnouncement, node: int) -> int | None:
@@ -56,15 +71,17 @@ async def train(telemetry: Telemetry, stopped: asyncio.Event, time_scale: float 
     try:
         while not stopped.is_set():
             plan = current
-            samples = samples_of(plan, telemetry.node) if plan is not None else None
-            if plan is None or samples is None:
-                await asyncio.sleep(0.1)  # not (or no longer) part of the layout: wait for a plan using it
+            if plan is None:
+                await asyncio.sleep(0.1)  # no plan yet
                 continue
+            samples = samples_of(plan, telemetry.node)
             started = time.perf_counter()
             await asyncio.sleep(step_seconds(plan, time_scale) * await slowdown(telemetry))
             elapsed = time.perf_counter() - started
             step += 1
-            await telemetry.record_iteration(plan.generation, step, elapsed, samples)
+            await telemetry.record_iteration(
+                plan.generation, step, elapsed, samples or 0, role_of(plan, telemetry.node)
+            )
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):

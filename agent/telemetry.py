@@ -1,5 +1,6 @@
 """The agent's telemetry: heartbeats (a key with a TTL, renewed every 0.5 s), iteration times into a capped
-Redis stream, per-worker change-point detection with slow reports to the operator, and the plan it must run
+Redis stream, per-worker change-point detection (the planner's BOCD + verification,
+`planner.failslow.ChangeDetector`) with slow and recovery reports to the operator, and the plan it must run
 (current generation by key, new generations by pub/sub). Everything read back is validated and bad input is
 dropped and counted; nothing here raises on hostile data.
 """
@@ -8,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
 import time
-from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Hashable
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import RedisError
+
+from resilientjob.planner.failslow import ChangeDetector, ChangeKind, DetectorConfig
 
 from ._redis import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
 from .telemetry_messages import (
@@ -43,72 +43,6 @@ HEARTBEAT_ERRORS = Counter("rjob_agent_heartbeat_errors_total", "Heartbeats that
 SLOW_REPORTS = Counter("rjob_agent_slow_reports_total", "Fail-slow change points reported.", ["kind"])
 
 
-@dataclass(slots=True)
-class LevelShiftDetector:
-    """Per-worker change-point detection on iteration times: a shift of the recent median against a
-    baseline median by more than `threshold`, held for `confirm` consecutive steps.
-
-    This is the seam for the planner's fail-slow detectors (planner.failslow, BOCD + verification): they
-    take the same input (one iteration time at a time) and answer the same question (a new level?).
-    """
-
-    threshold: float = 1.1
-    baseline_window: int = 20
-    recent_window: int = 5
-    confirm: int = 3
-    _baseline: deque[float] = field(default_factory=lambda: deque(maxlen=20))
-    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=5))
-    _streak: int = 0
-    _slow: bool = False
-    _baseline_level: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.threshold <= 1:
-            raise ValueError(f"threshold must be > 1, got {self.threshold}")
-        if self.recent_window < 1 or self.baseline_window < self.recent_window or self.confirm < 1:
-            raise ValueError("windows must satisfy 1 <= recent_window <= baseline_window and confirm >= 1")
-        self._baseline = deque(maxlen=self.baseline_window)
-        self._recent = deque(maxlen=self.recent_window)
-
-    @property
-    def slow(self) -> bool:
-        return self._slow
-
-    @property
-    def baseline_level(self) -> float:
-        """The normal step time the last change point was measured against."""
-        return self._baseline_level
-
-    def reset(self) -> None:
-        """Forget the baseline: a new layout has a new normal step time."""
-        self._baseline.clear()
-        self._recent.clear()
-        self._streak = 0
-        self._slow = False
-
-    def update(self, seconds: float) -> float | None:
-        """Feed one step time; returns the slowdown ratio when a change point is confirmed (a ratio < 1
-        means it recovered), else None."""
-        self._recent.append(seconds)
-        if not self._slow and len(self._baseline) < self.recent_window:
-            self._baseline.append(seconds)
-            return None
-        base = self._baseline_level if self._slow else statistics.median(self._baseline)
-        ratio = statistics.median(self._recent) / base
-        shifted = ratio < self.threshold if self._slow else ratio >= self.threshold
-        self._streak = self._streak + 1 if shifted else 0
-        if not self._slow and not shifted:
-            self._baseline.append(seconds)
-        if self._streak < self.confirm:
-            return None
-        self._streak = 0
-        self._slow = not self._slow
-        self._baseline_level = base
-        if not self._slow:
-            self._recent.clear()
-        return ratio
-
-
 class Telemetry:
     """One worker's link to the operator through Redis."""
 
@@ -121,7 +55,7 @@ class Telemetry:
         *,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
-        detector: LevelShiftDetector | None = None,
+        detector: DetectorConfig | None = None,
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be > 0 and below heartbeat_ttl_s")
@@ -131,7 +65,10 @@ class Telemetry:
         self.pod = pod
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.detector = detector or LevelShiftDetector()
+        self.detector_config = detector or DetectorConfig()
+        self.detector = ChangeDetector(self.detector_config)
+        self._detector_start = 0  # step of this worker fed first to the current detector
+        self._role: Hashable = None
         self.generation = -1
         self.step = 0
 
@@ -155,11 +92,20 @@ class Telemetry:
                 await asyncio.wait_for(stopped.wait(), self.heartbeat_interval_s)
 
     async def record_iteration(
-        self, generation: int, step: int, seconds: float, samples: int
+        self, generation: int, step: int, seconds: float, samples: int, role: Hashable | None = None
     ) -> SlowReport | None:
-        """Append one step to the job's iteration stream; report a change point when the detector sees one."""
-        if generation != self.generation:
-            self.detector.reset()
+        """Append one step to the job's iteration stream; report a change point when the detector sees one.
+
+        `role` is what this worker computes (its stages and micro-batches, or a probe step when the plan
+        does not use it); the detector starts over when it changes, since the normal step time changes with
+        it. Without a role every new generation starts over. Keeping the detector across generations that
+        leave this worker's work alone matters: a detector in its warm-up cannot see a change yet."""
+        key = role if role is not None else generation
+        if generation != self.generation or key != self._role:
+            if key != self._role:
+                self.detector = ChangeDetector(self.detector_config)
+                self._detector_start = step
+                self._role = key
             self.generation = generation
             GENERATION.set(generation)
         self.step = step
@@ -176,16 +122,18 @@ class Telemetry:
         await self.client.xadd(
             self.keys.iterations, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True
         )
-        ratio = self.detector.update(seconds)
-        if ratio is None:
+        event = self.detector.feed(seconds)
+        if event is None:
             return None
         report = SlowReport(
             node=self.node,
             generation=generation,
             step=step,
-            slowdown=ratio,
-            baseline_s=self.detector.baseline_level,
-            recovered=not self.detector.slow,
+            onset_step=self._detector_start + event.index,
+            slowdown=event.ratio,
+            baseline_s=event.before_s,
+            level_s=event.after_s,
+            recovered=event.kind is ChangeKind.RECOVERY,
             detected_at=time.time(),
         )
         await self.client.xadd(

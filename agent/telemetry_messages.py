@@ -65,9 +65,11 @@ class SlowReport(_Message):
 
     node: int = Field(ge=0, le=1_000_000)
     generation: int = Field(ge=0)
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, description="The step whose arrival revealed the change.")
+    onset_step: int = Field(default=0, ge=0, description="First step at the new level.")
     slowdown: float = Field(gt=0, le=1000, allow_inf_nan=False, description="New level / baseline level.")
-    baseline_s: float = Field(gt=0, allow_inf_nan=False)
+    baseline_s: float = Field(gt=0, allow_inf_nan=False, description="Step time before the change.")
+    level_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Step time after it.")
     kind: SlowKind = SlowKind.COMPUTE
     recovered: bool = False
     detected_at: float = Field(ge=0, allow_inf_nan=False)
@@ -84,6 +86,14 @@ class PlanAnnouncement(_Message):
     trigger: str = Field(default="", max_length=64, description="What caused this generation (a Reason).")
     nodes: list[int] = Field(default_factory=list, max_length=100_000, description="Nodes that changed.")
     reason: str = Field(default="", max_length=4096)
+    strategy: str = Field(default="", max_length=32, description="Fail-slow mitigation, if any.")
+    detect_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Measured detection time.")
+    parked: list[int] = Field(
+        default_factory=list, max_length=100_000, description="Slow nodes out of the layout (S4)."
+    )
+    restore: Plan | None = Field(
+        default=None, description="The healthy plan to return to when the fail-slow episode ends."
+    )
 
 
 M = TypeVar("M", bound=BaseModel)

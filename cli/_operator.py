@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--api-url", help="API server URL without credentials (the local emulator)")
     parser.add_argument("--kubeconfig", help="kubeconfig of a real cluster (default: in-cluster or ~/.kube)")
     parser.add_argument("--redis-url", help="Redis for jobs whose spec names none")
-    parser.add_argument("--namespace", help="watch one namespace (default: all)")
+    parser.add_argument("--namespace", help="watch these namespaces, comma-separated (default: all)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
     parser.add_argument("--verbose", action="store_true")
@@ -44,8 +44,10 @@ def _run(args: argparse.Namespace) -> int:
     asyncio.run(
         kopf.operator(
             clusterwide=namespace is None,
-            namespaces=[namespace] if namespace else [],
+            namespaces=namespace.split(",") if namespace else [],
             standalone=handlers.SETTINGS.standalone,
+            # Replicas with equal kopf priorities all pause; distinct ones leave exactly one active.
+            priority=int(os.environ.get("RJOB_PEERING_PRIORITY") or int.from_bytes(os.urandom(2))),
         )
     )
     return 0

@@ -98,9 +98,10 @@ def detect_failures(plan: Plan, observed: Observation) -> dict[int, tuple[api.Re
     return failures
 
 
-def detect_joins(plan: Plan, observed: Observation, nodes: int) -> set[int]:
-    """Ready, healthy pods for nodes the plan does not use: replacement or returning nodes."""
-    used = set(plan.nodes)
+def detect_joins(plan: Plan, observed: Observation, nodes: int, parked: Iterable[int] = ()) -> set[int]:
+    """Ready, healthy pods for nodes the plan does not use: replacement or returning nodes. Nodes parked by
+    fail-slow mitigation come back through their recovery report, not here."""
+    used = set(plan.nodes) | set(parked)
     return {
         node
         for node, pod in observed.pods.items()
@@ -108,7 +109,9 @@ def detect_joins(plan: Plan, observed: Observation, nodes: int) -> set[int]:
     }
 
 
-def decision(plan: Plan, trigger: api.Reason, nodes: Iterable[int], why: str) -> api.Decision:
+def decision(
+    plan: Plan, trigger: api.Reason, nodes: Iterable[int], why: str, strategy: str = ""
+) -> api.Decision:
     chosen = next((c for c in plan.candidates if c.layout == plan.layout and c.policy == plan.policy), None)
     reason = why
     if chosen is not None and chosen.reason:
@@ -119,6 +122,7 @@ def decision(plan: Plan, trigger: api.Reason, nodes: Iterable[int], why: str) ->
         nodes=sorted(nodes),
         policy=str(plan.policy),
         layout=plan.layout,
+        strategy=strategy,
         reason=reason,
         planning_s=round(plan.planning_s, 6),
         candidates=[
@@ -146,9 +150,10 @@ def explain(decision: api.Decision) -> str:
         for c in best
     )
     nodes = ",".join(str(n) for n in decision.nodes)
+    how = f"{decision.strategy} " if decision.strategy else ""
     head = (
         f"generation {decision.generation}: {decision.trigger} nodes [{nodes}] "
-        f"-> {decision.policy} {decision.layout}"
+        f"-> {how}{decision.policy} {decision.layout}"
     )
     return f"{head} ({decision.reason})" + (f"; candidates: {ranked}" if ranked else "")
 
@@ -166,15 +171,19 @@ def set_condition(
     return [c for c in conditions if c.type != type_] + [new]
 
 
-def plan_status(status: api.ResilientJobStatus, plan: Plan, alive: int) -> api.ResilientJobStatus:
-    """The status fields that follow from the published plan."""
+def plan_status(
+    status: api.ResilientJobStatus, plan: Plan, alive: int, parked: Iterable[int] = ()
+) -> api.ResilientJobStatus:
+    """The status fields that follow from the published plan (parked slow nodes are not failed ones)."""
     total = len(plan.nodes)
+    out = sorted(parked)
     return status.model_copy(
         update={
             "plan_generation": plan.generation,
             "layout": plan.layout,
             "policy": str(plan.policy),
-            "failed_nodes": sorted(plan.failed_nodes),
+            "failed_nodes": sorted(set(plan.failed_nodes) - set(out)),
+            "parked_nodes": out,
             "workers_alive": alive,
             "workers_total": total,
             "workers": f"{alive}/{total}",

@@ -12,14 +12,10 @@ from typing import Any
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
+from resilientjob.planner.search import initial_plan, replan
 from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
 
 from .api import ResilientJobSpec, inline_profile
-
-try:
-    from resilientjob.planner.search import initial_plan, replan
-except ImportError:  # the plan-search module is being written in parallel; see _interim_planner
-    from ._interim_planner import initial_plan, replan
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +55,12 @@ def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None 
         fault_tolerance=spec.fault_tolerance,
     )
     overheads = spec.fail_slow.overheads
+    # The spec's strategy overheads are the user's measured costs of this job: a layout change costs what
+    # moving stages does (topology), a checkpoint restart what the restart does.
     costs = TransitionCosts(
-        checkpoint_interval_s=float(spec.checkpoint.interval_s), restart_s=overheads.topology_s
+        checkpoint_interval_s=float(spec.checkpoint.interval_s),
+        restart_s=overheads.topology_s,
+        checkpoint_load_s=overheads.restart_s,
     )
     return PlannerInputs(profile=profile, cluster=cluster, job=job, costs=costs)
 

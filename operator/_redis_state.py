@@ -25,7 +25,15 @@ from resilientjob.planner.plan import Plan
 
 
 def announcement(
-    plan: Plan, trigger: str = "", nodes: Iterable[int] = (), reason: str = ""
+    plan: Plan,
+    trigger: str = "",
+    nodes: Iterable[int] = (),
+    reason: str = "",
+    *,
+    strategy: str = "",
+    detect_s: float = 0.0,
+    parked: Iterable[int] = (),
+    restore: Plan | None = None,
 ) -> PlanAnnouncement:
     return PlanAnnouncement(
         generation=plan.generation,
@@ -36,6 +44,10 @@ def announcement(
         trigger=trigger,
         nodes=sorted(nodes),
         reason=reason,
+        strategy=strategy,
+        detect_s=round(max(0.0, detect_s), 6),
+        parked=sorted(set(parked)),
+        restore=restore,
     )
 
 
@@ -86,16 +98,17 @@ class JobRedis:
         """Announce again (after a restart) for workers that missed the first announcement."""
         await self.client.publish(self.keys.plan_channel, encode(message))
 
-    async def live_heartbeats(self, nodes: Iterable[int]) -> set[int]:
-        """Nodes whose heartbeat key exists. The content is not trusted or needed: the TTL is the signal."""
+    async def live_heartbeats(self, nodes: Iterable[int]) -> dict[int, float]:
+        """Nodes whose heartbeat key exists, with the seconds left on its TTL. The content is not trusted or
+        needed: the TTL is the signal, and (TTL set - TTL left) dates the last beat on Redis's own clock."""
         ordered = list(nodes)
         if not ordered:
-            return set()
+            return {}
         async with self.client.pipeline(transaction=False) as pipe:
             for node in ordered:
-                pipe.exists(self.keys.heartbeat(node))
-            present = await pipe.execute()
-        return {node for node, flag in zip(ordered, present, strict=True) if flag}
+                pipe.pttl(self.keys.heartbeat(node))
+            left = await pipe.execute()
+        return {node: ms / 1000 for node, ms in zip(ordered, left, strict=True) if ms >= 0}
 
     async def new_iterations(self, count: int = 5000) -> list[IterationRecord]:
         """Iteration records appended since the last call (the first call starts at the stream's end)."""

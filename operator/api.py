@@ -75,6 +75,7 @@ class Reason(StrEnum):
     NODE_FAILED = "NodeFailed"
     HEARTBEAT_EXPIRED = "HeartbeatExpired"
     NODE_SLOW = "NodeSlow"
+    NODE_RECOVERED = "NodeRecovered"
     NODE_JOINED = "NodeJoined"
     REPLANNED = "Replanned"
     ALL_HEALTHY = "AllHealthy"
@@ -241,6 +242,10 @@ class Decision(_Api):
     nodes: list[int] = Field(default_factory=list, description="Nodes that failed, slowed or joined.")
     policy: str
     layout: str
+    strategy: str = Field(
+        default="",
+        description="Fail-slow mitigation applied (microbatch, topology, replace, restore); empty otherwise.",
+    )
     reason: str = ""
     planning_s: float = Field(default=0.0, ge=0)
     candidates: list[CandidateStatus] = Field(default_factory=list, max_length=64)
@@ -253,7 +258,10 @@ class Recovery(_Api):
     nodes: list[int] = Field(default_factory=list)
     policy: str
     layout: str
-    detect_s: float = Field(default=0.0, ge=0)
+    strategy: str = Field(default="", description="Fail-slow mitigation applied, if any.")
+    detect_s: float = Field(
+        default=0.0, ge=0, description="Measured: last sign of life (or fail-slow onset) to detection."
+    )
     plan_s: float = Field(default=0.0, ge=0)
     at: str = ""
 
@@ -269,6 +277,9 @@ class ResilientJobStatus(_Api):
     workers_total: int = Field(default=0, ge=0)
     failed_nodes: list[int] = Field(default_factory=list)
     slow_nodes: list[int] = Field(default_factory=list)
+    parked_nodes: list[int] = Field(
+        default_factory=list, description="Slow nodes taken out of the layout by mitigation S4."
+    )
     last_decision: Decision | None = None
     throughput: float = Field(default=0.0, ge=0, description="Measured samples per second.")
     estimated_throughput: float = Field(default=0.0, ge=0, description="The plan's estimate, samples/s.")

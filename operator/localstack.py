@@ -84,17 +84,26 @@ async def serve(state_dir: Path) -> None:
             }
             (state_dir / "state.json").write_text(json.dumps(state))
             try:
-                await kubelet.run(stopped)
+                await kubelet.run(stopped, before_stop=lambda: _stop(operator))
             finally:
                 await kube.close()
     finally:
-        for process in (operator, redis):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(5)
+        # The operator stops first, while the API server is still up: it must not replan around workers
+        # that are only being shut down, nor spin on a vanished API server.
+        _stop(operator)
+        _stop(redis)
         with contextlib.suppress(FileNotFoundError):
             (state_dir / "state.json").unlink()
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
 
 
 if __name__ == "__main__":

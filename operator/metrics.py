@@ -21,7 +21,7 @@ RECOVERY_SECONDS = Histogram(
 )
 DETECTION_SECONDS = Histogram(
     "rjob_detection_latency_seconds",
-    "From the last sign of life (pod event, last heartbeat seen) to the decision, by detection path.",
+    "Last sign of life (the failing pod event, the last heartbeat written) to the decision, by path.",
     ["path"],
     buckets=_LATENCY_BUCKETS,
 )

@@ -21,12 +21,12 @@ import kopf
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.agent._redis import JobKeys, connect
+from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys, connect
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 
-from . import _decide, _manifests, api, metrics
+from . import _decide, _failslow, _manifests, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs
 from ._redis_state import JobRedis, announcement
@@ -55,6 +55,7 @@ class JobController:
         self.spec: api.ResilientJobSpec | None = None
         self.inputs: PlannerInputs | None = None
         self.redis: JobRedis | None = None
+        self.failslow: _failslow.FailSlowTracker | None = None
         self.body: Mapping[str, Any] = {}
         self.status = api.ResilientJobStatus()
         self._written_status: dict[str, Any] | None = None
@@ -102,6 +103,8 @@ class JobController:
             await self._reject(exc)
             raise InvalidJob(str(exc)) from None
         self.spec, self.inputs = spec, inputs
+        if self.failslow is None or self.failslow.spec != spec.fail_slow:
+            self.failslow = _failslow.FailSlowTracker(spec.fail_slow)
         if self.redis is None:
             password = await self._redis_password(spec)
             client = connect(spec.redis.url or self.settings.redis_url, password)
@@ -219,12 +222,14 @@ class JobController:
             async with limit:
                 await self.kube.patch(self._pod_path(node), annotations)
 
-        await asyncio.gather(*(annotate(node) for node in message.plan.nodes if node in self.pods))
+        # Parked slow nodes follow the generations too: they run probe steps and may rejoin.
+        targets = sorted(set(message.plan.nodes) | set(message.parked))
+        await asyncio.gather(*(annotate(node) for node in targets if node in self.pods))
         first = self.status.plan_generation < 0
         alive = sum(1 for node in message.plan.nodes if node in self.pods and self.pods[node].failed is None)
-        status = _decide.plan_status(self.status, message.plan, alive)
+        status = _decide.plan_status(self.status, message.plan, alive, message.parked)
         trigger = api.Reason(message.trigger) if message.trigger in set(api.Reason) else api.Reason.REPLANNED
-        decision = _decide.decision(message.plan, trigger, message.nodes, message.reason)
+        decision = _decide.decision(message.plan, trigger, message.nodes, message.reason, message.strategy)
         conditions = _decide.set_condition(
             status.conditions,
             api.ConditionType.PLANNED,
@@ -232,7 +237,7 @@ class JobController:
             api.Reason.PLANNED,
             f"generation {message.generation}",
         )
-        degraded = bool(message.plan.failed_nodes)
+        degraded = bool(message.plan.failed_nodes) or bool(message.parked)
         conditions = _decide.set_condition(
             conditions,
             api.ConditionType.DEGRADED,
@@ -252,7 +257,8 @@ class JobController:
                 nodes=list(message.nodes),
                 policy=message.policy,
                 layout=message.layout,
-                detect_s=0.0,
+                strategy=message.strategy,
+                detect_s=message.detect_s,
                 plan_s=round(message.plan.planning_s, 6),
                 at=decision.decided_at,
             )
@@ -294,7 +300,7 @@ class JobController:
         expired = await self._expired_heartbeats(plan)
         observed = _decide.Observation(pods=dict(self.pods), expired_heartbeats=frozenset(expired))
         failures = await self._confirmed(_decide.detect_failures(plan, observed))
-        joins = _decide.detect_joins(plan, observed, spec.nodes)
+        joins = _decide.detect_joins(plan, observed, spec.nodes, published.parked)
         if failures or joins:
             await self._reconfigure(published, failures, joins)
         await self._telemetry(published)
@@ -322,37 +328,62 @@ class JobController:
         nodes = plan.nodes
         live = await self.redis.live_heartbeats(nodes)
         now = time.monotonic()
-        for node in live:
-            self._heartbeat_seen[node] = now
+        for node, left in live.items():
+            # When the last beat was written: the agents set the key with HEARTBEAT_TTL_S.
+            self._heartbeat_seen[node] = now - max(0.0, HEARTBEAT_TTL_S - left)
         return {node for node in nodes if node not in live and node in self._heartbeat_seen}
 
     async def _reconfigure(
         self, current: PlanAnnouncement, failures: dict[int, tuple[api.Reason, str]], joins: set[int]
     ) -> None:
-        spec, inputs, redis = self._require()
+        spec, inputs, _ = self._require()
         detected = time.monotonic()
+        detect_s = 0.0
         for node, (reason, _) in failures.items():
             path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
             since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.pod_seen_at.get(node)
             if since is not None:
-                metrics.DETECTION_SECONDS.labels(path).observe(max(0.0, detected - since))
+                latency = max(0.0, detected - since)
+                detect_s = max(detect_s, latency)
+                metrics.DETECTION_SECONDS.labels(path).observe(latency)
+                metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
             # Fence first: a worker that lost its heartbeat may still be alive and must not come back
             # with the weights of a generation the job has left.
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
             self._heartbeat_seen.pop(node, None)
+        if self.failslow is not None:
+            self.failslow.forget(failures)
         trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values()))[0]
         why = "; ".join(f"node {n}: {cause}" for n, (_, cause) in sorted(failures.items()))
         if joins:
             why = "; ".join(filter(None, [why, f"nodes {sorted(joins)} joined"]))
         try:
-            plan = plan_next(spec, inputs, current.plan, failed=failures.keys(), joined=joins)
+            # In a worker thread: a replan of thousands of nodes takes long, and meanwhile this loop must
+            # keep answering pod events and other jobs' heartbeats.
+            plan = await asyncio.to_thread(
+                plan_next, spec, inputs, current.plan, failed=list(failures), joined=joins
+            )
         except PlannerError as exc:
             await self._infeasible(exc)
             raise InvalidJob(str(exc)) from None
         metrics.RECOVERY_SECONDS.labels("plan").observe(plan.planning_s)
         nodes = sorted(set(failures) | joins)
-        message = announcement(plan, trigger=trigger, nodes=nodes, reason=why)
-        committed = await redis.commit(message, current.generation)
+        # A fail-stop mid-episode keeps the episode's parked nodes; the healthy plan to restore is void
+        # once the layout has changed under it.
+        message = announcement(
+            plan,
+            trigger=trigger,
+            nodes=nodes,
+            reason=why,
+            detect_s=detect_s,
+            parked=[n for n in current.parked if n in self.pods and self.pods[n].failed is None],
+        )
+        await self._commit_and_apply(message, current)
+
+    async def _commit_and_apply(self, message: PlanAnnouncement, current: PlanAnnouncement) -> None:
+        assert self.redis is not None
+        plan = message.plan
+        committed = await self.redis.commit(message, current.generation)
         if committed is None:
             log.info(
                 "job %s/%s: generation %d already committed elsewhere",
@@ -366,27 +397,41 @@ class JobController:
 
     async def _telemetry(self, published: PlanAnnouncement) -> None:
         """Measured throughput and fail-slow reports; status written at most every status_interval_s."""
-        assert self.redis is not None and self.spec is not None
-        for record in await self.redis.new_iterations():
-            if record.generation == published.generation:
-                self._rates[record.node] = (record.generation, record.seconds, record.samples)
-        slow = set(self.status.slow_nodes)
+        assert self.redis is not None and self.spec is not None and self.failslow is not None
+        plan_nodes = set(published.plan.nodes)
+        watched = plan_nodes | set(published.parked)
+        slow = set(self.status.slow_nodes) & watched
+        mitigation: _failslow.Mitigation | None = None
+        # Reports first: the episode they open must exist before the iterations that measure its cost.
         for report in await self.redis.new_reports():
-            if report.generation != published.generation or report.node not in published.plan.nodes:
+            if report.node not in watched or report.generation > published.generation:
                 continue
             if report.recovered:
+                if report.node in slow:
+                    kopf.event(
+                        self._event_body(),
+                        type="Normal",
+                        reason=api.Reason.NODE_RECOVERED.value,
+                        message=f"node {report.node} is back to {report.level_s:.3g}s/step "
+                        f"at step {report.step}",
+                    )
                 slow.discard(report.node)
-                continue
-            if report.node not in slow:
+            elif report.slowdown >= self.spec.fail_slow.slowdown_threshold and report.node not in slow:
                 metrics.FAIL_SLOW_EVENTS.labels(self.name).inc()
                 kopf.event(
                     self._event_body(),
                     type="Warning",
                     reason=api.Reason.NODE_SLOW.value,
                     message=f"node {report.node} is {report.slowdown:.2f}x slower than its baseline "
-                    f"({report.baseline_s:.3g}s/step) at step {report.step}",
+                    f"({report.baseline_s:.3g}s/step) since step {report.onset_step}",
                 )
-            slow.add(report.node)
+                slow.add(report.node)
+            mitigation = self.failslow.report(report) or mitigation
+        for record in await self.redis.new_iterations():
+            if record.generation == published.generation:
+                self._rates[record.node] = (record.generation, record.seconds, record.samples)
+            if record.node in watched and mitigation is None:
+                mitigation = self.failslow.iteration(record)
         rates = {
             n: r for n, r in self._rates.items() if r[0] == published.generation and n in published.plan.nodes
         }
@@ -409,6 +454,74 @@ class JobController:
             }
         )
         await self._write_status(force=False)
+        if mitigation is not None:
+            await self._mitigate(published, mitigation)
+
+    async def _mitigate(self, current: PlanAnnouncement, mitigation: _failslow.Mitigation) -> None:
+        """Publish a fail-slow mitigation through the commit path of a fail-stop (S2, S3, S4, restore)."""
+        spec, inputs, _ = self._require()
+        action = mitigation.action
+        healthy = current.restore or current.plan
+        parked = set(current.parked)
+        restore: Plan | None = healthy
+        started = time.perf_counter()
+        result: Plan | str
+        try:
+            if action is _failslow.Action.MICROBATCH:
+                sync_s = _failslow.sync_time(healthy, inputs.profile, inputs.cluster)
+                result = _failslow.microbatch_plan(
+                    current.plan, inputs.profile, inputs.cluster, mitigation.factors, sync_s
+                )
+            elif action is _failslow.Action.TOPOLOGY:
+                sync_s = _failslow.sync_time(healthy, inputs.profile, inputs.cluster)
+                result = _failslow.topology_plan(
+                    current.plan, inputs.profile, inputs.cluster, mitigation.factors, sync_s
+                )
+            elif action is _failslow.Action.REPLACE:
+                # S4 hands the slow nodes to the fail-stop planner; their pods stay up (parked) so that
+                # their probe steps can show the recovery. The healthy plan cannot come back without them.
+                out = [n for n in mitigation.nodes if n in current.plan.nodes]
+                result = await asyncio.to_thread(plan_next, spec, inputs, current.plan, failed=out)
+                parked |= set(out)
+            else:
+                restore = None
+                back = [n for n in sorted(parked) if n in self.pods and self.pods[n].failed is None]
+                parked = set()
+                if back:
+                    result = await asyncio.to_thread(plan_next, spec, inputs, current.plan, joined=back)
+                elif current.restore is not None:
+                    result = _failslow.restored_plan(
+                        current.plan, current.restore, inputs.profile, inputs.cluster
+                    )
+                else:
+                    result = "no mitigation was published; nothing to undo"
+        except PlannerError as exc:
+            result = f"{exc}"
+        if isinstance(result, str):
+            log.info("job %s/%s: %s not applied: %s", self.namespace, self.name, action, result)
+            kopf.event(
+                self._event_body(),
+                type="Normal",
+                reason=api.Reason.NODE_SLOW.value,
+                message=f"fail-slow mitigation {action} not applied: {result}",
+            )
+            return
+        plan = result.model_copy(update={"planning_s": time.perf_counter() - started})
+        metrics.RECOVERY_SECONDS.labels("plan").observe(plan.planning_s)
+        trigger = api.Reason.NODE_RECOVERED if action is _failslow.Action.RESTORE else api.Reason.NODE_SLOW
+        nodes = mitigation.nodes
+        why = f"fail-slow {action} for nodes {list(nodes)}: {mitigation.reason}"
+        message = announcement(
+            plan,
+            trigger=trigger,
+            nodes=nodes,
+            reason=why,
+            strategy=str(action),
+            detect_s=mitigation.detect_s,
+            parked=parked,
+            restore=restore,
+        )
+        await self._commit_and_apply(message, current)
 
     async def _write_status(self, force: bool) -> None:
         """Patch the status when it changed (and, unless forced, at most every status_interval_s)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import subprocess
 import time
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
 from resilientjob.agent._redis import JobKeys, connect
-from resilientjob.agent.telemetry import LevelShiftDetector, Telemetry
+from resilientjob.agent.telemetry import Telemetry
 from resilientjob.agent.telemetry_messages import (
     MAX_MESSAGE_BYTES,
     DropReason,
@@ -25,6 +26,8 @@ from resilientjob.agent.telemetry_messages import (
     dropped,
 )
 from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.failslow import DetectorConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 PASSWORD = "s3cret-for-tests"
@@ -170,18 +173,35 @@ def test_decode_never_raises_on_hostile_input() -> None:
         assert decode(IterationRecord, raw, "test") is None
 
 
-def test_level_shift_detector_reports_slowdown_then_recovery() -> None:
-    detector = LevelShiftDetector(threshold=1.3, confirm=3)
-    reports = [detector.update(0.1) for _ in range(20)]
-    assert all(r is None for r in reports)
-    slow = [detector.update(0.2) for _ in range(10)]
-    ratios = [r for r in slow if r is not None]
-    assert len(ratios) == 1 and ratios[0] == pytest.approx(2.0)
-    assert detector.slow and detector.baseline_level == pytest.approx(0.1)
-    back = [r for r in (detector.update(0.1) for _ in range(10)) if r is not None]
-    assert len(back) == 1 and back[0] < 1.3 and not detector.slow
+async def test_bocd_reports_slowdown_then_recovery_to_the_reports_stream(client: aioredis.Redis) -> None:
+    keys = JobKeys("default", "cp")
+    agent = Telemetry(client, keys, node=3, pod="cp-node-3")
+    rng = random.Random(7)
+    times = [0.1] * 40 + [0.15] * 30 + [0.1] * 30
+    reports = []
+    for step, base in enumerate(times, start=1):
+        report = await agent.record_iteration(0, step, base * (1 + 0.01 * rng.gauss(0, 1)), 4)
+        if report is not None:
+            reports.append(report)
+    assert [r.recovered for r in reports] == [False, True]
+    slow, back = reports
+    assert 41 <= slow.onset_step <= slow.step <= 41 + 10  # BOCD confirms within its window
+    assert slow.slowdown == pytest.approx(1.5, rel=0.05) and slow.baseline_s == pytest.approx(0.1, rel=0.05)
+    assert slow.level_s == pytest.approx(0.15, rel=0.05)
+    assert 71 <= back.onset_step <= back.step <= 71 + 10 and back.slowdown < 1
+    stored = await JobRedis(client, keys).new_reports()
+    assert [(r.node, r.step, r.recovered) for r in stored] == [(3, slow.step, False), (3, back.step, True)]
 
 
-def test_detector_rejects_bad_settings() -> None:
-    with pytest.raises(ValueError, match="threshold"):
-        LevelShiftDetector(threshold=1.0)
+async def test_a_new_generation_restarts_detection(client: aioredis.Redis) -> None:
+    agent = Telemetry(client, JobKeys("default", "gen"), node=0, pod="gen-node-0")
+    for step in range(1, 31):
+        assert await agent.record_iteration(0, step, 0.1, 1) is None
+    # The new layout is slower for everyone: a new baseline, not a fail-slow.
+    reports = [await agent.record_iteration(1, step, 0.2, 1) for step in range(31, 61)]
+    assert reports == [None] * 30
+
+
+def test_bad_detector_settings_name_the_field() -> None:
+    with pytest.raises(PlannerError, match="threshold"):
+        DetectorConfig(threshold=1.0)

@@ -1,0 +1,140 @@
+"""The operator's fail-slow path without I/O: reports and iteration times through the ski-rental controller,
+and the S2 / S3 / restore plans it publishes."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilientjob.agent.telemetry_messages import IterationRecord, SlowReport
+from resilientjob.operator._failslow import (
+    Action,
+    FailSlowTracker,
+    microbatch_plan,
+    restored_plan,
+    slowed_step_time,
+    topology_plan,
+)
+from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.planner.profile import uniform_profile
+from resilientjob.planner.spec import ClusterSpec
+
+PROFILE = uniform_profile(6)
+CLUSTER = ClusterSpec(nodes=6)
+
+
+def grid_plan(rows: list[list[int]], microbatches: int = 4) -> Plan:
+    """A symmetric DP x PP plan: rows are pipelines, columns stages of 6 / len(row) layers."""
+    depth = len(rows[0])
+    width = PROFILE.num_layers // depth
+    pipelines = tuple(
+        PipelinePlan(
+            stages=tuple(
+                StagePlan(layers=(c * width, (c + 1) * width), node=node) for c, node in enumerate(row)
+            ),
+            microbatches=microbatches,
+        )
+        for row in rows
+    )
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=pipelines, step_time_s=1.0)
+    return plan.model_copy(update={"step_time_s": slowed_step_time(plan, PROFILE, CLUSTER, {})})
+
+
+def slow_report(node: int, step: int, slowdown: float = 2.0, recovered: bool = False) -> SlowReport:
+    base = 0.1
+    return SlowReport(
+        node=node,
+        generation=0,
+        step=step,
+        onset_step=step - 5,
+        slowdown=slowdown if not recovered else 1 / slowdown,
+        baseline_s=base if not recovered else base * slowdown,
+        level_s=base * slowdown if not recovered else base,
+        recovered=recovered,
+        detected_at=0.0,
+    )
+
+
+def record(node: int, step: int, seconds: float) -> IterationRecord:
+    return IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0.0)
+
+
+def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
+    overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
+    tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
+    assert tracker.report(slow_report(1, step=20), now=0.0) is None  # S1: rent first
+    assert tracker.active and tracker.slow == {1: 2.0}
+    # Five slow steps before the detecting one already cost 5 x 0.1 s when the report arrived.
+    decisions = []
+    for step in range(21, 200):
+        # Only the slow node's steps count (node 0's are ignored), each 0.1 s over the healthy 0.1 s.
+        tracker.iteration(record(0, step, 0.1), now=1.0)
+        decision = tracker.iteration(record(1, step, 0.2), now=1.0)
+        if decision is not None:
+            decisions.append((step, decision))
+    assert [d.action for _, d in decisions] == [Action.MICROBATCH, Action.TOPOLOGY, Action.REPLACE]
+    # Each rung is bought on the step whose 0.1 s excess makes the loss (0.5 s at the report) reach its price.
+    for (step, decision), price in zip(decisions, (0.5, 2.0, 5.0), strict=True):
+        assert decision.loss_s == pytest.approx(0.5 + 0.1 * (step - 20))
+        assert decision.loss_s >= price - 1e-6 and (step == 21 or decision.loss_s - 0.1 < price + 1e-6)
+    assert all(d.nodes == (1,) and d.factors == {1: 2.0} for _, d in decisions)
+    assert decisions[0][1].detect_s == pytest.approx(6 * 0.2)  # onset to detection: six slow steps
+    restore = tracker.report(slow_report(1, step=300, recovered=True), now=2.0)
+    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
+
+
+def test_min_duration_and_threshold_gate_the_episode() -> None:
+    tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=10.0))
+    assert tracker.report(slow_report(2, step=20, slowdown=1.2), now=0.0) is None
+    assert not tracker.active  # below the spec's slowdown threshold
+    tracker.report(slow_report(2, step=20, slowdown=3.0), now=0.0)
+    assert all(tracker.iteration(record(2, s, 0.3), now=5.0) is None for s in range(21, 100))
+    # Once the episode is min_duration_s old, the held loss is paid in at once.
+    decision = tracker.iteration(record(2, 100, 0.3), now=11.0)
+    assert decision is not None and decision.action is Action.MICROBATCH
+    tracker.forget([2])
+    assert not tracker.active
+
+
+def test_s2_moves_microbatches_off_the_slow_pipeline() -> None:
+    plan = grid_plan([[0, 1], [2, 3], [4, 5]], microbatches=4)
+    factors = {3: 2.0}
+    result = microbatch_plan(plan, PROFILE, CLUSTER, factors, sync_s=0.0)
+    assert isinstance(result, Plan)
+    counts = [p.microbatches for p in result.pipelines]
+    assert sum(counts) == 12 and counts[1] < 4 and counts[0] > 3 and counts[2] > 3
+    assert slowed_step_time(result, PROFILE, CLUSTER, factors) < slowed_step_time(
+        plan, PROFILE, CLUSTER, factors
+    )
+    assert result.generation == plan.generation + 1 and result.nodes == plan.nodes
+    single = grid_plan([[0, 1, 2]], microbatches=4)
+    assert "one pipeline" in str(microbatch_plan(single, PROFILE, CLUSTER, {1: 2.0}, 0.0))
+
+
+def test_s3_consolidates_stragglers_into_one_stage_and_lists_copies() -> None:
+    plan = grid_plan([[0, 1, 2], [3, 4, 5]])
+    factors = {0: 2.0, 5: 2.0}  # stragglers in stages 0 and 2 slow two stages
+    result = topology_plan(plan, PROFILE, CLUSTER, factors, sync_s=0.0)
+    assert isinstance(result, Plan)
+    stages_of = {s.node: i for p in result.pipelines for i, s in enumerate(p.stages)}
+    assert stages_of[0] == stages_of[5] == 1  # both in the interior stage
+    assert slowed_step_time(result, PROFILE, CLUSTER, factors) < slowed_step_time(
+        plan, PROFILE, CLUSTER, factors
+    )
+    moved_to = {t.dst for t in result.transfers}
+    assert {0, 5} <= moved_to and sorted(result.nodes) == list(range(6))
+    asymmetric = plan.model_copy(update={"pipelines": (plan.pipelines[0], grid_plan([[3, 4]]).pipelines[0])})
+    assert "asymmetric" in str(topology_plan(asymmetric, PROFILE, CLUSTER, factors, 0.0))
+
+
+def test_restore_returns_the_healthy_plan_only_when_faster() -> None:
+    healthy = grid_plan([[0, 1], [2, 3], [4, 5]])
+    skewed = microbatch_plan(healthy, PROFILE, CLUSTER, {3: 2.0}, sync_s=0.0)
+    assert isinstance(skewed, Plan)
+    back = restored_plan(skewed, healthy, PROFILE, CLUSTER)
+    assert isinstance(back, Plan)
+    assert back.generation == skewed.generation + 1 and back.pipelines == healthy.pipelines
+    assert back.transfers == ()  # same stages, nothing to copy
+    assert "as fast" in str(restored_plan(healthy, healthy, PROFILE, CLUSTER))
+    smaller = grid_plan([[0, 1], [2, 3]], microbatches=6)
+    assert "no longer in the layout" in str(restored_plan(smaller, healthy, PROFILE, CLUSTER))

@@ -1,0 +1,110 @@
+"""`rjob local` end to end, the way a user runs it: `up`, `apply -f examples/local-cpu.yaml`, `get`, `logs`,
+`chaos kill`, `chaos slow`, `down`, each a separate `rjob` process; the workers are real agent processes
+started by the process kubelet, heartbeating and reporting iterations to the stack's real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.cluster
+
+
+def rjob(state: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RJOB_LOCAL_DIR": str(state), "RJOB_SYNTHETIC_TIME_SCALE": "0.02"}
+    done = subprocess.run(
+        [sys.executable, "-m", "resilientjob.cli", "local", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if check:
+        assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done
+
+
+def until(probe: Callable[[], str | None], timeout: float, what: str) -> str:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "local"
+    up = rjob(state, "up")
+    assert "API server http://" in up.stdout
+    try:
+        yield state
+    finally:
+        rjob(state, "down", check=False)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def job_row(table: str) -> list[str]:
+    return next(line.split() for line in table.splitlines() if line.startswith("local-cpu "))
+
+
+def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
+    assert "resilientjob/local-cpu applied" in rjob(stack, "apply", "-f", "examples/local-cpu.yaml").stdout
+
+    def running() -> str | None:
+        table = rjob(stack, "get").stdout
+        pods = [line for line in table.splitlines() if line.startswith("local-cpu-node-")]
+        healthy = len(pods) == 4 and all(line.split()[1:] == ["Running", "0"] for line in pods)
+        return table if healthy and job_row(table)[1] == "Running" else None
+
+    until(running, 40, "4 running workers on generation 0")
+    # The agents are real processes: they heartbeat and report iterations, so throughput gets measured.
+    until(lambda: "x" if float(job_row(rjob(stack, "get").stdout)[-2]) > 0 else None, 20, "throughput")
+    missing = rjob(stack, "logs", "local-cpu-node-9", check=False)
+    assert missing.returncode == 2 and "local-cpu-node-9" in missing.stderr
+    state = json.loads((stack / "state.json").read_text())
+    killed_pid = int((stack / "pods" / "local-cpu-node-2" / "pid").read_text())
+
+    started = time.monotonic()
+    assert "killed" in rjob(stack, "chaos", "kill", "local-cpu-node-2").stdout
+
+    def replanned() -> str | None:
+        table = rjob(stack, "get").stdout
+        return table if job_row(table)[-1] == "1" else None
+
+    table = until(replanned, 20, "generation 1 after the kill")
+    assert time.monotonic() - started < 10
+    row = job_row(table)
+    assert row[2] == "3/3"  # the killed worker is out of the layout
+    assert "local-cpu-node-2 " not in table  # fenced: its pod is deleted
+    until(lambda: "gone" if not alive(killed_pid) else None, 5, "the killed worker reaped")
+    slow = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--factor", "2", "--for", "5s")
+    assert "slowed x2.0" in slow.stdout
+    bad = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--factor", "0.5", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "factor" in bad.stderr
+
+    assert "stopped" in rjob(stack, "down").stdout
+    assert not (stack / "state.json").exists()
+    for pid in (state["pid"], state["operator_pid"]):
+        until(lambda pid=pid: "gone" if not alive(pid) else None, 5, f"process {pid} stopped")
