@@ -8,6 +8,9 @@ micro-batches of a failed peer's stage in another pipeline, and a heterogeneous 
 depths in one world. We therefore list-schedule every (pipeline, stage, micro-batch) op in a simulated time
 line: an idle worker runs a ready backward first, else the lowest ready forward, keeping at most
 `stages - stage` forwards in flight per stage (the 1F1B memory bound). For one pipeline this is exactly 1F1B.
+Each micro-batch follows a `chain` of segments: a live stage is one segment on its node; a rerouted stage
+runs on one of its peer pipelines (round-robin by micro-batch), split at that pipeline's stage boundaries,
+so a heterogeneous layout can reroute a stage whose layers its peers hold on several nodes.
 Each worker then executes its ops in simulated order with non-blocking sends and blocking receives; every
 receive's matching send comes earlier in one global order, so execution cannot deadlock.
 """
@@ -64,12 +67,60 @@ class SyncGroup:
     holders: tuple[int, ...]
 
 
-def executor(plan: Plan, pipeline: int, stage: int, local_microbatch: int) -> int:
-    """Node that runs this micro-batch on this stage: the stage's node, or a peer in rerouting mode."""
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    start, end = max(a[0], b[0]), min(a[1], b[1])
+    return (start, end) if start < end else None
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Layers of one stage of one pipeline as one node runs them for one micro-batch.
+
+    A live stage is one segment on its own node. A rerouted stage runs on a peer pipeline, split at that
+    pipeline's stage boundaries (peers of a heterogeneous layout may hold the failed layers on several
+    nodes), so it becomes one segment per overlapping peer stage; `part` numbers them."""
+
+    stage: int
+    part: int
+    layers: tuple[int, int]
+    node: int
+
+
+def peer_pipelines(plan: Plan, pipeline: int, stage: int) -> list[int]:
+    """Pipelines whose live stages cover a rerouted stage's layers using only nodes in its `rerouted_to`."""
     spec = plan.pipelines[pipeline].stages[stage]
-    if spec.rerouted:
-        return spec.rerouted_to[local_microbatch % len(spec.rerouted_to)]
-    return spec.node
+    peers = []
+    for q, other in enumerate(plan.pipelines):
+        if q == pipeline:
+            continue
+        overlapping = [s for s in other.stages if _overlap(s.layers, spec.layers) is not None]
+        if all(not s.rerouted and s.node in spec.rerouted_to for s in overlapping):
+            peers.append(q)
+    if not peers:
+        raise ValueError(
+            f"pipelines[{pipeline}].stages[{stage}].rerouted_to: nodes {list(spec.rerouted_to)} do not hold "
+            f"layers {list(spec.layers)} in any other pipeline"
+        )
+    return peers
+
+
+def chain(plan: Plan, pipeline: int, local_microbatch: int) -> list[Segment]:
+    """The nodes one micro-batch of `pipeline` passes through, layer range by layer range."""
+    segments = []
+    for s, spec in enumerate(plan.pipelines[pipeline].stages):
+        if not spec.rerouted:
+            segments.append(Segment(s, 0, spec.layers, spec.node))
+            continue
+        peers = peer_pipelines(plan, pipeline, s)
+        # Micro-batches of a failed stage go round-robin over its peer pipelines (eq. 12-13's even spread).
+        peer = plan.pipelines[peers[local_microbatch % len(peers)]]
+        part = 0
+        for other in peer.stages:
+            piece = _overlap(other.layers, spec.layers)
+            if piece is not None:
+                segments.append(Segment(s, part, piece, other.node))
+                part += 1
+    return segments
 
 
 def microbatch_offsets(plan: Plan) -> list[int]:
@@ -81,99 +132,104 @@ def microbatch_offsets(plan: Plan) -> list[int]:
 
 
 def held_layers(plan: Plan) -> dict[int, set[int]]:
-    """Layers each live node must hold, checking that rerouting peers already hold what they serve."""
-    holdings = plan.layers_by_node()
-    for index, pipeline in enumerate(plan.pipelines):
-        for stage in pipeline.stages:
-            for peer in stage.rerouted_to:
-                missing = set(range(*stage.layers)) - holdings.get(peer, set())
-                if missing:
-                    raise ValueError(
-                        f"pipelines[{index}].rerouted_to: node {peer} serves layers {list(stage.layers)} "
-                        f"but does not hold {sorted(missing)}"
-                    )
-    return holdings
+    """Layers each live node must hold, checking that rerouting peers can serve what is routed to them."""
+    for p, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            if stage.rerouted:
+                peer_pipelines(plan, p, s)
+    return plan.layers_by_node()
 
 
 def build_ops(plan: Plan) -> dict[int, list[Op]]:
     """Every node's ops for one step, in an order that is deadlock-free across all nodes."""
     held_layers(plan)
     offsets = microbatch_offsets(plan)
-    pending: dict[int, list[tuple[int, int, int]]] = {}  # node -> [(pipeline, stage, local mb)]
-    for p, pipeline in enumerate(plan.pipelines):
-        for s in range(len(pipeline.stages)):
-            for j in range(pipeline.microbatches):
-                pending.setdefault(executor(plan, p, s, j), []).append((p, s, j))
+    chains = {
+        (p, j): chain(plan, p, j)
+        for p, pipeline in enumerate(plan.pipelines)
+        for j in range(pipeline.microbatches)
+    }
+    todo: dict[int, set[tuple[OpKind, int, int, int]]] = {}  # node -> {(kind, pipeline, local mb, position)}
+    for (p, j), segments in chains.items():
+        for k, segment in enumerate(segments):
+            todo.setdefault(segment.node, set()).update((kind, p, j, k) for kind in OpKind)
 
     forward_done: dict[tuple[int, int, int], float] = {}
     backward_done: dict[tuple[int, int, int], float] = {}
     in_flight: dict[tuple[int, int], int] = {}
-    todo = {node: {(kind, *item) for item in items for kind in OpKind} for node, items in pending.items()}
     clock = dict.fromkeys(todo, 0.0)
     ops: dict[int, list[Op]] = {node: [] for node in todo}
     remaining = sum(len(items) for items in todo.values())
 
-    def ready_time(kind: OpKind, p: int, s: int, j: int) -> float | None:
-        stages = len(plan.pipelines[p].stages)
+    def ready_time(kind: OpKind, p: int, j: int, k: int) -> float | None:
+        segments = chains[(p, j)]
+        segment = segments[k]
         if kind == OpKind.FORWARD:
-            if in_flight.get((p, s), 0) >= stages - s:
+            # 1F1B memory bound: at most `stages - stage` micro-batches between forward and backward.
+            depth = len(plan.pipelines[p].stages)
+            if segment.part == 0 and in_flight.get((p, segment.stage), 0) >= depth - segment.stage:
                 return None
-            return 0.0 if s == 0 else forward_done.get((p, s - 1, j))
-        if (p, s, j) not in forward_done:
+            return 0.0 if k == 0 else forward_done.get((p, j, k - 1))
+        if (p, j, k) not in forward_done:
             return None
-        if s == stages - 1:
-            return forward_done[(p, s, j)]
-        return backward_done.get((p, s + 1, j))
+        if k == len(segments) - 1:
+            return forward_done[(p, j, k)]
+        return backward_done.get((p, j, k + 1))
 
     # List scheduling: among all nodes, run the op that can start earliest (ties: lowest node id).
     while remaining:
         best = None
         for node in sorted(todo):
             choice = None
-            for kind, p, s, j in todo[node]:
-                ready = ready_time(kind, p, s, j)
+            for kind, p, j, k in todo[node]:
+                ready = ready_time(kind, p, j, k)
                 if ready is None:
                     continue
                 # Backward first (frees activations), then the lowest micro-batch: 1F1B's order.
-                key = (0 if kind == OpKind.BACKWARD else 1, offsets[p] + j, p, s)
+                key = (0 if kind == OpKind.BACKWARD else 1, offsets[p] + j, p, k)
                 if choice is None or key < choice[0]:
-                    choice = (key, (kind, p, s, j), ready)
+                    choice = (key, (kind, p, j, k), ready)
             if choice is not None:
                 start = max(clock[node], choice[2])
                 if best is None or (start, node) < (best[0], best[1]):
                     best = (start, node, choice[1])
         if best is None:
             raise RuntimeError("schedule made no progress: the plan's pipelines cannot be ordered")
-        start, node, (kind, p, s, j) = best
-        todo[node].discard((kind, p, s, j))
+        start, node, (kind, p, j, k) = best
+        todo[node].discard((kind, p, j, k))
         end = start + (1.0 if kind == OpKind.FORWARD else 2.0)
         clock[node] = end
+        segment = chains[(p, j)][k]
         if kind == OpKind.FORWARD:
-            forward_done[(p, s, j)] = end
-            in_flight[(p, s)] = in_flight.get((p, s), 0) + 1
+            forward_done[(p, j, k)] = end
+            if segment.part == 0:
+                in_flight[(p, segment.stage)] = in_flight.get((p, segment.stage), 0) + 1
         else:
-            backward_done[(p, s, j)] = end
-            in_flight[(p, s)] -= 1
-        ops[node].append(_make_op(plan, offsets, kind, p, s, j))
+            backward_done[(p, j, k)] = end
+            if segment.part == 0:
+                in_flight[(p, segment.stage)] -= 1
+        ops[node].append(_make_op(plan, offsets, chains[(p, j)], kind, p, j, k))
         remaining -= 1
     return ops
 
 
-def _make_op(plan: Plan, offsets: list[int], kind: OpKind, p: int, s: int, j: int) -> Op:
-    stages = plan.pipelines[p].stages
-    before = executor(plan, p, s - 1, j) if s > 0 else None
-    after = executor(plan, p, s + 1, j) if s < len(stages) - 1 else None
+def _make_op(
+    plan: Plan, offsets: list[int], segments: list[Segment], kind: OpKind, p: int, j: int, k: int
+) -> Op:
+    segment = segments[k]
+    before = segments[k - 1].node if k > 0 else None
+    after = segments[k + 1].node if k < len(segments) - 1 else None
     forward = kind == OpKind.FORWARD
     return Op(
         kind=kind,
         pipeline=p,
-        stage=s,
+        stage=segment.stage,
         microbatch=offsets[p] + j,
-        layers=stages[s].layers,
+        layers=segment.layers,
         recv_from=before if forward else after,
         send_to=after if forward else before,
-        first=s == 0,
-        last=s == len(stages) - 1,
+        first=segment.layers[0] == 0,
+        last=segment.layers[1] == plan.num_layers,
     )
 
 
@@ -185,12 +241,14 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     groups = []
     for number, segments in enumerate(rounds):
         for start, end in segments:
-            holders: set[int] = set()
-            for pipeline in plan.pipelines:
-                for stage in pipeline.stages:
-                    if stage.layers[0] <= start < stage.layers[1]:
-                        holders.update(stage.rerouted_to or (stage.node,))
-                        break
+            # Rerouted micro-batches' gradients accumulate on the peers' own copies, so the holders are the
+            # live stages' nodes only.
+            holders = {
+                stage.node
+                for pipeline in plan.pipelines
+                for stage in pipeline.stages
+                if not stage.rerouted and stage.layers[0] <= start < stage.layers[1]
+            }
             groups.append(SyncGroup(round=number, layers=(start, end), holders=tuple(sorted(holders))))
     return groups
 

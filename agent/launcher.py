@@ -6,8 +6,13 @@ workers: a dead node therefore never tears down the survivors, who reconfigure l
 by the plan instead of elastic's `RendezvousHandler`: the launcher hosts a `TCPStore`, publishes plan
 generation g under `plan/<g>`, and workers re-initialise the default process group under the `gen<g>/`
 prefix with the plan's ranks (see `runtime.join_world`). Workers are restarted only on the fallback path,
-when no live replica of some layer remains: every process context is closed and the survivors start again
-from the last complete checkpoint.
+when the planner answers `checkpoint` (no live replica of some layer remains) or a failure hits a switch in
+progress: every process context is closed and the survivors start again from the last complete checkpoint.
+
+Every decision is the planner's (`_runtime_plans.RuntimePlanner` over `planner.search.replan`): `policy`
+forces one recovery policy or leaves the choice to Odyssey's score (`auto`). The moment a worker's death is
+seen, the launcher bumps the store's failure counter, so survivors abandon the step at once
+(`_runtime_wait`), and only then waits `grace_s` for simultaneous failures before planning once.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from torch._C._distributed_c10d import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
 from resilientjob.planner._errors import PlannerError
-from resilientjob.planner.plan import Plan
+from resilientjob.planner.plan import Plan, Policy
 
-from ._runtime_plans import Replanner
+from ._runtime_plans import RuntimePlanner
 from ._runtime_schedule import world_nodes
-from .worker import JobConfig, worker_main
+from .runtime import check_supported
+from .worker import JobConfig, announce_failures, publish_plan, worker_main
 
 
 @dataclass(slots=True)
@@ -57,6 +63,8 @@ class JobResult:
     events: dict[str, Any]
     wall_s: float
     return_values: dict[int, Any] = field(default_factory=dict)
+    step_times: dict[int, list[float]] = field(default_factory=dict)
+    """Seconds of each committed step, by plan generation, measured by the world's rank 0."""
 
 
 class NodeAgent:
@@ -80,7 +88,8 @@ class NodeAgent:
 
     def poll(self) -> tuple[bool, bool, Any]:
         """(finished, failed, return value)."""
-        assert self.context is not None
+        if self.context is None:
+            raise RuntimeError(f"node {self.node}: poll() before start()")
         result = self.context.wait(timeout=0)
         if result is None:
             return False, False, None
@@ -98,22 +107,33 @@ class Launcher:
         self,
         config: JobConfig,
         plan: Plan,
-        replanner: Replanner,
+        planner: RuntimePlanner,
         log_dir: Path,
         fail_at: Mapping[int, int] | None = None,
-        reroute_first: bool = False,
-        upgrade_after: int = 2,
-        grace_s: float = 0.5,
+        policy: Policy = Policy.AUTO,
+        upgrade_after: int | None = None,
+        grace_s: float = 0.2,
         start_method: str = "forkserver",
         on_plan: Callable[[Plan], None] | None = None,
         live: bool = True,
     ) -> None:
+        """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
+        steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change)."""
+        check_supported(plan)
+        if plan.global_batch != planner.job.global_batch:
+            raise PlannerError(
+                "global_batch", f"plan has {plan.global_batch}, the job {planner.job.global_batch}"
+            )
+        if upgrade_after is not None and upgrade_after < 1:
+            raise ValueError(f"upgrade_after: must be >= 1 or None, got {upgrade_after}")
+        if grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {grace_s}")
         self.config = config
         self.plan = plan.model_copy(update={"generation": 0})
-        self.replanner = replanner
+        self.planner = planner
         self.log_dir = Path(log_dir)
         self.fail_at = dict(fail_at or {})
-        self.reroute_first = reroute_first
+        self.policy = Policy(policy)
         self.upgrade_after = upgrade_after
         self.grace_s = grace_s
         self.start_method = start_method
@@ -129,15 +149,20 @@ class Launcher:
         self.failed: set[int] = set()
         self.returns: dict[int, Any] = {}
         self._upgrade_at: int | None = None
+        self._announced = 0
 
     # ---- plans -------------------------------------------------------------------------------------------
     def publish(self, plan: Plan) -> None:
-        self.store.set(f"plan/{plan.generation}", plan.model_dump_json())
-        self.store.set("generation", str(plan.generation))
+        publish_plan(self.store, plan, self._announced)
         self.plan = plan
         self.plans.append(plan)
         if self.on_plan is not None:
             self.on_plan(plan)
+
+    def _announce(self, failed: set[int]) -> None:
+        """Tell every worker at once (their waits watch this counter) that peers died."""
+        if failed:
+            self._announced = announce_failures(self.store, len(failed))
 
     def _committed(self) -> int:
         return int(self.store.add("committed", 0))
@@ -166,12 +191,14 @@ class Launcher:
             newly_failed = self._poll(running)
             if newly_failed:
                 detected = time.time()
+                self._announce(newly_failed)
                 time.sleep(self.grace_s)  # simultaneous failures arrive within a short window: plan once
-                newly_failed |= self._poll(running)
-                self._recover(frozenset(newly_failed), detected, running)
+                late = self._poll(running)
+                self._announce(late)
+                self._recover(frozenset(newly_failed | late), detected, running)
             elif self._upgrade_at is not None and self._committed() >= self._upgrade_at:
                 self._upgrade_at = None
-                self.publish(self.replanner.dynamic(self.plan, frozenset(self.failed)))
+                self.publish(self.planner.upgrade(self.plan))
             time.sleep(0.02)
         return self._result(time.time() - started)
 
@@ -191,30 +218,26 @@ class Launcher:
     def _recover(self, failed: frozenset[int], detected: float, running: set[int]) -> None:
         committed = self._committed()
         begin = time.perf_counter()
-        restart = (
-            not self.live or not self._fully_applied()
-        )  # a failure in the middle of a switch: layers may be half-copied
+        # A failure in the middle of a switch may leave layers half-copied: only a restart is safe then.
+        restart = not self.live or not self._fully_applied()
         plan: Plan | None = None
         if not restart:
             try:
-                if self.reroute_first:
-                    plan = self.replanner.reroute(self.plan, frozenset(self.failed))
-                    self._upgrade_at = committed + self.upgrade_after
-                else:
-                    plan = self.replanner.dynamic(self.plan, frozenset(self.failed))
+                plan = self.planner.recover(self.plan, failed, self.policy)
             except PlannerError:
-                try:  # rerouting impossible (a stage lost every peer) but a layout may still be placed
-                    plan = self.replanner.dynamic(self.plan, frozenset(self.failed))
-                    self._upgrade_at = None
-                except PlannerError:
-                    restart = True
+                plan = None
+            restart = plan is None or plan.policy is Policy.CHECKPOINT
         if restart or plan is None:
             for node in sorted(running):
                 self.agents[node].stop()
-            alive = sorted(running)
             running.clear()
-            plan = self.replanner.restart(self.plan, alive)
-            self._upgrade_at = None
+            if plan is None or plan.policy is not Policy.CHECKPOINT:
+                plan = self.planner.restart(self.plan, failed)
+        self._upgrade_at = (
+            committed + self.upgrade_after
+            if plan.policy is Policy.REROUTE and self.upgrade_after is not None
+            else None
+        )
         planning = time.perf_counter() - begin
         plan = plan.model_copy(update={"planning_s": planning})
         self.recoveries.append(
@@ -260,7 +283,10 @@ class Launcher:
                 samples[step] = [int(i) for g, ids in parsed if int(g) == newest for i in ids.split(",")]
         received: dict[int, list[tuple[int, int, int, int]]] = {}
         events: dict[str, Any] = {}
+        step_times: dict[int, list[float]] = {}
         for plan in self.plans:
+            text = self._get(f"steptime/{plan.generation}")
+            step_times[plan.generation] = [float(v) for v in (text or "").split(";") if v]
             text = self._get(f"received/{plan.generation}")
             rows = [tuple(int(v) for v in row.split(",")) for row in (text or "").split(";") if row]
             received[plan.generation] = rows  # type: ignore[assignment]
@@ -284,4 +310,5 @@ class Launcher:
             events=events,
             wall_s=wall_s,
             return_values=dict(self.returns),
+            step_times=step_times,
         )

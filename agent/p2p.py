@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -93,16 +92,16 @@ def execute_transfers(
     rank_of: Mapping[int, int],
     layers: dict[int, LayerState],
     make_layer: Callable[[int], LayerState],
-    timeout_s: float,
+    wait: Callable[[dist.Work | None, str], None],
 ) -> list[TransferRecord]:
     """Send and receive this node's share of the transfer plan; return what this node received.
 
     Sends are non-blocking and receives blocking, in the plan's order on every node, so two nodes that send
     each other layers cannot deadlock. A received layer enters `layers` only once all its tensors arrived.
+    `wait(work, what)` blocks on one operation (the trainer's, which gives up when a peer fails).
     """
     pending: list[dist.Work] = []
     received: list[TransferRecord] = []
-    wait = timedelta(seconds=timeout_s)
     for transfer in transfers:
         if transfer.src == node:
             if transfer.layer not in layers:
@@ -118,12 +117,10 @@ def execute_transfers(
             with torch.no_grad():
                 for offset, tensor in enumerate(fresh.tensors()):
                     tag = _TAG_BASE + transfer.layer * 1024 + offset
-                    work = dist.irecv(tensor, src=rank_of[transfer.src], tag=tag)
-                    if work is not None:
-                        work.wait(wait)
+                    wait(dist.irecv(tensor, src=rank_of[transfer.src], tag=tag), f"layer {transfer.layer}")
                     size += tensor.nbytes
             layers[transfer.layer] = fresh
             received.append(TransferRecord(transfer.layer, transfer.src, transfer.dst, size))
     for work in pending:
-        work.wait(wait)
+        wait(work, "layer send")
     return received

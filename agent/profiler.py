@@ -14,7 +14,7 @@ import torch
 
 from resilientjob.planner.profile import LayerProfile, ModelProfile
 
-from .models import ModelSpec, lm_loss
+from .models import ModelConfig, ModelKind, ModelSpec, lm_loss
 from .p2p import layer_state_bytes
 
 
@@ -76,3 +76,22 @@ def measure_profile(
         )
         x = out
     return ModelProfile(name=model.name, layers=tuple(layers))
+
+
+def calibrated_profile(model: ModelSpec) -> ModelProfile:
+    """The exact profile of a calibrated-sleep model: bytes as measured, times as the sleeps are set.
+
+    Sleep layers take `forward_sleep_s` forward and twice that backward per micro-batch whatever the CPU
+    load, so this is what the planner should predict from (the runtime's own overheads are what the
+    estimator-accuracy benchmark then measures)."""
+    config = model.meta.get("config")
+    if not isinstance(config, ModelConfig) or config.kind != ModelKind.SLEEP:
+        raise ValueError(f"model: {model.name} is not a calibrated-sleep model (load_model('sleep', ...))")
+    measured = measure_profile(model, timed=False)
+    layers = tuple(
+        layer.model_copy(
+            update={"forward_s": config.forward_sleep_s, "backward_s": 2 * config.forward_sleep_s}
+        )
+        for layer in measured.layers
+    )
+    return ModelProfile(name=measured.name, layers=layers)

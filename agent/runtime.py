@@ -12,8 +12,13 @@ over pipelines, micro-batches or rerouted peers, every parameter receives sum(pe
 
 Reconfiguration re-initialises the default process group in place: `destroy_process_group()`, then
 `init_process_group(store=PrefixStore(f"gen{g}/", store))` over the same TCPStore the launcher hosts, with
-this plan's ranks; the per-generation prefix keeps the new rendezvous from reading the old one's keys. A
-collective blocked on a dead peer fails after `collective_timeout_s` (gloo timeouts), not after 30 minutes.
+this plan's ranks; the per-generation prefix keeps the new rendezvous from reading the old one's keys. Every
+wait goes through `_runtime_wait.Waiter`: a wait blocked behind a dead peer is abandoned as soon as the
+launcher announces the failure in the store (`FailureNotice`), and at the latest after `collective_timeout_s`
+(the gloo timeout), never after the 30-minute default.
+
+A stage must run on one device (`StagePlan.gpus` of length 1): multi-device stages (tensor parallelism) are
+refused when the plan is applied, with a `PlannerError` naming the stage (see `check_supported`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
+from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 
 from ._runtime_schedule import Op, OpKind, SyncGroup, build_ops, held_layers, sync_groups, world_nodes
+from ._runtime_wait import FailureNotice, Waiter
 from .data import SampleOrder, SyntheticDataset
 from .models import ModelSpec, lm_loss
 from .p2p import LayerState, TransferRecord, execute_transfers
@@ -36,6 +43,22 @@ from .p2p import LayerState, TransferRecord, execute_transfers
 
 class ReconfigurationError(RuntimeError):
     """The new world cannot resume live (workers disagree on the step); the checkpoint path must take over."""
+
+
+def check_supported(plan: Plan) -> None:
+    """Raise PlannerError naming the first stage this runtime cannot execute.
+
+    A stage spanning several devices of a node needs tensor parallelism inside the stage; this runtime runs
+    one worker process per stage and has no intra-stage sharding, so such plans are refused up front rather
+    than silently run on one device (the planner's step-time estimate would be wrong)."""
+    for p, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            if len(stage.gpus) > 1 and not stage.rerouted:
+                raise PlannerError(
+                    f"pipelines[{p}].stages[{s}].gpus",
+                    f"stage on node {stage.node} spans {len(stage.gpus)} devices {list(stage.gpus)}; the "
+                    "training runtime runs one device per stage (plan with gpus_per_node=1)",
+                )
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -100,10 +123,30 @@ class Trainer:
     _ops: list[Op] = field(default_factory=list)
     _groups: list[tuple[SyncGroup, dist.ProcessGroup | None]] = field(default_factory=list)
     _rank_of: dict[int, int] = field(default_factory=dict)
-    _order: SampleOrder | None = None
+    _order: SampleOrder = field(init=False)
+    notice: FailureNotice = field(default_factory=lambda: FailureNotice(None))
+    """Trips when a failure the current plan does not account for is announced."""
+    _waiter: Waiter = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s}")
         self._order = SampleOrder(self.dataset.num_samples, self.global_batch, seed=self.dataset.seed)
+        self._waiter = Waiter(self.collective_timeout_s)
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        self._waiter.wait(work, self.notice, what)
+
+    def close(self) -> None:
+        """Leave the process group and stop the wait helpers."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._waiter.close()
+
+    def _current(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("plan: the trainer has not applied a plan yet")
+        return self.plan
 
     # ---- layers ------------------------------------------------------------------------------------------
     def make_layer(self, index: int) -> LayerState:
@@ -113,6 +156,11 @@ class Trainer:
         """Build this node's layers of the first plan from their seeds (no communication)."""
         for index in sorted(held_layers(plan).get(self.node, set())):
             self.layers[index] = self.make_layer(index)
+
+    @property
+    def world_rank(self) -> int | None:
+        """This node's rank in the current plan's process group (None when it has no part in it)."""
+        return self._rank_of.get(self.node)
 
     @property
     def active(self) -> bool:
@@ -127,8 +175,10 @@ class Trainer:
             raise ReconfigurationError(
                 f"global_batch: plan has {plan.global_batch}, job runs {self.global_batch}"
             )
+        check_supported(plan)
         nodes = world_nodes(plan)
         self.plan, self.generation = plan, plan.generation
+        self.notice = FailureNotice.for_generation(store, plan.generation)
         if self.node not in nodes:
             self._rank_of = {}
             if dist.is_initialized():
@@ -146,12 +196,12 @@ class Trainer:
         )
         # Everyone resumes at the same committed step, or nobody resumes live.
         steps = torch.tensor([self.step, -self.step], dtype=torch.int64)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
         if int(steps[0]) != -int(steps[1]):
             raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
         rendezvous = time.perf_counter()
         records = execute_transfers(
-            plan.transfers, self.node, self._rank_of, self.layers, self.make_layer, self.collective_timeout_s
+            plan.transfers, self.node, self._rank_of, self.layers, self.make_layer, self._wait
         )
         keep = held_layers(plan).get(self.node, set())
         missing = keep - set(self.layers)
@@ -179,8 +229,7 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def _inputs(self, step: int, microbatch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        assert self._order is not None and self.plan is not None
-        ids = self._order.microbatch_ids(step, microbatch, self.plan.microbatch_size)
+        ids = self._order.microbatch_ids(step, microbatch, self._current().microbatch_size)
         inputs, targets = self.dataset.batch(ids)
         return ids, inputs, targets
 
@@ -195,16 +244,13 @@ class Trainer:
         if src == self.node:
             return mailbox.pop(tag)
         buffer = torch.empty(shape)
-        work = dist.irecv(buffer, src=self._rank_of[src], tag=tag)
-        if work is not None:
-            work.wait(timedelta(seconds=self.collective_timeout_s))
+        self._wait(dist.irecv(buffer, src=self._rank_of[src], tag=tag), f"receive from node {src}")
         return buffer
 
     def run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
         """Run and commit one step. Returns (mean loss, whether a newer plan is waiting, sample ids whose
         loss this node computed). Raises RuntimeError if a peer fails; nothing is committed then."""
-        assert self.plan is not None and self._order is not None
-        step, plan = self.step, self.plan
+        step, plan = self.step, self._current()
         for layer in self.layers.values():
             layer.zero_grad()
         shape = self.model.hidden_shape(plan.microbatch_size)
@@ -220,8 +266,7 @@ class Trainer:
                     ids, x, targets = self._inputs(step, op.microbatch)
                     inputs: torch.Tensor | None = None
                 else:
-                    assert op.recv_from is not None
-                    x = self._recv(shape, op.recv_from, op.tag, mailbox).requires_grad_()
+                    x = self._recv(shape, _peer(op.recv_from, op), op.tag, mailbox).requires_grad_()
                     inputs = x
                 y = self._forward(op.layers, x)
                 if op.last:
@@ -237,20 +282,20 @@ class Trainer:
                 if op.last:
                     torch.autograd.backward([y])
                 else:
-                    assert op.recv_from is not None
-                    torch.autograd.backward([y], [self._recv(tuple(y.shape), op.recv_from, op.tag, mailbox)])
+                    grad = self._recv(tuple(y.shape), _peer(op.recv_from, op), op.tag, mailbox)
+                    torch.autograd.backward([y], [grad])
                 if inputs is not None:
-                    assert inputs.grad is not None
+                    if inputs.grad is None:
+                        raise RuntimeError(f"backward: no input gradient for {op}")
                     sends.extend(self._send(inputs.grad, op.send_to, op.send_tag, mailbox))
-        wait = timedelta(seconds=self.collective_timeout_s)
         for work in sends:
-            work.wait(wait)
+            self._wait(work, "send")
         self._sync_gradients()
         # Commit: the loss sum, and whether anybody saw a newer plan (so all switch after the same step).
         commit = torch.tensor(
             [loss_sum, 1.0 if latest_generation > self.generation else 0.0], dtype=torch.float64
         )
-        dist.all_reduce(commit)
+        self._wait(dist.all_reduce(commit, async_op=True), "commit")
         for layer in self.layers.values():
             layer.optimizer.step()
         self.step += 1
@@ -259,16 +304,15 @@ class Trainer:
     def _send(
         self, tensor: torch.Tensor, dst: int | None, tag: int, mailbox: dict[int, torch.Tensor]
     ) -> list[dist.Work]:
-        assert dst is not None
-        if dst == self.node:
+        target = _peer(dst, "send")
+        if target == self.node:
             mailbox[tag] = tensor
             return []
-        work = dist.isend(tensor.contiguous(), dst=self._rank_of[dst], tag=tag)
+        work = dist.isend(tensor.contiguous(), dst=self._rank_of[target], tag=tag)
         return [work] if work is not None else []
 
     def _sync_gradients(self) -> None:
         """Sum gradients of each layer range over its holders, one colour round at a time."""
-        wait = timedelta(seconds=self.collective_timeout_s)
         rounds = sorted({group.round for group, _ in self._groups})
         for number in rounds:
             in_flight = []
@@ -281,9 +325,16 @@ class Trainer:
                 work = dist.all_reduce(flat, group=handle, async_op=True)
                 in_flight.append((work, flat, params))
             for work, flat, params in in_flight:
-                work.wait(wait)
+                self._wait(work, f"gradient all-reduce of layers {list(group.layers)}")
                 offset = 0
                 for param in params:
                     count = param.numel()
                     param.grad = flat[offset : offset + count].view_as(param).clone()
                     offset += count
+
+
+def _peer(node: int | None, op: object) -> int:
+    """The neighbour an op exchanges with; the schedule guarantees one exists where it is used."""
+    if node is None:
+        raise RuntimeError(f"schedule: {op} has no neighbour to exchange with")
+    return node

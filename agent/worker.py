@@ -3,12 +3,18 @@
 Store layout (the launcher hosts the store; in a cluster the agent mirrors the operator's Redis plan into it):
   generation            newest plan generation (integer)
   plan/<g>              Plan JSON of generation g
+  failures              failures announced so far (counter; a wait abandons its step when it grows)
+  accounted/<g>         the failure count plan g was computed with
   applied/<g>           count of workers that finished switching to g
   loss/<step>           "<g>:<loss>" written by world rank 0 at each commit
   committed             committed steps so far
   samples/<step>        "<g>:<ids>;" appended by every node that computed losses in that step
   received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
+  steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
+
+`publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
+which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch._C._distributed_c10d import Store, TCPStore
 
-from resilientjob.planner.plan import Plan
+from resilientjob.planner.plan import Plan, Policy
 
 from ._runtime_schedule import held_layers
+from ._runtime_wait import FAILURES_KEY, accounted_key
 from .checkpoint import Checkpointer
 from .data import SyntheticDataset
 from .models import load_model
@@ -64,6 +70,19 @@ class JobConfig:
         for name in ("collective_timeout_s", "plan_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def publish_plan(store: Store, plan: Plan, failures_accounted: int) -> None:
+    """Make `plan` the job's newest plan. `failures_accounted`: the failure count the plan was made with."""
+    store.set(f"plan/{plan.generation}", plan.model_dump_json())
+    # Written before the generation: a worker that sees the plan also sees which failures it covers.
+    store.set(accounted_key(plan.generation), str(failures_accounted))
+    store.set("generation", str(plan.generation))
+
+
+def announce_failures(store: Store, count: int) -> int:
+    """Tell every worker at once that `count` more peers died; returns the total announced so far."""
+    return int(store.add(FAILURES_KEY, count))
 
 
 def read_generation(store: Store) -> int:
@@ -160,6 +179,7 @@ def worker_main(
             store.set(f"event/fail/{node}", repr(time.time()))
             os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets
         step = trainer.step
+        began = time.perf_counter()
         try:
             loss, switch, ids = trainer.run_step(read_generation(store))
         except ReconfigurationError:
@@ -175,15 +195,17 @@ def worker_main(
         if trainer.generation != resumed_generation:
             resumed_generation = trainer.generation
             store.set(f"event/resumed/{trainer.generation}/{node}", repr(time.time()))
-        if trainer._rank_of.get(node) == 0:
+        if trainer.world_rank == 0:
             store.set(f"loss/{step}", f"{trainer.generation}:{loss!r}")
             store.set("committed", str(trainer.step))
+            store.append(  # type: ignore[attr-defined]
+                f"steptime/{trainer.generation}", f"{time.perf_counter() - began!r};"
+            )
         if ids:
             store.append(  # type: ignore[attr-defined]
                 f"samples/{step}", f"{trainer.generation}:{','.join(map(str, ids))};"
             )
-        if checkpointer is not None and checkpointer.due(trainer.step):
-            assert trainer.plan is not None
+        if checkpointer is not None and checkpointer.due(trainer.step) and trainer.plan is not None:
             owners = _designated_writers(trainer.plan)
             checkpointer.save(
                 trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
@@ -193,8 +215,7 @@ def worker_main(
             break
     if checkpointer is not None:
         checkpointer.wait()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    trainer.close()
     result: dict[str, object] = {"node": node, "step": trainer.step, "left": trainer.step < config.steps}
     if config.return_state:
         result["params"] = {
@@ -203,6 +224,21 @@ def worker_main(
         }
         result["first_grads"] = first_grads
     return result
+
+
+def run_from_plan(node: int, config: JobConfig, host: str, port: int) -> dict[str, object]:
+    """Train this node's share of the job's newest plan to `config.steps` committed steps, following every
+    plan published after it; the entry point for a pod agent (one call per device, in its own process).
+
+    The job's store at `host:port` must hold a plan (`publish_plan`). A plan of policy `checkpoint` after
+    generation 0 means the job restarted: the worker loads the last complete checkpoint first.
+    """
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+    plan = read_plan(store, read_generation(store))
+    restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0
+    if restore and not config.checkpoint_dir:
+        raise ValueError("checkpoint_dir: the newest plan restarts from a checkpoint but none is configured")
+    return worker_main(node, config, host, port, fail_at=None, restore=restore)
 
 
 def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from resilientjob.agent._runtime_plans import Replanner, layout
+from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.launcher import JobResult, Launcher
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import measure_profile
@@ -43,7 +43,8 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = load_model("gpt", **MODEL)
     profile = measure_profile(spec, timed=False)
-    plan = layout(profile, nodes=8, replicas=2, microbatches=8, microbatch_size=2)
+    planner = RuntimePlanner.for_job(profile, nodes=8, global_batch=16, microbatch_size=2, dp_range=(2, 2))
+    plan = planner.initial()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, live in (("live", True), ("checkpoint-restart", False)):
@@ -56,7 +57,7 @@ def main() -> None:
                 checkpoint_dir=str(Path(tmp) / name / "ckpt"),
                 checkpoint_interval=3,
             )
-            launcher = Launcher(config, plan, Replanner(profile), Path(tmp) / name, fail_at={5: 3}, live=live)
+            launcher = Launcher(config, plan, planner, Path(tmp) / name, fail_at={5: 3}, live=live)
             rows[name] = phases(launcher.run(timeout_s=300))
     keys = ["detect", "plan", "rendezvous", "copy", "resume", "total"]
     print(f"{'path':<20}" + "".join(f"{key:>12}" for key in keys))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import Replanner, layout
-from resilientjob.agent._runtime_schedule import OpKind, build_ops, sync_groups
+from resilientjob.agent._runtime_plans import RuntimePlanner
+from resilientjob.agent._runtime_schedule import OpKind, build_ops, chain, sync_groups
 from resilientjob.agent.data import SampleOrder, SyntheticDataset
 from resilientjob.agent.models import ModelConfig, ModelKind, load_model
 from resilientjob.agent.p2p import LayerState, layer_state_bytes
@@ -138,7 +138,8 @@ def test_schedule_is_1f1b_for_one_pipeline_and_covers_rerouted_work() -> None:
 
 
 def test_heterogeneous_sync_groups_follow_colour_rounds() -> None:
-    plan = layout(uniform_profile(8), nodes=7, replicas=2, microbatches=8, microbatch_size=1)
+    planner = RuntimePlanner.for_job(uniform_profile(8), nodes=8, global_batch=8, microbatch_size=1)
+    plan = planner.recover(planner.initial(Policy.DYNAMIC), [3], Policy.DYNAMIC)
     groups = sync_groups(plan)
     for number in {g.round for g in groups}:
         members = [node for g in groups if g.round == number for node in g.holders]
@@ -147,17 +148,56 @@ def test_heterogeneous_sync_groups_follow_colour_rounds() -> None:
     assert covered == list(range(8))
 
 
-def test_replanner_reroute_dynamic_and_loss_beyond_f() -> None:
-    profile = uniform_profile(8)
-    plan = layout(profile, nodes=8, replicas=2, microbatches=8, microbatch_size=1)
-    replanner = Replanner(profile)
-    rerouted = replanner.reroute(plan, frozenset({1}))
+def _gpt_planner(**options: object) -> RuntimePlanner:
+    profile = measure_profile(
+        load_model("gpt", layers=8, hidden=32, heads=2, vocab=32, seq_len=16), timed=False
+    )
+    return RuntimePlanner.for_job(profile, nodes=8, global_batch=16, microbatch_size=2, **options)  # type: ignore[arg-type]
+
+
+def test_rerouted_stage_runs_across_a_peer_pipeline_with_other_boundaries() -> None:
+    planner = _gpt_planner(fault_tolerance=2, dp_range=(3, 3))
+    plan = planner.initial(Policy.DYNAMIC)
+    assert plan.layout == "DP3 PP[3,3,2]"
+    rerouted = planner.recover(plan, [1, 4], Policy.REROUTE)
     assert rerouted.policy == Policy.REROUTE and rerouted.transfers == ()
+    # Layers 3..5 of the dead nodes live on node 6 (layers 0..3) and node 7 (layers 4..7) of pipeline 2.
+    segments = [(segment.layers, segment.node) for segment in chain(rerouted, 0, 0)]
+    assert segments == [((0, 3), 0), ((3, 4), 6), ((4, 6), 7), ((6, 8), 2)]
+    ops = build_ops(rerouted)
+    assert set(ops) == set(rerouted.nodes)
+    served = sorted(op.microbatch for op in ops[6] if op.pipeline != 2 and op.kind == OpKind.FORWARD)
+    assert served == list(range(6))  # every micro-batch of pipelines 0 and 1 passes node 6 once
+    holders = {g.layers: g.holders for g in sync_groups(rerouted)}
+    assert holders[(3, 4)] == (6,) and holders[(0, 3)] == (0, 3, 6)
+
+
+def test_runtime_planner_is_the_planner_search() -> None:
+    planner = _gpt_planner(dp_range=(2, 2))
+    plan = planner.initial()
+    assert plan.layout == "DP2 PP[4,4]"
+    chosen = planner.recover(plan, [5])  # auto: Odyssey's score decides
+    assert chosen.policy == max(chosen.candidates, key=lambda c: c.score).policy
+    assert {c.policy for c in chosen.candidates} >= {Policy.REROUTE, Policy.DYNAMIC, Policy.CHECKPOINT}
+    rerouted = planner.recover(plan, [1], Policy.REROUTE)
     assert [s.rerouted_to for s in rerouted.pipelines[0].stages if s.node == 1] == [(5,)]
-    dynamic = replanner.dynamic(plan, frozenset({1}))
+    dynamic = planner.recover(plan, [1], Policy.DYNAMIC)
     assert 1 not in dynamic.nodes and len(dynamic.nodes) == 7
     assert dynamic.transfer_bytes() > 0 and dynamic.global_batch == plan.global_batch
-    with pytest.raises(PlannerError, match="failed"):
-        replanner.dynamic(plan, frozenset({1, 5}))
-    restart = replanner.restart(plan, [0, 2, 3, 4, 6, 7])
-    assert restart.policy == Policy.CHECKPOINT and len(restart.nodes) == 6
+    lost = planner.recover(plan, [1, 5])  # both replicas of layers 2..3: only a checkpoint restores them
+    assert lost.policy == Policy.CHECKPOINT and not {1, 5} & set(lost.nodes)
+    upgraded = planner.upgrade(rerouted)
+    assert upgraded.policy == Policy.DYNAMIC and 1 not in upgraded.nodes
+
+
+def test_multi_device_stage_is_refused_at_plan_apply() -> None:
+    from resilientjob.agent.runtime import check_supported
+
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=1,
+        step_time_s=1,
+        pipelines=(PipelinePlan(stages=(_stage(0, 4, 0, gpus=(0, 1)),), microbatches=2),),
+    )
+    with pytest.raises(PlannerError, match=r"pipelines\[0\]\.stages\[0\]\.gpus"):
+        check_supported(plan)

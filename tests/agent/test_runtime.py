@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import Replanner, layout
+from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.launcher import JobResult, Launcher
 from resilientjob.agent.worker import JobConfig, reference_run
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
-from resilientjob.planner.profile import ModelProfile
+from resilientjob.planner.profile import ModelProfile, uniform_profile
 
 pytestmark = pytest.mark.torch
 
@@ -59,7 +59,8 @@ def test_heterogeneous_update_equals_the_symmetric_one(
     )
     config = job_config(steps=3, return_state=True)
     reference, params, grads = reference_run(config, plan.global_batch, plan.microbatch_size)
-    result = Launcher(config, plan, Replanner(_unused_profile()), tmp_path).run(timeout_s=90)
+    planner = RuntimePlanner.for_job(uniform_profile(8), nodes=3, global_batch=8, microbatch_size=2)
+    result = Launcher(config, plan, planner, tmp_path).run(timeout_s=90)
     _assert_matches_reference(result, reference, 3)
     for node, value in result.return_values.items():
         # The summed gradient is the symmetric one up to float summation order...
@@ -78,21 +79,21 @@ def test_heterogeneous_update_equals_the_symmetric_one(
     assert {layer for v in result.return_values.values() for layer in v["params"]} == set(range(8))
 
 
-def _unused_profile() -> ModelProfile:
-    from resilientjob.planner.profile import uniform_profile
-
-    return uniform_profile(8)
-
-
 def test_kill_one_of_eight_continues_on_seven(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:
     steps = 7
-    plan = layout(gpt_profile, nodes=8, replicas=2, microbatches=8, microbatch_size=2)
+    planner = RuntimePlanner.for_job(
+        gpt_profile, nodes=8, global_batch=16, microbatch_size=2, dp_range=(2, 2)
+    )
+    plan = planner.initial()
     assert plan.layout == "DP2 PP[4,4]"
     config = job_config(steps=steps)
     reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
-    result = Launcher(config, plan, Replanner(gpt_profile), tmp_path, fail_at={5: 3}).run(timeout_s=120)
+    result = Launcher(config, plan, planner, tmp_path, fail_at={5: 3}).run(timeout_s=120)
+    # `auto`: the planner scored every policy and chose the new layout over rerouting.
+    recovered = result.plans[1]
+    assert recovered.policy == max(recovered.candidates, key=lambda c: c.score).policy == Policy.DYNAMIC
     assert [p.layout for p in result.plans] == ["DP2 PP[4,4]", "DP2 PP[4,3]"]
     assert result.recoveries[0].failed == (5,) and not result.recoveries[0].restarted
     assert result.recoveries[0].committed_before == 3
@@ -106,24 +107,24 @@ def test_two_simultaneous_failures_reroute_then_dynamic(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:
     steps = 8
-    plan = layout(gpt_profile, nodes=8, replicas=2, microbatches=8, microbatch_size=2)
+    # f = 2: three pipelines of different depths, DP3 PP[3,3,2].
+    planner = RuntimePlanner.for_job(
+        gpt_profile, nodes=8, global_batch=16, microbatch_size=2, fault_tolerance=2, dp_range=(3, 3)
+    )
+    plan = planner.initial(Policy.DYNAMIC)
+    assert plan.layout == "DP3 PP[3,3,2]"
     config = job_config(steps=steps)
     reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
     launcher = Launcher(
-        config,
-        plan,
-        Replanner(gpt_profile),
-        tmp_path,
-        fail_at={2: 3, 5: 3},
-        reroute_first=True,
-        upgrade_after=2,
+        config, plan, planner, tmp_path, fail_at={1: 3, 4: 3}, policy=Policy.REROUTE, upgrade_after=2
     )
     result = launcher.run(timeout_s=120)
     policies = [p.policy for p in result.plans]
     assert policies == [Policy.DYNAMIC, Policy.REROUTE, Policy.DYNAMIC]
-    assert result.recoveries[0].failed == (2, 5)
+    assert result.recoveries[0].failed == (1, 4)
     rerouted = [s for p in result.plans[1].pipelines for s in p.stages if s.rerouted]
-    assert {s.node for s in rerouted} == {2, 5}
+    # The dead stages (layers 3..5) run on the third pipeline, split over its two nodes.
+    assert {(s.node, s.rerouted_to) for s in rerouted} == {(1, (6, 7)), (4, (6, 7))}
     assert len(result.plans[2].nodes) == 6 and result.plans[2].transfer_bytes() > 0
     _assert_matches_reference(result, reference, steps)
     _assert_each_sample_once(result, plan, steps)
@@ -134,13 +135,14 @@ def test_failure_beyond_f_restarts_from_checkpoint(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:
     steps, interval = 8, 3
-    plan = layout(gpt_profile, nodes=4, replicas=2, microbatches=4, microbatch_size=2)
+    planner = RuntimePlanner.for_job(gpt_profile, nodes=4, global_batch=8, microbatch_size=2, dp_range=(2, 2))
+    plan = planner.initial()
     config = job_config(steps=steps, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=interval)
     reference, _, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
     # Nodes 1 and 3 hold the second stage of both replicas: no live copy of those layers remains.
     stage_nodes = {s.node for p in plan.pipelines for s in p.stages if s.layers[0] > 0}
     assert stage_nodes == {1, 3}
-    launcher = Launcher(config, plan, Replanner(gpt_profile), tmp_path / "logs", fail_at={1: 5, 3: 5})
+    launcher = Launcher(config, plan, planner, tmp_path / "logs", fail_at={1: 5, 3: 5})
     result = launcher.run(timeout_s=120)
     recovery = result.recoveries[0]
     assert recovery.restarted and result.plans[-1].policy == Policy.CHECKPOINT

@@ -1,0 +1,109 @@
+"""Waiting on a collective or a message without staying stuck behind a dead peer.
+
+A gloo receive from a peer that is alive but itself blocked (on the dead node, further up the pipeline) only
+fails when the process group's timeout fires: gloo's `abort()` does not break pending operations, and a
+pending receive's `is_completed()` does not change until somebody calls `wait()`. So the blocking `wait()`
+runs on a helper thread and the worker thread waits on that thread's future, looking at the job's failure
+notice in the store between slices. The launcher (in a cluster: the agent, from the operator's view) bumps
+the `failures` counter the moment it sees a worker die; every plan records how many failures it accounts
+for, so any increase beyond that means "abandon this step". Recovery is then bounded by detection plus one
+slice, not by the collective timeout.
+
+An abandoned `wait()` keeps its helper thread until the old group's own timeout fires; the old group can be
+destroyed and a new one created meanwhile (the pending operation only ever touches the old group's buffers).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+FAILURES_KEY = "failures"
+"""Store counter: failures seen so far in the job (only ever incremented)."""
+
+
+def accounted_key(generation: int) -> str:
+    """Store key: the failure count the plan of `generation` was computed with."""
+    return f"accounted/{generation}"
+
+
+class PeerFailure(RuntimeError):
+    """A peer failed (announced in the store) or did not answer in time: abandon the current step."""
+
+
+@dataclass(slots=True)
+class FailureNotice:
+    """Reads the job's failure counter; trips once it exceeds what the current plan accounts for."""
+
+    store: Store | None
+    accounted: int = 0
+    check_every_s: float = 0.02
+    """Seconds between two looks at the store while a wait is in progress."""
+
+    def __post_init__(self) -> None:
+        if self.check_every_s <= 0:
+            raise ValueError(f"check_every_s: must be > 0, got {self.check_every_s}")
+        if self.accounted < 0:
+            raise ValueError(f"accounted: must be >= 0, got {self.accounted}")
+
+    @classmethod
+    def for_generation(cls, store: Store, generation: int, check_every_s: float = 0.02) -> FailureNotice:
+        """The notice for a plan; a plan published without a count accounts for every failure so far."""
+        key = accounted_key(generation)
+        accounted = int(store.get(key)) if store.check([key]) else int(store.add(FAILURES_KEY, 0))
+        return cls(store, accounted, check_every_s)
+
+    def failures(self) -> int:
+        return 0 if self.store is None else int(self.store.add(FAILURES_KEY, 0))
+
+    def tripped(self) -> bool:
+        return self.failures() > self.accounted
+
+
+@dataclass(slots=True)
+class Waiter:
+    """Waits on `torch.distributed` work items, abandoning them when the failure notice trips."""
+
+    timeout_s: float
+    """A wait that makes no progress for this long fails even without a notice (the collective timeout)."""
+    threads: int = 16
+    """Helper threads; abandoned waits hold one each until their group's timeout, so keep a few spare."""
+    _pool: ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rjob-wait")
+
+    def wait(self, work: dist.Work | None, notice: FailureNotice, what: str) -> None:
+        """Return once `work` completed; raise PeerFailure if a failure is announced or time runs out, and
+        the operation's own RuntimeError if it failed (a peer's socket closed)."""
+        if work is None:  # this rank is not part of the group: nothing to wait for
+            return
+        future: Future[bool] = self._pool.submit(work.wait)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerFailure(f"{what}: no progress within {self.timeout_s} s")
+            try:
+                future.result(timeout=min(notice.check_every_s, remaining))
+                return
+            except FutureTimeout:
+                if notice.tripped():
+                    raise PeerFailure(f"{what}: abandoned, a peer failed") from None
+
+    def wait_all(self, works: list[dist.Work], notice: FailureNotice, what: str) -> None:
+        for work in works:
+            self.wait(work, notice, what)
+
+    def close(self) -> None:
+        """Stop accepting work; threads stuck on abandoned operations end with their group's timeout."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""Waits abandon a step as soon as a failure is announced (a real gloo pair and a real TCPStore)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch._C._distributed_c10d import TCPStore
+
+from resilientjob.agent._runtime_wait import FAILURES_KEY, FailureNotice, PeerFailure, Waiter, accounted_key
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+class _PendingWork:
+    """Stands in for a gloo receive whose sender is stuck: `wait()` blocks until `deliver()`.
+
+    Two gloo ranks cannot be built reliably inside one test process (each constructor holds the GIL while it
+    waits for the other to connect), and the cross-process path is covered by test_runtime.py's kills."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: RuntimeError | None = None
+
+    def deliver(self, error: RuntimeError | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_wait_returns_when_the_work_completes_and_raises_its_error(store: TCPStore) -> None:
+    waiter = Waiter(timeout_s=5)
+    work = _PendingWork()
+    threading.Timer(0.05, work.deliver).start()
+    waiter.wait(work, FailureNotice(store), "receive")  # type: ignore[arg-type]
+    failing = _PendingWork()
+    failing.deliver(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        waiter.wait(failing, FailureNotice(store), "receive")  # type: ignore[arg-type]
+    waiter.wait(None, FailureNotice(store), "not a member")  # nothing to wait for
+    waiter.close()
+
+
+def test_announced_failure_abandons_a_blocked_receive(store: TCPStore) -> None:
+    store.set(accounted_key(3), "0")
+    notice = FailureNotice.for_generation(store, 3, check_every_s=0.01)
+    assert notice.accounted == 0 and not notice.tripped()
+    waiter = Waiter(timeout_s=8)
+    blocked = _PendingWork()  # its sender never sends: a peer stuck behind a dead node
+    threading.Timer(0.2, lambda: store.add(FAILURES_KEY, 1)).start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailure, match="a peer failed"):
+        waiter.wait(blocked, notice, "receive")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2.0  # bounded by the notice, not by the 8 s timeout
+    # The next plan accounts for that failure: its notice is quiet again.
+    store.set(accounted_key(4), "1")
+    assert not FailureNotice.for_generation(store, 4).tripped()
+    blocked.deliver()  # release the helper thread
+    waiter.close()
+
+
+def test_wait_times_out_without_a_notice(store: TCPStore) -> None:
+    waiter = Waiter(timeout_s=0.3)
+    blocked = _PendingWork()
+    with pytest.raises(PeerFailure, match=r"no progress within 0\.3 s"):
+        waiter.wait(blocked, FailureNotice(store, check_every_s=0.05), "receive")  # type: ignore[arg-type]
+    blocked.deliver()
+    waiter.close()
+
+
+def test_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        Waiter(timeout_s=0)
+    with pytest.raises(ValueError, match="check_every_s"):
+        FailureNotice(None, check_every_s=0)
