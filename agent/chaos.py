@@ -1,0 +1,234 @@
+"""Chaos injection inside a worker: a slow GPU (duty-cycle compute delay) or a slow link (delay on sends to
+one peer) for a while, ordered through a Redis control key. A user feature (`rjob chaos slow`,
+`rjob local chaos slow`), also what the tests and the demo use to create fail-slows on purpose.
+
+The order lives at `JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`) as JSON: `{"factor": F,
+"until": <unix time>, "link": PEER?, "latency_s": ..., "bandwidth_bps": ...}`; `factor` and `until` are the
+format the synthetic loop of the local stack already reads. Without `link` the worker's compute slows down:
+after every compute interval (the time between two traced `torch.distributed` calls, or a span the runtime
+passes to `after_compute`), the worker sleeps (F - 1) x that interval, so compute takes F times as long.
+With `link`, every send to that peer node is preceded by a delay of (F - 1) x (latency_s + bytes /
+bandwidth_bps): the peer waits longer for the data, as behind a congested link whose nominal latency and
+bandwidth the order names (1 ms and 1 GB/s unless given).
+
+Off by default: `start` does nothing unless `RJOB_ALLOW_CHAOS=1` is in the worker's environment (the
+operator sets it only for jobs whose spec allows chaos), so a stray key cannot slow a production job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.exceptions import RedisError
+
+from ._redis import JobKeys
+from .tracing import SENDS, Tracer
+
+ALLOW_ENV = "RJOB_ALLOW_CHAOS"
+"""Environment variable that must be "1" for a worker to obey chaos orders."""
+
+MAX_FACTOR = 100.0
+MAX_GAP_S = 10.0
+"""Longest compute interval stretched: a worker idle between phases (waiting for a plan) is not compute."""
+
+POLL_INTERVAL_S = 0.25
+
+
+class ChaosNotAllowed(PermissionError):
+    """Chaos was requested where the job does not allow it."""
+
+
+class ChaosOrder(BaseModel):
+    """One slowdown order for one node."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    factor: float = Field(ge=1.0, le=MAX_FACTOR)
+    """Compute (or the link's transfers) take this many times as long."""
+    until: float
+    """Unix time at which the order expires."""
+    link: int | None = Field(default=None, ge=0)
+    """Slow only sends to this peer node instead of compute."""
+    latency_s: float = Field(default=0.001, ge=0.0, le=10.0)
+    """Nominal per-message time of the slowed link."""
+    bandwidth_bps: float = Field(default=1e9, gt=0.0)
+    """Nominal bytes per second of the slowed link."""
+
+    @model_validator(mode="after")
+    def _finite(self) -> ChaosOrder:
+        if not math.isfinite(self.until):
+            raise ValueError("until: must be a finite unix time")
+        return self
+
+    def active(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) < self.until
+
+    def link_delay_s(self, nbytes: int) -> float:
+        return (self.factor - 1.0) * (self.latency_s + nbytes / self.bandwidth_bps)
+
+
+def parse_order(raw: bytes | str | None) -> ChaosOrder | None:
+    """The order stored in the control key, or None when absent or malformed (never raises)."""
+    if raw is None:
+        return None
+    try:
+        return ChaosOrder.model_validate_json(raw)
+    except (ValidationError, ValueError):
+        return None
+
+
+def write_order(client: redis.Redis, keys: JobKeys, node: int, order: ChaosOrder) -> None:
+    """Publish an order; the key expires with it (plus a margin) so nothing stale is left behind."""
+    ttl_ms = max(1, int((order.until - time.time() + 60.0) * 1000))
+    client.set(keys.chaos(node), order.model_dump_json(exclude_none=True), px=ttl_ms)
+
+
+def clear_order(client: redis.Redis, keys: JobKeys, node: int) -> bool:
+    """Withdraw a node's order; True if there was one."""
+    return bool(client.delete(keys.chaos(node)))
+
+
+def allowed(environ: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(ALLOW_ENV) == "1"
+
+
+class ChaosInjector:
+    """Applies the current order: the tracer's hook for calls, `after_compute` for explicit compute spans."""
+
+    def __init__(
+        self, rank_of: Callable[[int], int | None] | None = None, sleep: Callable[[float], None] = time.sleep
+    ):
+        self.order: ChaosOrder | None = None
+        """Replaced as a whole by the watcher (an atomic attribute store), read on every call."""
+        self.rank_of = rank_of or (lambda node: node)
+        """Maps the order's peer node to its current global rank (a new plan may renumber the ranks)."""
+        self._sleep = sleep
+        self.injected_s = 0.0
+        """Total delay injected so far (for tests and logs)."""
+
+    def _current(self) -> ChaosOrder | None:
+        order = self.order
+        return order if order is not None and order.active() else None
+
+    def _delay(self, seconds: float) -> None:
+        if seconds > 0:
+            self.injected_s += seconds
+            self._sleep(seconds)
+
+    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float) -> None:
+        """The tracer hook: runs before each traced call with the compute interval that preceded it."""
+        order = self._current()
+        if order is None:
+            return
+        if order.link is None:
+            self._delay((order.factor - 1.0) * min(max(gap_s, 0.0), MAX_GAP_S))
+        elif op in SENDS and peer == self.rank_of(order.link):
+            self._delay(order.link_delay_s(nbytes))
+
+    def after_compute(self, seconds: float) -> None:
+        """Stretch an explicit compute span (a step, a GEMM benchmark) when compute is slowed."""
+        order = self._current()
+        if order is not None and order.link is None:
+            self._delay((order.factor - 1.0) * min(max(seconds, 0.0), MAX_GAP_S))
+
+
+class ChaosWatcher:
+    """Polls the node's control key on a daemon thread and hands each order to the injector."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: JobKeys,
+        node: int,
+        injector: ChaosInjector,
+        poll_interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        self.client = client
+        self.key = keys.chaos(node)
+        self.injector = injector
+        self.poll_interval_s = poll_interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rjob-chaos", daemon=True)
+
+    def poll(self) -> ChaosOrder | None:
+        """Read the key once; a Redis hiccup keeps the previous order until the next poll."""
+        with contextlib.suppress(RedisError, OSError):
+            self.injector.order = parse_order(self.client.get(self.key))
+        return self.injector.order
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self.poll()
+            self._stopped.wait(self.poll_interval_s)
+
+    def start(self) -> ChaosWatcher:
+        self.poll()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.injector.order = None
+
+
+class _Process:
+    """The process's active injector (one per worker process)."""
+
+    injector: ChaosInjector | None = None
+
+
+def start(
+    tracer: Tracer,
+    client: redis.Redis,
+    keys: JobKeys,
+    node: int,
+    *,
+    rank_of: Callable[[int], int | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    poll_interval_s: float = POLL_INTERVAL_S,
+) -> ChaosWatcher | None:
+    """Obey this node's chaos orders from now on, if the environment allows chaos; None otherwise."""
+    if not allowed(environ):
+        return None
+    injector = ChaosInjector(rank_of)
+    tracer.hook = injector
+    _Process.injector = injector
+    return ChaosWatcher(client, keys, node, injector, poll_interval_s).start()
+
+
+def stop(tracer: Tracer, watcher: ChaosWatcher | None) -> None:
+    """Stop obeying orders and detach the hook."""
+    if watcher is not None:
+        watcher.stop()
+    if tracer.hook is _Process.injector:
+        tracer.hook = None
+    _Process.injector = None
+
+
+def activate(
+    injector: ChaosInjector | None, tracer: Tracer | None = None, environ: Mapping[str, str] | None = None
+) -> None:
+    """Make `injector` the process's active one, for embedders that set orders themselves (the same guard
+    as `start` applies); `None` deactivates."""
+    if injector is not None and not allowed(environ):
+        raise ChaosNotAllowed(f"{ALLOW_ENV}: chaos is not allowed in this process (set {ALLOW_ENV}=1)")
+    _Process.injector = injector
+    if tracer is not None:
+        tracer.hook = injector
+
+
+def after_compute(seconds: float) -> None:
+    """Stretch an explicit compute span by the active compute order, if any (a no-op without chaos)."""
+    if _Process.injector is not None:
+        _Process.injector.after_compute(seconds)

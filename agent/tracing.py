@@ -1,0 +1,535 @@
+"""Non-intrusive tracing of `torch.distributed` in a worker process (Falcon 4.2, "Monitor"), and the reader
+that turns the trace into iteration times and per-group profiles (Falcon 4.3, "Profiling").
+
+`install()` replaces the collective and point-to-point functions (`all_reduce`, `all_gather`, `broadcast`,
+`barrier`, `send`, `isend`, `batch_isend_irecv`, ...) in both `torch.distributed` and
+`torch.distributed.distributed_c10d` with thin wrappers and `uninstall()` puts the very same function objects
+back. Both namespaces are patched because torch itself resolves `isend`/`irecv` through the module globals
+(`P2POp` checks `op in [isend, irecv]`, `send` calls `isend`): patching one side only would break
+`dist.P2POp(dist.isend, ...)`. Nothing in the training loop changes, provided the loop looks the functions up
+at call time (`dist.all_reduce(...)`, the usual style); a reference taken with
+`from torch.distributed import all_reduce` before `install()` bypasses the tracer, so install first.
+
+Each call is recorded as (operation, group ranks, peer, bytes, start, end) into a `TraceRing`: a fixed number
+of preallocated slots written round-robin, so an append is O(1) and memory never grows. A call made from
+inside a traced call (`send` is `isend` + `wait` in torch) is not recorded twice. Asynchronous calls return a
+`TracedWork` (a real `dist.Work` subclass, so `isinstance` checks and every `Work` method keep working) that
+stamps the end time when `wait()` first returns: the moment the caller saw the operation complete.
+
+The reader: `IterationFeed` turns the ring into iteration times (the planner's ACF period), each reported
+once, for the change-point detector; `profile` splits iterations into per-group communication and compute
+time, and `group_profiles` combines the workers' profiles into the planner's `GroupProfile`s.
+
+A hook (`Tracer.hook`, used by `agent.chaos`) runs before each call with the operation, peer, bytes and the
+time since this thread's previous traced call ended (the compute interval before it; 0 while `quiet`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.failslow import (
+    CollectiveCall,
+    GroupProfile,
+    IterationTimes,
+    encode,
+    iteration_times,
+    recurring_period,
+)
+
+DEFAULT_CAPACITY = 1 << 16
+"""Ring slots: at ~100 calls per iteration, the last ~650 iterations; ~10 MB of small tuples."""
+
+NO_PEER = -1
+"""Peer of a collective without a root, or of a receive from any source."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """Where a function's arguments say what it moves: parameter names, resolved to positions on install."""
+
+    data: str | None
+    """The tensor (or tensor list) this rank contributes or receives; its bytes are recorded."""
+    peer: str | None = None
+    """The global rank of the other side or of the root (`dst`/`src`)."""
+    group_peer: str | None = None
+    """The same as a rank inside `group` (`group_dst`/`group_src`), converted to a global rank."""
+
+
+TRACED: Mapping[str, CallSpec] = {
+    "all_reduce": CallSpec("tensor"),
+    "all_reduce_coalesced": CallSpec("tensors"),
+    "all_gather": CallSpec("tensor"),
+    "all_gather_into_tensor": CallSpec("input_tensor"),
+    "reduce_scatter": CallSpec("input_list"),
+    "reduce_scatter_tensor": CallSpec("input"),
+    "all_to_all": CallSpec("input_tensor_list"),
+    "all_to_all_single": CallSpec("input"),
+    "broadcast": CallSpec("tensor", "src", "group_src"),
+    "reduce": CallSpec("tensor", "dst", "group_dst"),
+    "gather": CallSpec("tensor", "dst", "group_dst"),
+    "scatter": CallSpec("tensor", "src", "group_src"),
+    "barrier": CallSpec(None),
+    "monitored_barrier": CallSpec(None),
+    "send": CallSpec("tensor", "dst", "group_dst"),
+    "recv": CallSpec("tensor", "src", "group_src"),
+    "isend": CallSpec("tensor", "dst", "group_dst"),
+    "irecv": CallSpec("tensor", "src", "group_src"),
+    "batch_isend_irecv": CallSpec("p2p_op_list"),
+}
+"""Every function the tracer wraps (those missing from the installed torch are skipped)."""
+
+SENDS = frozenset({"send", "isend"})
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One traced call. `end_s` is NaN for an asynchronous call nobody has waited on yet."""
+
+    seq: int
+    op: str
+    group: tuple[int, ...]
+    peer: int
+    nbytes: int
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        """Time inside the call (0 when the end is unknown)."""
+        return self.end_s - self.start_s if self.end_s >= self.start_s else 0.0
+
+    @property
+    def label(self) -> str:
+        """The call's communication group as text: its ranks, and `@peer` for point-to-point calls."""
+        ranks = ",".join(map(str, self.group))
+        return f"{ranks}@{self.peer}" if self.peer != NO_PEER and self.op not in _ROOTED else ranks
+
+
+_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+
+class TraceRing:
+    """A fixed-capacity ring of call records; the newest `capacity` survive.
+
+    Appends are O(1) list stores (thread-safe under the GIL: the sequence number comes from an atomic
+    counter, and a reader skips slots whose sequence does not match the one it expects)."""
+
+    __slots__ = ("_counter", "_ends", "_mask", "_slots", "capacity", "head")
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 2 or capacity & (capacity - 1):
+            raise ValueError(f"capacity: must be a power of two >= 2, got {capacity}")
+        self.capacity = capacity
+        self._mask = capacity - 1
+        self._slots: list[tuple[int, str, tuple[int, ...], int, int, float] | None] = [None] * capacity
+        self._ends: list[float] = [math.nan] * capacity
+        self._counter = itertools.count()
+        self.head = 0
+        """One past the newest sequence number written."""
+
+    def append(
+        self, op: str, group: tuple[int, ...], peer: int, nbytes: int, start_s: float, end_s: float
+    ) -> int:
+        """Store one record (end NaN while pending) and return its sequence number."""
+        seq = next(self._counter)
+        slot = seq & self._mask
+        self._slots[slot] = (seq, op, group, peer, nbytes, start_s)
+        self._ends[slot] = end_s
+        if seq >= self.head:
+            self.head = seq + 1
+        return seq
+
+    def finish(self, seq: int, end_s: float) -> None:
+        """Stamp the end of record `seq`, or move it later (a batch ends with its last request); a record
+        already overwritten is left alone."""
+        slot = seq & self._mask
+        record = self._slots[slot]
+        if record is not None and record[0] == seq and not self._ends[slot] >= end_s:
+            self._ends[slot] = end_s
+
+    def records(self, since: int = 0) -> list[TraceRecord]:
+        """Records with sequence >= `since` still in the ring, oldest first."""
+        head = self.head
+        found = []
+        for seq in range(max(since, head - self.capacity, 0), head):
+            slot = seq & self._mask
+            record = self._slots[slot]
+            end = self._ends[slot]
+            if record is None or record[0] != seq:
+                continue  # overwritten meanwhile, or a concurrent append not finished yet
+            found.append(TraceRecord(*record, end_s=end))
+        return found
+
+    def __len__(self) -> int:
+        return min(self.head, self.capacity)
+
+
+class CallHook(Protocol):
+    """Runs before each traced call (the chaos injector implements it)."""
+
+    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float) -> None: ...
+
+
+class TracedWork(dist.Work):
+    """An asynchronous operation's `Work`, forwarding everything to it and stamping the end on `wait()`."""
+
+    def __init__(self, inner: dist.Work, ring: TraceRing, seq: int) -> None:
+        super().__init__()
+        self._inner = inner
+        self._ring = ring
+        self._seq = seq
+        self._waited = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        done: bool = self._inner.wait(*args, **kwargs)
+        if not self._waited:  # a later wait() on finished work says nothing about the operation
+            self._waited = True
+            self._ring.finish(self._seq, time.perf_counter())
+        return done
+
+
+def _forwarder(name: str) -> Callable[..., Any]:
+    def forward(self: TracedWork, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    return forward
+
+
+for _name in dir(dist.Work):
+    if not _name.startswith("__") and _name != "wait" and callable(getattr(dist.Work, _name)):
+        setattr(TracedWork, _name, _forwarder(_name))
+
+
+def _nbytes(data: object) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, list | tuple):
+        return sum(_nbytes(item) for item in data)
+    if isinstance(data, dist.P2POp):
+        return _nbytes(data.tensor)
+    return 0
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None, position: int) -> Any:
+    if name is None:
+        return None
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if 0 <= position < len(args) else None
+
+
+class Tracer:
+    """Owns the patched functions, the ring and the group table of one process."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.ring = TraceRing(capacity)
+        self.hook: CallHook | None = None
+        """Called before every traced call (also while recording is off)."""
+        self.recording = True
+        """Off during `quiet()`: calls still run the hook but leave no record (validation traffic)."""
+        self._local = threading.local()
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._group_cache: dict[object, tuple[int, ...]] = {}
+
+    # ---- install / uninstall ----------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def install(self) -> None:
+        """Patch `torch.distributed` and `distributed_c10d`; idempotent."""
+        if self._originals:
+            return
+        for name, spec in TRACED.items():
+            original = getattr(c10d, name, None)
+            if getattr(dist, name, None) is not original:
+                continue  # already patched by somebody else: leave it
+            if not callable(original):
+                continue  # absent from this torch
+            wrapper = self._wrap(name, original, spec)
+            self._originals[name] = original
+            setattr(c10d, name, wrapper)
+            setattr(dist, name, wrapper)
+
+    def uninstall(self) -> None:
+        """Put back exactly the function objects `install` replaced."""
+        for name, original in self._originals.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+        self._originals.clear()
+        self._group_cache.clear()
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Run calls without recording them (validation traffic must not look like training)."""
+        previous, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = previous
+
+    # ---- the wrapper ------------------------------------------------------------------------------------
+    def _group_ranks(self, group: object) -> tuple[int, ...]:
+        process_group = group if group is not None else c10d.GroupMember.WORLD
+        ranks = self._group_cache.get(process_group)
+        if ranks is None:
+            if process_group is None:
+                return ()
+            ranks = tuple(dist.get_process_group_ranks(process_group))  # type: ignore[arg-type]
+            if len(self._group_cache) > 1024:  # reconfigurations create groups; keep the cache bounded
+                self._group_cache.clear()
+            self._group_cache[process_group] = ranks
+        return ranks
+
+    def _describe(
+        self,
+        name: str,
+        spec: CallSpec,
+        positions: Mapping[str, int],
+        args: tuple[Any, ...],
+        kw: dict[str, Any],
+    ) -> tuple[tuple[int, ...], int, int]:
+        """(group ranks, global peer, bytes) of one call; never raises (the real call reports bad input)."""
+        try:
+            if name == "batch_isend_irecv":
+                ops = _argument(args, kw, "p2p_op_list", 0) or []
+                peers = {op.peer for op in ops}
+                group = ops[0].group if ops else None
+                return self._group_ranks(group), peers.pop() if len(peers) == 1 else NO_PEER, _nbytes(ops)
+            group = _argument(args, kw, "group", positions.get("group", -1))
+            ranks = self._group_ranks(group)
+            peer = _argument(args, kw, spec.peer, positions.get(spec.peer or "", -1))
+            if peer is None and spec.group_peer is not None and kw.get(spec.group_peer) is not None:
+                peer = c10d.get_global_rank(group or c10d.GroupMember.WORLD, kw[spec.group_peer])  # type: ignore[arg-type]
+            data = _argument(args, kw, spec.data, positions.get(spec.data or "", -1))
+            return ranks, NO_PEER if peer is None else int(peer), _nbytes(data)
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError):
+            return (), NO_PEER, 0
+
+    def _wrap(self, name: str, original: Callable[..., Any], spec: CallSpec) -> Callable[..., Any]:
+        parameters = list(inspect.signature(original).parameters)
+        positions = {param: index for index, param in enumerate(parameters)}
+        local = self._local
+        ring = self.ring
+        clock = time.perf_counter
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if getattr(local, "inside", False):  # torch calling itself (send -> isend): the outer call counts
+                return original(*args, **kwargs)
+            group, peer, nbytes = self._describe(name, spec, positions, args, kwargs)
+            hook = self.hook
+            if hook is not None:
+                # The time since this thread's previous call is the compute before this one; a quiet
+                # (validation) call follows no training compute.
+                last_end = getattr(local, "last_end", None)
+                gap = 0.0 if last_end is None or not self.recording else clock() - last_end
+                hook(name, peer, nbytes, gap)
+            local.inside = True
+            try:
+                start = clock()
+                result = original(*args, **kwargs)
+                end = clock()
+            finally:
+                local.inside = False
+            local.last_end = end
+            if not self.recording:
+                return result
+            if isinstance(result, dist.Work):
+                return TracedWork(result, ring, ring.append(name, group, peer, nbytes, start, math.nan))
+            if isinstance(result, list) and result and isinstance(result[0], dist.Work):
+                # batch_isend_irecv: one record, ended by the last of its requests to be waited on
+                seq = ring.append(name, group, peer, nbytes, start, math.nan)
+                return [TracedWork(work, ring, seq) for work in result]
+            ring.append(name, group, peer, nbytes, start, end)
+            return result
+
+        traced.__name__ = name
+        traced.__qualname__ = name
+        traced.__doc__ = original.__doc__
+        traced.__wrapped__ = original  # type: ignore[attr-defined]
+        return traced
+
+
+class _Process:
+    """The process's tracer (one per worker process)."""
+
+    tracer: Tracer | None = None
+
+
+def install(capacity: int = DEFAULT_CAPACITY) -> Tracer:
+    """Trace this process's `torch.distributed` calls (one tracer per process; a second call returns it)."""
+    if _Process.tracer is None:
+        _Process.tracer = Tracer(capacity)
+    _Process.tracer.install()
+    return _Process.tracer
+
+
+def uninstall() -> None:
+    """Restore the original functions and drop the process's tracer."""
+    if _Process.tracer is not None:
+        _Process.tracer.uninstall()
+        _Process.tracer = None
+
+
+def current() -> Tracer | None:
+    """The process's installed tracer, if any."""
+    return _Process.tracer
+
+
+# ---- the reader ---------------------------------------------------------------------------------------
+def collective_calls(records: Sequence[TraceRecord]) -> list[CollectiveCall]:
+    """The planner's view of the trace: (operation, group label, start), ordered by start time."""
+    ordered = sorted(records, key=lambda record: (record.start_s, record.seq))
+    return [CollectiveCall(op=r.op, group=r.label, timestamp_s=r.start_s) for r in ordered]
+
+
+def trace_iteration_times(records: Sequence[TraceRecord], max_lag: int | None = None) -> IterationTimes:
+    """Iteration times found by the planner's ACF method in the call stream alone."""
+    return iteration_times(collective_calls(records), max_lag)
+
+
+class IterationFeed:
+    """Turns the ring into a stream of iteration times, each reported once, for the change-point detector.
+
+    `poll()` reads the records added since the last poll into a sliding window, finds the period by ACF and
+    returns the times of the iterations that completed since the last poll. The window is trimmed by whole
+    periods, so iteration boundaries stay where they were and no iteration is reported twice."""
+
+    def __init__(self, ring: TraceRing, window: int = 4096, max_lag: int | None = None) -> None:
+        if window < 4:
+            raise ValueError(f"window: must be >= 4 calls, got {window}")
+        self.ring = ring
+        self.window = window
+        self.max_lag = max_lag
+        self._cursor = 0
+        self._records: list[TraceRecord] = []
+        self._reported_until = -math.inf
+        self.period: int | None = None
+        """Calls per iteration found at the last successful poll."""
+
+    def poll(self) -> list[float]:
+        fresh = self.ring.records(since=self._cursor)
+        if fresh:
+            self._cursor = fresh[-1].seq + 1
+            self._records.extend(fresh)
+        if len(self._records) < 4:
+            return []
+        stamps = np.array([record.start_s for record in self._records])
+        codes = encode([(record.op, record.label) for record in self._records])
+        try:
+            period = recurring_period(codes, self.max_lag)
+        except PlannerError:
+            return []  # no period yet (too few iterations recorded, or the pattern just changed)
+        self.period = period
+        rows = len(stamps) // period
+        if rows < 2:
+            return []
+        grid = stamps[: rows * period].reshape(rows, period)
+        times = np.median(np.diff(grid, axis=0), axis=1)
+        ends = grid[1:, 0]  # iteration i ends where row i + 1 begins
+        new = times[ends > self._reported_until]
+        self._reported_until = float(ends[-1])
+        excess = len(self._records) - self.window
+        if excess > 0:
+            del self._records[: -(-excess // period) * period]
+        return [float(value) for value in new]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceProfile:
+    """One worker's time per iteration, split into traced communication and the compute between calls."""
+
+    period: int
+    """Calls per iteration (the ACF period)."""
+    iterations: int
+    iteration_s: float
+    """Mean iteration time (over the same windows as the communication time, so the two subtract)."""
+    communication_s: float
+    """Mean time per iteration inside at least one traced call (overlapping calls count once)."""
+    group_s: Mapping[str, float]
+    """Mean time per iteration inside each communication group's calls (by `TraceRecord.label`)."""
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.iteration_s - self.communication_s)
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def profile(records: Sequence[TraceRecord], max_lag: int | None = None) -> TraceProfile:
+    """Split each complete iteration of the trace into communication (per group) and compute time.
+
+    Iterations are the ACF periods: window i runs from the start of call i*period to that of call
+    (i+1)*period; calls are clipped to their window so that an operation still pending at a boundary is not
+    counted twice. Communication time includes waiting for slower peers: `group_profiles` removes it."""
+    ordered = sorted(records, key=lambda record: (record.start_s, record.seq))
+    times = iteration_times(collective_calls(ordered), max_lag)
+    period = times.period
+    windows = len(times.times_s)
+    communication = np.zeros(windows)
+    lengths = np.zeros(windows)
+    per_group: dict[str, float] = {}
+    for window in range(windows):
+        begin = ordered[window * period].start_s
+        finish = ordered[(window + 1) * period].start_s
+        lengths[window] = finish - begin
+        intervals = []
+        for record in ordered[window * period : (window + 1) * period]:
+            end = min(record.start_s + record.duration_s, finish)
+            intervals.append((record.start_s, end))
+            per_group[record.label] = per_group.get(record.label, 0.0) + max(0.0, end - record.start_s)
+        communication[window] = _covered([(max(s, begin), e) for s, e in intervals])
+    return TraceProfile(
+        period=period,
+        iterations=windows,
+        iteration_s=float(lengths.mean()),
+        communication_s=float(communication.mean()),
+        group_s={label: total / windows for label, total in sorted(per_group.items())},
+    )
+
+
+def group_profiles(profiles: Sequence[TraceProfile]) -> dict[str, GroupProfile]:
+    """Per communication group, the planner's `GroupProfile` from the profiles of all workers.
+
+    A member of a collective that arrives early waits for the others inside the call, so the group's data
+    transfer time is the smallest time any member spent in its calls (the last to arrive hardly waits);
+    its compute time is the largest compute time among its members (the slowest sets the group's pace).
+    Groups are numbered in label order; `GroupProfile.group` indexes the returned mapping's keys."""
+    members: dict[str, list[TraceProfile]] = {}
+    for worker in profiles:
+        for label in worker.group_s:
+            members.setdefault(label, []).append(worker)
+    result = {}
+    for index, label in enumerate(sorted(members)):
+        workers = members[label]
+        result[label] = GroupProfile(
+            group=index,
+            compute_s=max(worker.compute_s for worker in workers),
+            transfer_s=min(worker.group_s[label] for worker in workers),
+        )
+    return result

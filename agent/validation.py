@@ -1,0 +1,245 @@
+"""The validation pass (Falcon 4.3, "Validation"): with training held at an iteration boundary, benchmark
+every device of a group with a GEMM and every link of its ring or tree communicator with equal-size
+point-to-point transfers in the planner's O(1) pass schedules, then name the slow GPUs and links.
+
+All ranks of the group call `validate` at the same iteration boundary (the runtime's step loop is the natural
+place: nothing is in flight there, so the training's own collectives are "held" simply by not being issued).
+Every rank returns the same report. The pass's own traffic is kept out of the trace (`Tracer.quiet`) but
+still passes the tracer's hook, so an injected slow link (`agent.chaos`) slows the validation's transfers
+exactly as it slows training's.
+
+Each measurement is the best of `repeats` runs: interference from other processes on a shared host only ever
+adds time, so the minimum is the device's or link's own speed. Within a pass no rank sends or receives twice
+(the schedules guarantee it). Both ends time each transfer from the barrier that starts it and the link is
+charged the larger of the two, so a delay on either side of the link is charged to that link.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from resilientjob.planner.failslow import (
+    Link,
+    binary_tree_parents,
+    ring_schedule,
+    slow_gpus,
+    slow_links,
+    tree_schedule,
+)
+
+from . import chaos, tracing
+
+SUSPICION_FACTOR = 1.1
+LINK_FLOOR_S = 1e-3
+"""A link is named only if it is also this much slower than the median link: below it, differences are
+scheduling noise of a shared host (measured: up to ~0.3 ms on a loaded 2-core machine). Size `link_bytes`
+so that a healthy transfer takes well over it on real networks."""
+GEMM_FLOOR_S = 5e-5
+"""The same for devices; the best of several GEMMs is steadier than a transfer (a few microseconds)."""
+
+TINY_BYTES = 4
+
+Key = TypeVar("Key", int, Link)
+
+
+class Topology(StrEnum):
+    """The communicator shape whose links are validated."""
+
+    RING = "ring"
+    TREE = "tree"
+
+
+@dataclass(frozen=True, slots=True)
+class GemmResult:
+    """One device's GEMM benchmark."""
+
+    rank: int
+    seconds: float
+    flops_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinkResult:
+    """One directed link (global ranks): time of a tiny message and of the `nbytes` transfer."""
+
+    link: Link
+    latency_s: float
+    seconds: float
+    nbytes: int
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationReport:
+    """What the pass measured and whom it names."""
+
+    gemm: dict[int, GemmResult] = field(default_factory=dict)
+    links: dict[Link, LinkResult] = field(default_factory=dict)
+    slow_gpus: tuple[int, ...] = ()
+    slow_links: tuple[Link, ...] = ()
+    seconds: float = 0.0
+    """Wall time of the whole pass (how long training was held)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_benchmark(size: int = 256, repeats: int = 5, device: str = "cpu", rank: int = 0) -> GemmResult:
+    """Time `size` x `size` matrix products on `device` (best of `repeats` after a warm-up); 2 n^3 FLOPs each.
+
+    A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would."""
+    if size < 1 or repeats < 1:
+        raise ValueError(f"size and repeats: must be >= 1, got {size} and {repeats}")
+    target = torch.device(device)
+    a = torch.randn(size, size, device=target)
+    b = torch.randn(size, size, device=target)
+    torch.matmul(a, b)  # warm-up: allocator, kernels, thread pool
+    _sync(target)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        _sync(target)
+        chaos.after_compute(time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
+    return GemmResult(rank=rank, seconds=best, flops_per_s=2.0 * size**3 / best)
+
+
+@contextmanager
+def _untraced() -> Iterator[None]:
+    tracer = tracing.current()
+    if tracer is None:
+        yield
+        return
+    with tracer.quiet():
+        yield
+
+
+def schedule(topology: Topology, size: int) -> list[list[Link]]:
+    """The planner's O(1) pass schedule for a communicator of `size` ranks (group-local rank numbers)."""
+    if topology is Topology.RING:
+        return ring_schedule(size)
+    return tree_schedule(binary_tree_parents(size))
+
+
+def link_tests(
+    passes: Sequence[Sequence[Link]],
+    nbytes: int = 1 << 16,
+    repeats: int = 3,
+    group: dist.ProcessGroup | None = None,
+) -> dict[Link, tuple[float, float]]:
+    """Run the passes; return this rank's own view of its links: {global link: (latency_s, seconds)}.
+
+    Both ends time each transfer on their own clock, from leaving the barrier to the end of their call; the
+    caller keeps the larger of the two views (`merge_views`). Either alone can miss a delay: the receiver may
+    leave the barrier late, after the data was already on its way, and a small send returns once buffered.
+    `passes` use group-local ranks; every rank of the group must call this with the same arguments."""
+    if nbytes < 1 or repeats < 1:
+        raise ValueError(f"nbytes and repeats: must be >= 1, got {nbytes} and {repeats}")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = ranks.index(dist.get_rank())
+    payloads = {size: torch.zeros(max(1, size // 4), dtype=torch.float32) for size in (TINY_BYTES, nbytes)}
+    measured: dict[Link, tuple[float, float]] = {}
+    for links in passes:
+        sends_to = dict(links)
+        receives_from = {dst: src for src, dst in links}
+        best = {TINY_BYTES: float("inf"), nbytes: float("inf")}
+        for _ in range(repeats):
+            for size, payload in payloads.items():
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                if me in sends_to:
+                    dist.send(payload, dst=ranks[sends_to[me]], group=group)
+                elif me in receives_from:
+                    dist.recv(payload, src=ranks[receives_from[me]], group=group)
+                best[size] = min(best[size], time.perf_counter() - start)
+        if me in sends_to:
+            measured[(ranks[me], ranks[sends_to[me]])] = (best[TINY_BYTES], best[nbytes])
+        elif me in receives_from:
+            measured[(ranks[receives_from[me]], ranks[me])] = (best[TINY_BYTES], best[nbytes])
+    return measured
+
+
+def merge_views(views: Sequence[Mapping[Link, tuple[float, float]]]) -> dict[Link, tuple[float, float]]:
+    """Per link, the larger of its sender's and its receiver's measurements."""
+    merged: dict[Link, tuple[float, float]] = {}
+    for view in views:
+        for link, (latency, seconds) in view.items():
+            previous = merged.get(link, (0.0, 0.0))
+            merged[link] = (max(previous[0], latency), max(previous[1], seconds))
+    return merged
+
+
+def _name(values: Mapping[Key, float], slow: Sequence[Key], floor_s: float) -> list[Key]:
+    """Of the keys the planner flagged, those also at least `floor_s` slower than the median."""
+    median = statistics.median(values.values())
+    return [key for key in slow if values[key] - median >= floor_s]
+
+
+def validate(
+    topology: Topology = Topology.RING,
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: str = "cpu",
+    gemm_size: int = 256,
+    link_bytes: int = 1 << 16,
+    repeats: int = 5,
+    factor: float = SUSPICION_FACTOR,
+    link_floor_s: float = LINK_FLOOR_S,
+    gemm_floor_s: float = GEMM_FLOOR_S,
+    gpus: bool = True,
+    links: bool = True,
+) -> ValidationReport:
+    """The whole pass on `group` (default: the world); every member calls it and gets the same report.
+
+    On a CPU the ranks of one host share cores, so they take turns at the GEMM; on accelerators they run it
+    in parallel, as Falcon does."""
+    began = time.perf_counter()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    gemm: dict[int, GemmResult] = {}
+    measured: dict[Link, LinkResult] = {}
+    with _untraced():
+        if gpus:
+            mine: GemmResult | None = None
+            if device == "cpu":
+                for turn in ranks:
+                    if turn == me:
+                        mine = gemm_benchmark(gemm_size, repeats, device, me)
+                    dist.barrier(group=group)
+            else:
+                mine = gemm_benchmark(gemm_size, repeats, device, me)
+            gathered: list[GemmResult | None] = [None] * len(ranks)
+            dist.all_gather_object(gathered, mine, group=group)
+            gemm = {result.rank: result for result in gathered if result is not None}
+        if links:
+            own = link_tests(schedule(topology, len(ranks)), link_bytes, repeats, group)
+            parts: list[dict[Link, tuple[float, float]] | None] = [None] * len(ranks)
+            dist.all_gather_object(parts, own, group=group)
+            for link, (latency, seconds) in merge_views([part or {} for part in parts]).items():
+                measured[link] = LinkResult(link, latency, seconds, link_bytes)
+    gemm_s = {rank: result.seconds for rank, result in gemm.items()}
+    link_s = {link: result.seconds for link, result in measured.items()}
+    named_gpus = _name(gemm_s, slow_gpus(gemm_s, factor), gemm_floor_s) if gemm_s else []
+    named_links = _name(link_s, slow_links(link_s, factor), link_floor_s) if link_s else []
+    return ValidationReport(
+        gemm=gemm,
+        links=measured,
+        slow_gpus=tuple(named_gpus),
+        slow_links=tuple(named_links),
+        seconds=time.perf_counter() - began,
+    )

@@ -1,0 +1,200 @@
+"""`rjob chaos`: inject fail-slows and failures into a running job on a cluster.
+
+    rjob chaos slow POD --factor F --for DURATION [--link PEER]   slow compute, or sends to PEER
+    rjob chaos clear POD                                          withdraw a slowdown early
+    rjob chaos kill POD                                           delete the pod at once (a fail-stop)
+
+The pod is read through the Kubernetes API (`--server URL` for a plain-HTTP endpoint such as
+`kubectl proxy`, else `--kubeconfig`/`RJOB_KUBECONFIG`/the default kubeconfig, else in-cluster): its labels
+name the job and node, its environment the job's Redis (override with `--redis-url` when the in-cluster
+address is not reachable, e.g. through `kubectl port-forward`). A slowdown is a control key the worker
+polls (`agent.chaos`); it is refused unless the pod's environment allows chaos (`RJOB_ALLOW_CHAOS=1`), so a
+production job cannot be slowed by mistake. `kill` deletes the pod with no grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import time
+from typing import Any
+
+from ._common import CliError, guarded
+
+LABEL_JOB = "resilientjob.io/job"
+LABEL_NODE = "resilientjob.io/node"
+ALLOW_ENV = "RJOB_ALLOW_CHAOS"  # agent.chaos.ALLOW_ENV, repeated so that `rjob chaos kill` needs no torch
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, field: str = "for") -> float:
+    """`90`, `90s`, `2m` or `1h` in seconds (> 0); a clear error names the flag otherwise."""
+    try:
+        seconds = float(text[:-1]) * _UNITS[text[-1]] if text and text[-1] in _UNITS else float(text)
+    except ValueError:
+        raise CliError(f"{field}: expected a duration such as 60s or 2m, got {text!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise CliError(f"{field}: must be a positive duration, got {text!r}")
+    return seconds
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("chaos", help="inject fail-slows and failures into a running job")
+    commands = parser.add_subparsers(dest="chaos_command", required=True)
+    slow = commands.add_parser("slow", help="slow a pod's compute, or its sends to one peer, for a while")
+    slow.add_argument("pod")
+    slow.add_argument("--factor", type=float, required=True, help="times slower, >= 1 (e.g. 1.5)")
+    slow.add_argument("--for", dest="duration", required=True, help="duration such as 60s, 5m")
+    slow.add_argument("--link", help="peer pod name or node number: slow only sends to it")
+    slow.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
+    clear = commands.add_parser("clear", help="withdraw a pod's slowdown")
+    clear.add_argument("pod")
+    clear.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
+    kill = commands.add_parser("kill", help="delete a pod at once (a fail-stop)")
+    kill.add_argument("pod")
+    for sub in (slow, clear, kill):
+        sub.add_argument("-n", "--namespace", default="default")
+        sub.add_argument("--server", help="API server URL without authentication (e.g. kubectl proxy)")
+        sub.add_argument("--kubeconfig", help="kubeconfig file (default: RJOB_KUBECONFIG or ~/.kube/config)")
+    parser.set_defaults(handler=guarded(_run))
+
+
+class _Cluster:
+    """The few Kubernetes reads and the delete the command needs, as plain JSON."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kubernetes import client, config
+        from kubernetes.config.config_exception import ConfigException
+
+        if args.server:
+            configuration = client.Configuration()
+            configuration.host = args.server.rstrip("/")
+            api_client = client.ApiClient(configuration)
+        else:
+            try:
+                api_client = config.new_client_from_config(  # type: ignore[no-untyped-call]
+                    config_file=args.kubeconfig or os.environ.get("RJOB_KUBECONFIG")
+                )
+            except (ConfigException, OSError):
+                try:
+                    config.load_incluster_config()  # type: ignore[no-untyped-call]
+                except ConfigException:
+                    raise CliError(
+                        "kubeconfig: no cluster configuration found (use --server or --kubeconfig)"
+                    ) from None
+                api_client = client.ApiClient()
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = args.namespace
+
+    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            response = method(*args, self.namespace, _preload_content=False, **kwargs)
+        except ApiException as exc:
+            reason = "not found" if exc.status == 404 else f"HTTP {exc.status} {exc.reason}"
+            raise CliError(f"{what}: {reason} in namespace {self.namespace!r}") from None
+        except HTTPError as exc:
+            raise CliError(f"server: cannot reach the Kubernetes API: {exc}") from None
+        body: dict[str, Any] = json.loads(response.data or b"{}")
+        return body
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return self._call(f"pod {name!r}", self.core.read_namespaced_pod, name)
+
+    def secret_value(self, name: str, key: str) -> str | None:
+        data = self._call(f"secret {name!r}", self.core.read_namespaced_secret, name).get("data") or {}
+        return base64.b64decode(data[key]).decode() if key in data else None
+
+    def delete_pod(self, name: str) -> None:
+        self._call(f"pod {name!r}", self.core.delete_namespaced_pod, name, grace_period_seconds=0)
+
+
+def _worker(pod: dict[str, Any], name: str) -> tuple[str, int]:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if LABEL_JOB not in labels or LABEL_NODE not in labels:
+        raise CliError(f"pod: {name!r} is not a ResilientJob worker (no {LABEL_JOB}/{LABEL_NODE} labels)")
+    try:
+        return str(labels[LABEL_JOB]), int(labels[LABEL_NODE])
+    except ValueError:
+        raise CliError(f"pod: {name!r} has a malformed {LABEL_NODE} label") from None
+
+
+def _env(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return [entry for container in containers for entry in container.get("env") or []]
+
+
+def _env_value(cluster: _Cluster, pod: dict[str, Any], name: str) -> str | None:
+    for entry in _env(pod):
+        if entry.get("name") != name:
+            continue
+        if "value" in entry:
+            return str(entry["value"])
+        ref = (entry.get("valueFrom") or {}).get("secretKeyRef") or {}
+        if ref.get("name") and ref.get("key"):
+            return cluster.secret_value(ref["name"], ref["key"])
+    return None
+
+
+def _redis(cluster: _Cluster, pod: dict[str, Any], name: str, url: str | None) -> Any:
+    import redis
+
+    url = url or os.environ.get("RJOB_REDIS_URL") or _env_value(cluster, pod, "RJOB_REDIS_URL")
+    if not url:
+        raise CliError(f"redis-url: pod {name!r} names no Redis; pass --redis-url")
+    password = os.environ.get("RJOB_REDIS_PASSWORD") or _env_value(cluster, pod, "RJOB_REDIS_PASSWORD")
+    return redis.Redis.from_url(url, password=password or None, socket_connect_timeout=3)
+
+
+def _peer_node(cluster: _Cluster, job: str, peer: str) -> int:
+    if peer.isdigit():
+        return int(peer)
+    peer_job, node = _worker(cluster.pod(peer), peer)
+    if peer_job != job:
+        raise CliError(f"link: pod {peer!r} belongs to job {peer_job!r}, not {job!r}")
+    return node
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.chaos_command == "slow":  # check the flags before touching the cluster
+        if not 1.0 <= args.factor <= 100.0:
+            raise CliError(f"factor: must be in [1, 100], got {args.factor}")
+        seconds = parse_duration(args.duration)
+    cluster = _Cluster(args)
+    pod = cluster.pod(args.pod)
+    job, node = _worker(pod, args.pod)
+    if args.chaos_command == "kill":
+        cluster.delete_pod(args.pod)
+        print(f"pod/{args.pod} killed")
+        return 0
+    from redis.exceptions import RedisError
+
+    from resilientjob.agent._redis import JobKeys
+    from resilientjob.agent.chaos import ChaosOrder, clear_order, write_order
+
+    keys = JobKeys(cluster.namespace, job)
+    client = _redis(cluster, pod, args.pod, args.redis_url)
+    try:
+        if args.chaos_command == "clear":
+            had = clear_order(client, keys, node)
+            print(f"pod/{args.pod} {'cleared' if had else 'had no slowdown'}")
+            return 0
+        if _env_value(cluster, pod, ALLOW_ENV) != "1":
+            raise CliError(
+                f"pod: job {job!r} does not allow chaos ({ALLOW_ENV}=1 is not in {args.pod}'s env)"
+            )
+        link = _peer_node(cluster, job, args.link) if args.link else None
+        order = ChaosOrder(factor=args.factor, until=time.time() + seconds, link=link)
+        write_order(client, keys, node, order)
+    except RedisError as exc:
+        raise CliError(f"redis-url: {exc}") from None
+    finally:
+        client.close()
+    target = f"sends to node {link}" if link is not None else "compute"
+    print(f"pod/{args.pod} {target} slowed x{args.factor} for {args.duration}")
+    return 0

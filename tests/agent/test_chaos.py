@@ -1,0 +1,323 @@
+"""Chaos injection: orders through a real redis-server, the guard, the duty-cycle and link delays applied to
+real traced gloo calls, and `rjob chaos slow|clear|kill` against the emulated Kubernetes API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import redis
+import torch
+import torch.distributed as dist
+from test_tracing import run_gloo
+
+from resilientjob.agent import chaos, tracing
+from resilientjob.agent._redis import JobKeys
+from resilientjob.agent.chaos import (
+    ALLOW_ENV,
+    ChaosInjector,
+    ChaosNotAllowed,
+    ChaosOrder,
+    ChaosWatcher,
+    clear_order,
+    parse_order,
+    write_order,
+)
+from resilientjob.cli import main
+from resilientjob.cli._chaos import parse_duration
+from resilientjob.cli._common import CliError
+from resilientjob.operator.emulator import LocalApiServer
+
+PASSWORD = "chaos-test-secret"
+KEYS = JobKeys("default", "demo")
+ALLOW = {ALLOW_ENV: "1"}
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--requirepass", PASSWORD),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            break
+        time.sleep(0.02)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(5)
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(redis_url, password=PASSWORD)
+    connection.flushall()
+    yield connection
+    connection.close()
+
+
+# ---- orders -------------------------------------------------------------------------------------------
+def test_order_validates_and_bad_keys_read_as_no_order() -> None:
+    for bad, field in (
+        ({"factor": 0.5, "until": 1}, "factor"),
+        ({"factor": 101, "until": 1}, "factor"),
+        ({"factor": 2, "until": 1, "link": -1}, "link"),
+        ({"factor": 2, "until": float("nan")}, "until"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            ChaosOrder.model_validate(bad)
+    # The local stack's older format ({"factor", "until"}) is a compute order.
+    assert parse_order(b'{"factor": 2, "until": 5}') == ChaosOrder(factor=2, until=5)
+    for raw in (
+        None,
+        b"not json",
+        b'{"factor": "x", "until": 1}',
+        b'{"until": 1}',
+        b'{"factor":2,"until":"inf"}',
+    ):
+        assert parse_order(raw) is None
+    order = ChaosOrder(factor=3, until=0, link=1, latency_s=0.002, bandwidth_bps=1e6)
+    assert order.link_delay_s(1000) == pytest.approx(2 * (0.002 + 0.001))
+    assert not order.active(now=1.0) and order.active(now=-1.0)
+
+
+def test_injector_stretches_compute_or_delays_sends_to_one_peer() -> None:
+    slept: list[float] = []
+    injector = ChaosInjector(rank_of={4: 7}.get, sleep=slept.append)
+    injector("all_reduce", -1, 8, 0.1)
+    injector.after_compute(0.1)
+    assert slept == []  # no order, no delay
+    injector.order = ChaosOrder(factor=3, until=time.time() + 60)
+    injector("all_reduce", -1, 8, 0.1)
+    injector("all_reduce", -1, 8, 3600.0)  # an idle hour is not compute: capped
+    injector.after_compute(0.2)
+    assert slept == pytest.approx([0.2, 2 * chaos.MAX_GAP_S, 0.4])
+    slept.clear()
+    injector.order = ChaosOrder(factor=2, until=time.time() + 60, link=4)  # node 4 runs as rank 7 now
+    injector("isend", 7, 1_000_000, 5.0)
+    injector("send", 3, 1_000_000, 5.0)
+    injector("irecv", 7, 1_000_000, 5.0)
+    injector.after_compute(1.0)
+    assert slept == pytest.approx([0.001 + 0.001])
+    injector.order = ChaosOrder(factor=3, until=time.time() - 1)  # expired
+    injector("all_reduce", -1, 8, 1.0)
+    assert len(slept) == 1
+    assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002)
+
+
+def test_chaos_is_off_unless_the_environment_allows_it(client: redis.Redis) -> None:
+    tracer = tracing.Tracer(capacity=4)
+    assert chaos.start(tracer, client, KEYS, 0, environ={}) is None
+    assert chaos.start(tracer, client, KEYS, 0, environ={ALLOW_ENV: "yes"}) is None
+    assert tracer.hook is None
+    with pytest.raises(ChaosNotAllowed, match=ALLOW_ENV):
+        chaos.activate(ChaosInjector(), tracer, environ={})
+    watcher = chaos.start(tracer, client, KEYS, 0, environ=ALLOW, poll_interval_s=0.05)
+    assert watcher is not None and tracer.hook is watcher.injector
+    chaos.stop(tracer, watcher)
+    assert tracer.hook is None
+
+
+def test_watcher_follows_the_control_key(client: redis.Redis) -> None:
+    injector = ChaosInjector()
+    watcher = ChaosWatcher(client, KEYS, 2, injector, poll_interval_s=0.02).start()
+    try:
+        order = ChaosOrder(factor=1.5, until=time.time() + 30, link=1)
+        write_order(client, KEYS, 2, order)
+        assert client.pttl(KEYS.chaos(2)) > 30_000  # expires with the order (plus a margin)
+        deadline = time.monotonic() + 2
+        while injector.order != order and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert injector.order == order
+        client.set(KEYS.chaos(2), b"garbage")
+        assert watcher.poll() is None
+        assert clear_order(client, KEYS, 2) is True
+        assert clear_order(client, KEYS, 2) is False
+    finally:
+        watcher.stop()
+    assert injector.order is None
+
+
+# ---- the delays on real traced calls ------------------------------------------------------------------
+def _slowed_loop(rank: int, world: int) -> dict[str, float]:
+    tracer = tracing.install(capacity=64)
+    injector = ChaosInjector()
+    chaos.activate(injector, tracer, ALLOW)
+
+    def steps(count: int) -> float:
+        began = time.perf_counter()
+        for _ in range(count):
+            time.sleep(0.01)  # compute
+            dist.all_reduce(torch.ones(4))
+            if rank == 0:
+                dist.send(torch.ones(4), dst=1)
+            else:
+                dist.recv(torch.zeros(4), src=0)
+        return (time.perf_counter() - began) / count
+
+    steps(2)  # warm-up
+    healthy = steps(6)
+    if rank == 1:
+        injector.order = ChaosOrder(factor=3, until=time.time() + 60)
+    slow_compute = steps(6)
+    compute_injected = injector.injected_s
+    injector.order = ChaosOrder(factor=11, until=time.time() + 60, link=1) if rank == 0 else None
+    slow_link = steps(6)
+    chaos.activate(None, tracer)
+    tracing.uninstall()
+    return {
+        "healthy": healthy,
+        "compute": slow_compute,
+        "link": slow_link,
+        "compute_injected": compute_injected,
+        "link_injected": injector.injected_s - compute_injected,
+    }
+
+
+@pytest.mark.torch
+def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> None:
+    results = run_gloo(tmp_path, 2, _slowed_loop)
+    # Rank 1 sleeps twice each compute interval (>= the 10 ms sleep of the loop); rank 0 waits for it.
+    injected = results[1]["compute_injected"] / 6
+    assert injected >= 2 * 0.01 and results[0]["compute_injected"] == 0
+    # Rank 0 delays each send to rank 1 by 10 x (1 ms + 16 bytes / 1 GB/s); rank 1 waits for the data.
+    assert results[0]["link_injected"] == pytest.approx(6 * 10 * (0.001 + 16 / 1e9))
+    assert results[1]["link_injected"] == 0
+    for result in results:
+        # (sleeps overshoot on a loaded host, hence the loose upper bound)
+        assert injected * 0.8 <= result["compute"] - result["healthy"] <= injected * 2 + 0.01
+        assert 0.008 <= result["link"] - result["healthy"] <= 0.01 * 2 + 0.01
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def _pod(name: str, node: int, env: list[dict[str, Any]], job: str = "demo") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"resilientjob.io/job": job, "resilientjob.io/node": str(node)},
+        },
+        "spec": {"containers": [{"name": "worker", "image": "rjob", "env": env}]},
+    }
+
+
+@pytest.fixture
+async def api(redis_url: str) -> AsyncIterator[tuple[LocalApiServer, str]]:
+    async with LocalApiServer() as emulator, kmock.Server(emulator) as server:
+        url = str(server.url).rstrip("/")
+        env = [
+            {"name": "RJOB_REDIS_URL", "value": redis_url},
+            {"name": "RJOB_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}}},
+        ]
+        objects = [
+            ("secrets", {"metadata": {"name": "redis"}, "data": {"pw": _b64(PASSWORD)}}),
+            ("pods", _pod("demo-0", 0, [*env, {"name": ALLOW_ENV, "value": "1"}])),
+            ("pods", _pod("demo-1", 1, [*env, {"name": ALLOW_ENV, "value": "1"}])),
+            ("pods", _pod("prod-0", 0, env, job="prod")),
+            ("pods", {"metadata": {"name": "plain"}, "spec": {"containers": []}}),
+        ]
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            for plural, fields in objects:
+                body = {"apiVersion": "v1", "kind": plural[:-1].capitalize(), **fields}
+                async with session.post(f"{url}/api/v1/namespaces/default/{plural}", json=body) as response:
+                    assert response.status < 300, await response.text()
+        yield emulator, url
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+async def _rjob(*argv: str) -> int:
+    return await asyncio.to_thread(main, list(argv))
+
+
+async def test_cli_slow_writes_the_order_the_worker_reads(
+    api: tuple[LocalApiServer, str], client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = api
+    assert await _rjob("chaos", "slow", "demo-0", "--factor", "1.5", "--for", "2m", "--server", url) == 0
+    order = parse_order(client.get(KEYS.chaos(0)))  # type: ignore[arg-type]
+    assert order is not None and order.factor == 1.5 and order.link is None
+    assert order.until == pytest.approx(time.time() + 120, abs=5)
+    assert (
+        await _rjob(
+            "chaos", "slow", "demo-0", "--factor", "4", "--for", "30", "--link", "demo-1", "--server", url
+        )
+        == 0
+    )
+    order = parse_order(client.get(KEYS.chaos(0)))  # type: ignore[arg-type]
+    assert order is not None and (order.factor, order.link) == (4.0, 1)
+    assert "sends to node 1 slowed x4.0" in capsys.readouterr().out
+    assert await _rjob("chaos", "clear", "demo-0", "--server", url) == 0
+    assert client.get(KEYS.chaos(0)) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["prod-0", "--factor", "2", "--for", "60s"], "does not allow chaos"),
+        (["plain", "--factor", "2", "--for", "60s"], "not a ResilientJob worker"),
+        (["ghost", "--factor", "2", "--for", "60s"], "pod 'ghost': not found"),
+        (["demo-0", "--factor", "0.5", "--for", "60s"], "factor: must be in [1, 100]"),
+        (["demo-0", "--factor", "2", "--for", "soon"], "for: expected a duration"),
+        (["demo-0", "--factor", "2", "--for", "60s", "--link", "prod-0"], "belongs to job 'prod'"),
+    ],
+)
+async def test_cli_slow_refuses_with_one_line(
+    api: tuple[LocalApiServer, str],
+    client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    _, url = api
+    assert await _rjob("chaos", "slow", *argv, "--server", url) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+    assert client.keys("*chaos*") == []
+
+
+async def test_cli_kill_deletes_the_pod(
+    api: tuple[LocalApiServer, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = api
+    assert await _rjob("chaos", "kill", "demo-1", "--server", url) == 0
+    assert "pod/demo-1 killed" in capsys.readouterr().out
+    assert await _rjob("chaos", "kill", "demo-1", "--server", url) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(text) for text in ("90", "90s", "2m", "1.5h")] == [90, 90, 120, 5400]
+    for bad in ("", "m", "-5s", "0", "inf", "5d"):
+        with pytest.raises(CliError, match="for:"):
+            parse_duration(bad)
+    assert json.loads(ChaosOrder(factor=2, until=1).model_dump_json(exclude_none=True)) == {
+        "factor": 2.0,
+        "until": 1.0,
+        "latency_s": 0.001,
+        "bandwidth_bps": 1e9,
+    }

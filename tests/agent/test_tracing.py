@@ -1,0 +1,242 @@
+"""The torch.distributed tracer: exact install/uninstall, the bounded ring, and real gloo processes whose
+trace gives back the loop's own period, iteration time, peers, bytes and communication share."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.multiprocessing as mp
+
+from resilientjob.agent import tracing
+from resilientjob.agent.tracing import (
+    NO_PEER,
+    TRACED,
+    IterationFeed,
+    TraceProfile,
+    Tracer,
+    TraceRecord,
+    TraceRing,
+    group_profiles,
+    profile,
+    trace_iteration_times,
+)
+
+
+def _entry(rank: int, world: int, store: str, out: str, body: Callable[[int, int], Any]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = body(rank, world)
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_gloo(tmp_path: Path, world: int, body: Callable[[int, int], Any]) -> list[Any]:
+    """Run `body(rank, world)` in `world` forked gloo processes; return each rank's (picklable) result."""
+    mp.start_processes(
+        _entry,
+        args=(world, str(tmp_path / "store"), str(tmp_path), body),
+        nprocs=world,
+        join=True,
+        start_method="fork",
+    )
+    return [pickle.loads((tmp_path / f"{rank}.pkl").read_bytes()) for rank in range(world)]
+
+
+# ---- install / uninstall ------------------------------------------------------------------------------
+def test_install_replaces_and_uninstall_restores_the_same_objects() -> None:
+    before = {name: (getattr(dist, name), getattr(c10d, name)) for name in TRACED if hasattr(dist, name)}
+    tracer = Tracer(capacity=16)
+    tracer.install()
+    try:
+        for name, (original, _) in before.items():
+            assert getattr(dist, name) is not original
+            assert getattr(dist, name) is getattr(c10d, name)  # P2POp's `op in [isend, irecv]` still holds
+            assert getattr(dist, name).__wrapped__ is original
+        tracer.install()  # idempotent: does not wrap the wrappers
+        assert all(getattr(dist, n).__wrapped__ is before[n][0] for n in before)
+    finally:
+        tracer.uninstall()
+    assert {name: (getattr(dist, name), getattr(c10d, name)) for name in before} == before
+
+
+def test_call_specs_name_real_parameters() -> None:
+    # The wrapper finds tensors and peers by parameter name; a renamed parameter in torch must fail here.
+    for name, spec in TRACED.items():
+        function = getattr(dist, name, None)
+        if function is None:
+            continue
+        parameters = inspect.signature(function).parameters
+        for argument in (spec.data, spec.peer, spec.group_peer):
+            assert argument is None or argument in parameters, (name, argument)
+
+
+# ---- the ring -----------------------------------------------------------------------------------------
+def test_ring_is_bounded_and_keeps_the_newest() -> None:
+    ring = TraceRing(capacity=8)
+    for index in range(20):
+        ring.append("all_reduce", (0, 1), NO_PEER, index, float(index), float(index) + 0.5)
+    records = ring.records()
+    assert len(ring) == 8 and len(ring._slots) == 8
+    assert [r.seq for r in records] == list(range(12, 20))
+    assert [r.nbytes for r in records] == list(range(12, 20))
+    assert [r.seq for r in ring.records(since=17)] == [17, 18, 19]
+    assert ring.records(since=25) == []
+
+
+def test_ring_finishes_pending_records_and_never_an_overwritten_one() -> None:
+    ring = TraceRing(capacity=2)
+    seq = ring.append("isend", (0, 1), 1, 4, 1.0, math.nan)
+    assert math.isnan(ring.records()[0].end_s) and ring.records()[0].duration_s == 0.0
+    ring.finish(seq, 3.0)
+    ring.finish(seq, 2.0)  # a batch's record ends with its last request, whatever the order of waits
+    assert ring.records()[0].end_s == 3.0
+    ring.finish(seq, 3.5)
+    assert ring.records()[0].end_s == 3.5
+    pending = ring.append("irecv", (0, 1), 1, 4, 4.0, math.nan)
+    ring.append("x", (0,), NO_PEER, 0, 5.0, 5.0)
+    ring.append("y", (0,), NO_PEER, 0, 6.0, 6.0)  # overwrites `pending`'s slot
+    ring.finish(pending, 7.0)
+    assert [r.op for r in ring.records()] == ["x", "y"]
+    assert all(r.end_s in (5.0, 6.0) for r in ring.records())
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 100])
+def test_ring_capacity_must_be_a_power_of_two(capacity: int) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        TraceRing(capacity)
+
+
+# ---- the reader on constructed traces -----------------------------------------------------------------
+def _iteration(t0: float, compute: float) -> list[TraceRecord]:
+    """One iteration: compute, a DP all-reduce (1 s), a send to rank 1 overlapping an all-gather."""
+    return [
+        TraceRecord(0, "all_reduce", (0, 2), NO_PEER, 8, t0 + compute, t0 + compute + 1.0),
+        TraceRecord(0, "isend", (0, 1), 1, 4, t0 + compute + 1.0, t0 + compute + 1.5),
+        TraceRecord(0, "all_gather", (0, 1), NO_PEER, 4, t0 + compute + 1.25, t0 + compute + 2.0),
+    ]
+
+
+def test_profile_splits_iterations_into_compute_and_communication() -> None:
+    compute, step = 3.0, 5.0  # communication covers [3, 5): 1 s all-reduce, then 1 s of overlapping calls
+    records = [r for index in range(6) for r in _iteration(index * step, compute)]
+    result = profile(records)
+    assert result.period == 3 and result.iterations == 5
+    assert result.iteration_s == pytest.approx(step)
+    assert result.communication_s == pytest.approx(2.0)
+    assert result.compute_s == pytest.approx(compute)
+    assert result.group_s == pytest.approx({"0,2": 1.0, "0,1@1": 0.5, "0,1": 0.75})
+    assert trace_iteration_times(records).times_s == pytest.approx([step] * 5)
+
+
+def test_iteration_feed_reports_each_iteration_once_across_polls_and_trims() -> None:
+    ring = TraceRing(capacity=64)
+    durations = [1.0] * 12 + [1.5] * 10  # a 1.5x slowdown from iteration 12 on
+    feed = IterationFeed(ring, window=12)
+    reported: list[float] = []
+    began = 0.0
+    chunks = iter([1, 5, 2, 7, 3, 4] * 10)
+    pending = 0
+    for duration in durations:
+        for offset, op in ((0.0, "all_reduce"), (0.1, "isend"), (0.2, "all_gather")):
+            ring.append(op, (0, 1), 1 if op == "isend" else NO_PEER, 4, began + offset, began + offset + 0.05)
+        began += duration
+        pending += 1
+        if pending >= next(chunks):
+            reported += feed.poll()
+            pending = 0
+    reported += feed.poll()
+    assert feed.period == 3
+    assert reported == pytest.approx(durations[:-1])  # the last iteration has no successor yet
+    assert len(feed._records) <= 12  # trimmed by whole periods down to the window
+    assert feed.poll() == []
+
+
+def test_group_profiles_take_transfer_from_the_member_that_waited_least() -> None:
+    fast = TraceProfile(period=1, iterations=4, iteration_s=2.0, communication_s=1.2, group_s={"0,1": 1.2})
+    slow = TraceProfile(period=1, iterations=4, iteration_s=2.0, communication_s=0.3, group_s={"0,1": 0.3})
+    other = TraceProfile(period=1, iterations=4, iteration_s=2.0, communication_s=0.4, group_s={"2,3": 0.4})
+    groups = group_profiles([fast, slow, other])
+    assert list(groups) == ["0,1", "2,3"]
+    assert groups["0,1"].transfer_s == pytest.approx(0.3)  # the slow member arrived last and hardly waited
+    assert groups["0,1"].compute_s == pytest.approx(1.7)  # and it sets the group's compute time
+    assert (groups["2,3"].group, groups["2,3"].compute_s) == (1, pytest.approx(1.6))
+
+
+# ---- real gloo processes ------------------------------------------------------------------------------
+STEPS, COMPUTE_S = 10, 0.02
+
+
+def _training_loop(rank: int, world: int) -> dict[str, Any]:
+    """An unmodified data-parallel + point-to-point loop; the tracer is installed around it."""
+    originals = {name: getattr(dist, name) for name in TRACED if hasattr(dist, name)}
+    tracer = tracing.install(capacity=256)
+    model = torch.nn.Linear(8, 4)
+    peer = 1 - rank
+    step_s = []
+    for _ in range(STEPS):
+        began = time.perf_counter()
+        time.sleep(COMPUTE_S)  # the compute between communications
+        model(torch.randn(2, 8)).sum().backward()
+        for parameter in model.parameters():
+            dist.all_reduce(parameter.grad)
+        message = torch.zeros(16)
+        if rank == 0:
+            dist.send(message, dst=peer)  # send = isend + wait inside torch: one record
+        else:
+            dist.recv(message, src=peer)
+        ops = [dist.P2POp(dist.isend, torch.ones(3), peer), dist.P2POp(dist.irecv, torch.zeros(3), peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        pending = dist.all_reduce(torch.ones(2, dtype=torch.float64), async_op=True)
+        assert isinstance(pending, dist.Work)
+        assert pending.wait() and pending.is_completed()
+        step_s.append(time.perf_counter() - began)
+    records = tracer.ring.records()
+    with tracer.quiet():
+        dist.barrier()  # not recorded
+    quiet_added = len(tracer.ring.records()) - len(records)
+    tracing.uninstall()
+    restored = all(getattr(dist, name) is fn for name, fn in originals.items())
+    return {"records": records, "step_s": step_s, "quiet_added": quiet_added, "restored": restored}
+
+
+@pytest.mark.torch
+def test_trace_of_a_real_loop_gives_back_its_period_peers_and_bytes(tmp_path: Path) -> None:
+    results = run_gloo(tmp_path, 2, _training_loop)
+    for rank, result in enumerate(results):
+        records: list[TraceRecord] = result["records"]
+        assert result["restored"] and result["quiet_added"] == 0
+        assert len(records) == STEPS * 5  # 2 all-reduces, send or recv, the batch, the async all-reduce
+        first = records[:5]
+        assert [r.op for r in first] == [
+            "all_reduce",
+            "all_reduce",
+            "send" if rank == 0 else "recv",
+            "batch_isend_irecv",
+            "all_reduce",
+        ]
+        assert [r.nbytes for r in first] == [8 * 4 * 4, 4 * 4, 16 * 4, 2 * 3 * 4, 2 * 8]
+        assert [r.peer for r in first] == [NO_PEER, NO_PEER, 1 - rank, 1 - rank, NO_PEER]
+        assert all(r.group == (0, 1) for r in records)
+        assert all(r.end_s >= r.start_s for r in records)  # async ones were stamped by wait()
+        times = trace_iteration_times(records)
+        assert times.period == 5
+        measured = sorted(result["step_s"])[len(result["step_s"]) // 2]
+        assert times.mean_s == pytest.approx(measured, rel=0.25)
+        shape = profile(records)
+        assert shape.compute_s >= COMPUTE_S * 0.9
+        assert set(shape.group_s) == {"0,1", f"0,1@{1 - rank}"}
+    groups = group_profiles([profile(result["records"]) for result in results])
+    assert set(groups) == {"0,1", "0,1@0", "0,1@1"}

@@ -1,0 +1,106 @@
+"""The validation pass in real gloo processes: a slow link injected with `agent.chaos` is named among the
+ring's and the tree's links, a compute slowdown names its device, and a healthy group names nothing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from test_tracing import run_gloo
+
+from resilientjob.agent import chaos, tracing
+from resilientjob.agent.chaos import ChaosInjector, ChaosOrder
+from resilientjob.agent.validation import Topology, gemm_benchmark, merge_views, schedule, validate
+
+pytestmark = pytest.mark.torch
+
+ALLOW = {"RJOB_ALLOW_CHAOS": "1"}
+
+
+def test_gemm_benchmark_reports_flops_of_its_products() -> None:
+    result = gemm_benchmark(size=64, repeats=3, rank=5)
+    assert result.rank == 5 and result.seconds > 0
+    assert result.flops_per_s == pytest.approx(2 * 64**3 / result.seconds)
+    with pytest.raises(ValueError, match="size"):
+        gemm_benchmark(size=0)
+
+
+def test_merge_keeps_the_slower_view_of_each_link() -> None:
+    sender = {(0, 1): (0.005, 0.006), (2, 3): (0.001, 0.002)}
+    receiver = {(0, 1): (0.002, 0.007), (3, 0): (0.001, 0.001)}
+    assert merge_views([sender, receiver]) == {
+        (0, 1): (0.005, 0.007),
+        (2, 3): (0.001, 0.002),
+        (3, 0): (0.001, 0.001),
+    }
+
+
+def test_schedules_are_the_planners_o1_passes() -> None:
+    assert schedule(Topology.RING, 4) == [[(0, 1), (2, 3)], [(1, 2), (3, 0)]]
+    assert len(schedule(Topology.RING, 5)) == 3
+    tree = schedule(Topology.TREE, 7)
+    assert sorted(link for links in tree for link in links) == [
+        (1, 0),
+        (2, 0),
+        (3, 1),
+        (4, 1),
+        (5, 2),
+        (6, 2),
+    ]
+    assert len(tree) <= 4
+    for links in tree:  # no rank sends or receives twice in one pass
+        ranks = [rank for link in links for rank in link]
+        assert len(ranks) == len(set(ranks))
+
+
+def _validate_under_chaos(rank: int, world: int) -> dict[str, Any]:
+    tracer = tracing.install(capacity=64)
+    injector = ChaosInjector()
+    chaos.activate(injector, tracer, ALLOW)
+    until = time.time() + 60
+    if rank == 1:
+        injector.order = ChaosOrder(factor=6.0, until=until, link=2)  # ring link 1 -> 2
+    if rank == 3:
+        injector.order = ChaosOrder(factor=6.0, until=until, link=1)  # tree link 3 -> 1
+    if rank == 2:
+        injector.order = ChaosOrder(factor=3.0, until=until)  # a slow device
+    ring = validate(Topology.RING, gemm_size=192, link_bytes=1 << 14, repeats=7)
+    tree = validate(Topology.TREE, gemm_size=192, link_bytes=1 << 14, repeats=7, gpus=False)
+    injector.order = None
+    healthy = validate(Topology.RING, gemm_size=192, link_bytes=1 << 14, repeats=7)
+    traced = len(tracer.ring.records())
+    chaos.activate(None, tracer)
+    tracing.uninstall()
+    return {"ring": ring, "tree": tree, "healthy": healthy, "traced": traced}
+
+
+def test_validation_names_the_slow_link_and_the_slow_device(tmp_path: Path) -> None:
+    results = run_gloo(tmp_path, 4, _validate_under_chaos)
+    for result in results:
+        ring, tree, healthy = result["ring"], result["tree"], result["healthy"]
+        assert result["traced"] == 0  # the pass's own traffic stays out of the trace
+        assert set(ring.links) == {(0, 1), (1, 2), (2, 3), (3, 0)}
+        assert ring.slow_links == ((1, 2),)
+        assert ring.slow_gpus == (2,)
+        assert set(tree.links) == {(1, 0), (2, 0), (3, 1)}
+        assert tree.slow_links == ((3, 1),)
+        assert tree.gemm == {}
+        assert healthy.slow_links == () and healthy.slow_gpus == ()
+        # the slowed link's latency carries the injected (F - 1) x 1 ms per message
+        assert ring.links[(1, 2)].latency_s >= 0.005 > healthy.links[(1, 2)].latency_s
+    assert all(r["ring"].slow_links == results[0]["ring"].slow_links for r in results)
+
+
+def _not_in_group(rank: int, world: int) -> list[int]:
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        return []
+    report = validate(Topology.RING, group=group, gemm_size=32, link_bytes=64, repeats=2)
+    return sorted(report.gemm)
+
+
+def test_validation_runs_on_a_subgroup(tmp_path: Path) -> None:
+    assert run_gloo(tmp_path, 3, _not_in_group) == [[0, 1], [0, 1], []]
