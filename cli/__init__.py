@@ -11,6 +11,16 @@ from collections.abc import Sequence
 # command -> (module, one-line help). A module's `register` adds the parser and sets `handler`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "profiles": ("resilientjob.cli._profiles", "list the built-in model profiles"),
+    "templates": ("resilientjob.cli._templates", "generate Oobleck pipeline templates"),
+    "detect": ("resilientjob.cli._failslow", "find fail-slow change points in an iteration-time trace"),
+    "rebalance": ("resilientjob.cli._failslow", "optimal micro-batch split over data-parallel groups (S2)"),
+    "profile": ("resilientjob.cli._profile", "measure a model's per-layer profile on this device"),
+    "operator": ("resilientjob.cli._operator", "run the ResilientJob operator (kopf)"),
+    "local": ("resilientjob.cli._local", "the control plane on this machine (API server, Redis, operator)"),
+    "simulate": ("resilientjob.cli._simulate", "simulate a training job under failures, per policy"),
+    "plan": ("resilientjob.cli._plan", "plan a layout, or a recovery after node failures"),
+    "demo": ("resilientjob.cli._demo", "the local demo: real training through a worker kill and a slowdown"),
+    "chaos": ("resilientjob.cli._chaos", "inject fail-slows and failures into a running job"),
 }
 
 
@@ -24,10 +34,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = _Parser(prog="rjob", description="ResilientJob: resilient distributed training on Kubernetes.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # A module that serves several commands registers all of them once; the others get placeholders so
+    # `rjob --help` lists everything without importing every module.
+    selected = COMMANDS[command][0] if command in COMMANDS else None
+    if selected is not None:
+        importlib.import_module(selected).register(subparsers)
     for name, (module_name, help_text) in COMMANDS.items():
-        if name == command:
-            importlib.import_module(module_name).register(subparsers)
-        else:
+        if module_name != selected:
             subparsers.add_parser(name, help=help_text)
     return parser
 

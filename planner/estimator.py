@@ -178,3 +178,87 @@ def allreduce_time(
         max((float(param[end] - param[start]) for start, end in segments), default=0.0) * factor
         for segments in rounds
     )
+
+
+class OneFOneB:
+    """Exact 1F1B makespans of one pipeline for any number of micro-batches, much cheaper than calling
+    `pipeline_time` for each count (plan search asks for many neighbouring counts).
+
+    With m >= stages - 1 micro-batches every stage's schedule is: warm-up forwards, then (forward m_i,
+    backward k) pairs, then cool-down backwards. The ops before the cool-down of m are also the first ops of
+    every larger m, and they depend only on each other, so they are simulated once and extended as m grows;
+    each query then simulates only its own cool-down, O(stages^2). The recurrences are the ones of
+    `pipeline_time`, evaluated in the same arithmetic, so the results are identical to it (a test checks);
+    fewer micro-batches fall back to it.
+    """
+
+    def __init__(
+        self, forward_s: Sequence[float], backward_s: Sequence[float], send_s: Sequence[float] | None = None
+    ) -> None:
+        if len(forward_s) != len(backward_s) or not forward_s:
+            raise PlannerError("stages", "forward and backward times must be non-empty and of equal length")
+        self._forward = tuple(float(x) for x in forward_s)
+        self._backward = tuple(float(x) for x in backward_s)
+        stages = len(self._forward)
+        sends = tuple(float(x) for x in send_s) if send_s is not None else (0.0,) * (stages - 1)
+        if len(sends) != stages - 1:
+            raise PlannerError("send_s", f"needs {stages - 1} entries, got {len(sends)}")
+        self._sends = sends
+        self._stages = stages
+        self._forward_end: list[list[float]] = [[] for _ in range(stages)]
+        self._backward_end: list[list[float]] = [[] for _ in range(stages)]
+        self._clock = [0.0] * stages
+        self._done = 0  # micro-batches whose non-cool-down ops are simulated
+
+    def time(self, microbatches: int) -> float:
+        """`pipeline_time(forward_s, backward_s, microbatches, send_s)`."""
+        if microbatches < 1:
+            raise PlannerError("microbatches", f"must be >= 1, got {microbatches}")
+        if microbatches < self._stages - 1:
+            return _simulate_1f1b(self._forward, self._backward, microbatches, self._sends)
+        self._extend(microbatches)
+        return self._cool_down(microbatches)
+
+    def _extend(self, upto: int) -> None:
+        stages, forward, backward, sends = self._stages, self._forward, self._backward, self._sends
+        forward_end, backward_end, clock = self._forward_end, self._backward_end, self._clock
+        last = stages - 1
+        for mb in range(self._done, upto):
+            for stage in range(stages):
+                ready = 0.0 if stage == 0 else forward_end[stage - 1][mb]
+                if stage:
+                    ready += sends[stage - 1]
+                end = max(clock[stage], ready) + forward[stage]
+                forward_end[stage].append(end)
+                clock[stage] = end
+                k = mb - (last - stage)  # the backward paired with this forward, if any
+                if k >= 0:
+                    if stage == last:
+                        ready = forward_end[stage][k]
+                    else:
+                        ready = backward_end[stage + 1][k] + sends[stage]
+                    end = max(clock[stage], ready) + backward[stage]
+                    backward_end[stage].append(end)
+                    clock[stage] = end
+        self._done = max(self._done, upto)
+
+    def _cool_down(self, microbatches: int) -> float:
+        stages, backward, sends = self._stages, self._backward, self._sends
+        forward_end, backward_end = self._forward_end, self._backward_end
+        m = microbatches
+        finals: list[float] = []
+        below: list[float] = []  # cool-down backward ends of the stage below (stage + 1)
+        for stage in range(stages - 1, -1, -1):
+            warmup = stages - 1 - stage
+            paired = m - warmup  # backwards 0..paired-1 ran before the cool-down
+            clock = backward_end[stage][paired - 1] if paired >= 1 else forward_end[stage][m - 1]
+            row: list[float] = []
+            for k in range(paired, m):
+                first_below = m - (warmup - 1)
+                done = backward_end[stage + 1][k] if k < first_below else below[k - first_below]
+                ready = done + sends[stage]
+                clock = max(clock, ready) + backward[stage]
+                row.append(clock)
+            finals.append(clock)
+            below = row
+        return max(finals)

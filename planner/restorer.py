@@ -154,3 +154,46 @@ def allreduce_rounds(pipelines: Sequence[PipelinePlan]) -> list[list[tuple[int, 
     for index in range(count):
         rounds[colour[index]].append(segments[index])
     return rounds
+
+
+def allreduce_rounds_from_bounds(shapes: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """`allreduce_rounds` for a layout given only by its pipelines' stage boundaries, each stage on its own
+    devices (one node per stage, as dynamic parallelism lays out).
+
+    `shapes` lists each distinct pipeline shape once as boundaries `[0, b1, ..., L]`: pipelines with the same
+    boundaries add no conflict edges, so plan search can colour a candidate layout without building it.
+    Callers skip the all-reduce when there is a single replica. Same greedy order as `allreduce_rounds`.
+    """
+    bounds = sorted({b for shape in shapes for b in shape})
+    segments = list(itertools.pairwise(bounds))
+    index = {start: position for position, (start, _) in enumerate(segments)}
+    count = len(segments)
+    neighbours: list[set[int]] = [set() for _ in range(count)]
+    for shape in shapes:
+        for start, end in itertools.pairwise(shape):
+            # Segments inside one stage share that stage's devices: a clique.
+            members = [index[b] for b in bounds if start <= b < end]
+            for member in members:
+                neighbours[member].update(other for other in members if other != member)
+    colour: dict[int, int] = {}
+    for vertex in sorted(range(count), key=lambda i: (-len(neighbours[i]), i)):
+        taken = {colour[n] for n in neighbours[vertex] if n in colour}
+        colour[vertex] = next(c for c in range(count) if c not in taken)
+    rounds: list[list[tuple[int, int]]] = [[] for _ in range(max(colour.values()) + 1)]
+    for vertex in range(count):
+        rounds[colour[vertex]].append(segments[vertex])
+    return rounds
+
+
+def transfer_time(transfers: Sequence[Transfer], bandwidth: float) -> float:
+    """Seconds to carry out `transfers` in parallel: every node sends and receives at `bandwidth` bytes/s, so
+    the busiest sender or receiver bounds the whole copy."""
+    if bandwidth <= 0:
+        raise PlannerError("bandwidth", f"must be positive, got {bandwidth}")
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for transfer in transfers:
+        sent[transfer.src] = sent.get(transfer.src, 0) + transfer.bytes
+        received[transfer.dst] = received.get(transfer.dst, 0) + transfer.bytes
+    busiest = max([*sent.values(), *received.values()], default=0)
+    return busiest / bandwidth

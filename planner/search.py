@@ -1,0 +1,482 @@
+"""Plan search: the planner's one entry point for the operator, the simulator and the fail-slow code.
+
+`initial_plan` lays out a fresh job over every node. `replan` answers a change (nodes failed or joined) the
+way Odyssey does (section III, IV-A): it builds one candidate per recovery policy
+
+- `reroute` (ReCycle): keep the layout; peers run the failed stages' micro-batches (`_reroute`);
+- `dynamic` (Odyssey Algorithm 1): a new, possibly asymmetric DP x PP layout over every alive node
+  (`_dynamic`), placed on the nodes with the fewest bytes moved (`restorer.place_plan`);
+- `templates` (Oobleck): pipeline templates instantiated or reinstantiated (`templates`);
+- `checkpoint` (Varuna): a symmetric layout restarted from the last checkpoint;
+
+estimates each one's step time and transition time (measured search time + detection + weight transfer
+bounded by the busiest sender or receiver + restart; reroute restarts nothing; checkpoint reloads and loses
+half a checkpoint interval of work on average) and scores it by eq. 8: throughput x effective-time ratio,
+where the time between failures is `1 / (failure rate per node-hour x alive nodes)` and the ratio is the
+share of it left after the transition. `auto` takes the best score among reroute, dynamic and checkpoint
+(templates are Oobleck's baseline, used when named); a named policy is used as asked. When
+the asked policy cannot run (above all when some layer lost every replica) the plan falls back to
+`checkpoint` and the candidates say why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._dynamic import DynamicSearch, Layout, all_degrees, degree_window
+from ._errors import PlannerError
+from ._reroute import lost_layers, reroute
+from .plan import Candidate, Plan, Policy
+from .profile import ModelProfile
+from .restorer import place_plan, relabel, transfer_time
+from .spec import ClusterSpec, JobSpec, TransitionCosts
+
+if TYPE_CHECKING:
+    from .templates import TemplateSet
+
+DP_WINDOW = 1  # Odyssey: the new DP degree rarely differs from the current one by more than one
+REPLAN_SPREAD = 2  # pipeline depths within a replanned layout differ by at most this
+INITIAL_SPREAD = 1  # the initial layout tries every DP degree, so it keeps pipelines nearly equal
+INITIAL_ALTERNATIVES = 5  # runner-up layouts listed as candidates of an initial plan
+# What `auto` weighs: Odyssey's two recoveries and the checkpoint restart. Oobleck's templates are a
+# baseline chosen by name: instantiating them takes seconds at scale, too slow for failure time.
+AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.CHECKPOINT)
+
+
+# ---- templates (Oobleck), generated once per (profile, cluster, f) -----------------------------------------
+_TEMPLATE_CACHE: OrderedDict[tuple[str, str, int], TemplateSet] = OrderedDict()
+_TEMPLATE_CACHE_SIZE = 8
+
+
+def _template_set(profile: ModelProfile, cluster: ClusterSpec, fault_tolerance: int) -> TemplateSet:
+    """The TemplateSet for this model and cluster; generated on first use (Oobleck plans offline) and kept."""
+    from .templates import generate_templates
+
+    key = (profile.model_dump_json(), cluster.model_dump_json(), fault_tolerance)
+    found = _TEMPLATE_CACHE.get(key)
+    if found is None:
+        found = generate_templates(profile, cluster, fault_tolerance)
+        _TEMPLATE_CACHE[key] = found
+        while len(_TEMPLATE_CACHE) > _TEMPLATE_CACHE_SIZE:
+            _TEMPLATE_CACHE.popitem(last=False)
+    else:
+        _TEMPLATE_CACHE.move_to_end(key)
+    return found
+
+
+def prepare_templates(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> bool:
+    """Generate and cache the job's pipeline templates ahead of failures; False if templates cannot be made
+    for this job (the `templates` candidate then reports why)."""
+    try:
+        _template_set(profile, cluster, job.fault_tolerance)
+    except (PlannerError, ImportError):
+        return False
+    return True
+
+
+# ---- scoring (Odyssey eq. 8) -------------------------------------------------------------------------------
+def mean_time_between_failures(failure_rate_per_node_hour: float, nodes: int) -> float:
+    """Expected seconds until the next failure among `nodes` nodes; infinite at rate 0."""
+    if failure_rate_per_node_hour == 0 or nodes == 0:
+        return math.inf
+    return 3600.0 / (failure_rate_per_node_hour * nodes)
+
+
+def score(global_batch: int, step_time_s: float, transition_s: float, between_failures_s: float) -> float:
+    """Eq. 8: samples/s after the change times the effective-time ratio. The time between two failures is
+    fixed by the failure rate, so the ratio is the part of it not spent in transition (0 if it all is)."""
+    if step_time_s <= 0:
+        return 0.0
+    throughput = global_batch / step_time_s
+    if math.isinf(between_failures_s):
+        return throughput
+    ratio = max(0.0, between_failures_s - transition_s) / between_failures_s
+    return throughput * ratio
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    """One candidate of a replan: a plan with its transition, or the reason there is none."""
+
+    policy: Policy
+    plan: Plan | None
+    search_s: float
+    transition_s: float
+    reason: str
+
+    def candidate(self, global_batch: int, between_failures_s: float) -> Candidate:
+        if self.plan is None:
+            return Candidate(
+                policy=self.policy,
+                layout="-",
+                step_time_s=0.0,
+                transition_s=0.0,
+                score=0.0,
+                feasible=False,
+                reason=self.reason,
+            )
+        return Candidate(
+            policy=self.policy,
+            layout=self.plan.layout,
+            step_time_s=self.plan.step_time_s,
+            transition_s=self.transition_s,
+            score=score(global_batch, self.plan.step_time_s, self.transition_s, between_failures_s),
+            reason=self.reason,
+        )
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+def _check_job(cluster: ClusterSpec, job: JobSpec) -> None:
+    f = job.fault_tolerance
+    if f >= cluster.nodes:
+        raise PlannerError(
+            "fault_tolerance",
+            f"{f} simultaneous failures cannot be survived with {cluster.nodes} nodes; "
+            f"need at least {f + 1} (f + 1) nodes",
+        )
+    if job.num_microbatches < f + 1:
+        raise PlannerError(
+            "global_batch",
+            f"{job.global_batch} samples make {job.num_microbatches} micro-batches, fewer than the f + 1 = "
+            f"{f + 1} pipelines needed to survive {f} failures; the nearest that can is "
+            f"{(f + 1) * job.microbatch_size}",
+        )
+
+
+def _no_layout(search: DynamicSearch, nodes: int, what: str) -> PlannerError:
+    """Say which knob makes every layout impossible."""
+    layers = search.profile.num_layers
+    if all(search.table.split(depth) is None for depth in range(1, min(nodes, layers) + 1)):
+        need = max(
+            (search.table.stage_memory(layer, layer + 1, 0, 1) for layer in range(layers)), default=0.0
+        )
+        return PlannerError(
+            "device_memory_bytes",
+            f"the model does not fit on {nodes} nodes of {search.cluster.gpus_per_node} GPU(s) with "
+            f"{search.cluster.device_memory_bytes} bytes each (one layer alone needs up to {int(need)})",
+        )
+    if search.job.pp_range is not None or search.job.dp_range is not None:
+        return PlannerError("pp_range", f"no DP x PP layout of {what} fits the job's dp_range/pp_range")
+    return PlannerError(
+        "fault_tolerance",
+        f"{what} cannot hold f + 1 = {search.job.fault_tolerance + 1} pipelines that each fit in memory",
+    )
+
+
+# ---- initial plan ------------------------------------------------------------------------------------------
+def initial_plan(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    job: JobSpec,
+    *,
+    policy: Policy = Policy.AUTO,
+    costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
+) -> Plan:
+    """Generation 0 over every node of `cluster` (node ids 0..nodes-1).
+
+    `templates` instantiates Oobleck templates; every other policy runs Algorithm 1 over every DP degree
+    (at least f + 1 pipelines so any f failures leave a replica of every layer). `reroute` and `checkpoint`
+    prefer a symmetric layout when one uses every node, since their recoveries (eq. 13, Varuna) assume it.
+    """
+    del costs  # nothing transitions into generation 0
+    started = time.perf_counter()
+    _check_job(cluster, job)
+    policy = Policy(policy)
+    nodes = cluster.nodes
+    if policy is Policy.TEMPLATES:
+        from .templates import instantiate
+
+        templates = _template_set(profile, cluster, job.fault_tolerance)
+        plan = instantiate(templates, list(range(nodes)), profile, cluster, job)
+        return plan.model_copy(update={"generation": 0, "planning_s": time.perf_counter() - started})
+
+    search = DynamicSearch(profile, cluster, job, nodes)
+    degrees = all_degrees(nodes, job, minimum=job.fault_tolerance + 1)
+    layouts = search.search(degrees, INITIAL_SPREAD, keep=INITIAL_ALTERNATIVES)
+    if not layouts:
+        raise _no_layout(search, nodes, f"{nodes} nodes")
+    chosen = layouts[0]
+    label = Policy.DYNAMIC
+    if policy in (Policy.REROUTE, Policy.CHECKPOINT):
+        symmetric = search.search(degrees, 0, keep=1)
+        if symmetric:
+            chosen = symmetric[0]
+        label = Policy.CHECKPOINT if policy is Policy.CHECKPOINT else Policy.DYNAMIC
+    plan = chosen.to_plan(profile, cluster, job, label)
+    # Fill the split of every depth now, before training starts, so that a replan at failure time (with a
+    # node or two fewer, or a checkpoint layout of any depth) finds them ready.
+    for depth in range(1, min(nodes, profile.num_layers) + 1):
+        search.table.split(depth)
+    alternatives = [chosen, *(layout for layout in layouts if layout is not chosen)][:INITIAL_ALTERNATIVES]
+    candidates = tuple(
+        Candidate(
+            policy=label,
+            layout=layout.describe(),
+            step_time_s=layout.step_time_s,
+            transition_s=0.0,
+            score=score(job.global_batch, layout.step_time_s, 0.0, math.inf),
+        )
+        for layout in alternatives
+    )
+    return plan.model_copy(
+        update={"generation": 0, "candidates": candidates, "planning_s": time.perf_counter() - started}
+    )
+
+
+# ---- replanning --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """A validated change to the current plan."""
+
+    alive: tuple[int, ...]  # every node that can run a stage now, sorted
+    failed_now: tuple[int, ...]
+    joined: tuple[int, ...]
+    failed_all: frozenset[int]
+    holdings: dict[int, set[int]]  # layers each alive node holds (empty for joined and idle nodes)
+    lost: tuple[int, ...]  # layers no alive node holds
+
+
+def _change(
+    current: Plan,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    failed: Collection[int],
+    joined: Collection[int],
+) -> _Change:
+    if profile.num_layers != current.num_layers:
+        raise PlannerError(
+            "profile", f"has {profile.num_layers} layers but the current plan covers {current.num_layers}"
+        )
+    failed_set, joined_set = set(failed), set(joined)
+    both = failed_set & joined_set
+    if both:
+        raise PlannerError("joined", f"node {min(both)} is listed as both failed and joined")
+    previously_failed = set(current.failed_nodes)
+    running = set(current.nodes)
+    # Alive before the change: the initial cluster and any node the plan runs on, minus earlier failures.
+    before = (set(range(cluster.nodes)) | running) - previously_failed
+    for node in sorted(failed_set):
+        if node not in before:
+            state = "already failed" if node in previously_failed else "not a node of the cluster"
+            raise PlannerError("failed", f"node {node} is {state} (alive nodes: {_ranges(before)})")
+    for node in sorted(joined_set):
+        if node < 0:
+            raise PlannerError("joined", f"node ids are >= 0, got {node}")
+        if node in running:
+            raise PlannerError("joined", f"node {node} already runs a stage of the current plan")
+    failed_all = (previously_failed - joined_set) | failed_set
+    alive = tuple(sorted((before | joined_set) - failed_set))
+    if not alive:
+        raise PlannerError("failed", "no node survives; the job cannot continue")
+    held = current.layers_by_node()
+    holdings = {node: set(held.get(node, ())) for node in alive}
+    lost = tuple(lost_layers(current, failed_all | failed_set))
+    return _Change(
+        alive=alive,
+        failed_now=tuple(sorted(failed_set)),
+        joined=tuple(sorted(joined_set)),
+        failed_all=frozenset(failed_all),
+        holdings=holdings,
+        lost=lost,
+    )
+
+
+def _ranges(nodes: Collection[int]) -> str:
+    ordered = sorted(nodes)
+    if not ordered:
+        return "none"
+    parts, start, previous = [], ordered[0], ordered[0]
+    for node in [*ordered[1:], None]:
+        if node is not None and node == previous + 1:
+            previous = node
+            continue
+        parts.append(str(start) if start == previous else f"{start}..{previous}")
+        if node is not None:
+            start = previous = node
+    return ",".join(parts)
+
+
+def _lost_reason(lost: Sequence[int]) -> str:
+    shown = ",".join(str(layer) for layer in lost[:8]) + ("..." if len(lost) > 8 else "")
+    return f"layers {shown} have no surviving replica; only a checkpoint can restore them"
+
+
+class _Replanner:
+    """Builds the candidates of one replan call."""
+
+    def __init__(
+        self,
+        current: Plan,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        job: JobSpec,
+        change: _Change,
+        costs: TransitionCosts,
+    ) -> None:
+        self.current = current
+        self.profile = profile
+        self.cluster = cluster
+        self.job = job
+        self.change = change
+        self.costs = costs
+        self._search: DynamicSearch | None = None
+
+    @property
+    def search(self) -> DynamicSearch:
+        if self._search is None:
+            self._search = DynamicSearch(self.profile, self.cluster, self.job, len(self.change.alive))
+        return self._search
+
+    def option(self, policy: Policy) -> _Option:
+        builders: dict[Policy, Callable[[], tuple[Plan, float, str]]] = {
+            Policy.REROUTE: self._reroute,
+            Policy.DYNAMIC: self._dynamic,
+            Policy.TEMPLATES: self._templates,
+            Policy.CHECKPOINT: self._checkpoint,
+        }
+        started = time.perf_counter()
+        try:
+            if policy is not Policy.CHECKPOINT and self.change.lost:
+                raise PlannerError("failed", _lost_reason(self.change.lost))
+            plan, fixed, reason = builders[policy]()
+        except PlannerError as exc:
+            return _Option(policy, None, time.perf_counter() - started, 0.0, exc.message)
+        except ImportError:
+            return _Option(policy, None, time.perf_counter() - started, 0.0, "pipeline templates unavailable")
+        search_s = time.perf_counter() - started
+        transition = search_s + self.costs.detection_s + fixed
+        return _Option(policy, plan, search_s, transition, reason)
+
+    def _moved(self, plan: Plan) -> float:
+        return self.costs.restart_s + transfer_time(plan.transfers, self.cluster.inter_node_bandwidth)
+
+    def _reroute(self) -> tuple[Plan, float, str]:
+        # A rejoined node lost its state: its old stage stays rerouted until the next reconfiguration.
+        dead = self.change.failed_all | set(self.change.joined)
+        plan = reroute(self.current, dead, self.profile, self.cluster)
+        plan = plan.model_copy(update={"failed_nodes": tuple(sorted(self.change.failed_all))})
+        reason = "no restart, no weight transfer"
+        if self.change.joined:
+            reason += "; joined nodes idle until the next reconfiguration"
+        return plan, 0.0, reason
+
+    def _layout(self) -> Layout:
+        nodes = len(self.change.alive)
+        minimum = self.job.fault_tolerance + 1
+        window = degree_window(len(self.current.pipelines), nodes, self.job, DP_WINDOW, minimum)
+        attempts: list[list[tuple[Sequence[int], int]]] = [
+            [(window, REPLAN_SPREAD), (self.search.depth_degrees(minimum), INITIAL_SPREAD)],
+            [(all_degrees(nodes, self.job, minimum), INITIAL_SPREAD)],
+            [(all_degrees(nodes, self.job), INITIAL_SPREAD)],  # fewer than f + 1 pipelines, if it must be
+        ]
+        for groups in attempts:
+            found = self.search.search_groups(groups, keep=1)
+            if found:
+                return found[0]
+        raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
+
+    def _dynamic(self) -> tuple[Plan, float, str]:
+        layout = self._layout()
+        slots = layout.to_plan(self.profile, self.cluster, self.job, Policy.DYNAMIC)
+        placed, transfers = place_plan(slots, self.change.holdings, self.profile)
+        plan = placed.model_copy(update={"transfers": tuple(transfers)})
+        moved = sum(t.bytes for t in transfers)
+        return plan, self._moved(plan), f"{len(transfers)} layer copies, {moved} bytes"
+
+    def _templates(self) -> tuple[Plan, float, str]:
+        from .templates import instantiate, reinstantiate
+
+        templates = _template_set(self.profile, self.cluster, self.job.fault_tolerance)
+        if self.current.policy is Policy.TEMPLATES:
+            plan = reinstantiate(
+                templates,
+                self.current,
+                self.change.failed_now,
+                self.profile,
+                self.cluster,
+                self.job,
+                joined=self.change.joined,
+            )
+            how = "reinstantiated"
+        else:
+            nodes = len(self.change.alive)
+            slots = instantiate(templates, list(range(nodes)), self.profile, self.cluster, self.job)
+            placed, transfers = place_plan(slots, self.change.holdings, self.profile)
+            plan = placed.model_copy(update={"transfers": tuple(transfers)})
+            how = "instantiated"
+        return plan, self._moved(plan), f"templates {how}; {len(plan.transfers)} layer copies"
+
+    def _checkpoint(self) -> tuple[Plan, float, str]:
+        layouts = self.search.symmetric()
+        if not layouts:
+            raise _no_layout(self.search, len(self.change.alive), f"the {len(self.change.alive)} alive nodes")
+        layout = layouts[0]
+        slots = layout.to_plan(self.profile, self.cluster, self.job, Policy.CHECKPOINT)
+        plan = relabel(slots, self.change.alive[: layout.nodes])
+        fixed = self.costs.checkpoint_load_s + self.costs.checkpoint_interval_s / 2
+        idle = len(self.change.alive) - layout.nodes
+        reason = "restart from the last checkpoint, losing half an interval of work on average"
+        if idle:
+            reason += f"; {idle} node(s) idle"
+        return plan, fixed, reason
+
+
+def replan(
+    current: Plan,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    job: JobSpec,
+    *,
+    failed: Collection[int] = (),
+    joined: Collection[int] = (),
+    policy: Policy = Policy.AUTO,
+    costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
+    failure_rate_per_node_hour: float = 0.01,
+) -> Plan:
+    """The plan after `failed` nodes stopped and `joined` nodes arrived; generation current + 1.
+
+    `failed_nodes` accumulates every failure so far; `candidates` lists every policy considered with its
+    step time, transition time and score; `policy` is the concrete policy chosen (never `auto`); transfers
+    and `transition_s` belong to the chosen candidate. Raises PlannerError naming the field when the
+    request is impossible (unknown nodes, no survivor, the model fits nowhere).
+    """
+    started = time.perf_counter()
+    policy = Policy(policy)
+    rate = failure_rate_per_node_hour
+    if not (math.isfinite(rate) and rate >= 0):
+        raise PlannerError("failure_rate_per_node_hour", f"must be a finite number >= 0, got {rate}")
+    change = _change(current, profile, cluster, failed, joined)
+    between = mean_time_between_failures(rate, len(change.alive))
+    replanner = _Replanner(current, profile, cluster, job, change, costs)
+    order = AUTO_POLICIES if policy is Policy.AUTO else (policy,)
+    options = [replanner.option(name) for name in order]
+    if all(option.plan is None for option in options) and policy is not Policy.CHECKPOINT:
+        options.append(replanner.option(Policy.CHECKPOINT))
+    feasible = [(option, option.plan) for option in options if option.plan is not None]
+    candidates = tuple(option.candidate(job.global_batch, between) for option in options)
+    if not feasible:
+        reasons = "; ".join(f"{option.policy}: {option.reason}" for option in options)
+        raise PlannerError(
+            "failed", f"no plan can run the job on {len(change.alive)} alive nodes ({reasons})"
+        )
+    best, chosen = max(
+        feasible,
+        key=lambda pair: (
+            score(job.global_batch, pair[1].step_time_s, pair[0].transition_s, between),
+            -pair[0].transition_s,
+        ),
+    )
+    return chosen.model_copy(
+        update={
+            "generation": current.generation + 1,
+            "failed_nodes": tuple(sorted(change.failed_all)),
+            "candidates": candidates,
+            "transition_s": best.transition_s,
+            "planning_s": time.perf_counter() - started,
+        }
+    )
