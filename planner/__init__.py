@@ -4,6 +4,7 @@ very same code."""
 
 from ._errors import PlannerError
 from .estimator import (
+    OneFOneB,
     allreduce_time,
     estimate_pipeline,
     pipeline_time,
@@ -13,8 +14,10 @@ from .estimator import (
 )
 from .plan import Candidate, PipelinePlan, Plan, Policy, StagePlan, Transfer
 from .profile import LayerProfile, ModelProfile, builtin_profiles, uniform_profile
-from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list
+from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list, transfer_time
+from .search import initial_plan, replan
 from .spec import ClusterSpec, JobSpec, TransitionCosts
+from .templates import PipelineTemplate, TemplateSet, generate_templates, instantiate, reinstantiate
 
 __all__ = [
     "Candidate",
@@ -22,23 +25,32 @@ __all__ = [
     "JobSpec",
     "LayerProfile",
     "ModelProfile",
+    "OneFOneB",
     "PipelinePlan",
+    "PipelineTemplate",
     "Plan",
     "PlannerError",
     "Policy",
     "StagePlan",
+    "TemplateSet",
     "Transfer",
     "TransitionCosts",
     "allreduce_rounds",
     "allreduce_time",
     "builtin_profiles",
     "estimate_pipeline",
+    "generate_templates",
+    "initial_plan",
+    "instantiate",
     "match_slots",
     "pipeline_time",
     "place_plan",
+    "reinstantiate",
+    "replan",
     "reroute_step_time",
     "stage_peak_memory",
     "symmetric_step_time",
     "transfer_list",
+    "transfer_time",
     "uniform_profile",
 ]
