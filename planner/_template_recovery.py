@@ -15,14 +15,15 @@ import itertools
 import time
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 from ._errors import PlannerError
-from .balance import balance_monotone
-from .estimator import allreduce_time, estimate_pipeline, stage_peak_memory
+from .estimator import OneFOneB, allreduce_time, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy
 from .profile import ModelProfile
 from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list
 from .spec import ClusterSpec, JobSpec
-from .templates import TemplateSet, instantiate, pipeline_plan
+from .templates import TemplateSet, balance_tables, instantiate, pipeline_plan
 
 
 class _Group:
@@ -143,15 +144,31 @@ def balanced_plan(
             f"{total} micro-batches cannot feed {len(pipelines)} pipelines; the nearest global batch that "
             f"can be split is {len(pipelines) * job.microbatch_size}",
         )
-    cache: dict[tuple[object, int], float] = {}
+    # One exact time table per distinct pipeline shape (`OneFOneB.times`): pipelines rebuilt from the same
+    # template share it, and the split is a search over the tables rather than a simulation per unit.
+    limit = total - len(pipelines) + 1
+    shapes: dict[tuple[object, ...], int] = {}
+    tables: list[np.ndarray] = []
+    group_of: list[int] = []
+    for pipeline in pipelines:
+        key = _signature(pipeline)
+        if key not in shapes:
+            shapes[key] = len(tables)
+            forward, backward, sends = pipeline_arrays(profile, cluster, pipeline)
+            tables.append(np.maximum.accumulate(OneFOneB(forward, backward, sends).times(limit)))
+        group_of.append(shapes[key])
+    copies = [group_of.count(group) for group in range(len(tables))]
+    _, grouped = balance_tables(tables, copies, total)
+    queues: list[list[int]] = []
+    offset = 0
+    for many in copies:
+        queues.append(grouped[offset : offset + many])
+        offset += many
+    counts = [queues[group].pop(0) for group in group_of]
 
     def cost(index: int, count: int) -> float:
-        key = (_signature(pipelines[index]), count)
-        if key not in cache:
-            cache[key] = estimate_pipeline(profile, cluster, pipelines[index], count)
-        return cache[key]
+        return float(tables[group_of[index]][count - 1])
 
-    counts = balance_monotone(cost, len(pipelines), total)
     plans = tuple(
         pipeline_plan_with(pipeline, count, profile)
         for pipeline, count in zip(pipelines, counts, strict=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
+
 from ._errors import PlannerError
 from .plan import PipelinePlan
 from .profile import ModelProfile
@@ -147,6 +149,24 @@ def send_time(profile: ModelProfile, cluster: ClusterSpec, last_layer: int, same
     return size / bandwidth
 
 
+def pipeline_arrays(
+    profile: ModelProfile, cluster: ClusterSpec, pipeline: PipelinePlan
+) -> tuple[list[float], list[float], list[float]]:
+    """Per-stage forward and backward times and the sends between stages, as `estimate_pipeline` uses them."""
+    forward: list[float] = []
+    backward: list[float] = []
+    sends: list[float] = []
+    stages = pipeline.stages
+    for index, stage in enumerate(stages):
+        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
+        forward.append(fwd)
+        backward.append(bwd)
+        if index + 1 < len(stages):
+            same_node = stages[index + 1].node == stage.node
+            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same_node))
+    return forward, backward, sends
+
+
 def estimate_pipeline(
     profile: ModelProfile, cluster: ClusterSpec, pipeline: PipelinePlan, microbatches: int | None = None
 ) -> float:
@@ -262,3 +282,74 @@ class OneFOneB:
             finals.append(clock)
             below = row
         return max(finals)
+
+    def times(self, upto: int) -> np.ndarray:
+        """`[time(1), ..., time(upto)]` as an array, in O(upto x stages) in all.
+
+        From stages - 1 micro-batches on, the cool-down is a max-plus function of the stage clocks reached
+        before it, and its shape does not depend on m: time(m) = max_s (clock_s(m) + tail_s), with tail_s
+        the longest path from stage s's clock through the cool-down (`_tails`, computed once). The values
+        equal `pipeline_time` up to the order of floating-point additions (a test checks to 1e-12).
+        """
+        if upto < 1:
+            raise PlannerError("microbatches", f"must be >= 1, got {upto}")
+        stages = self._stages
+        first = max(stages - 1, 1)
+        small = [
+            _simulate_1f1b(self._forward, self._backward, m, self._sends)
+            for m in range(1, min(first, upto + 1))
+        ]
+        if upto < first:
+            return np.asarray(small, dtype=np.float64)
+        clocks = np.empty((upto - first + 1, stages), dtype=np.float64)
+        rows = len(clocks)
+        row = 0
+        while row < rows:
+            self._extend(first + row)
+            clocks[row] = self._clock
+            period = self._period(clocks, row)
+            row += 1
+            if period:
+                # Past the transient the clocks repeat every `period` micro-batches shifted by a constant
+                # (a max-plus linear system reached its periodic regime), so the rest follows exactly.
+                shift = clocks[row - 1] - clocks[row - 1 - period]
+                for index in range(row, rows):
+                    clocks[index] = clocks[index - period] + shift
+                break
+        tails = self._tails()
+        return np.concatenate([np.asarray(small, dtype=np.float64), (clocks + tails).max(axis=1)])
+
+    @staticmethod
+    def _period(clocks: np.ndarray, row: int) -> int:
+        """The smallest p <= 8 with clocks[row] - clocks[row - p] the same for every stage, else 0."""
+        scale = 1e-11 * max(1.0, float(np.abs(clocks[row]).max()))
+        for period in range(1, min(8, row) + 1):
+            shift = clocks[row] - clocks[row - period]
+            if float(shift.max() - shift.min()) <= scale:
+                return period
+        return 0
+
+    def _tails(self) -> np.ndarray:
+        stages, backward, sends = self._stages, self._backward, self._sends
+        if stages == 1:
+            return np.zeros(1)
+        minus = float("-inf")
+        # longest[s][j]: longest path from stage s's j-th cool-down backward to the end of the iteration.
+        longest: list[list[float]] = []
+        for stage in range(stages - 1):
+            warmup = stages - 1 - stage
+            row = [minus] * warmup
+            for j in range(warmup - 1, -1, -1):
+                best = 0.0 if j == warmup - 1 else backward[stage] + row[j + 1]
+                if stage >= 1:
+                    # This backward releases the stage above's (j + 1)-th cool-down backward.
+                    best = max(best, sends[stage - 1] + backward[stage - 1] + longest[stage - 1][j + 1])
+                row[j] = best
+            longest.append(row)
+        tails = np.empty(stages, dtype=np.float64)
+        for stage in range(stages):
+            best = 0.0 if stage == stages - 1 else backward[stage] + longest[stage][0]
+            if stage >= 1:
+                best = max(best, sends[stage - 1] + backward[stage - 1] + longest[stage - 1][0])
+            tails[stage] = best
+        return tails

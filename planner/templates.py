@@ -12,15 +12,16 @@ batch distribution and reinstantiation after failures.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._errors import PlannerError
 from ._stage_mapping import Mapping, StageMapper
-from .balance import balance_monotone
-from .estimator import allreduce_time, estimate_pipeline, stage_peak_memory
+from .estimator import OneFOneB, allreduce_time, estimate_pipeline, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy, StagePlan
 from .profile import ModelProfile
 from .restorer import allreduce_rounds
@@ -31,6 +32,7 @@ __all__ = [
     "TemplateSet",
     "TemplateStage",
     "assemble",
+    "balance_tables",
     "distribute",
     "enumerate_instantiations",
     "generate_templates",
@@ -44,6 +46,8 @@ __all__ = [
 # Above this many template combinations, instantiation ranks only those built from at most two template
 # sizes: the number of partitions explodes with the cluster (about 2e8 for 100 nodes).
 _MAX_COMBINATIONS = 20_000
+# Relative tolerance under which two makespans count as equal (they come from sums in different orders).
+_TIE = 1e-12
 
 
 class TemplateStage(BaseModel):
@@ -292,23 +296,112 @@ def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> list[
 
 
 class _TimeCache:
-    """Exact 1F1B times per (template size, micro-batches), shared by every combination ranked."""
+    """Exact 1F1B times of each template for every micro-batch count up to `limit`, one array per template
+    (`OneFOneB.times`), shared by every combination ranked."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet) -> None:
+    def __init__(
+        self, profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet, limit: int = 1
+    ) -> None:
         self.profile, self.cluster, self.templates = profile, cluster, templates
-        self.cache: dict[tuple[int, int], float] = {}
+        self.limit = max(1, limit)
+        self.tables: dict[int, np.ndarray] = {}
+        self.bottleneck: dict[int, float] = {}
+
+    def table(self, size: int) -> np.ndarray:
+        if size not in self.tables:
+            plan = pipeline_plan(self.profile, self.templates.for_nodes(size), list(range(size)), 1)
+            forward, backward, sends = pipeline_arrays(self.profile, self.cluster, plan)
+            # Non-decreasing by construction of the schedule; the running maximum guards rounding.
+            self.tables[size] = np.maximum.accumulate(OneFOneB(forward, backward, sends).times(self.limit))
+            self.bottleneck[size] = max(f + b for f, b in zip(forward, backward, strict=True))
+        return self.tables[size]
 
     def __call__(self, size: int, microbatches: int) -> float:
-        key = (size, microbatches)
-        if key not in self.cache:
+        if microbatches > self.limit:
             template = self.templates.for_nodes(size)
-            self.cache[key] = template_step_time(self.profile, self.cluster, template, microbatches)
-        return self.cache[key]
+            return template_step_time(self.profile, self.cluster, template, microbatches)
+        return float(self.table(size)[microbatches - 1])
+
+
+def _makespan(tables: Sequence[np.ndarray], copies: Sequence[int], total: int) -> float:
+    """The smallest table value T at which the pipelines absorb `total` micro-batches when each takes the
+    most it can finish by T (the exact min-max optimum for non-decreasing times)."""
+
+    floor = max(float(table[0]) for table in tables)  # every pipeline runs at least one micro-batch
+
+    def capacity(makespan: float) -> int:
+        if makespan < floor:
+            return -1
+        return sum(
+            many * int(np.searchsorted(table, makespan, side="right"))
+            for table, many in zip(tables, copies, strict=True)
+        )
+
+    best = float("inf")
+    for table in tables:
+        # The optimum is some table's value: the first entry of this table at which everything fits.
+        low, high = 0, min(len(table), total) - 1
+        if capacity(float(table[high])) < total:
+            continue
+        while low < high:
+            middle = (low + high) // 2
+            if capacity(float(table[middle])) >= total:
+                high = middle
+            else:
+                low = middle + 1
+        best = min(best, float(table[low]))
+    if best == float("inf"):
+        raise PlannerError("microbatches", f"the time tables are too short for {total} micro-batches")
+    return best
+
+
+def balance_tables(
+    tables: Sequence[np.ndarray], copies: Sequence[int], total: int
+) -> tuple[float, list[int]]:
+    """Min-max split of `total` micro-batches over groups of identical pipelines: `copies[g]` pipelines whose
+    time for m micro-batches is `tables[g][m - 1]` (non-decreasing). Returns the optimal makespan and the
+    count per pipeline of each group (a list per group flattened in group order).
+
+    O(groups^2 log^2 total) searches instead of a greedy step per micro-batch."""
+    pipelines = sum(copies)
+    if total < pipelines:
+        raise PlannerError("microbatches", f"{total} micro-batches cannot feed {pipelines} pipelines")
+
+    makespan = _makespan(tables, copies, total)
+    counts = [
+        [min(int(np.searchsorted(table, makespan, side="right")), total)] * many
+        for table, many in zip(tables, copies, strict=True)
+    ]
+    # Every pipeline finishes by the makespan with these counts; hand back the surplus from the pipelines
+    # whose last unit is slowest, never below one micro-batch, which keeps the maximum at the makespan.
+    surplus = sum(sum(row) for row in counts) - total
+    heap = [(-float(tables[g][counts[g][i] - 1]), g, i) for g in range(len(tables)) for i in range(copies[g])]
+    heapq.heapify(heap)
+    while surplus > 0:
+        _, g, i = heapq.heappop(heap)
+        if counts[g][i] <= 1:
+            continue
+        counts[g][i] -= 1
+        surplus -= 1
+        heapq.heappush(heap, (-float(tables[g][counts[g][i] - 1]), g, i))
+    return makespan, [count for row in counts for count in row]
 
 
 def distribute(times: _TimeCache, sizes: Sequence[int], total: int) -> list[int]:
-    """Micro-batches per pipeline minimising the slowest pipeline's 1F1B time (exact greedy, balance.py)."""
-    return balance_monotone(lambda index, count: times(sizes[index], count), len(sizes), total)
+    """Micro-batches per pipeline (in the order of `sizes`) minimising the slowest exact 1F1B time."""
+    distinct = sorted(set(sizes))
+    times.limit = max(times.limit, total - len(sizes) + 1)
+    if any(len(table) < times.limit for table in times.tables.values()):
+        times.tables.clear()
+    _, counts = balance_tables([times.table(s) for s in distinct], [sizes.count(s) for s in distinct], total)
+    # Hand the per-group counts back in the callers' pipeline order.
+    queues: dict[int, list[int]] = {}
+    offset = 0
+    for size in distinct:
+        many = sizes.count(size)
+        queues[size] = counts[offset : offset + many]
+        offset += many
+    return [queues[size].pop(0) for size in sizes]
 
 
 def assemble(
@@ -349,6 +442,42 @@ def assemble(
     )
 
 
+def _rank(
+    cache: _TimeCache, sizes: Sequence[int], combos: Sequence[tuple[int, ...]], total: int
+) -> tuple[int, ...]:
+    """The combination with the smallest exact min-max step time (the first in `combos` order among equals).
+
+    Combinations are taken in order of a lower bound: a pipeline's bottleneck stage runs every micro-batch's
+    forward and backward, so t(m) >= m x bottleneck and the makespan is at least total / sum(1/bottleneck).
+    Once that bound exceeds the best exact makespan, no later combination can win."""
+    used = sorted({size for combo in combos for size, many in zip(sizes, combo, strict=True) if many})
+    for size in used:
+        cache.table(size)
+    rates = np.asarray([1.0 / cache.bottleneck[size] if size in cache.bottleneck else 0.0 for size in sizes])
+    matrix = np.asarray(combos, dtype=np.float64)
+    bounds = total / (matrix @ rates)
+    fits = matrix.sum(axis=1) <= total
+    best: tuple[float, int] | None = None
+    for index in np.lexsort((np.arange(len(combos)), bounds)):
+        if not fits[index]:
+            continue
+        if best is not None and bounds[index] > best[0] * (1 + _TIE):
+            break
+        combo = combos[index]
+        groups = [(size, many) for size, many in zip(sizes, combo, strict=True) if many]
+        value = _makespan([cache.table(size) for size, _ in groups], [many for _, many in groups], total)
+        # Equal makespans (to rounding) keep the earlier combination, as a scan in enumeration order would.
+        if (
+            best is None
+            or value < best[0] * (1 - _TIE)
+            or (value <= best[0] * (1 + _TIE) and index < best[1])
+        ):
+            best = (value, int(index))
+    if best is None:  # unreachable: the combination with the fewest pipelines always fits
+        raise PlannerError("global_batch", f"no combination fits {total} micro-batches")
+    return combos[best[1]]
+
+
 def instantiate(
     templates: TemplateSet,
     nodes: Sequence[int],
@@ -380,20 +509,11 @@ def instantiate(
             f"{job.global_batch} samples are {job.num_microbatches} micro-batches, fewer than the {fewest} "
             f"pipelines needed; the nearest global batch that can be split is {fewest * job.microbatch_size}",
         )
-    cache = _TimeCache(profile, cluster, templates)
-    best: tuple[float, tuple[int, ...]] | None = None
-    for combo in combos:
-        sizes = [size for size, many in zip(templates.sizes, combo, strict=True) for _ in range(many)]
-        if len(sizes) > job.num_microbatches:
-            continue
-        counts = distribute(cache, sizes, job.num_microbatches)
-        slowest = max(cache(size, count) for size, count in zip(sizes, counts, strict=True))
-        if best is None or slowest < best[0]:
-            best = (slowest, combo)
-    if best is None:  # unreachable: the combination with `fewest` pipelines always fits
-        raise PlannerError("global_batch", f"no combination fits {job.num_microbatches} micro-batches")
+    total = job.num_microbatches
+    cache = _TimeCache(profile, cluster, templates, total - minimum + 1)
+    best = _rank(cache, templates.sizes, combos, total)
     chosen = sorted(
-        (size for size, many in zip(templates.sizes, best[1], strict=True) for _ in range(many)),
+        (size for size, many in zip(templates.sizes, best, strict=True) for _ in range(many)),
         reverse=True,
     )
     pipelines = []

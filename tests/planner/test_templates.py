@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner._node_mapping import NodeSearch
 from resilientjob.planner._stage_mapping import Mapping, StageMapper
-from resilientjob.planner.estimator import pipeline_time, stage_peak_memory
+from resilientjob.planner.estimator import OneFOneB, pipeline_time, stage_peak_memory
 from resilientjob.planner.profile import LayerProfile, ModelProfile, uniform_profile
 from resilientjob.planner.spec import ClusterSpec, JobSpec
 from resilientjob.planner.templates import (
     TemplateSet,
     assemble,
+    balance_tables,
     enumerate_instantiations,
     generate_templates,
     instantiate,
@@ -393,3 +394,43 @@ def test_reinstantiate_errors(two_node_templates: tuple[ModelProfile, ClusterSpe
     with pytest.raises(PlannerError) as info:
         reinstantiate(templates, old, [42], profile, cluster, job)  # type: ignore[arg-type]
     assert info.value.field == "failed"
+
+
+# ---- fast exact tables (issue 2: instantiation without a simulation per micro-batch) ---------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.1, 2.0), st.floats(0.1, 3.0), st.floats(0.0, 1.0)), min_size=1, max_size=7
+    ),
+    st.integers(1, 40),
+)
+def test_onefoneb_times_equal_simulation(stages: list[tuple[float, float, float]], upto: int) -> None:
+    forward = [f for f, _, _ in stages]
+    backward = [b for _, b, _ in stages]
+    sends = [s for _, _, s in stages[1:]]
+    table = OneFOneB(forward, backward, sends).times(upto)
+    assert len(table) == upto
+    for m in range(1, upto + 1):
+        assert table[m - 1] == pytest.approx(pipeline_time(forward, backward, m, sends), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=3), st.integers(0, 6))
+def test_balance_tables_equals_brute_force(groups: list[tuple[int, int]], extra: int) -> None:
+    # Each group: (stage count, copies); stage times vary by group so the tables differ.
+    tables = [
+        OneFOneB([1.0 + g] * stages, [2.0 + 0.5 * g] * stages).times(12)
+        for g, (stages, _) in enumerate(groups)
+    ]
+    copies = [many for _, many in groups]
+    pipelines = sum(copies)
+    total = pipelines + extra
+    makespan, counts = balance_tables(tables, copies, total)
+    owner = [g for g, many in enumerate(copies) for _ in range(many)]
+    assert sum(counts) == total and min(counts) >= 1
+    assert max(tables[g][m - 1] for g, m in zip(owner, counts, strict=True)) == makespan
+    best = min(
+        max(tables[g][m - 1] for g, m in zip(owner, split, strict=True))
+        for split in _compositions(total, pipelines)
+    )
+    assert makespan == pytest.approx(best, rel=1e-12)
