@@ -1,6 +1,9 @@
-"""`python -m resilientjob.agent`: the worker pod's entry point. Reads its identity from the environment the
-operator puts in the pod (RJOB_JOB, RJOB_NAMESPACE, RJOB_NODE, RJOB_REDIS_URL, RJOB_REDIS_PASSWORD, POD_NAME),
-heartbeats to Redis and runs the synthetic training loop that follows the published plan."""
+"""`python -m resilientjob.agent [training flags]`: the worker pod's entry point. Reads its identity from the
+environment the operator puts in the pod (RJOB_JOB, RJOB_NAMESPACE, RJOB_NODE, RJOB_MODEL, RJOB_REDIS_URL,
+RJOB_REDIS_PASSWORD, POD_NAME) and heartbeats to Redis. A job whose model the runtime can train (`gpt`,
+`llama`, `sleep`, `module:function`) runs real training through `_bridge` (flags such as `--steps`,
+`--model-option hidden=32` come from the job's `spec.command`); any other model (a planner profile such as
+`bert-large`) runs the synthetic loop that follows the published plan."""
 
 from __future__ import annotations
 
@@ -13,17 +16,26 @@ import sys
 from prometheus_client import start_http_server
 
 from ._redis import JobKeys, connect
-from .synthetic import train
 from .telemetry import Telemetry
 
 
-async def main() -> int:
+async def main(argv: list[str]) -> int:
     env = os.environ
     try:
         job, namespace, node = env["RJOB_JOB"], env.get("RJOB_NAMESPACE", "default"), int(env["RJOB_NODE"])
         url = env["RJOB_REDIS_URL"]
     except (KeyError, ValueError) as exc:
         print(f"resilientjob.agent: missing or bad environment: {exc}", file=sys.stderr)
+        return 2
+    model = env.get("RJOB_MODEL", "")
+    # Imported only on its path: the synthetic agent must not pay for torch.
+    from ._bridge import parse_options, wants_training
+
+    real = wants_training(model)
+    try:
+        options = parse_options(argv) if real else None
+    except ValueError as exc:
+        print(f"resilientjob.agent: {exc}", file=sys.stderr)
         return 2
     if env.get("RJOB_AGENT_METRICS_PORT"):
         start_http_server(int(env["RJOB_AGENT_METRICS_PORT"]))
@@ -33,14 +45,25 @@ async def main() -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
-    scale = float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05"))
+    heartbeat = asyncio.create_task(telemetry.heartbeat_forever(stopped))
     try:
-        await asyncio.gather(telemetry.heartbeat_forever(stopped), train(telemetry, stopped, scale))
+        if options is not None:
+            from ._bridge import train
+
+            return await train(telemetry, stopped, model, options)
+        from .synthetic import train as synthetic_train
+
+        await synthetic_train(telemetry, stopped, float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05")))
+        return 0
+    except (ValueError, TimeoutError) as exc:
+        print(f"resilientjob.agent: {exc}", file=sys.stderr)
+        return 2
     finally:
+        stopped.set()
+        await heartbeat
         with contextlib.suppress(Exception):
             await client.aclose()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(asyncio.run(main(sys.argv[1:])))

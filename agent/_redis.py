@@ -32,6 +32,24 @@ class JobKeys:
         return f"{self.prefix}hb:{node}"
 
     @property
+    def heartbeat_prefix(self) -> str:
+        """`heartbeat(node)` is this prefix followed by the node number (the operator's scan builds keys)."""
+        return f"{self.prefix}hb:"
+
+    @property
+    def beaten(self) -> str:
+        """A bitmap with bit `node` set once that node has beaten: an agent sets it with every beat, so an
+        operator that never caught a node's key alive (started late, restarted) still knows that a missing
+        key means an expired heartbeat, not a worker that has not started yet."""
+        return f"{self.prefix}hb-seen"
+
+    @property
+    def plan_generation(self) -> str:
+        """The committed generation alone, written with the plan in one transaction: the operator checks it
+        on every scan and reads (and validates) the large plan only when it changed."""
+        return f"{self.prefix}plan-generation"
+
+    @property
     def iterations(self) -> str:
         return f"{self.prefix}iters"
 

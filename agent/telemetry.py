@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Hashable
+from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
@@ -41,6 +42,13 @@ GENERATION = Gauge("rjob_agent_plan_generation", "Plan generation this worker ru
 HEARTBEATS = Counter("rjob_agent_heartbeats_total", "Heartbeats written.")
 HEARTBEAT_ERRORS = Counter("rjob_agent_heartbeat_errors_total", "Heartbeats that failed to reach Redis.")
 SLOW_REPORTS = Counter("rjob_agent_slow_reports_total", "Fail-slow change points reported.", ["kind"])
+
+
+def queue_beat(pipe: Any, keys: JobKeys, node: int, message: bytes, ttl_s: float = HEARTBEAT_TTL_S) -> None:
+    """Queue one heartbeat on a pipeline (async or sync): the key with its TTL and the node's bit in the
+    job's `beaten` bitmap. One round trip per beat, or per batch of agents when one process drives many."""
+    pipe.set(keys.heartbeat(node), message, px=int(ttl_s * 1000))
+    pipe.setbit(keys.beaten, node, 1)
 
 
 class Telemetry:
@@ -76,9 +84,9 @@ class Telemetry:
         message = Heartbeat(
             node=self.node, pod=self.pod, generation=self.generation, step=self.step, sent_at=time.time()
         )
-        await self.client.set(
-            self.keys.heartbeat(self.node), encode(message), px=int(self.heartbeat_ttl_s * 1000)
-        )
+        async with self.client.pipeline(transaction=False) as pipe:
+            queue_beat(pipe, self.keys, self.node, encode(message), self.heartbeat_ttl_s)
+            await pipe.execute()
         HEARTBEATS.inc()
 
     async def heartbeat_forever(self, stopped: asyncio.Event) -> None:

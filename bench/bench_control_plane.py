@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
 import redis.asyncio as aioredis
 
@@ -40,7 +42,9 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 from _rjob_stack import Operator, api_server, job_manifest, redis_server, rjob_path  # noqa: E402
 
 from resilientjob.agent._redis import JobKeys  # noqa: E402
-from resilientjob.agent.telemetry_messages import Heartbeat, IterationRecord, encode  # noqa: E402
+from resilientjob.agent.telemetry import queue_beat  # noqa: E402
+from resilientjob.agent.telemetry_messages import Heartbeat, IterationRecord, decode, encode  # noqa: E402
+from resilientjob.operator._redis_state import JobRedis, node_list  # noqa: E402
 
 PODS = "/api/v1/namespaces/default/pods"
 TORCHRUN_S, TORCHFT_S = 15.0, 5.0
@@ -167,7 +171,7 @@ def load_generator(
             if node == stop_node and tick >= stop_at:
                 continue
             beat = Heartbeat(node=node, pod=f"{job}-node-{node}", generation=0, step=step, sent_at=tick)
-            pipe.set(keys.heartbeat(node), encode(beat), px=2000)
+            queue_beat(pipe, keys, node, encode(beat))
             record = IterationRecord(node=node, generation=0, step=step, seconds=1.0, samples=2, sent_at=tick)
             pipe.xadd(keys.iterations, {"m": encode(record)}, maxlen=10_000, approximate=True)
             if node == stop_node:
@@ -231,6 +235,7 @@ async def load_test(
     late = int(await client.get(f"bench:{job}:late") or 0)
     fenced_unix = time.time() - (time.monotonic() - fenced)
     await client.aclose()
+    logged = _fence_logged_at(operator.log, job, stop_node)
     return {
         "agents": agents,
         "setup_s": setup_s,
@@ -238,6 +243,85 @@ async def load_test(
         "missed_heartbeats": float(missed_during_load + (generation_before > 0)),
         "generator_late_rounds": late,
         "detect_s": fenced_unix - last_beat,
+        "detect_operator_log_s": logged - last_beat,
+    }
+
+
+def _fence_logged_at(log: Path, job: str, node: int) -> float:
+    """Unix time of the operator's "fencing node N" log line (written when it decides, before the DELETE)."""
+    import datetime
+
+    marker = f"job default/{job}: fencing node {node} "
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if marker in line:
+            stamp = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    return float("nan")
+
+
+# ---- the operator's per-pass data path alone (no API server), new scan vs the old per-key pipeline --------
+async def _old_pass(
+    client: aioredis.Redis, keys: JobKeys, nodes: list[int], cursor: str
+) -> tuple[set[int], str]:
+    """What one pass cost before: a pipeline of one PTTL per node, and XREAD parsed by redis-py."""
+    async with client.pipeline(transaction=False) as pipe:
+        for node in nodes:
+            pipe.pttl(keys.heartbeat(node))
+        left = await pipe.execute()
+    replies: Any = await client.xread({keys.iterations: cursor}, count=5000)
+    for _, entries in replies:
+        for entry_id, fields in entries:
+            cursor = entry_id.decode()
+            decode(IterationRecord, fields.get(b"m"), "bench")
+    return {node for node, ms in zip(nodes, left, strict=True) if ms >= 0}, cursor
+
+
+async def data_path(redis_url: str, agents: int, seconds: float, old: bool) -> dict[str, float]:
+    """Passes every 0.25 s (the operator's poll interval) over `agents` beating at 1 Hz; one agent stops
+    half-way. Returns this process's CPU in cores while passing, and the stopped agent's detection time."""
+    job = f"path{agents}{'old' if old else 'new'}"
+    keys = JobKeys("default", job)
+    context = multiprocessing.get_context("spawn")
+    done, ready = context.Event(), context.Event()
+    stop_node = agents // 2
+    generator = context.Process(
+        target=load_generator, args=(redis_url, job, agents, stop_node, seconds / 2, ready, done), daemon=True
+    )
+    generator.start()
+    await asyncio.to_thread(ready.wait, 60)
+    client = aioredis.Redis.from_url(redis_url)
+    state = JobRedis(client, keys)
+    await state.new_iterations()  # start at the stream's end
+    nodes = np.arange(agents, dtype=np.int64)
+    arg = node_list(nodes.tolist())
+    cursor = (await client.xrevrange(keys.iterations, count=1))[0][0].decode()
+    detected = float("nan")
+    passes = 0
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    while time.monotonic() - wall0 < seconds:
+        started = time.monotonic()
+        if old:
+            live, cursor = await _old_pass(client, keys, nodes.tolist(), cursor)
+            silent = [n for n in nodes.tolist() if n not in live]
+        else:
+            scan = await state.scan(nodes, arg)
+            await state.new_iterations()
+            silent = scan.expired
+        passes += 1
+        if stop_node in silent and math.isnan(detected):
+            detected = time.time()
+        await asyncio.sleep(max(0.0, 0.25 - (time.monotonic() - started)))
+    cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    done.set()
+    generator.join(10)
+    last_beat = float(await client.get(f"bench:{job}:last_beat") or 0.0)
+    late = int(await client.get(f"bench:{job}:late") or 0)
+    await client.aclose()
+    return {
+        "cpu_cores": cpu,
+        "passes_per_s": passes / seconds,
+        "detect_s": detected - last_beat,
+        "generator_late_rounds": late,
     }
 
 
@@ -254,6 +338,20 @@ def _summary(values: list[float]) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    if args.data_path:
+        with redis_server() as redis_url:
+            print(f"## operator data path per pass (4 passes/s), {args.load_seconds} s, one agent stops")
+            print("agents | new: cores, detect s | old pipeline: cores, detect s | CPU ratio old/new")
+            for agents in args.data_path:
+                new = await data_path(redis_url, agents, args.load_seconds, old=False)
+                old = await data_path(redis_url, agents, args.load_seconds, old=True)
+                print(
+                    f"{agents} | {new['cpu_cores']:.4f}, {new['detect_s']:.2f} "
+                    f"(late rounds {new['generator_late_rounds']:.0f}, {new['passes_per_s']:.1f} passes/s) | "
+                    f"{old['cpu_cores']:.4f}, {old['detect_s']:.2f} ({old['passes_per_s']:.1f} passes/s) | "
+                    f"{old['cpu_cores'] / new['cpu_cores']:.1f}x"
+                )
+        return
     with redis_server() as redis_url:
         async with api_server() as (emulator, url):
             log = Path(args.log)
@@ -292,4 +390,10 @@ if __name__ == "__main__":
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--load-seconds", type=float, default=30.0)
     parser.add_argument("--log", default="/tmp/rjob-bench-operator.log")
+    parser.add_argument(
+        "--data-path",
+        type=int,
+        nargs="*",
+        help="measure only the operator's per-pass Redis path at these agent counts (no API server)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -11,7 +11,7 @@ from typing import Any
 from resilientjob.planner.plan import Plan
 
 from . import api
-from ._manifests import LABEL_JOB, LABEL_NODE
+from ._manifests import ANNOTATION_GENERATION, LABEL_JOB, LABEL_NODE
 
 # Pod-level signals that the node under a pod is gone, as the node lifecycle controller reports them.
 NODE_LOST_REASONS = frozenset(
@@ -34,6 +34,8 @@ class PodView:
     ready: bool
     deleting: bool
     reason: str
+    generation: str = ""
+    """The pod's generation annotation: a pod already showing the generation is not patched again."""
 
     @property
     def failed(self) -> str | None:
@@ -73,6 +75,7 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         ready=ready,
         deleting=bool(meta.get("deletionTimestamp")),
         reason=reason,
+        generation=str((meta.get("annotations") or {}).get(ANNOTATION_GENERATION, "")),
     )
 
 

@@ -1,12 +1,22 @@
 """The operator's side of Redis for one job: the plan as the commit point of every generation (compare-and-
-set, then pub/sub), heartbeat liveness, and the iteration and fail-slow report streams."""
+set, then pub/sub), heartbeat liveness, and the iteration and fail-slow report streams.
+
+Built for thousands of agents per job on one core: each liveness scan is ONE server-side script call that
+returns every node's TTL packed as 4-byte integers, plus the committed generation (so the large plan is
+read and validated only when it changed); stream reads return their messages length-framed in one string.
+Without hiredis, redis-py parses replies in Python at tens of microseconds per element; a scan of 4,096
+PTTLs in a pipeline cost ~0.1 s of operator CPU, the packed reply costs well under a millisecond.
+"""
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
@@ -51,6 +61,77 @@ def announcement(
     )
 
 
+# ARGV: heartbeat key prefix, nodes as "1,2,5", beaten-bitmap key, plan-generation key. Returns the packed
+# big-endian int32 PTTL of every node (-2: no key, -1: no TTL), the packed "has ever beaten" bytes (0/1) and
+# the committed generation. Keys are derived from the job prefix, so a Redis Cluster needs the job's keys
+# in one slot (a hash tag in the prefix); a single server or a replica set needs nothing.
+_SCAN = """
+local ttls, beaten, i = {}, {}, 0
+for node in string.gmatch(ARGV[2], "%d+") do
+  i = i + 1
+  local left = redis.call("PTTL", ARGV[1] .. node)
+  ttls[i] = struct.pack(">i4", left)
+  if left >= 0 then
+    beaten[i] = "\1"
+  else
+    beaten[i] = string.char(redis.call("GETBIT", ARGV[3], node))
+  end
+end
+return {table.concat(ttls), table.concat(beaten), redis.call("GET", ARGV[4]) or ""}
+"""
+
+# KEYS[1]: a stream; ARGV: exclusive start id, count. Returns the last id read and every entry's "m" field
+# framed as a big-endian uint32 length + bytes (0xFFFFFFFF: the entry had no "m" field).
+_READ = """
+local entries = redis.call("XRANGE", KEYS[1], "(" .. ARGV[1], "+", "COUNT", ARGV[2])
+local parts, last = {}, ARGV[1]
+for i, entry in ipairs(entries) do
+  last = entry[1]
+  local fields, value = entry[2], nil
+  for j = 1, #fields, 2 do
+    if fields[j] == "m" then value = fields[j + 1] break end
+  end
+  if value == nil then
+    parts[i] = struct.pack(">I4", 4294967295)
+  else
+    parts[i] = struct.pack(">I4", #value) .. value
+  end
+end
+return {last, table.concat(parts)}
+"""
+_NO_FIELD = 0xFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatScan:
+    """One liveness scan of a job's nodes (arrays aligned with `nodes`)."""
+
+    nodes: np.ndarray
+    """Node ids scanned (int64)."""
+    left_s: np.ndarray
+    """Seconds left on each heartbeat key; negative when there is no live key."""
+    beaten: np.ndarray
+    """True where the node has beaten at some time (bitmap set by the agents, or alive now)."""
+    generation: int | None
+    """The committed generation, or None when the generation key is missing or not a number."""
+
+    @property
+    def live(self) -> np.ndarray:
+        mask: np.ndarray = self.left_s >= 0
+        return mask
+
+    @property
+    def expired(self) -> list[int]:
+        """Nodes that have beaten and whose key is gone: a missed heartbeat, not a worker still starting."""
+        dead: list[int] = self.nodes[~self.live & self.beaten].tolist()
+        return dead
+
+
+def node_list(nodes: Sequence[int]) -> str:
+    """The scan's node argument (built once per generation by the caller)."""
+    return ",".join(str(int(node)) for node in nodes)
+
+
 class JobRedis:
     """One job's keys, through one client."""
 
@@ -59,6 +140,8 @@ class JobRedis:
         self.keys = keys
         self._iterations_cursor = "$"
         self._reports_cursor = "0-0"
+        self._scan = client.register_script(_SCAN)
+        self._read_script = client.register_script(_READ)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -88,6 +171,7 @@ class JobRedis:
                     return None
                 pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.set(self.keys.plan, encode(message))
+                pipe.set(self.keys.plan_generation, str(message.generation))
                 pipe.publish(self.keys.plan_channel, encode(message))
                 await pipe.execute()
             except WatchError:
@@ -98,17 +182,39 @@ class JobRedis:
         """Announce again (after a restart) for workers that missed the first announcement."""
         await self.client.publish(self.keys.plan_channel, encode(message))
 
+    async def scan(self, nodes: np.ndarray, nodes_arg: str) -> HeartbeatScan:
+        """Every node's heartbeat TTL and whether it ever beat, and the committed generation, in one call.
+        The heartbeat's content is not trusted or needed: the TTL is the signal, and (TTL set - TTL left)
+        dates the last beat on Redis's own clock. `nodes_arg` is `node_list(nodes)`."""
+        reply: Any = await self._scan(
+            args=[self.keys.heartbeat_prefix, nodes_arg, self.keys.beaten, self.keys.plan_generation]
+        )
+        packed, beaten, generation = reply
+        left = np.frombuffer(packed, dtype=">i4").astype(np.float64) / 1000.0
+        if len(left) != len(nodes):
+            raise ValueError(f"heartbeat scan returned {len(left)} values for {len(nodes)} nodes")
+        flags = np.frombuffer(beaten, dtype=np.uint8).astype(bool)
+        try:
+            committed: int | None = int(generation)
+        except ValueError:
+            committed = None
+        return HeartbeatScan(nodes=nodes, left_s=left, beaten=flags, generation=committed)
+
     async def live_heartbeats(self, nodes: Iterable[int]) -> dict[int, float]:
-        """Nodes whose heartbeat key exists, with the seconds left on its TTL. The content is not trusted or
-        needed: the TTL is the signal, and (TTL set - TTL left) dates the last beat on Redis's own clock."""
-        ordered = list(nodes)
-        if not ordered:
+        """Nodes whose heartbeat key exists, with the seconds left on its TTL (one scan)."""
+        ordered = np.asarray(list(nodes), dtype=np.int64)
+        if not len(ordered):
             return {}
+        scan = await self.scan(ordered, node_list(ordered.tolist()))
+        live = scan.live
+        return dict(zip(ordered[live].tolist(), scan.left_s[live].tolist(), strict=True))
+
+    async def fence(self, node: int) -> None:
+        """Forget a fenced node's heartbeat: a replacement must beat anew before its silence counts."""
         async with self.client.pipeline(transaction=False) as pipe:
-            for node in ordered:
-                pipe.pttl(self.keys.heartbeat(node))
-            left = await pipe.execute()
-        return {node: ms / 1000 for node, ms in zip(ordered, left, strict=True) if ms >= 0}
+            pipe.delete(self.keys.heartbeat(node))
+            pipe.setbit(self.keys.beaten, node, 0)
+            await pipe.execute()
 
     async def new_iterations(self, count: int = 5000) -> list[IterationRecord]:
         """Iteration records appended since the last call (the first call starts at the stream's end)."""
@@ -143,17 +249,21 @@ class JobRedis:
             last: Any = await self.client.xrevrange(stream, count=1)
             setattr(self, cursor_attr, last[0][0].decode() if last else "0-0")
             return []
-        replies: Any = await self.client.xread({stream: cursor}, count=count)
+        reply: Any = await self._read_script(keys=[stream], args=[cursor, count])
+        last, framed = reply
+        setattr(self, cursor_attr, last.decode())
         out: list[IterationRecord | SlowReport] = []
-        for _, entries in replies:
-            for entry_id, fields in entries:
-                setattr(self, cursor_attr, entry_id.decode())
-                value = fields.get(b"m") if isinstance(fields, dict) else None
-                decoded = decode(model, value, source)
-                if decoded is not None:
-                    out.append(decoded)
-                elif value is None:
-                    TELEMETRY_DROPPED.labels(source, DropReason.INVALID).inc()
+        offset, size = 0, len(framed)
+        while offset + 4 <= size:
+            (length,) = struct.unpack_from(">I", framed, offset)
+            offset += 4
+            if length == _NO_FIELD:
+                TELEMETRY_DROPPED.labels(source, DropReason.INVALID).inc()
+                continue
+            decoded = decode(model, framed[offset : offset + length], source)
+            offset += length
+            if decoded is not None:
+                out.append(decoded)
         return out
 
     async def forget(self) -> int:

@@ -57,7 +57,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="resilientjob.io", key="last-handled-configuration"
     )
     settings.persistence.finalizer = "resilientjob.io/finalizer"
-    settings.posting.level = logging.INFO
+    # Explicit decisions go out with kopf.event at any level; handler chatter ("Handler 'pod_event'
+    # succeeded", once per pod event) must not become one API call per event on a job of thousands of pods.
+    settings.posting.level = logging.WARNING
     settings.peering.standalone = SETTINGS.standalone
     settings.peering.name = "resilientjob"
     settings.peering.mandatory = False

@@ -6,6 +6,11 @@ by a compare-and-set of the plan key in Redis; everything after the commit (plan
 annotations, status, Event) is idempotent and is finished by whichever pass sees the status lagging behind
 the committed generation, including the first pass of a restarted operator. So a SIGKILL at any point
 neither loses nor repeats a decision.
+
+Scale and a slow planner: one pass costs one Redis script call for the liveness of every node (plus one
+stream read), whatever the job's size. Deciding a new generation (planner, commit, apply) runs as a
+background task, one at a time; meanwhile the passes go on, so a node that fails during a long replan is
+still detected and fenced within the heartbeat TTL, and is planned around by the next decision.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import kopf
+import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -29,7 +36,7 @@ from resilientjob.planner.plan import Plan
 from . import _decide, _failslow, _manifests, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs
-from ._redis_state import JobRedis, announcement
+from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")
@@ -39,6 +46,37 @@ _PATCH_CONCURRENCY = 32
 
 class InvalidJob(Exception):
     """The spec cannot run; the condition and Event are already recorded."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    """A committed generation with what every pass needs from it, computed once per generation."""
+
+    message: PlanAnnouncement
+    nodes: np.ndarray
+    nodes_arg: str
+    plan_nodes: frozenset[int]
+    watched: frozenset[int]
+
+    @classmethod
+    def of(cls, message: PlanAnnouncement) -> _Published:
+        nodes = message.plan.nodes
+        return cls(
+            message=message,
+            nodes=np.asarray(nodes, dtype=np.int64),
+            nodes_arg=node_list(nodes),
+            plan_nodes=frozenset(nodes),
+            watched=frozenset(nodes) | frozenset(message.parked),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Fenced:
+    """A failed node already fenced, waiting for a generation that leaves it out."""
+
+    reason: api.Reason
+    cause: str
+    detect_s: float | None
 
 
 class JobController:
@@ -62,6 +100,10 @@ class JobController:
         self._heartbeat_seen: dict[int, float] = {}
         self._rates: dict[int, tuple[int, float, int]] = {}  # node -> (generation, seconds, samples)
         self._status_due = 0.0
+        self._published: _Published | None = None
+        self._fenced: dict[int, _Fenced] = {}
+        self._deciding: asyncio.Task[None] | None = None
+        self._deferred: _failslow.Mitigation | None = None
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -172,11 +214,16 @@ class JobController:
         self.status = self.status.model_copy(update={"conditions": conditions})
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
         await self._apply_configmap(published)
-        for node in published.plan.nodes:
+        limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
+
+        async def create(node: int) -> None:
             manifest = _manifests.pod_manifest(
                 self.body, spec, node, published.generation, published.layout, redis_url=self._redis_url()
             )
-            await self.kube.create(core_path(self.namespace, "pods"), manifest)
+            async with limit:
+                await self.kube.create(core_path(self.namespace, "pods"), manifest)
+
+        await asyncio.gather(*(create(node) for node in published.plan.nodes))
         for pod in await self.kube.list(
             core_path(self.namespace, "pods"), _manifests.job_selector(self.name)
         ):
@@ -223,8 +270,16 @@ class JobController:
                 await self.kube.patch(self._pod_path(node), annotations)
 
         # Parked slow nodes follow the generations too: they run probe steps and may rejoin.
+        # Pods that already show this generation (created with it, or patched before a restart) are skipped.
         targets = sorted(set(message.plan.nodes) | set(message.parked))
-        await asyncio.gather(*(annotate(node) for node in targets if node in self.pods))
+        wanted = str(message.generation)
+        await asyncio.gather(
+            *(
+                annotate(node)
+                for node in targets
+                if node in self.pods and self.pods[node].generation != wanted
+            )
+        )
         first = self.status.plan_generation < 0
         alive = sum(1 for node in message.plan.nodes if node in self.pods and self.pods[node].failed is None)
         status = _decide.plan_status(self.status, message.plan, alive, message.parked)
@@ -280,30 +335,74 @@ class JobController:
         published = await self.ensure_started()
         if self.status.plan_generation < published.generation:
             await self.apply(published)
-        while not stopped:
-            try:
-                await self.reconcile_once()
-            except (RedisError, OSError) as exc:
-                log.warning("job %s/%s: redis unavailable (%r); retrying", self.namespace, self.name, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), self.settings.poll_interval_s)
-            self.wakeup.clear()
+        self._published = _Published.of(published)
+        try:
+            while not stopped:
+                try:
+                    await self.reconcile_once()
+                except (RedisError, OSError) as exc:
+                    log.warning("job %s/%s: redis unavailable (%r); retrying", self.namespace, self.name, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), self.settings.poll_interval_s)
+                self.wakeup.clear()
+        finally:
+            if self._deciding is not None and not self._deciding.done():
+                self._deciding.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._deciding
+
+    async def _current(self) -> tuple[_Published, HeartbeatScan]:
+        """The committed generation and a liveness scan of its nodes. The plan itself is re-read only when
+        the scan shows another generation (or the generation key is missing)."""
+        redis = self._require()[2]
+        cached = self._published
+        if cached is not None:
+            scan = await redis.scan(cached.nodes, cached.nodes_arg)
+            if scan.generation == cached.message.generation:
+                return cached, scan
+        message = await redis.published()
+        if message is None:
+            message = await self.ensure_started()
+        if cached is None or cached.message.generation != message.generation:
+            cached = self._published = _Published.of(message)
+        return cached, await redis.scan(cached.nodes, cached.nodes_arg)
 
     async def reconcile_once(self) -> None:
-        spec, _inputs, redis = self._require()
-        published = await redis.published()
-        if published is None:
-            published = await self.ensure_started()
-        if self.status.plan_generation < published.generation:
+        spec = self._require()[0]
+        deciding = self._deciding is not None and not self._deciding.done()
+        if self._deciding is not None and self._deciding.done():
+            task, self._deciding = self._deciding, None
+            task.result()  # InvalidJob (infeasible) and bugs surface here, in the daemon
+        current, scan = await self._current()
+        published = current.message
+        if not deciding and self.status.plan_generation < published.generation:
             await self.apply(published)
         plan = published.plan
-        expired = await self._expired_heartbeats(plan)
+        self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
+        expired = self._expired_heartbeats(scan)
         observed = _decide.Observation(pods=dict(self.pods), expired_heartbeats=frozenset(expired))
-        failures = await self._confirmed(_decide.detect_failures(plan, observed))
+        suspects = {
+            n: cause for n, cause in _decide.detect_failures(plan, observed).items() if n not in self._fenced
+        }
+        if suspects:
+            await self._fence(await self._confirmed(suspects))
         joins = _decide.detect_joins(plan, observed, spec.nodes, published.parked)
-        if failures or joins:
-            await self._reconfigure(published, failures, joins)
-        await self._telemetry(published)
+        if not deciding and (self._fenced or joins):
+            failures = dict(self._fenced)
+            self._start(lambda: self._reconfigure(published, failures, joins))
+            deciding = True
+        await self._telemetry(current, deciding)
+
+    def _start(self, decide: Callable[[], Awaitable[None]]) -> None:
+        """Run one decision in the background; its end wakes the loop (to apply it or surface its error)."""
+
+        async def run() -> None:
+            try:
+                await decide()
+            finally:
+                self.wakeup.set()
+
+        self._deciding = asyncio.create_task(run(), name=f"decide {self.namespace}/{self.name}")
 
     async def _confirmed(
         self, failures: dict[int, tuple[api.Reason, str]]
@@ -321,40 +420,45 @@ class JobController:
             confirmed[node] = cause
         return confirmed
 
-    async def _expired_heartbeats(self, plan: Plan) -> set[int]:
-        """Nodes whose heartbeat was seen by this operator and has since expired. A node that never beat
-        (still starting, or before a restart) is judged by its pod alone."""
-        assert self.redis is not None
-        nodes = plan.nodes
-        live = await self.redis.live_heartbeats(nodes)
+    def _expired_heartbeats(self, scan: HeartbeatScan) -> list[int]:
+        """Nodes that have beaten (the agents' bitmap, or seen alive by this operator) and whose key has
+        expired. A node that never beat (still starting) is judged by its pod alone."""
         now = time.monotonic()
-        for node, left in live.items():
-            # When the last beat was written: the agents set the key with HEARTBEAT_TTL_S.
-            self._heartbeat_seen[node] = now - max(0.0, HEARTBEAT_TTL_S - left)
-        return {node for node in nodes if node not in live and node in self._heartbeat_seen}
+        live = scan.live
+        # When each live node last beat, on Redis's clock: the agents set the key with HEARTBEAT_TTL_S.
+        beat_at = now - np.maximum(0.0, HEARTBEAT_TTL_S - scan.left_s[live])
+        self._heartbeat_seen.update(zip(scan.nodes[live].tolist(), beat_at.tolist(), strict=True))
+        silent: list[int] = scan.nodes[~live].tolist()
+        beaten = set(scan.expired)
+        return [node for node in silent if node in beaten or node in self._heartbeat_seen]
 
-    async def _reconfigure(
-        self, current: PlanAnnouncement, failures: dict[int, tuple[api.Reason, str]], joins: set[int]
-    ) -> None:
-        spec, inputs, _ = self._require()
+    async def _fence(self, failures: dict[int, tuple[api.Reason, str]]) -> None:
+        """Delete failed nodes' pods at once (before any planning), so that a worker that lost its
+        heartbeat but still runs cannot come back with the weights of a generation the job has left."""
+        assert self.redis is not None
         detected = time.monotonic()
-        detect_s = 0.0
-        for node, (reason, _) in failures.items():
+        for node, (reason, cause) in failures.items():
             path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
             since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.pod_seen_at.get(node)
-            if since is not None:
-                latency = max(0.0, detected - since)
-                detect_s = max(detect_s, latency)
+            latency = max(0.0, detected - since) if since is not None else None
+            if latency is not None:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)
                 metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
-            # Fence first: a worker that lost its heartbeat may still be alive and must not come back
-            # with the weights of a generation the job has left.
+            log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
+            await self.redis.fence(node)
             self._heartbeat_seen.pop(node, None)
+            self._fenced[node] = _Fenced(reason, cause, latency)
         if self.failslow is not None:
             self.failslow.forget(failures)
-        trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values()))[0]
-        why = "; ".join(f"node {n}: {cause}" for n, (_, cause) in sorted(failures.items()))
+
+    async def _reconfigure(
+        self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
+    ) -> None:
+        spec, inputs, _ = self._require()
+        detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)
+        trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values())).reason
+        why = "; ".join(f"node {n}: {f.cause}" for n, f in sorted(failures.items()))
         if joins:
             why = "; ".join(filter(None, [why, f"nodes {sorted(joins)} joined"]))
         try:
@@ -384,6 +488,8 @@ class JobController:
         assert self.redis is not None
         plan = message.plan
         committed = await self.redis.commit(message, current.generation)
+        if committed is not None:
+            self._published = _Published.of(committed)
         if committed is None:
             log.info(
                 "job %s/%s: generation %d already committed elsewhere",
@@ -395,13 +501,15 @@ class JobController:
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 
-    async def _telemetry(self, published: PlanAnnouncement) -> None:
-        """Measured throughput and fail-slow reports; status written at most every status_interval_s."""
+    async def _telemetry(self, current: _Published, deciding: bool) -> None:
+        """Measured throughput and fail-slow reports; status written at most every status_interval_s. A
+        mitigation that comes while a decision is running waits for the next pass after it."""
         assert self.redis is not None and self.spec is not None and self.failslow is not None
-        plan_nodes = set(published.plan.nodes)
-        watched = plan_nodes | set(published.parked)
+        published = current.message
+        plan_nodes = current.plan_nodes
+        watched = current.watched
         slow = set(self.status.slow_nodes) & watched
-        mitigation: _failslow.Mitigation | None = None
+        mitigation, self._deferred = self._deferred, None
         # Reports first: the episode they open must exist before the iterations that measure its cost.
         for report in await self.redis.new_reports():
             if report.node not in watched or report.generation > published.generation:
@@ -432,15 +540,12 @@ class JobController:
                 self._rates[record.node] = (record.generation, record.seconds, record.samples)
             if record.node in watched and mitigation is None:
                 mitigation = self.failslow.iteration(record)
-        rates = {
-            n: r for n, r in self._rates.items() if r[0] == published.generation and n in published.plan.nodes
-        }
+        rates = {n: r for n, r in self._rates.items() if r[0] == published.generation and n in plan_nodes}
         throughput = sum(samples / seconds for _, seconds, samples in rates.values())
         step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
-        alive = sum(
-            1 for node in published.plan.nodes if node in self.pods and self.pods[node].failed is None
-        )
-        total = len(published.plan.nodes)
+        pods = self.pods
+        alive = sum(1 for node in plan_nodes if node in pods and pods[node].failed is None)
+        total = len(plan_nodes)
         metrics.ACTIVE_WORKERS.labels(self.name).set(alive)
         metrics.SAMPLES_PER_SECOND.labels(self.name).set(throughput)
         metrics.STEP_TIME.labels(self.name).set(step)
@@ -454,8 +559,10 @@ class JobController:
             }
         )
         await self._write_status(force=False)
-        if mitigation is not None:
-            await self._mitigate(published, mitigation)
+        if mitigation is not None and deciding:
+            self._deferred = mitigation
+        elif mitigation is not None:
+            self._start(lambda: self._mitigate(published, mitigation))
 
     async def _mitigate(self, current: PlanAnnouncement, mitigation: _failslow.Mitigation) -> None:
         """Publish a fail-slow mitigation through the commit path of a fail-stop (S2, S3, S4, restore)."""
@@ -468,14 +575,24 @@ class JobController:
         result: Plan | str
         try:
             if action is _failslow.Action.MICROBATCH:
-                sync_s = _failslow.sync_time(healthy, inputs.profile, inputs.cluster)
-                result = _failslow.microbatch_plan(
-                    current.plan, inputs.profile, inputs.cluster, mitigation.factors, sync_s
+                sync_s = await asyncio.to_thread(_failslow.sync_time, healthy, inputs.profile, inputs.cluster)
+                result = await asyncio.to_thread(
+                    _failslow.microbatch_plan,
+                    current.plan,
+                    inputs.profile,
+                    inputs.cluster,
+                    mitigation.factors,
+                    sync_s,
                 )
             elif action is _failslow.Action.TOPOLOGY:
-                sync_s = _failslow.sync_time(healthy, inputs.profile, inputs.cluster)
-                result = _failslow.topology_plan(
-                    current.plan, inputs.profile, inputs.cluster, mitigation.factors, sync_s
+                sync_s = await asyncio.to_thread(_failslow.sync_time, healthy, inputs.profile, inputs.cluster)
+                result = await asyncio.to_thread(
+                    _failslow.topology_plan,
+                    current.plan,
+                    inputs.profile,
+                    inputs.cluster,
+                    mitigation.factors,
+                    sync_s,
                 )
             elif action is _failslow.Action.REPLACE:
                 # S4 hands the slow nodes to the fail-stop planner; their pods stay up (parked) so that
@@ -490,8 +607,8 @@ class JobController:
                 if back:
                     result = await asyncio.to_thread(plan_next, spec, inputs, current.plan, joined=back)
                 elif current.restore is not None:
-                    result = _failslow.restored_plan(
-                        current.plan, current.restore, inputs.profile, inputs.cluster
+                    result = await asyncio.to_thread(
+                        _failslow.restored_plan, current.plan, current.restore, inputs.profile, inputs.cluster
                     )
                 else:
                     result = "no mitigation was published; nothing to undo"
@@ -525,9 +642,11 @@ class JobController:
 
     async def _write_status(self, force: bool) -> None:
         """Patch the status when it changed (and, unless forced, at most every status_interval_s)."""
-        payload = api.status_patch(self.status)
         now = time.monotonic()
-        if payload == self._written_status or (not force and now < self._status_due):
+        if not force and now < self._status_due:
+            return  # before serialising: most passes end here
+        payload = api.status_patch(self.status)
+        if payload == self._written_status:
             return
         await self.kube.patch(self._job_path(status=True), {"status": payload})
         self._written_status = payload

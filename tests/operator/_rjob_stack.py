@@ -1,6 +1,14 @@
-"""Test harness: a real redis-server on a free port, the emulated API server over real HTTP in the test's
-event loop, and the real operator as a subprocess (so it can be SIGKILLed). With RJOB_KUBECONFIG set, the
-same tests target that cluster instead of the emulator."""
+"""Test harness: a real redis-server on a free port, a Kubernetes API server, and the real operator as a
+subprocess (so it can be SIGKILLed).
+
+The API server is kmock's emulator over real HTTP in the test's event loop, or, with RJOB_KUBECONFIG set,
+the cluster of that kubeconfig (for example the kind cluster of deploy/kind/). Tests reach either through
+the same client, `Kube` (the operator's own `KubeApi` over HTTP), so every test runs unchanged against
+both; the few that need the emulator say so with `emulator_only(reason)`. In the cluster mode the
+operator runs here with the kubeconfig, watching only RJOB_TEST_NAMESPACE (default `default`); the worker
+pods it creates use an image that is never pulled, so they stay Pending and the tests drive heartbeats and
+telemetry through the local Redis, exactly as on the emulator.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +21,136 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import kmock
+import kopf
+import pytest
 import redis.asyncio as aioredis
+import yaml
 
+from resilientjob.agent._redis import JobKeys
 from resilientjob.operator import api
+from resilientjob.operator._kube import KubeApi, KubeError
+from resilientjob.operator.crd import CRD_FILE
 from resilientjob.operator.emulator import LocalApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
+
+KUBECONFIG = os.environ.get("RJOB_KUBECONFIG", "")
+"""Set: the tests run against this kubeconfig's cluster; unset: against the emulator."""
+REAL_CLUSTER = bool(KUBECONFIG)
+NAMESPACE = os.environ.get("RJOB_TEST_NAMESPACE", "default") if REAL_CLUSTER else "default"
+
+
+def emulator_only(reason: str) -> pytest.MarkDecorator:
+    """For a test that cannot run on a real cluster; `reason` says why (shown when it is skipped)."""
+    return pytest.mark.skipif(REAL_CLUSTER, reason=f"emulator only: {reason}")
+
+
+real_cluster_only = pytest.mark.skipif(
+    not REAL_CLUSTER, reason="needs a real cluster: set RJOB_KUBECONFIG (see deploy/kind/)"
+)
+
+
+def connection_from_kubeconfig(path: str) -> kopf.ConnectionInfo:
+    """The cluster of a kubeconfig, read the way the operator reads it (kopf's kubeconfig login)."""
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = path
+    try:
+        info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    finally:
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+    if info is None:
+        raise RuntimeError(f"no cluster in kubeconfig {path}")
+    return info
+
+
+class Kube:
+    """The tests' Kubernetes client: HTTP to the emulator or to a real cluster, the same calls for both."""
+
+    def __init__(self, info: kopf.ConnectionInfo, namespace: str = NAMESPACE) -> None:
+        self.api = KubeApi(info, timeout_s=30.0)
+        self.namespace = namespace
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    def path(self, plural: str, name: str | None = None, status: bool = False) -> str:
+        """`pods`, `events`, ... or `resilientjobs` in the test namespace."""
+        if plural == api.PLURAL:
+            base = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{self.namespace}/{plural}"
+        else:
+            base = f"/api/v1/namespaces/{self.namespace}/{plural}"
+        path = f"{base}/{name}" if name else base
+        return path + "/status" if status else path
+
+    async def get(self, plural: str, name: str) -> dict[str, Any] | None:
+        return await self.api.get(self.path(plural, name))
+
+    async def list(self, plural: str, label_selector: str = "") -> list[dict[str, Any]]:
+        return await self.api.list(self.path(plural), label_selector)
+
+    async def delete(self, plural: str, name: str) -> bool:
+        return await self.api.delete(self.path(plural, name))
+
+    async def create_job(self, manifest: dict[str, Any]) -> KubeError | None:
+        """Create a ResilientJob; the API error when the server refuses it (a real server validates the
+        CRD schema, strictly: unknown fields are errors, not silently pruned)."""
+        manifest = {**manifest, "metadata": {**manifest["metadata"], "namespace": self.namespace}}
+        try:
+            await self.api._request(
+                "POST", self.path(api.PLURAL), body=manifest, params={"fieldValidation": "Strict"}
+            )
+        except KubeError as error:
+            return error
+        return None
+
+    async def job_status(self, name: str) -> dict[str, Any]:
+        status: dict[str, Any] = ((await self.get(api.PLURAL, name)) or {}).get("status") or {}
+        return status
+
+    async def job_pods(self, job: str) -> list[dict[str, Any]]:
+        """The job's pods that are not being deleted (a real API server keeps them a moment longer)."""
+        return [
+            pod
+            for pod in await self.list("pods", f"resilientjob.io/job={job}")
+            if not pod["metadata"].get("deletionTimestamp")
+        ]
+
+    async def events_of(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in await self.list("events") if (e.get("involvedObject") or {}).get("name") == name]
+
+    async def install_crd(self) -> None:
+        """Apply the committed CRD (a real cluster may not have it yet) and wait until it is served."""
+        crd = yaml.safe_load((ROOT / CRD_FILE).read_text())
+        path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+        await self.api.create(path, crd)
+        name = crd["metadata"]["name"]
+
+        async def established() -> bool:
+            body = await self.api.get(f"{path}/{name}") or {}
+            conditions = (body.get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+        await eventually(established, 30, f"CRD {name} established")
+
+    async def delete_jobs(self, timeout: float = 60) -> None:
+        """Delete every ResilientJob of the namespace and wait until they are gone (the operator must still
+        run: it removes its finalizer)."""
+        for job in await self.list(api.PLURAL):
+            await self.delete(api.PLURAL, job["metadata"]["name"])
+
+        async def gone() -> bool:
+            return not await self.list(api.PLURAL)
+
+        await eventually(gone, timeout, "test jobs deleted")
 
 
 def free_port() -> int:
@@ -59,21 +186,55 @@ async def api_server() -> AsyncIterator[tuple[LocalApiServer, str]]:
         yield emulator, str(server.url).rstrip("/")
 
 
-class Operator:
-    """The operator as a child process."""
+def kubeconfig_for(url: str, path: Path) -> Path:
+    """A kubeconfig naming a plain-HTTP API server (the emulator): the cluster mode's login, testable here."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": url}}],
+        "users": [{"name": "tester", "user": {}}],
+        "contexts": [
+            {"name": "local", "context": {"cluster": "local", "user": "tester", "namespace": "default"}}
+        ],
+        "current-context": "local",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
 
-    def __init__(self, api_url: str, redis_url: str, log: Path) -> None:
+
+class Operator:
+    """The operator as a child process: against `api_url` (the emulator), or with `kubeconfig` (a cluster,
+    then watching only `namespace`)."""
+
+    def __init__(
+        self,
+        api_url: str | None,
+        redis_url: str,
+        log: Path,
+        *,
+        kubeconfig: str | None = None,
+        namespace: str | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if (api_url is None) == (kubeconfig is None):
+            raise ValueError("give exactly one of api_url and kubeconfig")
         self.api_url, self.redis_url, self.log = api_url, redis_url, log
+        self.kubeconfig, self.namespace, self.verbose = kubeconfig, namespace, verbose
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {**os.environ, "RJOB_REDIS_URL": self.redis_url, "RJOB_STANDALONE": "1"}
-        env["RJOB_API_URL" if not os.environ.get("RJOB_KUBECONFIG") else "RJOB_KUBECONFIG"] = (
-            self.api_url if not os.environ.get("RJOB_KUBECONFIG") else os.environ["RJOB_KUBECONFIG"]
-        )
+        for variable in ("RJOB_API_URL", "RJOB_KUBECONFIG", "RJOB_NAMESPACE"):
+            env.pop(variable, None)
+        if self.api_url is not None:
+            env["RJOB_API_URL"] = self.api_url
+        if self.kubeconfig is not None:
+            env["RJOB_KUBECONFIG"] = self.kubeconfig
+        if self.namespace:
+            env["RJOB_NAMESPACE"] = self.namespace
         with self.log.open("ab") as sink:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "resilientjob.cli", "operator", "--verbose"],
+                [sys.executable, "-m", "resilientjob.cli", "operator", *(["--verbose"] * self.verbose)],
                 env=env,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -92,6 +253,18 @@ class Operator:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """What a control-plane test works with (the `stack` fixture)."""
+
+    kube: Kube
+    redis_url: str
+    operator: Operator
+
+    def keys(self, job: str) -> JobKeys:
+        return JobKeys(NAMESPACE, job)
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], timeout: float, what: str) -> T:
@@ -131,13 +304,13 @@ def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": api.API_VERSION,
         "kind": api.KIND,
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {k: v for k, v in body.items() if v is not None},
     }
 
 
 def rjob_path(name: str | None = None, status: bool = False) -> str:
-    path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/default/{api.PLURAL}"
+    path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NAMESPACE}/{api.PLURAL}"
     if name:
         path += f"/{name}"
     return path + "/status" if status else path

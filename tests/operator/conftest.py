@@ -1,12 +1,26 @@
-"""Fixtures for the control-plane tests (real Redis, real HTTP, real operator process)."""
+"""Fixtures for the control-plane tests (real Redis, real HTTP, real operator process).
+
+`stack` gives a test the API client, the Redis URL and the operator: on the emulator by default, on the
+cluster of RJOB_KUBECONFIG when that is set (see `_rjob_stack`)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import kopf
 import pytest
-from _rjob_stack import Operator, api_server, redis_server
+from _rjob_stack import (
+    KUBECONFIG,
+    NAMESPACE,
+    REAL_CLUSTER,
+    Kube,
+    Operator,
+    Stack,
+    api_server,
+    connection_from_kubeconfig,
+    redis_server,
+)
 
 
 @pytest.fixture
@@ -16,11 +30,26 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
-async def cluster(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[object, str, Operator]]:
-    async with api_server() as (emulator, url):
-        operator = Operator(url, redis_url, tmp_path / "operator.log")
-        operator.start()
+async def stack(redis_url: str, tmp_path: Path) -> AsyncIterator[Stack]:
+    log = tmp_path / "operator.log"
+    if REAL_CLUSTER:
+        kube = Kube(connection_from_kubeconfig(KUBECONFIG))
+        operator = Operator(None, redis_url, log, kubeconfig=KUBECONFIG, namespace=NAMESPACE)
         try:
-            yield emulator, url, operator
+            await kube.install_crd()
+            operator.start()
+            yield Stack(kube, redis_url, operator)
+            await kube.delete_jobs()
         finally:
             operator.stop()
+            await kube.close()
+        return
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        operator = Operator(url, redis_url, log)
+        operator.start()
+        try:
+            yield Stack(kube, redis_url, operator)
+        finally:
+            operator.stop()
+            await kube.close()

@@ -13,9 +13,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _rjob_stack import emulator_only
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.cluster
+pytestmark = [
+    pytest.mark.cluster,
+    emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),
+]
 
 
 def rjob(state: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

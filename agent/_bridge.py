@@ -1,0 +1,608 @@
+"""The bridge from the control plane to the training runtime: what an agent pod runs when its job trains a
+real model (`spec.model` is a runtime model such as `gpt`, `llama`, `sleep` or `module:function`).
+
+Three parts:
+- The job's **store host** (`python -m resilientjob.agent._bridge host`, environment as in a pod): hosts the
+  job's one `TCPStore` (rendezvous, plans, failure counter, commits), mirrors every generation the operator
+  commits in Redis into it (`worker.publish_plan`), and announces the nodes a generation drops without
+  parking them as failures (`worker.announce_failures`) before publishing it, so survivors blocked behind a
+  dead peer abandon their step at once. Its address is the Redis key `<job prefix>store`.
+  Where it runs: the first agent to take the Redis lock `<job prefix>store:lock` starts it as a detached
+  process in its own session, so in the local stack it outlives the pod that started it (killing any pod,
+  node 0 included, leaves the store up). It stops when the job's Redis keys are deleted, when Redis is gone,
+  or when no worker has heartbeated for `HOST_IDLE_S`. In a cluster a process dies with its container, so
+  there the store host should run as its own small Deployment (the same command) behind a Service, with
+  `RJOB_STORE_ADDR=<service>:29500` in the worker pods; without it the host lives in the pod that won the
+  lock, reachable as `<pod>.<job>-workers` through the job's headless Service, and losing that pod loses the
+  job's store (as losing torch elastic's c10d rendezvous host does).
+- The **worker** (`TrainingAgent`): one process per device started with torch elastic's `start_processes`
+  (as `launcher.NodeAgent` does), running `worker.run_from_plan`. Each committed step's per-node *compute*
+  time (wall time minus time spent waiting on peers) goes to the agent, which reports it through
+  `Telemetry.record_iteration`, so the change-point detector blames the slow node, not its waiting peers.
+- **Chaos** for the local stack: `rjob local chaos slow` sets a factor in Redis; the agent throttles its
+  worker with a SIGSTOP/SIGCONT duty cycle (what a CPU quota does), a real slowdown of real compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from resilientjob.planner.plan import Plan
+
+from ._redis import JobKeys, connect
+from .synthetic import slowdown
+from .telemetry import Telemetry
+from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
+
+if TYPE_CHECKING:
+    import torch
+
+    from .runtime import Trainer
+
+HOST_IDLE_S = 15.0
+"""The store host stops after this long without a heartbeat from any worker of the job."""
+
+GONE_GRACE_S = 5.0
+"""The store host stops when the job's plan key or Redis has been gone this long."""
+
+THROTTLE_PERIOD_S = 0.1
+"""One SIGSTOP/SIGCONT cycle of an injected slowdown: short against a step, long against scheduling."""
+
+
+RUNTIME_MODELS = frozenset({"gpt", "llama", "sleep"})
+"""`models.ModelKind` values, spelled out so that a synthetic agent never imports torch (a test checks)."""
+
+
+def wants_training(model: str) -> bool:
+    """Whether `spec.model` names a model the runtime can train (else the agent runs the synthetic loop)."""
+    return model in RUNTIME_MODELS or ":" in model
+
+
+def store_key(keys: JobKeys) -> str:
+    """Redis key holding `host:port` of the job's TCPStore."""
+    return f"{keys.prefix}store"
+
+
+def store_lock_key(keys: JobKeys) -> str:
+    return f"{keys.prefix}store:lock"
+
+
+# ---- options -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TrainingOptions:
+    """What the pod's command line adds to the plan (`command: [python, -m, resilientjob.agent, ...]`)."""
+
+    steps: int = 1_000_000
+    num_samples: int = 4096
+    seed: int = 0
+    lr: float = 3e-3
+    collective_timeout_s: float = 5.0
+    plan_timeout_s: float = 120.0
+    model_options: dict[str, int | float] = field(default_factory=dict)
+    """ModelConfig overrides such as `hidden=32`; `layers` must match the job's profile."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "num_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "collective_timeout_s", "plan_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def parse_options(argv: list[str]) -> TrainingOptions:
+    """Parse the agent's training flags; raises ValueError naming the flag."""
+    defaults = TrainingOptions()
+    parser = argparse.ArgumentParser(prog="resilientjob.agent", exit_on_error=False, add_help=False)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--num-samples", type=int, default=defaults.num_samples)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--collective-timeout", type=float, default=defaults.collective_timeout_s)
+    parser.add_argument("--plan-timeout", type=float, default=defaults.plan_timeout_s)
+    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"{exc.argument_name}: {exc.message}") from None
+    if unknown:
+        raise ValueError(f"arguments: unknown {' '.join(unknown)}")
+    model_options: dict[str, int | float] = {}
+    for item in args.model_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--model-option: expected KEY=VALUE, got {item!r}")
+        try:
+            model_options[key] = int(value)
+        except ValueError:
+            try:
+                model_options[key] = float(value)
+            except ValueError:
+                raise ValueError(f"--model-option {key}: expected a number, got {value!r}") from None
+    return TrainingOptions(
+        steps=args.steps,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        lr=args.lr,
+        collective_timeout_s=args.collective_timeout,
+        plan_timeout_s=args.plan_timeout,
+        model_options=model_options,
+    )
+
+
+# ---- the store host --------------------------------------------------------------------------------------
+def dropped_nodes(previous: Plan | None, announcement: PlanAnnouncement) -> set[int]:
+    """Nodes the new generation drops that are not parked by fail-slow mitigation: they died (a parked
+    node is alive and leaves its world cleanly at the next commit, so it is no failure)."""
+    if previous is None:
+        return set()
+    return set(previous.nodes) - set(announcement.plan.nodes) - set(announcement.parked)
+
+
+class StoreHost:
+    """Hosts the job's TCPStore and mirrors the operator's generations into it."""
+
+    def __init__(self, client: aioredis.Redis, keys: JobKeys, advertise: str, poll_s: float = 0.05) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        self.client = client
+        self.keys = keys
+        self.poll_s = poll_s
+        self.store = TCPStore(
+            advertise, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.address = f"{advertise}:{self.store.port}"
+        self.plan: Plan | None = None
+        self.parked: list[int] = []
+        self.announced = 0
+
+    async def _published(self) -> PlanAnnouncement | None:
+        return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
+
+    def mirror(self, announcement: PlanAnnouncement) -> None:
+        """Announce the generation's dead nodes, then publish its plan (in that order: see module doc)."""
+        from .worker import announce_failures, publish_plan
+
+        dead = dropped_nodes(self.plan, announcement)
+        if dead:
+            self.announced = announce_failures(self.store, len(dead))
+        publish_plan(self.store, announcement.plan, self.announced)
+        self.plan, self.parked = announcement.plan, list(announcement.parked)
+        print(
+            f"store host: generation {announcement.generation} {announcement.layout} "
+            f"({announcement.trigger or 'initial'}; dead {sorted(dead)})",
+            flush=True,
+        )
+
+    async def _anyone_alive(self) -> bool:
+        nodes = set(self.plan.nodes if self.plan else ()) | set(self.parked)
+        if not nodes:
+            return True
+        return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
+
+    async def run(self, stopped: asyncio.Event) -> None:
+        """Mirror generations until `stopped`, the job's keys go away, or every worker is gone."""
+        gone_since: float | None = None
+        alive_at = time.monotonic()
+        registered = False
+        while not stopped.is_set():
+            try:
+                current = await self._published()
+                if current is not None and (self.plan is None or current.generation > self.plan.generation):
+                    self.mirror(current)
+                if self.plan is not None and not registered:
+                    # The address appears only once a plan is in the store: workers read it at once.
+                    await self.client.set(store_key(self.keys), self.address)
+                    registered = True
+                if await self._anyone_alive():
+                    alive_at = time.monotonic()
+                missing = current is None and self.plan is not None
+            except (RedisError, OSError):
+                missing = True
+            now = time.monotonic()
+            gone_since = (gone_since or now) if missing else None
+            if gone_since is not None and now - gone_since > GONE_GRACE_S:
+                print("store host: the job's keys or Redis are gone; stopping", flush=True)
+                return
+            if now - alive_at > HOST_IDLE_S:
+                print(f"store host: no worker heartbeat for {HOST_IDLE_S} s; stopping", flush=True)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), self.poll_s)
+
+
+async def host_main() -> int:
+    env = os.environ
+    keys = JobKeys(env.get("RJOB_NAMESPACE", "default"), env["RJOB_JOB"])
+    client = connect(env["RJOB_REDIS_URL"], env.get("RJOB_REDIS_PASSWORD"))
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopped.set)
+    host = StoreHost(client, keys, env.get("POD_IP") or "127.0.0.1")
+    try:
+        await host.run(stopped)
+    finally:
+        with contextlib.suppress(RedisError, OSError):
+            # Only our own address: a newer host of a re-created job must not lose its key.
+            if await client.get(store_key(keys)) == host.address.encode():
+                await client.delete(store_key(keys), store_lock_key(keys))
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return 0
+
+
+def _host_log(keys: JobKeys) -> Path:
+    """Next to the pod's files in the local stack; the temporary directory in a container."""
+    podinfo = os.environ.get("RJOB_PODINFO_DIR")
+    directory = Path(podinfo).parent if podinfo else Path(tempfile.gettempdir())
+    if not os.access(directory, os.W_OK):
+        directory = Path(tempfile.gettempdir())
+    return directory / f"store-host-{keys.job}.log"
+
+
+async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout_s: float = 60.0) -> str:
+    """The job's store `host:port`: `RJOB_STORE_ADDR`, the registered host, or a host this agent starts."""
+    if os.environ.get("RJOB_STORE_ADDR"):
+        return os.environ["RJOB_STORE_ADDR"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = await client.get(store_key(keys))
+        if raw:
+            return raw.decode() if isinstance(raw, bytes) else str(raw)
+        if await client.set(store_lock_key(keys), pod, nx=True, ex=int(timeout_s)):
+            with _host_log(keys).open("ab") as log:
+                subprocess.Popen(
+                    [sys.executable, "-m", "resilientjob.agent._bridge", "host"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # outlives this pod's process in the local stack (module doc)
+                )
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"store: no store host registered for job {keys.job} within {timeout_s} s")
+
+
+# ---- the worker process ----------------------------------------------------------------------------------
+def _die_with_parent(parent: int) -> None:
+    """A pod's processes die together (a container's cgroup does that in a cluster): SIGKILL on the agent's
+    death from the kernel where it can, and a watchdog on the parent id as a fallback."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.1)
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, name="rjob-parent-watch", daemon=True).start()
+
+
+def plan_role(plan: Plan, node: int) -> str:
+    """What this node computes under `plan` (its ops), as a short key: the detector restarts on change."""
+    from ._runtime_schedule import build_ops
+
+    ops = build_ops(plan).get(node, [])
+    text = repr([(op.kind.value, op.pipeline, op.stage, op.microbatch, op.layers) for op in ops])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+_RETIRED: list[object] = []
+"""Process groups of abandoned generations, and the failures whose tracebacks reference them, kept alive
+for the life of the worker. Destroying a gloo group whose collective is still pending behind a dead peer
+joins its run-loop thread with the GIL held, and that thread never finishes (seen: a survivor hung for
+minutes in `~ProcessGroupGloo` when a failed step's traceback was freed). A few threads per failure is
+the price; the proper fix belongs in `runtime.Trainer` (it should retire, not drop, old groups)."""
+
+
+def _snapshot(trainer: Trainer) -> dict[int, list[torch.Tensor]]:
+    return {index: [t.clone() for t in layer.tensors()] for index, layer in trainer.layers.items()}
+
+
+def _agree_on_step(
+    trainer: Trainer, plan: Plan, store: Any, undo: tuple[int, dict[int, list[torch.Tensor]]] | None
+) -> None:
+    """Bring every worker of the new world to the same committed step before the runtime checks it.
+
+    A peer killed inside the commit all-reduce can leave it completed on some ranks and failed on others
+    (gloo's ring finishes on a rank once it has every chunk), so survivors may stand one step apart; the
+    runtime then refuses the switch (`ReconfigurationError`) and only a checkpoint restart, which the pods
+    do not have, could go on. Each worker therefore posts its step in the store; the ones ahead restore the
+    state they kept from before their last step, and the step is redone under the new plan with the same
+    sample ids. A worker of the new world that never posts (it died too) makes this raise RuntimeError,
+    which sends the worker on to the next plan."""
+    from ._runtime_schedule import world_nodes
+    from .runtime import ReconfigurationError
+
+    world = world_nodes(plan)
+    if trainer.node not in world:
+        return
+    prefix = f"bridge/step/{plan.generation}/"
+    store.set(f"{prefix}{trainer.node}", str(trainer.step))
+    try:
+        store.wait([f"{prefix}{node}" for node in world], timedelta(seconds=trainer.collective_timeout_s))
+    except Exception as exc:  # the store's timeout error type differs across torch versions
+        raise RuntimeError(f"step agreement for generation {plan.generation}: {exc}") from None
+    lowest = min(int(store.get(f"{prefix}{node}")) for node in world)
+    if trainer.step == lowest:
+        return
+    if undo is None or undo[0] != trainer.step or trainer.step - lowest != 1:
+        raise ReconfigurationError(f"step: node {trainer.node} at {trainer.step}, the world at {lowest}")
+    for index, saved in undo[1].items():
+        for tensor, value in zip(trainer.layers[index].tensors(), saved, strict=True):
+            tensor.copy_(value)
+    trainer.step = lowest
+    print(f"rolled back to step {lowest} to match the new world", flush=True)
+
+
+def _instrument(node: int, sink_path: str) -> None:
+    """Report each committed step's compute time (wall minus waits on peers) to the agent, one JSON line
+    per step, and keep abandoned process groups alive (`_RETIRED`). Done by wrapping `Trainer.run_step`,
+    `Trainer.apply_plan` and `Waiter.wait` in this worker process only: the runtime stays as it is."""
+    from ._runtime_wait import Waiter
+    from .runtime import Trainer
+
+    waited = [0.0]
+    undo: list[tuple[int, dict[int, list[torch.Tensor]]] | None] = [None]
+    # (the step count after the last committed step, the layers' state from before that step)
+    roles: dict[int, str] = {}
+    sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
+    original_wait, original_step, original_apply = Waiter.wait, Trainer.run_step, Trainer.apply_plan
+
+    def wait(self: Waiter, work: Any, notice: Any, what: str) -> None:
+        began = time.perf_counter()
+        try:
+            original_wait(self, work, notice, what)
+        finally:
+            waited[0] += time.perf_counter() - began
+
+    def run_step(self: Trainer, latest_generation: int) -> tuple[float, bool, list[int]]:
+        waited[0] = 0.0
+        began = time.perf_counter()
+        before = _snapshot(self)
+        try:
+            result = original_step(self, latest_generation)
+        except BaseException as exc:
+            _RETIRED.append(exc)
+            raise
+        undo[0] = (self.step, before)
+        wall = time.perf_counter() - began
+        plan = self.plan
+        if plan is not None and plan.generation not in roles:
+            roles[plan.generation] = plan_role(plan, node)
+        line = {
+            "generation": self.generation,
+            "step": self.step,
+            "compute_s": max(1e-6, wall - waited[0]),
+            "wall_s": wall,
+            "samples": len(result[2]),
+            "loss": result[0],
+            "role": roles.get(self.generation, ""),
+        }
+        sink.write(json.dumps(line) + "\n")
+        return result
+
+    def apply_plan(self: Trainer, plan: Plan, store: Any) -> bool:
+        _RETIRED.append(list(self._groups))
+        _agree_on_step(self, plan, store, undo[0])
+        try:
+            return original_apply(self, plan, store)
+        except BaseException as exc:
+            _RETIRED.append(exc)
+            raise
+
+    setattr(Waiter, "wait", wait)  # noqa: B010 - class-level wraps inside this worker process only
+    setattr(Trainer, "run_step", run_step)  # noqa: B010
+    setattr(Trainer, "apply_plan", apply_plan)  # noqa: B010
+
+
+def worker_entry(
+    node: int, config: Any, host: str, port: int, sink_path: str, parent: int
+) -> dict[str, object]:
+    """Entry point of one worker process (started by `TrainingAgent` through torch elastic)."""
+    from .worker import run_from_plan
+
+    _die_with_parent(parent)
+    # A forked child inherits the agent's asyncio signal set-up; torch elastic stops workers with SIGTERM.
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+    _instrument(node, sink_path)
+    return run_from_plan(node, config, host, port)
+
+
+# ---- the agent's side ------------------------------------------------------------------------------------
+class TrainingAgent:
+    """Runs this node's worker and feeds its steps to the telemetry; throttles it under injected chaos."""
+
+    def __init__(self, telemetry: Telemetry, options: TrainingOptions, model: str, address: str) -> None:
+        self.telemetry = telemetry
+        self.options = options
+        self.model = model
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store: expected host:port, got {address!r}")
+        self.host, self.port = host, int(port)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"rjob-{telemetry.keys.job}-{telemetry.node}-"))
+        self.sink = self.directory / "steps.jsonl"
+        self.sink.touch()
+        self.context: Any = None
+        self.left = False
+
+    def start(self) -> None:
+        """Start the worker (fork: torch is already imported here, which halves start-up on few cores)."""
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+        from .worker import JobConfig
+
+        config = JobConfig(
+            model=self.model,
+            model_options=dict(self.options.model_options),
+            num_samples=self.options.num_samples,
+            seed=self.options.seed,
+            lr=self.options.lr,
+            steps=self.options.steps,
+            collective_timeout_s=self.options.collective_timeout_s,
+            plan_timeout_s=self.options.plan_timeout_s,
+        )
+        args = (self.telemetry.node, config, self.host, self.port, str(self.sink), os.getpid())
+        self.context = start_processes(
+            name=f"rjob-node{self.telemetry.node}",
+            entrypoint=worker_entry,
+            args={0: args},
+            envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(self.directory / "logs"), redirects=Std.NONE),
+            start_method="fork",
+        )
+
+    def pids(self) -> list[int]:
+        return list(self.context.pids().values()) if self.context is not None else []
+
+    async def forward_steps(self, stopped: asyncio.Event) -> None:
+        """Tail the worker's step lines into the telemetry (and the pod log)."""
+        with self.sink.open() as lines:
+            while not stopped.is_set():
+                line = lines.readline()
+                if not line.endswith("\n"):
+                    if line:
+                        lines.seek(lines.tell() - len(line))
+                    await asyncio.sleep(0.05)
+                    continue
+                step = json.loads(line)
+                print(
+                    f"step {step['step']} gen {step['generation']} loss {step['loss']:.4f} "
+                    f"compute {step['compute_s']:.3f}s wall {step['wall_s']:.3f}s",
+                    flush=True,
+                )
+                with contextlib.suppress(RedisError, OSError):
+                    await self.telemetry.record_iteration(
+                        step["generation"], step["step"], step["compute_s"], step["samples"], step["role"]
+                    )
+
+    async def throttle(self, stopped: asyncio.Event) -> None:
+        """Apply the injected slowdown factor f: the worker runs 1/f of each period and is stopped for the
+        rest, so its compute takes f times as long."""
+        factor = 1.0
+        checked = 0.0
+        try:
+            while not stopped.is_set():
+                if time.monotonic() - checked > 0.5:
+                    with contextlib.suppress(RedisError, OSError):
+                        factor = await slowdown(self.telemetry)
+                    checked = time.monotonic()
+                if factor <= 1.0:
+                    await asyncio.sleep(0.1)
+                    continue
+                self._signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(THROTTLE_PERIOD_S * (1 - 1 / factor))
+                finally:
+                    self._signal(signal.SIGCONT)
+                await asyncio.sleep(THROTTLE_PERIOD_S / factor)
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    async def supervise(self, stopped: asyncio.Event) -> int:
+        """Exit status of the pod: 0 when training finished, 1 when the worker failed. A worker the plan
+        left out (parked by fail-slow mitigation) ends cleanly; the pod stays up and keeps heartbeating."""
+        while not stopped.is_set():
+            result = self.context.wait(timeout=0) if self.context is not None else None
+            if result is not None:
+                if result.is_failed():
+                    print(f"worker failed: {result.failures}", flush=True)
+                    return 1
+                value = result.return_values.get(0) or {}
+                if not value.get("left"):
+                    return 0
+                self.left = True
+                print("worker left: this node has no part in the current plan", flush=True)
+                await stopped.wait()
+                return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), 0.2)
+        return 0
+
+    def stop(self) -> None:
+        if self.context is not None:
+            self._signal(signal.SIGCONT)
+            self.context.close()
+        with contextlib.suppress(OSError):
+            for path in sorted(self.directory.rglob("*"), reverse=True):
+                path.unlink() if path.is_file() else path.rmdir()
+            self.directory.rmdir()
+
+
+def _prepare(model: str, options: TrainingOptions) -> int:
+    """Import what the worker needs (so that the fork inherits it) and return the model's layer count."""
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
+
+    from . import worker  # noqa: F401
+    from .models import load_model
+
+    return load_model(model, **options.model_options).num_layers
+
+
+async def train(telemetry: Telemetry, stopped: asyncio.Event, model: str, options: TrainingOptions) -> int:
+    """Run this pod's share of a real training job until it ends or `stopped`; returns the exit status."""
+    # Importing torch takes seconds on a loaded machine: off the event loop, or heartbeats would lapse and
+    # the operator would fence this pod as dead before it ever trained.
+    layers = await asyncio.to_thread(_prepare, model, options)
+    published = await telemetry.current_plan()
+    if published is not None and published.plan.num_layers != layers:
+        raise ValueError(
+            f"model: {model} has {layers} layers but the job's profile has {published.plan.num_layers}"
+        )
+    address = await store_address(telemetry.client, telemetry.keys, telemetry.pod)
+    agent = TrainingAgent(telemetry, options, model, address)
+    agent.start()
+    # torch elastic installs SIGTERM/SIGINT handlers that raise; a pod stops cleanly through `stopped`.
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopped.set)
+    print(f"training {model} on node {telemetry.node}; store {address}", flush=True)
+    done = asyncio.Event()
+    helpers = [
+        asyncio.create_task(agent.forward_steps(done)),
+        asyncio.create_task(agent.throttle(done)),
+    ]
+    supervisor = asyncio.create_task(agent.supervise(stopped))
+    try:
+        code = await supervisor
+        await asyncio.sleep(0.1)  # the last step lines
+        return code
+    finally:
+        done.set()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        agent.stop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["host"]:
+        print("usage: python -m resilientjob.agent._bridge host", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(asyncio.run(host_main()))

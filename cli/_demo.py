@@ -1,0 +1,438 @@
+"""`rjob demo`: the whole system on this machine in one command. Brings up the local stack (`rjob local`),
+applies `examples/demo.yaml` (a small GPT trained for real by 8 one-CPU workers), kills a worker, slows
+another (chaos, factor 2), and shows a live table of the workers, the plan generation and layout, the step,
+loss and throughput, and the events. At the end it prints the recovery summary (each decision: trigger,
+policy or mitigation strategy, detect / plan / transfer time), writes a PNG of throughput and active workers
+over time, and tears everything down, also on Ctrl-C or SIGTERM. `--no-live` prints log lines instead."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._common import CliError, guarded
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+SLOW_FACTOR = 2.0
+SAMPLE_S = 0.5
+WINDOW_S = 2.0
+"""Throughput is the samples reported in the last WINDOW_S seconds, divided by it."""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="run the local demo: real training through a kill and a slowdown"
+    )
+    parser.add_argument("--duration", type=float, default=150.0, help="seconds to run (default 150)")
+    parser.add_argument("--out", default="demo-out", help="directory for demo.png and the stack's files")
+    parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table (CI)")
+    parser.add_argument("-f", "--filename", default=str(DEFAULT_MANIFEST), help="the job manifest")
+    parser.set_defaults(handler=guarded(_run))
+
+
+# ---- what the demo observes ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Worker:
+    node: int
+    alive: bool = False
+    generation: int = -1
+    step: int = 0
+    compute_s: float = 0.0
+    rate: float = 0.0
+
+
+@dataclass(slots=True)
+class Observed:
+    """Everything sampled so far; the live table, the summary and the PNG are drawn from it."""
+
+    started: float = field(default_factory=time.monotonic)
+    generation: int = -1
+    layout: str = ""
+    policy: str = ""
+    plan_nodes: tuple[int, ...] = ()
+    phase: str = ""
+    committed: int = 0
+    loss: float | None = None
+    first_loss: float | None = None
+    throughput: float = 0.0
+    workers: dict[int, Worker] = field(default_factory=dict)
+    events: list[tuple[float, str]] = field(default_factory=list)
+    timeline: list[tuple[float, float, int]] = field(default_factory=list)
+    """(seconds since start, samples/s, active workers)."""
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    switches: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    """Generation -> (rendezvous s, copy s, bytes) measured by the workers, read before teardown."""
+    training_since: float | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def event(self, text: str) -> str:
+        self.events.append((self.elapsed(), text))
+        return text
+
+
+class Probe:
+    """Reads the stack: Redis (plan, heartbeats, iterations), the job's TCPStore (commits, loss), the API."""
+
+    def __init__(self, job: str, nodes: int, redis_url: str) -> None:
+        import redis
+
+        from resilientjob.agent._redis import JobKeys
+
+        self.keys = JobKeys("default", job)
+        self.job = job
+        self.nodes = nodes
+        self.client = redis.Redis.from_url(redis_url)
+        self.store: Any = None
+        self.cursor = "0-0"
+        self.clock_offset = time.time() - time.monotonic()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _store(self) -> Any:
+        if self.store is None:
+            from resilientjob.agent._bridge import store_key
+
+            raw: Any = self.client.get(store_key(self.keys))
+            if raw:
+                from torch._C._distributed_c10d import TCPStore
+
+                host, _, port = bytes(raw).decode().rpartition(":")
+                self.store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        return self.store
+
+    def sample(self, seen: Observed) -> list[str]:
+        """Update `seen`; return the new events."""
+        from resilientjob.agent.telemetry_messages import (
+            MAX_PLAN_BYTES,
+            Heartbeat,
+            IterationRecord,
+            PlanAnnouncement,
+            decode,
+        )
+
+        from ._local import _call
+
+        new: list[str] = []
+        plan = decode(PlanAnnouncement, self.client.get(self.keys.plan), "demo.plan", MAX_PLAN_BYTES)
+        if plan is not None and plan.generation > seen.generation:
+            seen.generation, seen.layout, seen.policy = plan.generation, plan.layout, plan.policy
+            seen.plan_nodes = plan.plan.nodes
+            why = plan.trigger or "Planned"
+            what = f"{plan.strategy} mitigation" if plan.strategy else f"policy {plan.policy}"
+            new.append(
+                seen.event(f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what})")
+            )
+        beats = self.client.mget([self.keys.heartbeat(n) for n in range(self.nodes)])
+        for node, raw in enumerate(beats):
+            worker = seen.workers.setdefault(node, Worker(node))
+            beat = decode(Heartbeat, raw, "demo.heartbeat")
+            worker.alive = beat is not None
+            if beat is not None:
+                worker.generation, worker.step = beat.generation, beat.step
+        streams: Any = self.client.xread({self.keys.iterations: self.cursor}, count=10_000)
+        for _, entries in streams or []:
+            for entry_id, fields in entries:
+                self.cursor = entry_id.decode()
+                record = decode(IterationRecord, fields.get(b"m"), "demo.iteration")
+                if record is None:
+                    continue
+                worker = seen.workers.setdefault(record.node, Worker(record.node))
+                worker.compute_s = record.seconds
+                seen.samples.append((record.sent_at - self.clock_offset - seen.started, record.samples))
+        now = seen.elapsed()
+        recent = [count for at, count in seen.samples if at > now - WINDOW_S]
+        seen.throughput = sum(recent) / WINDOW_S
+        active = sum(1 for n in seen.plan_nodes if n in seen.workers and seen.workers[n].alive)
+        seen.timeline.append((now, seen.throughput, active))
+        store = self._store()
+        if store is not None:
+            seen.committed = int(store.add("committed", 0))
+            if seen.committed > 0:
+                seen.loss = float(store.get(f"loss/{seen.committed - 1}").decode().split(":")[1])
+                if seen.first_loss is None:
+                    seen.first_loss = float(store.get("loss/0").decode().split(":")[1])
+                    seen.training_since = now
+                    new.append(seen.event("training: first step committed"))
+        status, body = _call(
+            "GET", f"/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/{self.job}"
+        )
+        if status == 200 and isinstance(body, dict):
+            job_status = body.get("status") or {}
+            seen.phase = job_status.get("phase", "")
+            seen.recoveries = list(job_status.get("recoveries") or [])
+        return new
+
+    def transfers(self, generation: int) -> tuple[float, float, int]:
+        """(rendezvous s, copy s, bytes) of a generation's switch: the slowest node's times, all bytes."""
+        store = self._store()
+        rendezvous = copy = 0.0
+        moved = 0
+        for node in range(self.nodes) if store is not None else ():
+            key = f"event/applied/{generation}/{node}"
+            if store.check([key]):
+                applied = json.loads(store.get(key))
+                rendezvous = max(rendezvous, applied["rendezvous_s"])
+                copy = max(copy, applied["copy_s"])
+                moved += int(applied["bytes"])
+        return rendezvous, copy, moved
+
+
+# ---- rendering ---------------------------------------------------------------------------------------------
+def _render(seen: Observed, duration: float, job: str) -> Any:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    loss = f"{seen.loss:.4f}" if seen.loss is not None else "-"
+    header = (
+        f"[bold]{job}[/]  phase {seen.phase or '-'}  generation {seen.generation}  "
+        f"layout {seen.layout or '-'}  policy {seen.policy or '-'}\n"
+        f"step {seen.committed}  loss {loss}  throughput {seen.throughput:.1f} samples/s"
+    )
+    workers = Table(title="workers", expand=True)
+    for column in ("node", "state", "generation", "step", "compute s/step"):
+        workers.add_column(column, justify="right")
+    for node, worker in sorted(seen.workers.items()):
+        used = node in seen.plan_nodes
+        state = ("[green]training" if used else "[yellow]idle") if worker.alive else "[red]dead"
+        workers.add_row(str(node), state, str(worker.generation), str(worker.step), f"{worker.compute_s:.3f}")
+    events = Table(title="events", expand=True, show_header=False)
+    events.add_column("t", justify="right", width=7)
+    events.add_column("event")
+    for at, text in seen.events[-8:]:
+        events.add_row(f"{at:5.1f}s", text)
+    progress = ProgressBar(total=duration, completed=min(duration, seen.elapsed()))
+    return Group(Panel(header), workers, events, progress)
+
+
+def _summary(seen: Observed) -> Any:
+    from rich.table import Table
+
+    table = Table(title="recoveries")
+    for column in (
+        "gen",
+        "trigger",
+        "nodes",
+        "policy / strategy",
+        "layout",
+        "detect s",
+        "plan s",
+        "rendezvous s",
+        "copy s",
+        "bytes",
+    ):
+        table.add_column(column)
+    for recovery in seen.recoveries:
+        generation = int(recovery.get("generation", 0))
+        rendezvous, copy, moved = seen.switches.get(generation, (0.0, 0.0, 0))
+        strategy = recovery.get("strategy") or ""
+        table.add_row(
+            str(generation),
+            str(recovery.get("trigger", "")),
+            ",".join(map(str, recovery.get("nodes", []))),
+            f"{recovery.get('policy', '')}" + (f" / {strategy}" if strategy else ""),
+            str(recovery.get("layout", "")),
+            f"{float(recovery.get('detectS', 0.0)):.3f}",
+            f"{float(recovery.get('planS', 0.0)):.4f}",
+            f"{rendezvous:.3f}",
+            f"{copy:.3f}",
+            str(moved),
+        )
+    return table
+
+
+def _plot(seen: Observed, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [t for t, _, _ in seen.timeline]
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    top.plot(times, [rate for _, rate, _ in seen.timeline], color="tab:blue")
+    top.set_ylabel("samples / s")
+    top.set_title(f"rjob demo: throughput and active workers ({seen.layout})")
+    bottom.step(times, [active for _, _, active in seen.timeline], where="post", color="tab:green")
+    bottom.set_ylabel("active workers")
+    bottom.set_xlabel("seconds since start")
+    bottom.set_ylim(bottom=0)
+    for at, text in seen.events:
+        if text.startswith(("kill", "slow", "generation")) and not text.startswith("generation 0"):
+            for axis in (top, bottom):
+                axis.axvline(
+                    at, color="tab:red" if text.startswith(("kill", "slow")) else "grey", ls="--", lw=0.8
+                )
+            top.annotate(
+                text.split(":")[0],
+                (at, 0),
+                xytext=(3, 3),
+                textcoords="offset points",
+                fontsize=7,
+                rotation=90,
+            )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        yield buffer
+
+
+@dataclass(slots=True)
+class Chaos:
+    """When to kill and slow which worker: a kill once training runs, a slowdown once it has recovered."""
+
+    job: str
+    nodes: int
+    duration: float
+    kill_node: int
+    killed_at: float | None = None
+    slowed: bool = False
+
+    def step(self, seen: Observed) -> list[str]:
+        from ._local import _kill, _slow
+
+        if seen.training_since is None:
+            return []
+        now = seen.elapsed()
+        kill_after = min(25.0, max(5.0, 0.15 * self.duration))
+        if self.killed_at is None and now >= seen.training_since + kill_after:
+            with _quiet():
+                _kill(f"{self.job}-node-{self.kill_node}")
+            self.killed_at = now
+            return [seen.event(f"kill: worker {self.kill_node} (SIGKILL)")]
+        slow_after = min(30.0, max(6.0, 0.2 * self.duration))
+        remaining = self.duration - now
+        if (
+            self.killed_at is not None
+            and not self.slowed
+            and now >= self.killed_at + slow_after
+            and remaining > 5
+        ):
+            candidates = [n for n in seen.plan_nodes if n != self.kill_node]
+            if not candidates:
+                return []
+            node = max(candidates)
+            with _quiet():
+                _slow(f"{self.job}-node-{node}", SLOW_FACTOR, f"{remaining:.0f}s")
+            self.slowed = True
+            return [seen.event(f"slow: worker {node} x{SLOW_FACTOR:g} for {remaining:.0f}s")]
+        return []
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.duration < 20:
+        raise CliError(f"duration: at least 20 seconds, got {args.duration:g}")
+    manifest = Path(args.filename)
+    try:
+        document = yaml.safe_load(manifest.read_text())
+        job, nodes = str(document["metadata"]["name"]), int(document["spec"]["nodes"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        raise CliError(f"filename: cannot read a ResilientJob from {str(manifest)!r}: {exc}") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["RJOB_LOCAL_DIR"] = str((out / "stack").resolve())
+
+    from rich.console import Console
+
+    from . import _local
+
+    # Logs and CI have no terminal: rich would wrap the summary at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    seen = Observed()
+    probe: Probe | None = None
+    try:
+        with _quiet():
+            _local._down()  # a stack left over by a demo that was killed hard
+            _local._up()
+            _local._apply(manifest)
+        state = json.loads((Path(os.environ["RJOB_LOCAL_DIR"]) / "state.json").read_text())
+        console.print(f"local stack up; {job}: {nodes} workers training a small GPT for {args.duration:g} s")
+        seen.event(f"applied {manifest.name}: {nodes} workers")
+        probe = Probe(job, nodes, state["redis_url"])
+        chaos = Chaos(job, nodes, args.duration, kill_node=min(2, nodes - 1))
+        _watch(seen, probe, chaos, args, console, job)
+    except KeyboardInterrupt:
+        console.print("interrupted: tearing down")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if probe is not None:
+            with contextlib.suppress(Exception):
+                probe.sample(seen)
+                for recovery in seen.recoveries:
+                    generation = int(recovery.get("generation", 0))
+                    seen.switches[generation] = probe.transfers(generation)
+            probe.close()
+        with _quiet():
+            _local._down()
+    if probe is None:
+        return 1
+    return _report(seen, out, console)
+
+
+def _watch(
+    seen: Observed, probe: Probe, chaos: Chaos, args: argparse.Namespace, console: Any, job: str
+) -> None:
+    from rich.live import Live
+
+    def tick() -> list[str]:
+        return probe.sample(seen) + chaos.step(seen)
+
+    if args.no_live:
+        last_line = 0.0
+        while seen.elapsed() < args.duration:
+            for text in tick():
+                console.print(f"[{seen.elapsed():6.1f}s] {text}")
+            if seen.elapsed() - last_line >= 5:
+                last_line = seen.elapsed()
+                alive = sum(1 for w in seen.workers.values() if w.alive)
+                console.print(
+                    f"[{seen.elapsed():6.1f}s] gen {seen.generation} {seen.layout} step {seen.committed} "
+                    f"loss {seen.loss if seen.loss is None else round(seen.loss, 4)} "
+                    f"{seen.throughput:.1f} samples/s, {alive} workers alive"
+                )
+            time.sleep(SAMPLE_S)
+        return
+    with Live(_render(seen, args.duration, job), console=console, refresh_per_second=4) as live:
+        while seen.elapsed() < args.duration:
+            tick()
+            live.update(_render(seen, args.duration, job))
+            time.sleep(SAMPLE_S)
+
+
+def _report(seen: Observed, out: Path, console: Any) -> int:
+    console.print(_summary(seen))
+    if seen.first_loss is not None and seen.loss is not None:
+        console.print(f"loss {seen.first_loss:.4f} at step 0 -> {seen.loss:.4f} at step {seen.committed - 1}")
+    path = out / "demo.png"
+    _plot(seen, path)
+    console.print(f"wrote {path}")
+    return 0

@@ -1,0 +1,63 @@
+"""The operator's batched Redis reads against a real redis-server: one script call for every node's
+heartbeat TTL (with the agents' has-beaten bitmap and the committed generation), fencing, and length-framed
+stream reads that drop hostile entries."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from resilientjob.agent._redis import JobKeys
+from resilientjob.agent.telemetry import Telemetry
+from resilientjob.agent.telemetry_messages import DropReason, dropped
+from resilientjob.operator._redis_state import JobRedis, node_list
+
+KEYS = JobKeys("default", "scan")
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    connection = aioredis.Redis.from_url(redis_url)
+    yield connection
+    await connection.aclose()
+
+
+async def test_one_scan_reports_live_expired_and_never_started_nodes(client: aioredis.Redis) -> None:
+    state = JobRedis(client, KEYS)
+    agents = [Telemetry(client, KEYS, node, f"scan-node-{node}") for node in range(6)]
+    for agent in agents[:4]:
+        await agent.beat()  # nodes 0-3 beat (key + bitmap); 4 and 5 never start
+    await client.delete(KEYS.heartbeat(2))  # node 2's key expired
+    await client.set(KEYS.heartbeat(5), b"{}", px=1500)  # a bare key counts as alive too
+    nodes = np.arange(6, dtype=np.int64)
+    scan = await state.scan(nodes, node_list(nodes.tolist()))
+    assert scan.live.tolist() == [True, True, False, True, False, True]
+    assert 1.5 < float(scan.left_s[0]) <= 2.0 and 1.0 < float(scan.left_s[5]) <= 1.5
+    assert scan.expired == [2]  # node 4 never beat: judged by its pod, not flagged
+    assert scan.generation is None  # nothing committed yet
+    await state.fence(3)
+    after = await state.scan(nodes, node_list(nodes.tolist()))
+    assert not after.live[3] and 3 not in after.expired  # a replacement must beat before silence counts
+    assert await state.live_heartbeats([0, 1, 2]) == pytest.approx({0: 2.0, 1: 2.0}, abs=0.1)
+
+
+async def test_stream_reads_are_incremental_and_drop_hostile_entries(client: aioredis.Redis) -> None:
+    state = JobRedis(client, KEYS)
+    assert await state.new_iterations() == []  # the operator starts at the stream's end
+    agent = Telemetry(client, KEYS, 1, "scan-node-1")
+    before_invalid = dropped("operator.iterations", DropReason.INVALID)
+    before_malformed = dropped("operator.iterations", DropReason.MALFORMED)
+    await agent.record_iteration(0, 1, 0.5, 4)
+    await client.xadd(KEYS.iterations, {"m": b"\xff\x00 not json\n{}"})
+    await client.xadd(KEYS.iterations, {"other": b"x"})
+    await agent.record_iteration(0, 2, 0.25, 4)
+    records = await state.new_iterations()
+    assert [(r.step, r.seconds) for r in records] == [(1, 0.5), (2, 0.25)]
+    assert dropped("operator.iterations", DropReason.INVALID) == before_invalid + 1
+    assert dropped("operator.iterations", DropReason.MALFORMED) == before_malformed + 1
+    assert await state.new_iterations() == []
+    await agent.record_iteration(0, 3, 0.3, 4)
+    assert [r.step for r in await state.new_iterations(count=10)] == [3]
