@@ -9,15 +9,15 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 import yaml
+from _support import until
 
 from resilientjob.agent._bridge import (
     RUNTIME_MODELS,
@@ -33,7 +33,6 @@ from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------
@@ -124,17 +123,6 @@ def _rjob(state: Path, *args: str) -> str:
     return done.stdout
 
 
-def _until(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Path]:
     state = tmp_path / "local"
@@ -164,7 +152,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     state = json.loads((stack / "state.json").read_text())
     client = redis.Redis.from_url(state["redis_url"])
     keys = JobKeys("default", "bridge")
-    address = _until(lambda: client.get(store_key(keys)), 30, "the store host")
+    address = until(lambda: client.get(store_key(keys)), 30, "the store host")
     host, _, port = address.decode().rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
 
@@ -174,7 +162,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     def published() -> PlanAnnouncement:
         return PlanAnnouncement.model_validate_json(client.get(keys.plan) or b"")
 
-    _until(lambda: committed() >= 20, 40, "20 committed steps on 4 workers")
+    until(lambda: committed() >= 20, 40, "20 committed steps on 4 workers")
     before = published().plan
     share = next(p.microbatches for p in before.pipelines if p.stages[0].node == 2) * before.microbatch_size
     killed_at = committed()
@@ -184,11 +172,11 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
         current = published()
         return current if current.generation >= 1 and 2 not in current.plan.nodes else None
 
-    recovered = _until(without_node_2, 20, "a generation without node 2")
+    recovered = until(without_node_2, 20, "a generation without node 2")
     assert recovered.trigger == "NodeFailed" and recovered.nodes == [2]
     assert committed() >= killed_at
     replanned_at = committed()
-    _until(lambda: committed() >= replanned_at + 30, 30, "30 steps after the new generation")
+    until(lambda: committed() >= replanned_at + 30, 30, "30 steps after the new generation")
     end = committed()
     assert int(store.add("failures", 0)) == 1  # the store host announced the death once
 

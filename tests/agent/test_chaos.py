@@ -4,10 +4,7 @@ real traced gloo calls, and `rjob chaos slow|clear|kill` against the emulated Ku
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +15,7 @@ import pytest
 import redis
 import torch
 import torch.distributed as dist
+from _support import redis_server
 from test_tracing import run_gloo
 
 from resilientjob.agent import chaos, tracing
@@ -44,24 +42,8 @@ ALLOW = {ALLOW_ENV: "1"}
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
-            *("--save", "", "--appendonly", "no", "--requirepass", PASSWORD),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            break
-        time.sleep(0.02)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(5)
+    with redis_server(PASSWORD) as url:
+        yield url
 
 
 @pytest.fixture

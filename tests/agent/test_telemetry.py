@@ -4,15 +4,13 @@ iteration stream, change-point reports, plan announcements, and hostile data dro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from _support import redis_server
 from redis.exceptions import AuthenticationError
 
 from resilientjob.agent._redis import JobKeys, connect
@@ -35,33 +33,8 @@ PASSWORD = "s3cret-for-tests"
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--requirepass",
-            PASSWORD,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            break
-        time.sleep(0.02)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(5)
+    with redis_server(PASSWORD) as url:
+        yield url
 
 
 @pytest.fixture

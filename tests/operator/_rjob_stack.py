@@ -16,11 +16,10 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -151,33 +150,6 @@ class Kube:
             return not await self.list(api.PLURAL)
 
         await eventually(gone, timeout, "test jobs deleted")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def redis_server(password: str | None = None) -> Iterator[str]:
-    """A throwaway redis-server; yields its URL (without the password)."""
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    if password:
-        command += ["--requirepass", password]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(5)
 
 
 @contextlib.asynccontextmanager

@@ -19,8 +19,8 @@ from _rjob_stack import (
     Stack,
     api_server,
     connection_from_kubeconfig,
-    redis_server,
 )
+from _support import redis_server
 
 
 @pytest.fixture

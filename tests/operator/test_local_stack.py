@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _rjob_stack import emulator_only
+from _support import until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -36,17 +37,6 @@ def rjob(state: Path, *args: str, check: bool = True) -> subprocess.CompletedPro
     if check:
         assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
     return done
-
-
-def until(probe: Callable[[], str | None], timeout: float, what: str) -> str:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
 
 
 @pytest.fixture

@@ -1,0 +1,53 @@
+"""Helpers shared by the tests: a throwaway real redis-server on a free port, and polling with a deadline.
+
+Importable from every test folder because `tests/conftest.py` puts this folder on `sys.path`."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def redis_server(password: str | None = None) -> Iterator[str]:
+    """A throwaway redis-server on loopback; yields its URL (without the password)."""
+    port = free_port()
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if password:
+        command += ["--requirepass", password]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(5)
+
+
+def until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` and the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
