@@ -12,7 +12,7 @@ from typing import Any
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
-from resilientjob.planner.search import initial_plan, replan
+from resilientjob.planner.search import initial_plan, replan, warm_up
 from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
 
 from .api import ResilientJobSpec, inline_profile
@@ -63,6 +63,12 @@ def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None 
         checkpoint_load_s=overheads.restart_s,
     )
     return PlannerInputs(profile=profile, cluster=cluster, job=job, costs=costs)
+
+
+def warm_planner(inputs: PlannerInputs) -> int:
+    """Precompute the planner's per-depth tables for this job (run in a thread at controller set-up), so a
+    failure right after an operator restart is planned as fast as any later one."""
+    return warm_up(inputs.profile, inputs.cluster, inputs.job)
 
 
 def plan_initial(spec: ResilientJobSpec, inputs: PlannerInputs) -> Plan:

@@ -35,7 +35,7 @@ from resilientjob.planner.plan import Plan
 
 from . import _decide, _failslow, _manifests, api, metrics
 from ._kube import KubeApi, core_path, custom_path
-from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs
+from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
 from .settings import OperatorSettings
 
@@ -92,6 +92,7 @@ class JobController:
         self.wakeup = asyncio.Event()
         self.spec: api.ResilientJobSpec | None = None
         self.inputs: PlannerInputs | None = None
+        self._warm_up: asyncio.Task[int] | None = None
         self.redis: JobRedis | None = None
         self.failslow: _failslow.FailSlowTracker | None = None
         self.body: Mapping[str, Any] = {}
@@ -144,6 +145,9 @@ class JobController:
         except PlannerError as exc:
             await self._reject(exc)
             raise InvalidJob(str(exc)) from None
+        if self.inputs != inputs:
+            # Off the event loop and ahead of any failure; kept referenced so it is not collected mid-run.
+            self._warm_up = asyncio.create_task(asyncio.to_thread(warm_planner, inputs))
         self.spec, self.inputs = spec, inputs
         if self.failslow is None or self.failslow.spec != spec.fail_slow:
             self.failslow = _failslow.FailSlowTracker(spec.fail_slow)

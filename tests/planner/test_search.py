@@ -26,10 +26,10 @@ from resilientjob.planner import (
     uniform_profile,
 )
 from resilientjob.planner._dynamic import distribute, partitions
-from resilientjob.planner._search_shapes import ShapeTable, _makespan_bound
+from resilientjob.planner._search_shapes import ShapeTable, _makespan_bound, clear_shape_tables, shape_table
 from resilientjob.planner.balance import balance_monotone
 from resilientjob.planner.restorer import allreduce_rounds_from_bounds, transfer_time
-from resilientjob.planner.search import initial_plan, mean_time_between_failures, replan, score
+from resilientjob.planner.search import initial_plan, mean_time_between_failures, replan, score, warm_up
 
 MiB = 2**20
 
@@ -524,3 +524,17 @@ def test_bound_lines_stay_below_the_bound(data: st.DataObject) -> None:
         line = float(np.max(intercepts + microbatches * slopes))
         exact = _makespan_bound(forward[None], backward[None], sends[None], microbatches)[0]
         assert line <= exact * (1 + 1e-12)
+
+
+def test_warm_up_fills_the_tables_a_replan_uses() -> None:
+    profile = uniform_profile(12)
+    cluster = ClusterSpec(nodes=6)
+    job = JobSpec(global_batch=24, microbatch_size=1, fault_tolerance=1)
+    start = initial_plan(profile, cluster, job)
+    clear_shape_tables()
+    assert warm_up(profile, cluster, job) == 6  # every depth 1..6 fits in 80 GiB
+    table = shape_table(profile, cluster, job.num_microbatches)
+    filled = dict(table._splits)
+    assert sorted(filled) == [1, 2, 3, 4, 5, 6]
+    replan(start, profile, cluster, job, failed=[2])
+    assert table._splits == filled  # the replan found every split it needed ready
