@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "detect": ("resilientjob.cli._failslow", "find fail-slow change points in an iteration-time trace"),
     "rebalance": ("resilientjob.cli._failslow", "optimal micro-batch split over data-parallel groups (S2)"),
     "profile": ("resilientjob.cli._profile", "measure a model's per-layer profile on this device"),
+    "agent": ("resilientjob.cli._agent", "run the worker agent of one pod (what worker pods start)"),
     "operator": ("resilientjob.cli._operator", "run the ResilientJob operator (kopf)"),
     "local": ("resilientjob.cli._local", "the control plane on this machine (API server, Redis, operator)"),
     "simulate": ("resilientjob.cli._simulate", "simulate a training job under failures, per policy"),
@@ -49,7 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in args_list if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(args_list)
+    # Commands that hand their flags on to another program (`rjob agent`) take what argparse does not know.
+    args, extra = parser.parse_known_args(args_list)
+    if extra:
+        if not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.flags = [*getattr(args, "flags", []), *extra]
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

@@ -20,3 +20,12 @@ def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["frobnicate"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_agent_command_needs_its_pod_identity(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("RJOB_JOB", "RJOB_NODE", "RJOB_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["agent", "--steps", "3"]) == 2
+    assert "RJOB_JOB" in capsys.readouterr().err
