@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from . import api
 from ._kube import KubeApi
 from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
+from ._worker_defaults import load_worker_defaults
 from .reconciler import InvalidJob, JobController, forget_job
 from .settings import OperatorSettings
 
@@ -67,6 +68,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 30
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
+    if SETTINGS.worker_defaults:
+        # Fail at start, naming the field, rather than create pods that never schedule.
+        load_worker_defaults(SETTINGS.worker_defaults)
 
 
 @kopf.on.cleanup()

@@ -37,6 +37,7 @@ from . import _decide, _failslow, _manifests, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
+from ._worker_defaults import load_worker_defaults
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")
@@ -224,6 +225,8 @@ class JobController:
             manifest = _manifests.pod_manifest(
                 self.body, spec, node, published.generation, published.layout, redis_url=self._redis_url()
             )
+            if self.settings.worker_defaults:
+                manifest = load_worker_defaults(self.settings.worker_defaults).apply(manifest)
             async with limit:
                 await self.kube.create(core_path(self.namespace, "pods"), manifest)
 

@@ -29,6 +29,9 @@ class OperatorSettings:
     metrics_port: int = 0
     """Port of the Prometheus endpoint; 0 disables it."""
 
+    worker_defaults: str | None = None
+    """JSON file of defaults for worker pods (the Helm chart's `workers` values); None: none."""
+
     standalone: bool = False
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
@@ -50,6 +53,7 @@ class OperatorSettings:
             ("poll_interval_s", "RJOB_POLL_INTERVAL_S", float),
             ("status_interval_s", "RJOB_STATUS_INTERVAL_S", float),
             ("metrics_port", "RJOB_METRICS_PORT", int),
+            ("worker_defaults", "RJOB_WORKER_DEFAULTS", str),
         ):
             if env.get(variable):
                 given[name] = kind(env[variable])
@@ -68,6 +72,7 @@ class OperatorSettings:
             ("RJOB_API_URL", self.api_url),
             ("RJOB_KUBECONFIG", self.kubeconfig),
             ("RJOB_NAMESPACE", self.namespace),
+            ("RJOB_WORKER_DEFAULTS", self.worker_defaults),
         ):
             if value:
                 env[key] = value

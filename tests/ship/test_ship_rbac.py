@@ -30,7 +30,8 @@ from _chart import CHART, ROOT, objects, one
 from resilientjob.operator import api
 
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
-from _rjob_stack import eventually, job_manifest, redis_server, rjob_path
+from _rjob_stack import eventually, job_manifest, rjob_path
+from _support import redis_server
 
 from resilientjob.operator.emulator import LocalApiServer
 

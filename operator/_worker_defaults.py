@@ -1,0 +1,83 @@
+"""Cluster-wide defaults for worker pods, from the Helm chart's `workers` values.
+
+The chart renders them into a ConfigMap mounted into the operator (`RJOB_WORKER_DEFAULTS` names the file):
+scheduling constraints (node selector, tolerations, affinity, priority and runtime class), extra container
+resources, shared memory and environment. A job's `spec.deviceResource` x `spec.gpusPerNode` still decides
+the accelerator request; these only add around it. A malformed file stops the operator at start with the
+field named, rather than creating pods that never schedule."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from resilientjob.planner._errors import PlannerError, error_from_validation
+
+
+class WorkerDefaults(BaseModel):
+    """What the chart's `workers` block renders (camelCase as in the JSON)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    accelerator: str = "none"
+    resource_name: str = Field(default="", alias="resourceName")
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    resources: dict[str, dict[str, str | int]] = Field(default_factory=dict)
+    priority_class_name: str = Field(default="", alias="priorityClassName")
+    runtime_class_name: str = Field(default="", alias="runtimeClassName")
+    shm_size: str = Field(default="", alias="shmSize")
+    env: list[dict[str, Any]] = Field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path) -> WorkerDefaults:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise PlannerError("RJOB_WORKER_DEFAULTS", f"cannot read {str(path)!r}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise PlannerError("RJOB_WORKER_DEFAULTS", f"{str(path)!r} is not JSON: {exc}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise error_from_validation(exc, prefix="workers") from None
+
+    def apply(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """The pod with these defaults merged in; the job's own settings win where both speak."""
+        spec = pod["spec"]
+        container = spec["containers"][0]
+        if self.node_selector:
+            spec["nodeSelector"] = {**self.node_selector, **spec.get("nodeSelector", {})}
+        if self.tolerations:
+            spec["tolerations"] = [*spec.get("tolerations", []), *self.tolerations]
+        if self.affinity:
+            spec.setdefault("affinity", self.affinity)
+        if self.priority_class_name:
+            spec.setdefault("priorityClassName", self.priority_class_name)
+        if self.runtime_class_name:
+            spec.setdefault("runtimeClassName", self.runtime_class_name)
+        if self.resources:
+            merged = container.setdefault("resources", {})
+            for kind, amounts in self.resources.items():
+                # The accelerator count comes from the job; the defaults add CPU, memory, RDMA, ...
+                merged[kind] = {**{k: str(v) for k, v in amounts.items()}, **merged.get(kind, {})}
+        if self.env:
+            named = {item["name"] for item in container["env"]}
+            container["env"] += [item for item in self.env if item.get("name") not in named]
+        if self.shm_size:
+            spec["volumes"].append(
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": self.shm_size}}
+            )
+            container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+        return pod
+
+
+@functools.lru_cache(maxsize=4)
+def load_worker_defaults(path: str) -> WorkerDefaults:
+    """The defaults file, read once per operator process (the chart mounts it read-only)."""
+    return WorkerDefaults.load(path)

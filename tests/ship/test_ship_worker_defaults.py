@@ -1,0 +1,78 @@
+"""The chart's `workers` values reach the worker pods: rendered defaults load in the operator, merge into
+the pods it creates, and the result is still a valid Pod."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _chart import CHART, objects, one, validate
+
+from resilientjob.operator import api
+from resilientjob.operator._manifests import pod_manifest
+from resilientjob.operator._worker_defaults import WorkerDefaults
+from resilientjob.planner import PlannerError
+
+
+def _rendered_defaults(values: Path) -> dict[str, Any]:
+    configmap = one(objects([values]), "ConfigMap", "rj-resilientjob-worker-defaults")
+    data: dict[str, Any] = json.loads(configmap["data"]["worker-defaults.json"])
+    return data
+
+
+def _job_pod(device: str) -> dict[str, Any]:
+    spec = api.parse_spec(
+        {
+            "image": "example/worker:1",
+            "model": "llama2-7b",
+            "nodes": 4,
+            "gpusPerNode": 8,
+            "deviceResource": device,
+            "globalBatchSize": 64,
+            "microBatchSize": 1,
+        }
+    )
+    body = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
+    return pod_manifest(body, spec, node=2, generation=0, layout="DP1 PP[4]", redis_url="redis://r:6379/0")
+
+
+@pytest.mark.parametrize(
+    ("values", "device"), [("gpu", "nvidia.com/gpu"), ("ascend", "huawei.com/Ascend910")]
+)
+def test_chart_defaults_schedule_worker_pods(values: str, device: str) -> None:
+    defaults = WorkerDefaults.model_validate(_rendered_defaults(CHART / "ci" / f"{values}-values.yaml"))
+    pod = defaults.apply(_job_pod(device))
+    spec = pod["spec"]
+    container = spec["containers"][0]
+    assert defaults.node_selector and spec["nodeSelector"] == defaults.node_selector
+    assert any(t.get("key") == device for t in spec["tolerations"])
+    # The job decides the accelerator count; the defaults never override it.
+    assert container["resources"]["limits"][device] == "8"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    validate(pod)
+
+
+def test_job_settings_win_over_defaults() -> None:
+    defaults = WorkerDefaults.model_validate(
+        {
+            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}},
+            "env": [{"name": "RJOB_NODE", "value": "9"}],
+        }
+    )
+    pod = defaults.apply(_job_pod("nvidia.com/gpu"))
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "memory": "64Gi"}
+    assert [e["value"] for e in container["env"] if e["name"] == "RJOB_NODE"] == ["2"]
+
+
+def test_bad_defaults_file_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "defaults.json"
+    path.write_text(json.dumps({"nodeSelector": {"zone": 3}, "tolerations": []}))
+    with pytest.raises(PlannerError) as info:
+        WorkerDefaults.load(path)
+    assert info.value.field.startswith("workers.nodeSelector")
+    path.write_text("{")
+    with pytest.raises(PlannerError, match="not JSON"):
+        WorkerDefaults.load(path)
