@@ -171,17 +171,7 @@ def estimate_pipeline(
     profile: ModelProfile, cluster: ClusterSpec, pipeline: PipelinePlan, microbatches: int | None = None
 ) -> float:
     """Step time of one pipeline (no gradient sync), from the profile and the stages' GPU counts."""
-    forward: list[float] = []
-    backward: list[float] = []
-    sends: list[float] = []
-    stages = pipeline.stages
-    for index, stage in enumerate(stages):
-        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
-        forward.append(fwd)
-        backward.append(bwd)
-        if index + 1 < len(stages):
-            same_node = stages[index + 1].node == stage.node
-            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same_node))
+    forward, backward, sends = pipeline_arrays(profile, cluster, pipeline)
     return pipeline_time(forward, backward, microbatches or pipeline.microbatches, sends)
 
 
