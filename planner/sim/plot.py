@@ -30,6 +30,16 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, figure: Any, path: str | Path) -> Path:
+    """Lay out, write the PNG (creating its folder) and free the figure."""
+    figure.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, dpi=110)
+    plt.close(figure)
+    return target
+
+
 def _steps(result: PolicyResult, column: int) -> tuple[list[float], list[float]]:
     hours = [entry[0] / 3600.0 for entry in result.timeline] + [result.hours]
     values = [float(entry[column]) for entry in result.timeline]
@@ -112,12 +122,7 @@ def plot_timelines(results: Mapping[str, PolicyResult], path: str | Path, title:
     top.legend(loc="upper right", fontsize=8)
     bottom.set_ylabel("active devices")
     bottom.set_xlabel("time (hours)")
-    figure.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, dpi=110)
-    plt.close(figure)
-    return target
+    return _save(plt, figure, path)
 
 
 def plot_bars(
@@ -140,12 +145,7 @@ def plot_bars(
     )
     axes.set_ylabel(ylabel)
     axes.set_title(title)
-    figure.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, dpi=110)
-    plt.close(figure)
-    return target
+    return _save(plt, figure, path)
 
 
 def plot_grouped(
@@ -167,9 +167,4 @@ def plot_grouped(
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, dpi=110)
-    plt.close(figure)
-    return target
+    return _save(plt, figure, path)
