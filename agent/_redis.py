@@ -67,6 +67,21 @@ class JobKeys:
         """Pub/sub channel announcing each new generation: the fast path to the workers."""
         return f"{self.prefix}plan:events"
 
+    @property
+    def profiles(self) -> str:
+        """Stream of `ProfileRecord`s (capped like the iteration stream)."""
+        return f"{self.prefix}profiles"
+
+    @property
+    def validation_request(self) -> str:
+        """The newest `ValidationRequest` (the operator sets it; the store host mirrors it to the workers)."""
+        return f"{self.prefix}validate:request"
+
+    @property
+    def validation_results(self) -> str:
+        """Stream of `ValidationResult`s, one per pass."""
+        return f"{self.prefix}validate:results"
+
     def chaos(self, node: int) -> str:
         """Fault injection for the local stack: a slowdown factor with an expiry."""
         return f"{self.prefix}chaos:{node}"

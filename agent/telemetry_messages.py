@@ -53,6 +53,12 @@ class IterationRecord(_Message):
     seconds: float = Field(gt=0, le=86400, allow_inf_nan=False, description="Wall time of this step.")
     samples: int = Field(ge=0, le=2**31, description="Samples this worker processed in the step.")
     sent_at: float = Field(ge=0, allow_inf_nan=False)
+    compute_s: float | None = Field(
+        default=None, ge=0, le=86400, allow_inf_nan=False, description="Of `seconds`, outside traced calls."
+    )
+    communication_s: float | None = Field(
+        default=None, ge=0, le=86400, allow_inf_nan=False, description="Of `seconds`, inside traced calls."
+    )
 
 
 class SlowKind(StrEnum):
@@ -94,6 +100,64 @@ class PlanAnnouncement(_Message):
     restore: Plan | None = Field(
         default=None, description="The healthy plan to return to when the fail-slow episode ends."
     )
+
+
+class ProfileRecord(_Message):
+    """One worker's profile over its last few iterations (Falcon 4.3, "Profiling"), from its call trace:
+    iteration time by ACF, split into compute and communication, and time per communication group."""
+
+    node: int = Field(ge=0, le=1_000_000)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0, description="The last step the profile covers.")
+    iterations: int = Field(ge=1, le=100_000)
+    iteration_s: float = Field(gt=0, le=86400, allow_inf_nan=False)
+    compute_s: float = Field(ge=0, le=86400, allow_inf_nan=False)
+    communication_s: float = Field(ge=0, le=86400, allow_inf_nan=False)
+    groups: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="Seconds per iteration inside each group's calls, by group label (node ids: '0,1,2' "
+        "for a collective, '0,1@1' for point-to-point with peer 1).",
+    )
+    sent_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+class ValidationTopology(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+
+
+class ValidationRequest(_Message):
+    """The operator asks the workers of `generation` to hold training at an iteration boundary and run the
+    validation pass (GEMM per device, link tests in the O(1) schedules). Ids only grow; a worker runs each id
+    at most once."""
+
+    id: int = Field(ge=1)
+    generation: int = Field(ge=0)
+    topology: ValidationTopology = ValidationTopology.RING
+    suspects: list[int] = Field(default_factory=list, max_length=100_000, description="Suspected nodes.")
+    reason: str = Field(default="", max_length=1024)
+    requested_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+class LinkTiming(_Message):
+    src: int = Field(ge=0, le=1_000_000, description="Sending node.")
+    dst: int = Field(ge=0, le=1_000_000, description="Receiving node.")
+    seconds: float = Field(ge=0, le=3600, allow_inf_nan=False)
+
+
+class ValidationResult(_Message):
+    """What a validation pass found, in node ids (one message per pass, written by the world's rank 0)."""
+
+    id: int = Field(ge=1, description="The request's id.")
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0, description="The iteration boundary at which training was held.")
+    gemm_s: dict[int, float] = Field(default_factory=dict, max_length=100_000)
+    links: list[LinkTiming] = Field(default_factory=list, max_length=100_000)
+    slow_nodes: list[int] = Field(default_factory=list, max_length=100_000)
+    slow_links: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
+    held_s: float = Field(ge=0, le=3600, allow_inf_nan=False, description="How long training was held.")
+    finished_at: float = Field(ge=0, allow_inf_nan=False)
 
 
 M = TypeVar("M", bound=BaseModel)
