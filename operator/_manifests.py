@@ -129,6 +129,8 @@ def pod_manifest(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    if spec.chaos.enabled:
+        env.append({"name": "RJOB_ALLOW_CHAOS", "value": "1"})  # agent.chaos.ALLOW_ENV
     secret = spec.redis.password_secret_ref
     if secret is not None:
         env.append(

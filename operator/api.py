@@ -137,6 +137,15 @@ class FailSlowSpec(_Api):
     overheads: StrategyOverheads = Field(default_factory=StrategyOverheads)
 
 
+class ChaosSpec(_Api):
+    """Fault injection for drills and demos (`rjob chaos slow|kill`): off unless a job opts in."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Let workers obey chaos orders (slow compute or a link, kill); never on for production.",
+    )
+
+
 class CheckpointSpec(_Api):
     volume: str | None = Field(default=None, max_length=253, description="PersistentVolumeClaim name.")
     path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
@@ -196,6 +205,7 @@ class ResilientJobSpec(_Api):
     policy: Policy = Policy.AUTO
     fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    chaos: ChaosSpec = Field(default_factory=ChaosSpec)
     redis: RedisSpec = Field(default_factory=RedisSpec, json_schema_extra=_immutable("redis"))
 
     @model_validator(mode="after")
