@@ -76,6 +76,8 @@ class Observed:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     switches: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     """Generation -> (rendezvous s, copy s, bytes) measured by the workers, read before teardown."""
+    copies: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Generation -> (layers to copy peer to peer, their bytes), as the plan lists its transfers."""
     training_since: float | None = None
 
     def elapsed(self) -> float:
@@ -134,10 +136,15 @@ class Probe:
         if plan is not None and plan.generation > seen.generation:
             seen.generation, seen.layout, seen.policy = plan.generation, plan.layout, plan.policy
             seen.plan_nodes = plan.plan.nodes
+            transfers = plan.plan.transfers
+            seen.copies[plan.generation] = (len(transfers), sum(t.bytes for t in transfers))
             why = plan.trigger or "Planned"
             what = f"{plan.strategy} mitigation" if plan.strategy else f"policy {plan.policy}"
+            moved = f", {len(transfers)} layer copies" if transfers else ""
             new.append(
-                seen.event(f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what})")
+                seen.event(
+                    f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what}{moved})"
+                )
             )
         beats = self.client.mget([self.keys.heartbeat(n) for n in range(self.nodes)])
         for node, raw in enumerate(beats):
@@ -236,13 +243,15 @@ def _summary(seen: Observed) -> Any:
         "detect s",
         "plan s",
         "rendezvous s",
+        "layers",
         "copy s",
-        "bytes",
+        "bytes copied",
     ):
         table.add_column(column)
     for recovery in seen.recoveries:
         generation = int(recovery.get("generation", 0))
         rendezvous, copy, moved = seen.switches.get(generation, (0.0, 0.0, 0))
+        layers, _ = seen.copies.get(generation, (0, 0))
         strategy = recovery.get("strategy") or ""
         table.add_row(
             str(generation),
@@ -253,6 +262,7 @@ def _summary(seen: Observed) -> Any:
             f"{float(recovery.get('detectS', 0.0)):.3f}",
             f"{float(recovery.get('planS', 0.0)):.4f}",
             f"{rendezvous:.3f}",
+            str(layers),
             f"{copy:.3f}",
             str(moved),
         )
@@ -430,6 +440,9 @@ def _watch(
 
 def _report(seen: Observed, out: Path, console: Any) -> int:
     console.print(_summary(seen))
+    layers = sum(count for count, _ in seen.copies.values())
+    copied = sum(moved for _, _, moved in seen.switches.values())
+    console.print(f"peer-to-peer: {layers} layer copies planned, {copied} bytes copied by the workers")
     if seen.first_loss is not None and seen.loss is not None:
         console.print(f"loss {seen.first_loss:.4f} at step 0 -> {seen.loss:.4f} at step {seen.committed - 1}")
     path = out / "demo.png"

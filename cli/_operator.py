@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--redis-url", help="Redis for jobs whose spec names none")
     parser.add_argument("--namespace", help="watch these namespaces, comma-separated (default: all)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--health-port", type=int, help="serve kopf's liveness endpoint /healthz on this port"
+    )
     parser.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
     parser.add_argument("--verbose", action="store_true")
     parser.set_defaults(handler=guarded(_run))
@@ -29,6 +32,7 @@ def _run(args: argparse.Namespace) -> int:
         ("redis_url", "RJOB_REDIS_URL"),
         ("namespace", "RJOB_NAMESPACE"),
         ("metrics_port", "RJOB_METRICS_PORT"),
+        ("health_port", "RJOB_HEALTH_PORT"),
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -46,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
             clusterwide=namespace is None,
             namespaces=namespace.split(",") if namespace else [],
             standalone=handlers.SETTINGS.standalone,
+            liveness_endpoint=handlers.SETTINGS.liveness_endpoint,
             # Replicas with equal kopf priorities all pause; distinct ones leave exactly one active.
             priority=int(os.environ.get("RJOB_PEERING_PRIORITY") or int.from_bytes(os.urandom(2))),
         )

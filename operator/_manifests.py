@@ -4,6 +4,7 @@ deletes them."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,40 @@ MANAGER = "resilientjob-operator"
 PODINFO_DIR = "/etc/podinfo"
 PLAN_DIR = "/etc/resilientjob"
 AGENT_COMMAND = ["python", "-m", "resilientjob.agent"]
+AGENT_METRICS_PORT = 9400
+"""Where each worker's agent serves Prometheus metrics (RJOB_AGENT_METRICS_PORT, container port `metrics`)."""
+AGENT_METRICS_ENV = "RJOB_AGENT_METRICS_PORT"
+SCRATCH_DIR = "/tmp"
+"""The one writable directory of a worker whose root filesystem is read-only (an emptyDir)."""
+WORKER_UID = 10001
+"""The image's `rjob` user (Dockerfile); any non-root uid works for images that bring their own."""
+
+# Pod Security Standard "restricted": what a namespace labelled pod-security.kubernetes.io/enforce=restricted
+# admits. The chart's `workers.podSecurityContext` / `workers.securityContext` replace these when set.
+WORKER_POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": WORKER_UID,
+    "runAsGroup": WORKER_UID,
+    # Checkpoint volumes become writable by the worker's group.
+    "fsGroup": WORKER_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+WORKER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+# With a read-only root, every cache torch and its helpers write goes under the scratch emptyDir.
+SCRATCH_ENV = {
+    "TMPDIR": SCRATCH_DIR,
+    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/cache",
+    "TORCH_HOME": f"{SCRATCH_DIR}/torch",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/torchinductor",
+    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/triton",
+    "MPLCONFIGDIR": f"{SCRATCH_DIR}/matplotlib",
+}
 
 
 def pod_name(job: str, node: int) -> str:
@@ -128,6 +163,8 @@ def pod_manifest(
         {"name": "RJOB_CHECKPOINT_PATH", "value": spec.checkpoint.path},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": AGENT_METRICS_ENV, "value": str(AGENT_METRICS_PORT)},
+        *({"name": name, "value": value} for name, value in SCRATCH_ENV.items()),
     ]
     if spec.chaos.enabled:
         env.append({"name": "RJOB_ALLOW_CHAOS", "value": "1"})  # agent.chaos.ALLOW_ENV
@@ -144,7 +181,12 @@ def pod_manifest(
         "image": spec.image,
         "command": list(spec.command) or list(AGENT_COMMAND),
         "env": env,
-        "volumeMounts": [{"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}],
+        "ports": [{"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
+        "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),
+        "volumeMounts": [
+            {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
+        ],
     }
     if spec.device_resource is not api.DeviceResource.NONE:
         count = str(spec.gpus_per_node)
@@ -158,10 +200,19 @@ def pod_manifest(
                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
                 ]
             },
-        }
+        },
+        {"name": "scratch", "emptyDir": {}},
     ]
+    in_scratch = spec.checkpoint.path.rstrip("/") == SCRATCH_DIR or spec.checkpoint.path.startswith(
+        f"{SCRATCH_DIR}/"
+    )
     if spec.checkpoint.volume:
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume}})
+    elif not in_scratch:
+        # Without a claim the checkpoint fallback still needs somewhere writable (node-local: it does not
+        # outlive the pod, which is what a job without a checkpoint volume accepts).
+        volumes.append({"name": "checkpoint", "emptyDir": {}})
+    if spec.checkpoint.volume or not in_scratch:
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
     metadata = _metadata(body, pod_name(job, node), {LABEL_NODE: str(node)})
     metadata["annotations"] = generation_annotations(generation, layout)
@@ -175,6 +226,7 @@ def pod_manifest(
             # The operator replaces failed workers through the planner, never by kubelet restarts that would
             # bring stale state back into a job that has moved on.
             "restartPolicy": "Never",
+            "securityContext": copy.deepcopy(WORKER_POD_SECURITY_CONTEXT),
             "containers": [container],
             "volumes": volumes,
         },

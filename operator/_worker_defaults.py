@@ -2,9 +2,11 @@
 
 The chart renders them into a ConfigMap mounted into the operator (`RJOB_WORKER_DEFAULTS` names the file):
 scheduling constraints (node selector, tolerations, affinity, priority and runtime class), extra container
-resources, shared memory and environment. A job's `spec.deviceResource` x `spec.gpusPerNode` still decides
-the accelerator request; these only add around it. A malformed file stops the operator at start with the
-field named, rather than creating pods that never schedule."""
+resources, shared memory, environment, the security contexts (the operator's own default is Pod Security
+"restricted") and the Secret that carries the default Redis's password to the workers. A job's
+`spec.deviceResource` x `spec.gpusPerNode` still decides the accelerator request; these only add around it.
+A malformed file stops the operator at start with the field named, rather than creating pods that never
+schedule."""
 
 from __future__ import annotations
 
@@ -12,10 +14,34 @@ import functools
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from resilientjob.planner._errors import PlannerError, error_from_validation
+
+
+class SecretKey(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="password", min_length=1, max_length=253)
+
+
+class DefaultRedis(BaseModel):
+    """The operator's default Redis (for jobs without spec.redis), as worker pods must reach it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    url: str = Field(min_length=1, pattern=r"^rediss?://", description="The address, without a password.")
+    password_secret: SecretKey | None = Field(default=None, alias="passwordSecret")
+
+
+def without_password(url: str) -> str:
+    """`url` with any user and password taken out of its authority."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=host))
 
 
 class WorkerDefaults(BaseModel):
@@ -33,6 +59,11 @@ class WorkerDefaults(BaseModel):
     runtime_class_name: str = Field(default="", alias="runtimeClassName")
     shm_size: str = Field(default="", alias="shmSize")
     env: list[dict[str, Any]] = Field(default_factory=list)
+    pod_security_context: dict[str, Any] | None = Field(default=None, alias="podSecurityContext")
+    """Replaces the operator's restricted pod securityContext when given ({} for none)."""
+    security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
+    """Replaces the worker container's restricted securityContext when given ({} for none)."""
+    redis: DefaultRedis | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> WorkerDefaults:
@@ -69,12 +100,31 @@ class WorkerDefaults(BaseModel):
         if self.env:
             named = {item["name"] for item in container["env"]}
             container["env"] += [item for item in self.env if item.get("name") not in named]
+        if self.pod_security_context is not None:
+            spec["securityContext"] = dict(self.pod_security_context)
+        if self.security_context is not None:
+            container["securityContext"] = dict(self.security_context)
+        if self.redis is not None:
+            _password_from_secret(container, self.redis)
         if self.shm_size:
             spec["volumes"].append(
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": self.shm_size}}
             )
             container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
         return pod
+
+
+def _password_from_secret(container: dict[str, Any], redis: DefaultRedis) -> None:
+    """A pod of a job on the default Redis gets a password-free URL and the password through a secretKeyRef,
+    so that the password never shows in the pod's spec (`kubectl get pod -o yaml`)."""
+    env = {item["name"]: item for item in container["env"]}
+    url = env.get("RJOB_REDIS_URL", {}).get("value")
+    if url is None or "RJOB_REDIS_PASSWORD" in env or without_password(url) != redis.url:
+        return  # the job names its own Redis (and Secret): not ours to touch
+    env["RJOB_REDIS_URL"]["value"] = redis.url
+    if redis.password_secret is not None:
+        ref = {"secretKeyRef": {"name": redis.password_secret.name, "key": redis.password_secret.key}}
+        container["env"].append({"name": "RJOB_REDIS_PASSWORD", "valueFrom": ref})
 
 
 @functools.lru_cache(maxsize=4)

@@ -3,6 +3,9 @@
 Pod phase follows the process (Running while it lives, Succeeded/Failed by exit code), annotations and
 labels are written to files the way the downward API does, `fieldRef`/`secretKeyRef` environment variables
 are resolved, and a deleted pod's process is stopped. It talks to the API over HTTP like any kubelet.
+
+All pods share this host's network, so a port a pod's spec fixes (the agent's metrics port, the same in every
+worker pod) is replaced by a free one per pod, written to `pods/<name>/metrics-port`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import base64
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from ._kube import KubeApi, core_path
-from ._manifests import LABEL_MANAGED_BY, MANAGER, downward_annotations_text
+from ._manifests import AGENT_METRICS_ENV, LABEL_MANAGED_BY, MANAGER, downward_annotations_text
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass(slots=True)
@@ -31,6 +43,7 @@ class RunningPod:
     podinfo: Path
     annotations: dict[str, str]
     reported: str = ""
+    metrics_port: int | None = None
 
 
 class ProcessKubelet:
@@ -123,6 +136,9 @@ class ProcessKubelet:
                 if value is not None:
                     env[item["name"]] = base64.b64decode(value).decode()
         env["RJOB_PODINFO_DIR"] = str(podinfo)
+        if env.get(AGENT_METRICS_ENV):
+            # One host for every pod: the spec's port (the same in every worker) would clash.
+            env[AGENT_METRICS_ENV] = str(free_port())
         return env
 
     async def _start(self, body: dict[str, Any]) -> RunningPod:
@@ -134,17 +150,22 @@ class ProcessKubelet:
         command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
         if command[0] in ("python", "python3"):
             command[0] = sys.executable  # the image's python is this environment's python
+        env = await self._env(body, podinfo)
+        metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
+        if metrics_port is not None:
+            (directory / "metrics-port").write_text(str(metrics_port))
         with self.log_path(name).open("ab") as log:
             process = subprocess.Popen(
                 command,
-                env=await self._env(body, podinfo),
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         (directory / "pid").write_text(str(process.pid))
+        annotations = dict(body["metadata"].get("annotations") or {})
         return RunningPod(
-            name, body["metadata"]["uid"], process, podinfo, dict(body["metadata"].get("annotations") or {})
+            name, body["metadata"]["uid"], process, podinfo, annotations, metrics_port=metrics_port
         )
 
     async def _report(self, pod: RunningPod) -> None:

@@ -20,14 +20,9 @@ import kopf
 
 from ._kube import KubeApi
 from .emulator import LocalApiServer
-from .kubelet import ProcessKubelet
+from .kubelet import ProcessKubelet, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+__all__ = ["free_port", "serve"]
 
 
 def _wait_for_port(port: int, timeout_s: float = 5.0) -> None:
@@ -67,7 +62,14 @@ async def serve(state_dir: Path) -> None:
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         async with LocalApiServer() as emulator, kmock.Server(emulator) as server:
             api_url = str(server.url).rstrip("/")
-            env = {**os.environ, "RJOB_API_URL": api_url, "RJOB_REDIS_URL": redis_url, "RJOB_STANDALONE": "1"}
+            health_port = free_port()
+            env = {
+                **os.environ,
+                "RJOB_API_URL": api_url,
+                "RJOB_REDIS_URL": redis_url,
+                "RJOB_STANDALONE": "1",
+                "RJOB_HEALTH_PORT": str(health_port),
+            }
             operator = subprocess.Popen(
                 [sys.executable, "-m", "resilientjob.cli", "operator"],
                 env=env,
@@ -81,6 +83,8 @@ async def serve(state_dir: Path) -> None:
                 "redis_url": redis_url,
                 "pid": os.getpid(),
                 "operator_pid": operator.pid,
+                # kopf's liveness endpoint, as the chart's probes ask it in a cluster.
+                "health_url": f"http://127.0.0.1:{health_port}/healthz",
             }
             (state_dir / "state.json").write_text(json.dumps(state))
             try:

@@ -1,17 +1,22 @@
-"""The operator's Prometheus metrics (served by `rjob operator --metrics-port`)."""
+"""The operator's Prometheus metrics (served by `rjob operator --metrics-port`).
+
+A job's series carry its name in the label `rjob`, not `job`: Prometheus sets `job` on every target (the
+scrape job), so an exported `job` label would be renamed `exported_job` or, with honorLabels, would replace
+the scrape job's name. The worker agents' series get the same `rjob` label from the chart's PodMonitor."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+JOB_LABEL = "rjob"
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120)
 
-PLAN_GENERATION = Gauge("rjob_plan_generation", "Published plan generation.", ["job"])
-ACTIVE_WORKERS = Gauge("rjob_active_workers", "Workers alive in the current plan.", ["job"])
-STEP_TIME = Gauge("rjob_step_time_seconds", "Measured step time (slowest reporting worker).", ["job"])
-SAMPLES_PER_SECOND = Gauge("rjob_samples_per_second", "Measured training throughput.", ["job"])
+PLAN_GENERATION = Gauge("rjob_plan_generation", "Published plan generation.", [JOB_LABEL])
+ACTIVE_WORKERS = Gauge("rjob_active_workers", "Workers alive in the current plan.", [JOB_LABEL])
+STEP_TIME = Gauge("rjob_step_time_seconds", "Measured step time (slowest reporting worker).", [JOB_LABEL])
+SAMPLES_PER_SECOND = Gauge("rjob_samples_per_second", "Measured training throughput.", [JOB_LABEL])
 RECONFIGURATIONS = Counter(
-    "rjob_reconfigurations_total", "Generations published after the first, by policy.", ["job", "policy"]
+    "rjob_reconfigurations_total", "Generations published after the first, by policy.", [JOB_LABEL, "policy"]
 )
 RECOVERY_SECONDS = Histogram(
     "rjob_recovery_seconds",
@@ -26,6 +31,6 @@ DETECTION_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 FAIL_SLOW_EVENTS = Counter(
-    "rjob_fail_slow_events_total", "Fail-slow change points reported by workers.", ["job"]
+    "rjob_fail_slow_events_total", "Fail-slow change points reported by workers.", [JOB_LABEL]
 )
 INVALID_JOBS = Counter("rjob_invalid_jobs_total", "ResilientJobs rejected for an invalid spec.")

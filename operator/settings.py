@@ -29,6 +29,9 @@ class OperatorSettings:
     metrics_port: int = 0
     """Port of the Prometheus endpoint; 0 disables it."""
 
+    health_port: int = 0
+    """Port of kopf's liveness endpoint (`/healthz`, what the chart's probes ask); 0 disables it."""
+
     worker_defaults: str | None = None
     """JSON file of defaults for worker pods (the Helm chart's `workers` values); None: none."""
 
@@ -38,8 +41,11 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0 or self.status_interval_s <= 0:
             raise ValueError("poll_interval_s and status_interval_s must be > 0")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        for name, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name} must be 0..65535, got {port}")
+        if self.health_port and self.health_port == self.metrics_port:
+            raise ValueError(f"health_port and metrics_port must differ, both are {self.health_port}")
 
     @classmethod
     def from_env(cls) -> OperatorSettings:
@@ -53,6 +59,7 @@ class OperatorSettings:
             ("poll_interval_s", "RJOB_POLL_INTERVAL_S", float),
             ("status_interval_s", "RJOB_STATUS_INTERVAL_S", float),
             ("metrics_port", "RJOB_METRICS_PORT", int),
+            ("health_port", "RJOB_HEALTH_PORT", int),
             ("worker_defaults", "RJOB_WORKER_DEFAULTS", str),
         ):
             if env.get(variable):
@@ -60,12 +67,18 @@ class OperatorSettings:
         given["standalone"] = env.get("RJOB_STANDALONE", "") in ("1", "true", "yes")
         return cls(**given)  # type: ignore[arg-type]
 
+    @property
+    def liveness_endpoint(self) -> str | None:
+        """kopf's `liveness_endpoint` for these settings (all interfaces: the kubelet probes the pod IP)."""
+        return f"http://0.0.0.0:{self.health_port}/healthz" if self.health_port else None
+
     def to_env(self) -> dict[str, str]:
         """The environment that makes `from_env` return these settings (for child processes)."""
         env = {
             "RJOB_REDIS_URL": self.redis_url,
             "RJOB_POLL_INTERVAL_S": str(self.poll_interval_s),
             "RJOB_METRICS_PORT": str(self.metrics_port),
+            "RJOB_HEALTH_PORT": str(self.health_port),
             "RJOB_STANDALONE": "1" if self.standalone else "",
         }
         for key, value in (

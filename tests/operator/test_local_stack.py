@@ -1,6 +1,7 @@
 """`rjob local` end to end, the way a user runs it: `up`, `apply -f examples/local-cpu.yaml`, `get`, `logs`,
 `chaos kill`, `chaos slow`, `down`, each a separate `rjob` process; the workers are real agent processes
-started by the process kubelet, heartbeating and reporting iterations to the stack's real Redis."""
+started by the process kubelet, heartbeating and reporting iterations to the stack's real Redis, each serving
+its metrics on a port of its own; the operator answers kopf's health endpoint as the chart's probes ask it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +77,15 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     until(running, 40, "4 running workers on generation 0")
     # The agents are real processes: they heartbeat and report iterations, so throughput gets measured.
     until(lambda: "x" if float(job_row(rjob(stack, "get").stdout)[-2]) > 0 else None, 20, "throughput")
+    # Four agents on one host: the kubelet gave each its own metrics port, and each serves its metrics.
+    ports = [int((stack / "pods" / f"local-cpu-node-{n}" / "metrics-port").read_text()) for n in range(4)]
+    assert len(set(ports)) == 4
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            assert b"rjob_agent_heartbeats_total" in reply.read()
+    health_url = json.loads((stack / "state.json").read_text())["health_url"]
+    with urllib.request.urlopen(health_url, timeout=5) as reply:
+        assert reply.status == 200 and isinstance(json.loads(reply.read()), dict)
     missing = rjob(stack, "logs", "local-cpu-node-9", check=False)
     assert missing.returncode == 2 and "local-cpu-node-9" in missing.stderr
     state = json.loads((stack / "state.json").read_text())

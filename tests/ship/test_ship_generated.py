@@ -14,7 +14,7 @@ import yaml
 from _chart import ROOT, crd_schemas, load_script, tool, validate
 
 from resilientjob.operator import api
-from resilientjob.operator._planning import plan_initial, planner_inputs
+from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -87,3 +87,16 @@ def test_schema_validation_rejects_a_bad_example() -> None:
     manifest["spec"]["deviceResource"] = "amd.com/gpu"
     with pytest.raises(Exception, match=re.escape("amd.com/gpu")):
         validate(manifest)
+
+
+def test_demo_job_is_pipelined_and_a_kill_copies_layers() -> None:
+    # `rjob demo` kills worker 2: the demo is only worth watching if that leads to a peer-to-peer copy.
+    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    assert manifest["spec"]["chaos"]["enabled"] is True
+    spec = api.parse_spec(manifest["spec"])
+    inputs = planner_inputs(spec)
+    initial = plan_initial(spec, inputs)
+    assert any(len(pipeline.stages) > 1 for pipeline in initial.pipelines), initial.layout
+    after = plan_next(spec, inputs, initial, failed=[2])
+    assert 2 not in after.nodes
+    assert after.transfers and all(t.src != 2 and t.dst != 2 and t.bytes > 0 for t in after.transfers)

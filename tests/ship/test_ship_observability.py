@@ -1,6 +1,7 @@
 """The Grafana dashboard and the PrometheusRule reference only metrics (and labels) that the operator and the
 agent really export: the names are read from prometheus_client's registry after importing
-operator/metrics.py and agent/telemetry.py, not from a list kept by hand."""
+operator/metrics.py and agent/telemetry.py, not from a list kept by hand; the agents' per-worker labels are
+the ones the chart's PodMonitor adds. No series is labelled `job`, Prometheus's own target label."""
 
 from __future__ import annotations
 
@@ -18,9 +19,17 @@ import resilientjob.operator.metrics  # noqa: F401  (registers the metrics)
 
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
 METRIC = re.compile(r"\b(rjob_[a-z0-9_]+)")
-BY = re.compile(r"\bby\s*\(([^)]*)\)")
+BY = re.compile(r"\b(?:by|on)\s*\(([^)]*)\)")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+SELECTOR = re.compile(r"\{([^}]*)\}")
 # Labels Prometheus adds at scrape time, and the histogram bucket label.
 SCRAPE_LABELS = {"le", "instance", "pod", "namespace"}
+
+
+def pod_monitor_labels() -> set[str]:
+    """The labels the chart's PodMonitor gives every agent series (from the pods' labels)."""
+    monitor = one(objects(sets={"metrics.podMonitor.enabled": "true"}), "PodMonitor")
+    return {r["targetLabel"] for e in monitor["spec"]["podMetricsEndpoints"] for r in e["relabelings"]}
 
 
 def exported() -> dict[str, set[str]]:
@@ -33,6 +42,8 @@ def exported() -> dict[str, set[str]]:
             if not family.name.startswith("rjob_"):
                 continue
             labels = set(collector._labelnames)
+            if family.name.startswith("rjob_agent_"):
+                labels |= pod_monitor_labels()
             names = {family.name}
             if family.type == "counter":
                 names = {family.name + "_total"}
@@ -110,5 +121,5 @@ def test_rules_are_parameterised_by_values() -> None:
     for alert in by_name.values():
         assert alert["labels"]["severity"] in {"info", "warning", "critical"}
         # An alert per job names the job in its summary.
-        if "by (job)" in alert["expr"]:
-            assert "{{ $labels.job }}" in alert["annotations"]["summary"], alert["alert"]
+        if "by (rjob)" in alert["expr"]:
+            assert "{{ $labels.rjob }}" in alert["annotations"]["summary"], alert["alert"]

@@ -118,6 +118,19 @@ password
     "priorityClassName" $w.priorityClassName
     "runtimeClassName" $w.runtimeClassName
     "shmSize" $w.shmSize
-    "env" $w.env -}}
+    "env" $w.env
+    "podSecurityContext" $w.podSecurityContext
+    "securityContext" $w.securityContext
+    "redis" (include "resilientjob.workerRedis" . | fromJson) -}}
 {{- toPrettyJson $out -}}
+{{- end -}}
+
+{{/* How worker pods of jobs without spec.redis reach the default Redis: the address without a password, and
+the Secret that holds it (referenced by the pods, in their own namespace). */}}
+{{- define "resilientjob.workerRedis" -}}
+{{- $out := dict "url" (include "resilientjob.redisAddress" .) -}}
+{{- if include "resilientjob.redisSecretName" . -}}
+{{- $_ := set $out "passwordSecret" (dict "name" (include "resilientjob.redisSecretName" .) "key" (include "resilientjob.redisSecretKey" .)) -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}
