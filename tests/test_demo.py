@@ -5,6 +5,7 @@ everything is torn down."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,9 @@ def test_demo_recovers_from_a_kill_and_writes_the_plot(tmp_path: Path) -> None:
     # The summary table's row for the fail-stop recovery: its trigger and the node that died.
     rows = [line for line in output.splitlines() if "NodeFailed" in line and "│" in line]
     assert rows and any(cell.strip() == "2" for cell in rows[0].split("│")), output
+    # The demo's layout is pipelined, so the recovery moves layers: the workers copied them peer-to-peer.
+    copies = re.search(r"peer-to-peer: (\d+) layer copies planned, (\d+) bytes copied", output)
+    assert copies is not None and int(copies[1]) > 0 and int(copies[2]) > 0, output
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert not (tmp_path / "stack" / "state.json").exists()  # torn down
