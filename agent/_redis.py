@@ -1,7 +1,9 @@
 """Redis connection and the key layout shared by the agents and the operator.
 
-Every key of a job lives under `rjob:{namespace}:{job}:` so that one Redis can serve many jobs and an ACL
-can confine each job's agents to their own prefix.
+Every key of a job lives under `rjob:{namespace/job}:` so that one Redis can serve many jobs and an ACL
+can confine each job's agents to their own prefix. The braces are a Redis Cluster hash tag: only
+`namespace/job` is hashed, so all of a job's keys sit in one slot and the operator's Lua scan (which builds
+heartbeat keys from the prefix) and its MULTI/EXEC commit may touch them together.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class JobKeys:
 
     @property
     def prefix(self) -> str:
-        return f"rjob:{self.namespace}:{self.job}:"
+        # Kubernetes names cannot contain '/', '{' or '}', so the tag is unambiguous.
+        return f"rjob:{{{self.namespace}/{self.job}}}:"
 
     def heartbeat(self, node: int) -> str:
         return f"{self.prefix}hb:{node}"

@@ -1,51 +1,86 @@
-"""Fail-slow mitigation for one job (Falcon section 5), pure: no I/O.
+"""Fail-slow localisation and mitigation for one job (Falcon sections 4.3 and 5), pure: no I/O.
 
-Agents run the planner's BOCD + verification on their own iteration times and send change-point reports;
+Agents run the planner's BOCD + verification on their own iteration times and send change-point reports.
 `FailSlowTracker` turns them into the events of Falcon's ski-rental controller
-(`planner.failslow.MitigationController`) and feeds it the slow nodes' iteration times. When the time lost
-pays for the next strategy, the tracker answers with a `Mitigation`, which the reconciler turns into a plan
-and publishes through the same generation path as a fail-stop:
+(`planner.failslow.MitigationController`) and feeds it the slow nodes' iteration times:
 
-- S2 (`microbatch`): the pipelines keep their stages; micro-batches move off the pipelines through slow nodes
-  (`microbatch_plan`: `balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed);
-- S3 (`topology`): stragglers are consolidated into as few stages as possible (`topology_plan`:
-  `failslow.consolidate_stragglers` on the DP x PP grid; symmetric layouts only);
-- S4 (`replace`): the slow nodes are handed to the fail-stop planner as failed, but their pods stay up
-  ("parked") so that their probe steps can show the recovery;
-- `restore`: a recovery change point ends the episode; parked nodes rejoin through the planner, otherwise the
-  healthy plan from before the episode comes back if it is estimated faster.
+1. A report is a *candidate*, not yet an episode. A compute report must be confirmed by the job-wide rule
+   of `_straggler` (the node's level against the other nodes', so noise on every node is no straggler)
+   continuously for `min_duration_s` and for a whole level window of new steps (with `min_duration_s` 0,
+   at once). One check that finds it within the threshold dismisses it (its level counts only steps from
+   its onset, so this is the evidence of the change itself), as does `CANDIDATE_TTL_S` without enough steps
+   to judge.
+   A communication report asks for a validation pass (`validation_wanted`): suspects are the reporter and the
+   nodes of the groups its profiles flag. The result names slow links (S3 a moves them off the
+   data-parallel path) and slow devices (compute stragglers); a result that finds nothing dismisses the
+   report; a result that never comes (`validation_timeout_s`) lets the episode go on with the reporter.
+2. When the time lost pays for the next strategy, the tracker answers with a `Mitigation`, which the
+   reconciler turns into a plan (`_failslow_plans`) and publishes through the same generation path as a
+   fail-stop: S2 `microbatch`, S3 `topology` (links first, then stragglers), S4 `replace` (slow nodes out,
+   their pods parked), and `restore` when the last slow node's recovery report ends the episode.
 
-The controller's state lives in memory: an operator restarted mid-episode starts the episode again at S1 (the
-plans already published, parked nodes and the plan to restore are in the committed announcement).
+Restart safety: `state()` is everything the episode needs (the controller's level, accumulated loss, causes
+and slow nodes; the tracker's slow nodes, links, candidates and the outstanding validation); the reconciler
+stores it in Redis whenever it changes and `restore()`s it in a restarted operator, so an episode goes on
+at the level it reached and no decision is repeated. The healthy plan to restore travels in the committed
+plan announcement.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from statistics import median
+from typing import Any
 
-from resilientjob.agent.telemetry_messages import IterationRecord, SlowKind, SlowReport
-from resilientjob.planner._errors import PlannerError
-from resilientjob.planner.balance import balance_monotone
-from resilientjob.planner.estimator import pipeline_time, send_time
+from resilientjob.agent.telemetry_messages import (
+    IterationRecord,
+    ProfileRecord,
+    SlowKind,
+    SlowReport,
+    ValidationResult,
+)
 from resilientjob.planner.failslow import (
     ChangeEvent,
     ChangeKind,
     MitigationController,
     MitigationCosts,
-    NodeGrid,
     RootCause,
     Strategy,
-    consolidate_stragglers,
 )
-from resilientjob.planner.plan import PipelinePlan, Plan
-from resilientjob.planner.profile import ModelProfile
-from resilientjob.planner.restorer import transfer_list
-from resilientjob.planner.spec import ClusterSpec
+from resilientjob.planner.failslow._skirental import _Episode
 
+from ._failslow_plans import (
+    link_plan,
+    microbatch_plan,
+    restored_plan,
+    slowed_step_time,
+    sync_time,
+    topology_plan,
+)
+from ._straggler import StragglerGate, communication_suspects
 from .api import FailSlowSpec
+
+__all__ = [
+    "CANDIDATE_TTL_S",
+    "Action",
+    "FailSlowTracker",
+    "Finding",
+    "Mitigation",
+    "link_plan",
+    "microbatch_plan",
+    "restored_plan",
+    "slowed_step_time",
+    "sync_time",
+    "topology_plan",
+]
+
+CANDIDATE_TTL_S = 60.0
+"""A report the job-wide rule has not confirmed this long after it came is dismissed as noise."""
+
+Link = tuple[int, int]
 
 
 class Action(StrEnum):
@@ -66,35 +101,101 @@ _ACTIONS = {
 
 @dataclass(frozen=True, slots=True)
 class Mitigation:
-    """Publish `action` for `nodes` (slow node -> slowdown factor) now."""
+    """Publish `action` for `nodes` (slow node -> slowdown factor), and for slow `links`, now."""
 
     action: Action
     factors: dict[int, float]
     reason: str
     loss_s: float
     detect_s: float
+    links: tuple[Link, ...] = ()
 
     @property
     def nodes(self) -> tuple[int, ...]:
         return tuple(sorted(self.factors))
 
 
+class FindingKind(StrEnum):
+    SLOW = "slow"  # an episode took these nodes in (NodeSlow)
+    RECOVERED = "recovered"  # a slow node's recovery report (NodeRecovered)
+    DISMISSED = "dismissed"  # a report the job-wide rule or a validation pass did not confirm
+    SLOW_LINK = "slow-link"  # validation named slow links
+    SLOW_DEVICE = "slow-device"  # validation named slow devices
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """Something the reconciler reports as a Kubernetes Event."""
+
+    kind: FindingKind
+    nodes: tuple[int, ...]
+    message: str
+    links: tuple[Link, ...] = ()
+
+
+@dataclass(slots=True)
+class _Candidate:
+    report: SlowReport
+    came_at: float
+    confirmed_since: float | None = None
+    confirmed_step: int = 0
+    """The node's latest step when the current confirmation began."""
+    validated: tuple[int, ...] | None = None
+    """Communication: the nodes validation named (None: not validated yet; (): the pass timed out)."""
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "report": self.report.model_dump(mode="json"),
+            "came_at": self.came_at,
+            "confirmed_since": self.confirmed_since,
+            "confirmed_step": self.confirmed_step,
+            "validated": None if self.validated is None else list(self.validated),
+        }
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> _Candidate:
+        validated = raw.get("validated")
+        return cls(
+            SlowReport.model_validate(raw["report"]),
+            float(raw["came_at"]),
+            None if raw.get("confirmed_since") is None else float(raw["confirmed_since"]),
+            int(raw.get("confirmed_step", 0)),
+            None if validated is None else tuple(int(n) for n in validated),
+        )
+
+
 @dataclass(slots=True)
 class FailSlowTracker:
-    """One job's fail-slow episode: reports and iteration times in, mitigations out."""
+    """One job's fail-slow episode: reports, iteration times, profiles and validations in; mitigations out.
+    Times (`now`) are wall-clock seconds, so that a restored state keeps its meaning in another process."""
 
     spec: FailSlowSpec
+    gate: StragglerGate = field(init=False)
     slow: dict[int, float] = field(default_factory=dict)
-    """Nodes currently slow, with their slowdown (new level / healthy level)."""
+    """Nodes of the current episode, with their slowdown (new level / healthy level)."""
+    links: set[Link] = field(default_factory=set)
+    """Slow links (sender, receiver) that validation named in this episode."""
     controller: MitigationController = field(init=False)
+    candidates: dict[int, _Candidate] = field(default_factory=dict)
+    awaiting: tuple[int, float] | None = None
+    """The outstanding validation request: (id, when it was sent)."""
+    profiles: dict[int, ProfileRecord] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    changed: bool = False
+    """Set by every change of `state()`; the reconciler clears it once stored."""
+    _sources: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _detect_s: float = 0.0
-    _opened_at: float = 0.0
-    _held: list[float] = field(default_factory=list)
     _fed: dict[int, int] = field(default_factory=dict)
+    _compute_episode: bool = True
+    """Whether the episode was opened by a compute report (its loss is then counted in compute time)."""
 
     def __post_init__(self) -> None:
+        self.gate = StragglerGate(self.spec.slowdown_threshold)
+        self.controller = self._fresh_controller()
+
+    def _fresh_controller(self) -> MitigationController:
         overheads = self.spec.overheads
-        self.controller = MitigationController(
+        return MitigationController(
             MitigationCosts(
                 microbatch_s=overheads.microbatch_s,
                 topology_s=overheads.topology_s,
@@ -106,33 +207,31 @@ class FailSlowTracker:
     def active(self) -> bool:
         return self.controller.active
 
+    # ---- inputs ------------------------------------------------------------------------------------------
     def report(self, report: SlowReport, now: float | None = None) -> Mitigation | None:
-        """A worker's change point. A slowdown opens (or widens) the episode; the last slow node's
-        recovery closes it and asks for the healthy layout back."""
+        """A worker's change point. A slowdown becomes a candidate; the recovery of the last node of the
+        episode closes it and asks for the healthy layout back."""
         if not self.spec.enabled:
             return None
+        clock = time.time() if now is None else now
         if report.recovered:
-            if self.slow.pop(report.node, None) is None or self.slow:
-                return None
-            self._held.clear()
-            self._fed.clear()
-            decision = self.controller.on_change(self._event(report))
-            if decision is None:
-                return None
-            return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
-        if report.slowdown < self.spec.slowdown_threshold:
+            return self._recovered(report)
+        if report.slowdown < self.spec.slowdown_threshold or report.node in self._sources:
             return None
-        if not self.controller.active:
-            self.controller.on_change(self._event(report))
-            onset = max(1, report.step - report.onset_step + 1)
-            self._detect_s = onset * (report.level_s or report.baseline_s * report.slowdown)
-            self._opened_at = time.monotonic() if now is None else now
-        self.slow[report.node] = report.slowdown
-        cause = RootCause.COMPUTE if report.kind is SlowKind.COMPUTE else RootCause.COMMUNICATION
-        self.controller.localized((cause,), (report.node,))
+        if report.node in self.candidates:
+            return None  # a repeated report neither restarts nor extends the pending confirmation
+        self.candidates[report.node] = _Candidate(report, clock)
+        self.changed = True
         return None
 
-    def iteration(self, record: IterationRecord, now: float | None = None) -> Mitigation | None:
+    def observe(self, record: IterationRecord) -> None:
+        """Every node's steps feed the job-wide levels."""
+        self.gate.observe(record)
+
+    def profile(self, record: ProfileRecord) -> None:
+        self.profiles[record.node] = record
+
+    def iteration(self, record: IterationRecord) -> Mitigation | None:
         """One step of a worker. Only the slowest node's steps count, once per step: in synchronous
         training every node waits for it, so its excess over the healthy step is the time the job loses."""
         if not self.controller.active or not self.slow:
@@ -141,190 +240,293 @@ class FailSlowTracker:
         if record.node != slowest or record.step <= self._fed.get(record.node, -1):
             return None
         self._fed[record.node] = record.step
-        # Slowdowns shorter than min_duration_s are ignored: hold their loss until the episode is that old.
-        self._held.append(record.seconds)
-        clock = time.monotonic() if now is None else now
-        if clock - self._opened_at < self.spec.min_duration_s:
-            return None
-        decision = None
-        for seconds in self._held:
-            decision = self.controller.on_iteration(seconds) or decision
-            if decision is not None:
-                break
-        self._held.clear()
+        # The same quantity as the opening report's baseline: a compute detector's report compares compute
+        # times (a compute straggler's excess is what every peer waits), a step detector's step times.
+        compute = self._compute_episode and record.compute_s is not None and record.compute_s > 0
+        seconds = record.compute_s if compute and record.compute_s is not None else record.seconds
+        decision = self.controller.on_iteration(seconds)
+        self.changed = True
         if decision is None or decision.strategy not in _ACTIONS:
             return None
         return Mitigation(
-            _ACTIONS[decision.strategy], dict(self.slow), decision.reason, decision.loss_s, self._detect_s
+            _ACTIONS[decision.strategy],
+            dict(self.slow),
+            decision.reason,
+            decision.loss_s,
+            self._detect_s,
+            tuple(sorted(self.links)),
         )
+
+    def tick(self, now: float | None = None) -> None:
+        """Judge the candidates: open the episode for those confirmed long enough, dismiss stale ones."""
+        clock = time.time() if now is None else now
+        compute = {
+            node: candidate.report.onset_step
+            for node, candidate in self.candidates.items()
+            if candidate.report.kind is SlowKind.COMPUTE
+        }
+        verdicts = self.gate.judge(compute) if compute else {}
+        for node, candidate in list(self.candidates.items()):
+            report = candidate.report
+            if report.kind is SlowKind.COMMUNICATION:
+                if candidate.validated is None:
+                    continue  # waiting for validation (or its timeout)
+                verdict: bool | None = True
+            else:
+                verdict = verdicts[node]
+            if verdict:
+                latest = self.gate.steps.get(node, report.step)
+                if candidate.confirmed_since is None:
+                    candidate.confirmed_since, candidate.confirmed_step = clock, latest
+                    self.changed = True
+                # Persistence is measured in time (the spec) and, for compute, in steps: the level window
+                # must have turned over once while confirmed, so two independent medians agree (one noisy
+                # window on a loaded machine does not open an episode).
+                turned = report.kind is SlowKind.COMMUNICATION or latest - candidate.confirmed_step >= (
+                    self.gate.window if self.spec.min_duration_s > 0 else 0
+                )
+                if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
+                    self._open(node, candidate)
+            elif verdict is False:
+                # The node's level since its onset is within the threshold of the others': noise, or a
+                # slowdown that every node shares (machine-wide). Not a straggler.
+                del self.candidates[node]
+                self.changed = True
+                self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
+                continue
+            if node in self.candidates and clock - candidate.came_at > CANDIDATE_TTL_S:
+                del self.candidates[node]
+                self.changed = True
+                self._dismiss(node, f"not confirmed against the other nodes within {CANDIDATE_TTL_S:.0f}s")
+
+    def _dismiss(self, node: int, why: str) -> None:
+        self.findings.append(
+            Finding(FindingKind.DISMISSED, (node,), f"node {node}: slow report ignored: {why}")
+        )
+
+    # ---- validation --------------------------------------------------------------------------------------
+    def validation_wanted(self) -> list[int] | None:
+        """Suspects for a validation pass, when a communication report waits for one and none is out."""
+        if self.awaiting is not None:
+            return None
+        waiting = [
+            node
+            for node, candidate in self.candidates.items()
+            if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None
+        ]
+        if not waiting:
+            return None
+        suspects = set(waiting)
+        for nodes in communication_suspects(self.profiles).values():
+            suspects.update(nodes)
+        return sorted(suspects)
+
+    def validation_sent(self, request_id: int, now: float | None = None) -> None:
+        self.awaiting = (request_id, time.time() if now is None else now)
+        self.changed = True
+
+    def validated(self, result: ValidationResult) -> None:
+        """A validation pass's result: slow links and devices join the waiting communication candidates
+        (their episode opens once `min_duration_s` old); a pass that finds nothing dismisses them."""
+        if self.awaiting is None or result.id != self.awaiting[0]:
+            return
+        self.awaiting = None
+        self.changed = True
+        links = sorted({(a, b) for a, b in result.slow_links if a != b})
+        devices = sorted(set(result.slow_nodes))
+        if links:
+            self.links.update(links)
+            self.findings.append(
+                Finding(
+                    FindingKind.SLOW_LINK,
+                    tuple(sorted({n for link in links for n in link})),
+                    "validation at step {} (training held {:.2f}s) found slow links {}".format(
+                        result.step, result.held_s, ", ".join(f"{a}->{b}" for a, b in links)
+                    ),
+                    tuple(links),
+                )
+            )
+        if devices:
+            self.findings.append(
+                Finding(
+                    FindingKind.SLOW_DEVICE,
+                    tuple(devices),
+                    f"validation at step {result.step} (training held {result.held_s:.2f}s) found slow "
+                    f"devices on nodes {devices}{_gemm_ratios(result.gemm_s, devices)}",
+                )
+            )
+        named = tuple(sorted({n for link in links for n in link} | set(devices)))
+        for node, candidate in list(self.candidates.items()):
+            if candidate.report.kind is not SlowKind.COMMUNICATION or candidate.validated is not None:
+                continue
+            if named:
+                candidate.validated = named
+            else:
+                del self.candidates[node]
+                self._dismiss(node, "validation found no slow link or device")
+
+    def validation_timeout(self, now: float | None = None) -> bool:
+        """True (once) when the outstanding pass is older than the spec's timeout: the waiting
+        communication candidates go on with their reporters as the suspects."""
+        clock = time.time() if now is None else now
+        if self.awaiting is None or clock - self.awaiting[1] < self.spec.validation_timeout_s:
+            return False
+        self.awaiting = None
+        self.changed = True
+        for candidate in self.candidates.values():
+            if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None:
+                candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone
+        return True
+
+    # ---- the episode -------------------------------------------------------------------------------------
+    def _open(self, reporter: int, candidate: _Candidate) -> None:
+        del self.candidates[reporter]
+        report = candidate.report
+        nodes = candidate.validated or (reporter,)
+        latest = max(self.gate.steps.get(reporter, report.step), report.step)
+        if not self.controller.active:
+            self.controller.on_change(_event(report, latest))
+            self._compute_episode = report.kind is SlowKind.COMPUTE
+            level = report.level_s or report.baseline_s * report.slowdown
+            self._detect_s = max(1, latest - report.onset_step + 1) * level
+        for node in nodes:
+            self.slow[node] = max(self.slow.get(node, 1.0), report.slowdown)
+        self._fed[reporter] = latest
+        self._sources[reporter] = nodes
+        causes: set[RootCause] = set()
+        if report.kind is SlowKind.COMPUTE:
+            causes.add(RootCause.COMPUTE)
+        elif not candidate.validated:
+            causes.update(RootCause)  # validation timed out: the cause is unproven, any strategy may help
+        else:
+            endpoints = {n for link in self.links for n in link}
+            if endpoints & set(nodes):
+                causes.add(RootCause.COMMUNICATION)
+            if set(nodes) - endpoints:
+                causes.add(RootCause.COMPUTE)  # a device that validation found slow
+        self.controller.localized(tuple(sorted(causes)), nodes)
+        self.changed = True
+        self.findings.append(
+            Finding(
+                FindingKind.SLOW,
+                nodes,
+                f"node {reporter} is {report.slowdown:.2f}x slower ({report.kind}) than its baseline "
+                f"({report.baseline_s:.3g}s/step) since step {report.onset_step}; slow nodes {list(nodes)}",
+            )
+        )
+
+    def _recovered(self, report: SlowReport) -> Mitigation | None:
+        dropped = self.candidates.pop(report.node, None)
+        nodes = self._sources.pop(report.node, None)
+        if nodes is None:
+            self.changed = self.changed or dropped is not None
+            return None
+        still = {n for led in self._sources.values() for n in led}
+        for node in nodes:
+            if node not in still:
+                self.slow.pop(node, None)
+        self.links = {link for link in self.links if link[0] in self.slow or link[1] in self.slow}
+        self.changed = True
+        self.findings.append(
+            Finding(
+                FindingKind.RECOVERED,
+                nodes,
+                f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+            )
+        )
+        if self.slow:
+            return None
+        self._fed.clear()
+        decision = self.controller.on_change(_event(report, report.step))
+        if decision is None:
+            return None
+        return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop
         replan already chose the layout)."""
-        for node in nodes:
+        gone = set(nodes)
+        for node in gone:
             self.slow.pop(node, None)
+            self.candidates.pop(node, None)
+            self._sources.pop(node, None)
+        self.links = {link for link in self.links if not set(link) & gone}
+        self.gate.forget(gone)
         if not self.slow and self.controller.active:
-            self.controller = MitigationController(self.controller.costs)
-            self._held.clear()
+            self.controller = self._fresh_controller()
+            self._sources.clear()
             self._fed.clear()
+            self.links.clear()
+        self.changed = True
 
-    @staticmethod
-    def _event(report: SlowReport) -> ChangeEvent:
-        before = report.baseline_s
-        after = report.level_s or before * report.slowdown
-        kind = ChangeKind.RECOVERY if report.recovered else ChangeKind.SLOWDOWN
-        onset = min(report.onset_step, report.step)
-        return ChangeEvent(index=onset, kind=kind, before_s=before, after_s=after, detected_at=report.step)
+    def drain_findings(self) -> list[Finding]:
+        out, self.findings = self.findings, []
+        return out
 
-
-# ---- the plans of S2 and S3 ------------------------------------------------------------------------------
-def _pipeline_time(
-    profile: ModelProfile,
-    cluster: ClusterSpec,
-    pipeline: PipelinePlan,
-    microbatches: int,
-    factors: dict[int, float],
-) -> float:
-    """Exact 1F1B makespan of one pipeline with the stages on slow nodes slowed by their factor."""
-    forward: list[float] = []
-    backward: list[float] = []
-    sends: list[float] = []
-    stages = pipeline.stages
-    for index, stage in enumerate(stages):
-        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
-        factor = 1.0 if stage.rerouted else factors.get(stage.node, 1.0)
-        forward.append(fwd * factor)
-        backward.append(bwd * factor)
-        if index + 1 < len(stages):
-            same = stages[index + 1].node == stage.node
-            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same))
-    return pipeline_time(forward, backward, microbatches, sends)
-
-
-def slowed_step_time(
-    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float]
-) -> float:
-    """The plan's pipeline makespan (no gradient sync) with slow nodes slowed: the quantity S2 and S3
-    minimise, and, with no factors, the healthy estimate a restore compares."""
-    return max(
-        _pipeline_time(profile, cluster, pipeline, pipeline.microbatches, factors)
-        for pipeline in plan.pipelines
-    )
-
-
-def sync_time(healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> float:
-    """What the planner's step estimate adds to the pipeline makespan (gradient sync), from the healthy
-    plan: a mitigated plan's published estimate is its slowed makespan plus this."""
-    return max(0.0, healthy.step_time_s - slowed_step_time(healthy, profile, cluster, {}))
-
-
-def microbatch_plan(
-    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], sync_s: float
-) -> Plan | str:
-    """S2: the same stages with micro-batches re-split to minimise the slowed makespan; or why not."""
-    if len(plan.pipelines) < 2:
-        return "one pipeline only: there is no other pipeline to take micro-batches"
-    total = sum(pipeline.microbatches for pipeline in plan.pipelines)
-    cache: dict[tuple[int, int], float] = {}
-
-    def cost(index: int, count: int) -> float:
-        key = (index, count)
-        if key not in cache:
-            cache[key] = _pipeline_time(profile, cluster, plan.pipelines[index], count, factors)
-        return cache[key]
-
-    counts = balance_monotone(cost, len(plan.pipelines), total)
-    if tuple(counts) == tuple(p.microbatches for p in plan.pipelines):
-        return "the current split is already the best for these slowdowns"
-    pipelines = tuple(
-        pipeline.model_copy(update={"microbatches": count})
-        for pipeline, count in zip(plan.pipelines, counts, strict=True)
-    )
-    before = slowed_step_time(plan, profile, cluster, factors)
-    after = max(cost(index, count) for index, count in enumerate(counts))
-    if after >= before * (1 - 1e-9):
-        return "no split is faster than the current one"
-    return plan.model_copy(
-        update={
-            "generation": plan.generation + 1,
-            "pipelines": pipelines,
-            "step_time_s": after + sync_s,
-            "transfers": (),
-            "transition_s": 0.0,
-            "candidates": (),
+    # ---- persistence -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything an operator restarted mid-episode needs (JSON-able)."""
+        # The planner's controller has no public snapshot; its episode is a plain dataclass (see report).
+        episode = self.controller._episode
+        return {
+            "episode": None
+            if episode is None
+            else {
+                "healthy_s": episode.healthy_s,
+                "causes": sorted(str(c) for c in episode.causes),
+                "nodes": list(episode.nodes),
+                "loss_s": episode.loss_s,
+                "applied": [str(s) for s in episode.applied],
+            },
+            "slow": {str(n): f for n, f in self.slow.items()},
+            "links": sorted(list(link) for link in self.links),
+            "sources": {str(n): list(led) for n, led in self._sources.items()},
+            "candidates": {str(n): c.state() for n, c in self.candidates.items()},
+            "awaiting": None if self.awaiting is None else list(self.awaiting),
+            "detect_s": self._detect_s,
+            "fed": {str(n): s for n, s in self._fed.items()},
+            "compute_episode": self._compute_episode,
         }
-    )
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue the episode `state()` described (raises KeyError/ValueError/TypeError if malformed)."""
+        raw = state.get("episode")
+        controller = self._fresh_controller()
+        if raw is not None:
+            controller._episode = _Episode(
+                healthy_s=float(raw["healthy_s"]),
+                causes={RootCause(c) for c in raw["causes"]},
+                nodes=tuple(int(n) for n in raw["nodes"]),
+                loss_s=float(raw["loss_s"]),
+                applied=[Strategy(s) for s in raw["applied"]],
+            )
+        slow = {int(n): float(f) for n, f in state["slow"].items()}
+        links = {(int(a), int(b)) for a, b in state["links"]}
+        sources = {int(n): tuple(int(m) for m in led) for n, led in state["sources"].items()}
+        candidates = {int(n): _Candidate.of(c) for n, c in state["candidates"].items()}
+        awaiting = state.get("awaiting")
+        self.controller, self.slow, self.links, self._sources = controller, slow, links, sources
+        self.candidates = candidates
+        self.awaiting = None if awaiting is None else (int(awaiting[0]), float(awaiting[1]))
+        self._detect_s = float(state.get("detect_s", 0.0))
+        self._fed = {int(n): int(s) for n, s in state.get("fed", {}).items()}
+        self._compute_episode = bool(state.get("compute_episode", True))
+        self.changed = False
 
 
-def _grid(plan: Plan) -> NodeGrid | str:
-    bounds = {tuple(stage.layers for stage in pipeline.stages) for pipeline in plan.pipelines}
-    if len(bounds) != 1:
-        return "the layout is asymmetric; consolidating stragglers needs equal pipelines"
-    if any(stage.rerouted for pipeline in plan.pipelines for stage in pipeline.stages):
-        return "the layout reroutes failed stages"
-    rows = tuple(tuple(stage.node for stage in pipeline.stages) for pipeline in plan.pipelines)
-    try:
-        return NodeGrid(rows, next(iter(bounds)))
-    except PlannerError as exc:
-        return exc.message
+def _gemm_ratios(gemm_s: Mapping[int, float], devices: list[int]) -> str:
+    if not gemm_s:
+        return ""
+    middle = median(gemm_s.values())
+    if middle <= 0:
+        return ""
+    parts = [f"{node}: {gemm_s[node] / middle:.2f}x" for node in devices if node in gemm_s]
+    return f" (GEMM vs median: {', '.join(parts)})" if parts else ""
 
 
-def topology_plan(
-    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], sync_s: float
-) -> Plan | str:
-    """S3: stragglers packed into as few (interior) stages as possible, weights copied peer-to-peer."""
-    grid = _grid(plan)
-    if isinstance(grid, str):
-        return grid
-    stragglers = [node for node in factors if node in set(grid.nodes)]
-    change = consolidate_stragglers(grid, stragglers, profile)
-    if not change.moved:
-        return "the stragglers already sit in as few stages as they can"
-    pipelines = tuple(
-        pipeline.model_copy(
-            update={
-                "stages": tuple(
-                    stage.model_copy(update={"node": node})
-                    for stage, node in zip(pipeline.stages, row, strict=True)
-                )
-            }
-        )
-        for pipeline, row in zip(plan.pipelines, change.after.rows, strict=True)
-    )
-    moved = plan.model_copy(update={"pipelines": pipelines})
-    before = slowed_step_time(plan, profile, cluster, factors)
-    after = slowed_step_time(moved, profile, cluster, factors)
-    if after >= before * (1 - 1e-9):
-        return "moving the stragglers would not shorten the step"
-    return moved.model_copy(
-        update={
-            "generation": plan.generation + 1,
-            "step_time_s": after + sync_s,
-            "transfers": change.transfers,
-            "transition_s": 0.0,
-            "candidates": (),
-        }
-    )
-
-
-def restored_plan(current: Plan, healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> Plan | str:
-    """The plan from before the episode as generation current + 1, if every node it needs still runs and it
-    is estimated faster than the mitigated plan once nothing is slow."""
-    missing = set(healthy.nodes) - set(current.nodes)
-    if missing:
-        return f"nodes {sorted(missing)} of the healthy plan are no longer in the layout"
-    healthy_s = slowed_step_time(healthy, profile, cluster, {})
-    current_s = slowed_step_time(current, profile, cluster, {})
-    if not healthy_s < current_s * (1 - 1e-9):
-        # Equal estimates (an S3 permutation): moving weights back would buy nothing.
-        return "the mitigated plan is as fast as the healthy one; it stays"
-    transfers = transfer_list(current.layers_by_node(), healthy.layers_by_node(), profile)
-    return healthy.model_copy(
-        update={
-            "generation": current.generation + 1,
-            "failed_nodes": current.failed_nodes,
-            "transfers": tuple(transfers),
-            "transition_s": 0.0,
-            "candidates": (),
-        }
-    )
+def _event(report: SlowReport, detected_at: int) -> ChangeEvent:
+    before = report.baseline_s
+    after = report.level_s or before * report.slowdown
+    kind = ChangeKind.RECOVERY if report.recovered else ChangeKind.SLOWDOWN
+    onset = min(report.onset_step, detected_at)
+    return ChangeEvent(index=onset, kind=kind, before_s=before, after_s=after, detected_at=detected_at)

@@ -4,17 +4,23 @@ set, then pub/sub), heartbeat liveness, and the iteration and fail-slow report s
 Built for thousands of agents per job on one core: each liveness scan is ONE server-side script call that
 returns every node's TTL packed as 4-byte integers, plus the committed generation (so the large plan is
 read and validated only when it changed); stream reads return their messages length-framed in one string.
+
+It also carries the fail-slow side channel: the agents' profiles and validation results (streams), the
+validation request (a key the operator sets), and the fail-slow episode's state (one JSON key, with the
+report stream's cursor, so a restarted operator neither loses the episode nor replays old reports).
 Without hiredis, redis-py parses replies in Python at tens of microseconds per element; a scan of 4,096
 PTTLs in a pipeline cost ~0.1 s of operator CPU, the packed reply costs well under a millisecond.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -27,11 +33,20 @@ from resilientjob.agent.telemetry_messages import (
     DropReason,
     IterationRecord,
     PlanAnnouncement,
+    ProfileRecord,
     SlowReport,
+    ValidationRequest,
+    ValidationResult,
+    ValidationTopology,
     decode,
     encode,
 )
 from resilientjob.planner.plan import Plan
+
+M = TypeVar("M", IterationRecord, SlowReport, ProfileRecord, ValidationResult)
+
+MAX_FAILSLOW_STATE_BYTES = 4 * 2**20
+"""The episode state is a few KiB; anything larger in its key was not written by the operator."""
 
 
 def announcement(
@@ -100,6 +115,7 @@ end
 return {last, table.concat(parts)}
 """
 _NO_FIELD = 0xFFFFFFFF
+_STREAM_ID = re.compile(r"\d+-\d+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +155,9 @@ class JobRedis:
         self.client = client
         self.keys = keys
         self._iterations_cursor = "$"
-        self._reports_cursor = "0-0"
+        self.reports_cursor = "0-0"
+        self._profiles_cursor = "$"
+        self._results_cursor = "0-0"
         self._scan = client.register_script(_SCAN)
         self._read_script = client.register_script(_READ)
 
@@ -152,13 +170,17 @@ class JobRedis:
         return decode(PlanAnnouncement, raw, "operator.plan", MAX_PLAN_BYTES)
 
     async def commit(
-        self, message: PlanAnnouncement, expected_generation: int | None
+        self,
+        message: PlanAnnouncement,
+        expected_generation: int | None,
+        failslow: dict[str, Any] | None = None,
     ) -> PlanAnnouncement | None:
         """Publish `message` only if the committed generation is still `expected_generation` (None: none yet).
 
         This is what makes a decision happen exactly once: an operator restarted mid-reconfiguration either
         finds its decision committed (and finishes applying it) or not (and decides again from scratch);
         two racing operators cannot both commit generation g+1. Returns the announcement when committed.
+        `failslow` (a mitigation's episode state) is stored in the same transaction.
         """
         async with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -173,6 +195,8 @@ class JobRedis:
                 pipe.set(self.keys.plan, encode(message))
                 pipe.set(self.keys.plan_generation, str(message.generation))
                 pipe.publish(self.keys.plan_channel, encode(message))
+                if failslow is not None:
+                    pipe.set(self.failslow_key, self._failslow_payload(failslow))
                 await pipe.execute()
             except WatchError:
                 return None
@@ -218,31 +242,82 @@ class JobRedis:
 
     async def new_iterations(self, count: int = 5000) -> list[IterationRecord]:
         """Iteration records appended since the last call (the first call starts at the stream's end)."""
-        return [
-            record
-            for record in await self._read(
-                self.keys.iterations, "_iterations_cursor", count, "operator.iterations", IterationRecord
-            )
-            if isinstance(record, IterationRecord)
-        ]
+        return await self._read(
+            self.keys.iterations, "_iterations_cursor", count, "operator.iterations", IterationRecord
+        )
 
     async def new_reports(self, count: int = 1000) -> list[SlowReport]:
-        return [
-            record
-            for record in await self._read(
-                self.keys.reports, "_reports_cursor", count, "operator.reports", SlowReport
-            )
-            if isinstance(record, SlowReport)
-        ]
+        """Slow reports since `reports_cursor` (from the start, or where a restored episode left off)."""
+        return await self._read(self.keys.reports, "reports_cursor", count, "operator.reports", SlowReport)
 
-    async def _read(
+    async def new_profiles(self, count: int = 5000) -> list[ProfileRecord]:
+        """Profiles appended since the last call (the first call starts at the stream's end)."""
+        return await self._read(
+            self.keys.profiles, "_profiles_cursor", count, "operator.profiles", ProfileRecord
+        )
+
+    async def new_validation_results(self, count: int = 100) -> list[ValidationResult]:
+        """Validation results since the last call (the caller matches them by request id)."""
+        return await self._read(
+            self.keys.validation_results, "_results_cursor", count, "operator.validation", ValidationResult
+        )
+
+    async def request_validation(
         self,
-        stream: str,
-        cursor_attr: str,
-        count: int,
-        source: str,
-        model: type[IterationRecord] | type[SlowReport],
-    ) -> list[IterationRecord | SlowReport]:
+        generation: int,
+        suspects: Iterable[int],
+        reason: str,
+        topology: ValidationTopology = ValidationTopology.RING,
+    ) -> ValidationRequest:
+        """Set the next validation request; its id is one above the last one (ids only grow, also across
+        operator restarts: the last request is read back from its key)."""
+        last = decode(
+            ValidationRequest, await self.client.get(self.keys.validation_request), "operator.request"
+        )
+        request = ValidationRequest(
+            id=(last.id if last is not None else 0) + 1,
+            generation=generation,
+            topology=topology,
+            suspects=sorted(set(suspects)),
+            reason=reason[:1024],
+            requested_at=time.time(),
+        )
+        await self.client.set(self.keys.validation_request, encode(request))
+        return request
+
+    @property
+    def failslow_key(self) -> str:
+        return f"{self.keys.prefix}failslow"
+
+    def _failslow_payload(self, state: dict[str, Any]) -> str:
+        payload = {"state": state, "reports_cursor": self.reports_cursor}
+        return json.dumps(payload, separators=(",", ":"))
+
+    async def save_failslow(self, state: dict[str, Any]) -> None:
+        """Store the fail-slow episode's state with the report cursor it is consistent with."""
+        await self.client.set(self.failslow_key, self._failslow_payload(state))
+
+    async def load_failslow(self) -> dict[str, Any] | None:
+        """The stored episode state, moving the report cursor to where it was saved; None when there is
+        none or it is unreadable (counted as dropped: the episode then starts over, as before)."""
+        raw = await self.client.get(self.failslow_key)
+        if raw is None:
+            return None
+        try:
+            if len(raw) > MAX_FAILSLOW_STATE_BYTES:
+                raise ValueError("oversized")
+            payload = json.loads(raw)
+            state = payload["state"]
+            cursor = str(payload["reports_cursor"])
+            if not isinstance(state, dict) or not _STREAM_ID.fullmatch(cursor):
+                raise ValueError("malformed")
+        except (ValueError, KeyError, TypeError):
+            TELEMETRY_DROPPED.labels("operator.failslow", DropReason.INVALID).inc()
+            return None
+        self.reports_cursor = cursor
+        return state
+
+    async def _read(self, stream: str, cursor_attr: str, count: int, source: str, model: type[M]) -> list[M]:
         cursor = getattr(self, cursor_attr)
         if cursor == "$":
             # Start from the newest entry: the operator needs recent throughput, not the history.
@@ -252,7 +327,7 @@ class JobRedis:
         reply: Any = await self._read_script(keys=[stream], args=[cursor, count])
         last, framed = reply
         setattr(self, cursor_attr, last.decode())
-        out: list[IterationRecord | SlowReport] = []
+        out: list[M] = []
         offset, size = 0, len(framed)
         while offset + 4 <= size:
             (length,) = struct.unpack_from(">I", framed, offset)

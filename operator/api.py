@@ -77,6 +77,11 @@ class Reason(StrEnum):
     NODE_SLOW = "NodeSlow"
     NODE_RECOVERED = "NodeRecovered"
     NODE_JOINED = "NodeJoined"
+    SLOW_LINK_FOUND = "SlowLinkFound"
+    SLOW_DEVICE_FOUND = "SlowDeviceFound"
+    SLOW_REPORT_DISMISSED = "SlowReportDismissed"
+    VALIDATION_REQUESTED = "ValidationRequested"
+    VALIDATION_TIMED_OUT = "ValidationTimedOut"
     REPLANNED = "Replanned"
     ALL_HEALTHY = "AllHealthy"
 
@@ -129,10 +134,17 @@ class FailSlowSpec(_Api):
         default=1.1,
         gt=1,
         le=100,
-        description="A worker is slow when its step time exceeds the median x this.",
+        description="A worker is slow when its compute time exceeds the other workers' median x this "
+        "(each scaled by its planned share of the work), for at least minDurationS.",
     )
     min_duration_s: float = Field(
         default=5.0, ge=0, le=86400, description="Ignore slowdowns shorter than this (seconds)."
+    )
+    validation_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="How long to wait for a validation pass's result before the episode goes on without it.",
     )
     overheads: StrategyOverheads = Field(default_factory=StrategyOverheads)
 
@@ -287,6 +299,11 @@ class ResilientJobStatus(_Api):
     workers_total: int = Field(default=0, ge=0)
     failed_nodes: list[int] = Field(default_factory=list)
     slow_nodes: list[int] = Field(default_factory=list)
+    slow_links: list[str] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Slow links that validation named in the current fail-slow episode, as 'src->dst'.",
+    )
     parked_nodes: list[int] = Field(
         default_factory=list, description="Slow nodes taken out of the layout by mitigation S4."
     )

@@ -11,6 +11,9 @@ Scale and a slow planner: one pass costs one Redis script call for the liveness 
 stream read), whatever the job's size. Deciding a new generation (planner, commit, apply) runs as a
 background task, one at a time; meanwhile the passes go on, so a node that fails during a long replan is
 still detected and fenced within the heartbeat TTL, and is planned around by the next decision.
+
+The telemetry half of each pass (throughput, fail-slow reports, profiles and validation) is in
+`_telemetry_pass`; the plans of fail-slow mitigations in `_mitigation`; both come back here to publish.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from redis.exceptions import RedisError
 from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys, connect
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
-from resilientjob.planner.plan import Plan
 
 from . import _decide, _failslow, _manifests, api, metrics
 from ._kube import KubeApi, core_path, custom_path
+from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
+from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
 from .settings import OperatorSettings
 
@@ -100,12 +104,12 @@ class JobController:
         self.status = api.ResilientJobStatus()
         self._written_status: dict[str, Any] | None = None
         self._heartbeat_seen: dict[int, float] = {}
-        self._rates: dict[int, tuple[int, float, int]] = {}  # node -> (generation, seconds, samples)
         self._status_due = 0.0
         self._published: _Published | None = None
         self._fenced: dict[int, _Fenced] = {}
         self._deciding: asyncio.Task[None] | None = None
-        self._deferred: _failslow.Mitigation | None = None
+        self._telemetry = TelemetryPass()
+        self._failslow_restored = False
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -194,9 +198,7 @@ class JobController:
         )
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
-        kopf.event(
-            self._event_body(), type="Warning", reason=api.Reason.INVALID_SPEC.value, message=str(error)
-        )
+        self.event("Warning", api.Reason.INVALID_SPEC, str(error))
 
     # ---- initial generation --------------------------------------------------------------------------
     async def ensure_started(self) -> PlanAnnouncement:
@@ -252,9 +254,7 @@ class JobController:
         )
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
-        kopf.event(
-            self._event_body(), type="Warning", reason=api.Reason.PLAN_INFEASIBLE.value, message=str(error)
-        )
+        self.event("Warning", api.Reason.PLAN_INFEASIBLE, str(error))
 
     # ---- applying a committed generation -------------------------------------------------------------
     async def _apply_configmap(self, message: PlanAnnouncement) -> None:
@@ -329,12 +329,7 @@ class JobController:
         self.status = status.model_copy(update=update)
         await self._write_status(force=True)
         metrics.PLAN_GENERATION.labels(self.name).set(message.generation)
-        kopf.event(
-            self._event_body(),
-            type="Normal",
-            reason=(api.Reason.PLANNED if first else trigger).value,
-            message=_decide.explain(decision),
-        )
+        self.event("Normal", api.Reason.PLANNED if first else trigger, _decide.explain(decision))
 
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
@@ -343,6 +338,10 @@ class JobController:
         if self.status.plan_generation < published.generation:
             await self.apply(published)
         self._published = _Published.of(published)
+        if not self._failslow_restored:
+            # Once per process: a restarted operator continues a fail-slow episode where it was.
+            await restore_failslow(self)
+            self._failslow_restored = True
         try:
             while not stopped:
                 try:
@@ -398,7 +397,7 @@ class JobController:
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
-        await self._telemetry(current, deciding)
+        await self._telemetry.run(self, current, deciding)
 
     def _start(self, decide: Callable[[], Awaitable[None]]) -> None:
         """Run one decision in the background; its end wakes the loop (to apply it or surface its error)."""
@@ -491,10 +490,13 @@ class JobController:
         )
         await self._commit_and_apply(message, current)
 
-    async def _commit_and_apply(self, message: PlanAnnouncement, current: PlanAnnouncement) -> None:
+    async def _commit_and_apply(
+        self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
+    ) -> None:
+        """Commit (with the fail-slow episode's state in the same transaction, for a mitigation) and apply."""
         assert self.redis is not None
         plan = message.plan
-        committed = await self.redis.commit(message, current.generation)
+        committed = await self.redis.commit(message, current.generation, failslow)
         if committed is not None:
             self._published = _Published.of(committed)
         if committed is None:
@@ -508,144 +510,47 @@ class JobController:
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 
-    async def _telemetry(self, current: _Published, deciding: bool) -> None:
-        """Measured throughput and fail-slow reports; status written at most every status_interval_s. A
-        mitigation that comes while a decision is running waits for the next pass after it."""
-        assert self.redis is not None and self.spec is not None and self.failslow is not None
-        published = current.message
-        plan_nodes = current.plan_nodes
-        watched = current.watched
-        slow = set(self.status.slow_nodes) & watched
-        mitigation, self._deferred = self._deferred, None
-        # Reports first: the episode they open must exist before the iterations that measure its cost.
-        for report in await self.redis.new_reports():
-            if report.node not in watched or report.generation > published.generation:
-                continue
-            if report.recovered:
-                if report.node in slow:
-                    kopf.event(
-                        self._event_body(),
-                        type="Normal",
-                        reason=api.Reason.NODE_RECOVERED.value,
-                        message=f"node {report.node} is back to {report.level_s:.3g}s/step "
-                        f"at step {report.step}",
-                    )
-                slow.discard(report.node)
-            elif report.slowdown >= self.spec.fail_slow.slowdown_threshold and report.node not in slow:
-                metrics.FAIL_SLOW_EVENTS.labels(self.name).inc()
-                kopf.event(
-                    self._event_body(),
-                    type="Warning",
-                    reason=api.Reason.NODE_SLOW.value,
-                    message=f"node {report.node} is {report.slowdown:.2f}x slower than its baseline "
-                    f"({report.baseline_s:.3g}s/step) since step {report.onset_step}",
-                )
-                slow.add(report.node)
-            mitigation = self.failslow.report(report) or mitigation
-        for record in await self.redis.new_iterations():
-            if record.generation == published.generation:
-                self._rates[record.node] = (record.generation, record.seconds, record.samples)
-            if record.node in watched and mitigation is None:
-                mitigation = self.failslow.iteration(record)
-        rates = {n: r for n, r in self._rates.items() if r[0] == published.generation and n in plan_nodes}
-        throughput = sum(samples / seconds for _, seconds, samples in rates.values())
-        step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
-        pods = self.pods
-        alive = sum(1 for node in plan_nodes if node in pods and pods[node].failed is None)
-        total = len(plan_nodes)
-        metrics.ACTIVE_WORKERS.labels(self.name).set(alive)
-        metrics.SAMPLES_PER_SECOND.labels(self.name).set(throughput)
-        metrics.STEP_TIME.labels(self.name).set(step)
-        self.status = self.status.model_copy(
-            update={
-                "throughput": round(throughput, 2),
-                "workers_alive": alive,
-                "workers_total": total,
-                "workers": f"{alive}/{total}",
-                "slow_nodes": sorted(slow),
-            }
-        )
-        await self._write_status(force=False)
-        if mitigation is not None and deciding:
-            self._deferred = mitigation
-        elif mitigation is not None:
-            self._start(lambda: self._mitigate(published, mitigation))
+    def start_mitigation(self, current: PlanAnnouncement, mitigation: _failslow.Mitigation) -> None:
+        self._start(lambda: self._mitigate(current, mitigation))
 
     async def _mitigate(self, current: PlanAnnouncement, mitigation: _failslow.Mitigation) -> None:
-        """Publish a fail-slow mitigation through the commit path of a fail-stop (S2, S3, S4, restore)."""
-        spec, inputs, _ = self._require()
-        action = mitigation.action
-        healthy = current.restore or current.plan
-        parked = set(current.parked)
-        restore: Plan | None = healthy
-        started = time.perf_counter()
-        result: Plan | str
+        """Publish a fail-slow mitigation through the commit path of a fail-stop (S2, S3, S4, restore).
+
+        The episode's state (which already counts this decision) is stored in the commit's transaction:
+        an operator killed before the commit restores the state from before the decision and decides
+        again; one killed after it finds both the generation and the decision recorded."""
+        spec, inputs, redis = self._require()
+        tracker = self.failslow
+        assert tracker is not None
+
+        def running(node: int) -> bool:
+            return node in self.pods and self.pods[node].failed is None
+
         try:
-            if action is _failslow.Action.MICROBATCH:
-                sync_s = await asyncio.to_thread(_failslow.sync_time, healthy, inputs.profile, inputs.cluster)
-                result = await asyncio.to_thread(
-                    _failslow.microbatch_plan,
-                    current.plan,
-                    inputs.profile,
-                    inputs.cluster,
-                    mitigation.factors,
-                    sync_s,
+            message = await mitigation_message(spec, inputs, current, mitigation, running)
+            if isinstance(message, str):
+                log.info(
+                    "job %s/%s: %s not applied: %s", self.namespace, self.name, mitigation.action, message
                 )
-            elif action is _failslow.Action.TOPOLOGY:
-                sync_s = await asyncio.to_thread(_failslow.sync_time, healthy, inputs.profile, inputs.cluster)
-                result = await asyncio.to_thread(
-                    _failslow.topology_plan,
-                    current.plan,
-                    inputs.profile,
-                    inputs.cluster,
-                    mitigation.factors,
-                    sync_s,
+                self.event(
+                    "Normal",
+                    api.Reason.NODE_SLOW,
+                    f"fail-slow mitigation {mitigation.action} not applied: {message}",
                 )
-            elif action is _failslow.Action.REPLACE:
-                # S4 hands the slow nodes to the fail-stop planner; their pods stay up (parked) so that
-                # their probe steps can show the recovery. The healthy plan cannot come back without them.
-                out = [n for n in mitigation.nodes if n in current.plan.nodes]
-                result = await asyncio.to_thread(plan_next, spec, inputs, current.plan, failed=out)
-                parked |= set(out)
+                await redis.save_failslow(tracker.state())
             else:
-                restore = None
-                back = [n for n in sorted(parked) if n in self.pods and self.pods[n].failed is None]
-                parked = set()
-                if back:
-                    result = await asyncio.to_thread(plan_next, spec, inputs, current.plan, joined=back)
-                elif current.restore is not None:
-                    result = await asyncio.to_thread(
-                        _failslow.restored_plan, current.plan, current.restore, inputs.profile, inputs.cluster
-                    )
-                else:
-                    result = "no mitigation was published; nothing to undo"
-        except PlannerError as exc:
-            result = f"{exc}"
-        if isinstance(result, str):
-            log.info("job %s/%s: %s not applied: %s", self.namespace, self.name, action, result)
-            kopf.event(
-                self._event_body(),
-                type="Normal",
-                reason=api.Reason.NODE_SLOW.value,
-                message=f"fail-slow mitigation {action} not applied: {result}",
-            )
-            return
-        plan = result.model_copy(update={"planning_s": time.perf_counter() - started})
-        metrics.RECOVERY_SECONDS.labels("plan").observe(plan.planning_s)
-        trigger = api.Reason.NODE_RECOVERED if action is _failslow.Action.RESTORE else api.Reason.NODE_SLOW
-        nodes = mitigation.nodes
-        why = f"fail-slow {action} for nodes {list(nodes)}: {mitigation.reason}"
-        message = announcement(
-            plan,
-            trigger=trigger,
-            nodes=nodes,
-            reason=why,
-            strategy=str(action),
-            detect_s=mitigation.detect_s,
-            parked=parked,
-            restore=restore,
-        )
-        await self._commit_and_apply(message, current)
+                metrics.RECOVERY_SECONDS.labels("plan").observe(message.plan.planning_s)
+                await self._commit_and_apply(message, current, tracker.state())
+            tracker.changed = False
+        finally:
+            self._telemetry.holding = False
+
+    def event(self, kind: str, reason: api.Reason, message: str) -> None:
+        """A Kubernetes Event on the job with a named reason."""
+        kopf.event(self._event_body(), type=kind, reason=reason.value, message=message)
+
+    async def write_status(self, force: bool) -> None:
+        await self._write_status(force)
 
     async def _write_status(self, force: bool) -> None:
         """Patch the status when it changed (and, unless forced, at most every status_interval_s)."""

@@ -9,6 +9,8 @@ from resilientjob.agent.telemetry_messages import IterationRecord, SlowReport
 from resilientjob.operator._failslow import (
     Action,
     FailSlowTracker,
+    FindingKind,
+    Mitigation,
     microbatch_plan,
     restored_plan,
     slowed_step_time,
@@ -59,17 +61,36 @@ def record(node: int, step: int, seconds: float) -> IterationRecord:
     return IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0.0)
 
 
+def feed(tracker: FailSlowTracker, steps: range, levels: dict[int, float]) -> list[Mitigation]:
+    """Every node's steps at its level; the mitigations the tracker answers."""
+    out = []
+    for step in steps:
+        for node, seconds in levels.items():
+            tracker.observe(record(node, step, seconds))
+            decision = tracker.iteration(record(node, step, seconds))
+            if decision is not None:
+                out.append(decision)
+    return out
+
+
 def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
     overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
     tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
-    assert tracker.report(slow_report(1, step=20), now=0.0) is None  # S1: rent first
-    assert tracker.active and tracker.slow == {1: 2.0}
-    # Five slow steps before the detecting one already cost 5 x 0.1 s when the report arrived.
+    tracker.gate.new_generation(0, {})
+    feed(tracker, range(15), {0: 0.1, 1: 0.1, 2: 0.1})
+    feed(tracker, range(15, 21), {0: 0.1, 1: 0.2, 2: 0.1})
+    assert tracker.report(slow_report(1, step=20), now=0.0) is None  # a candidate first
+    assert not tracker.active
+    tracker.tick(now=0.0)  # 0.2 s against the others' 0.1 s: a straggler, and min_duration_s is 0
+    assert tracker.active and tracker.slow == {1: 2.0}  # S1: rent first
+    [finding] = tracker.drain_findings()
+    assert finding.kind is FindingKind.SLOW and finding.nodes == (1,)
+    # Five slow steps before the detecting one already cost 5 x 0.1 s when the episode opened.
     decisions = []
     for step in range(21, 200):
         # Only the slow node's steps count (node 0's are ignored), each 0.1 s over the healthy 0.1 s.
-        tracker.iteration(record(0, step, 0.1), now=1.0)
-        decision = tracker.iteration(record(1, step, 0.2), now=1.0)
+        tracker.iteration(record(0, step, 0.1))
+        decision = tracker.iteration(record(1, step, 0.2))
         if decision is not None:
             decisions.append((step, decision))
     assert [d.action for _, d in decisions] == [Action.MICROBATCH, Action.TOPOLOGY, Action.REPLACE]
@@ -85,12 +106,21 @@ def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
 
 def test_min_duration_and_threshold_gate_the_episode() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=10.0))
+    tracker.gate.new_generation(0, {})
+    feed(tracker, range(10), {0: 0.1, 1: 0.1, 2: 0.1})
     assert tracker.report(slow_report(2, step=20, slowdown=1.2), now=0.0) is None
-    assert not tracker.active  # below the spec's slowdown threshold
+    assert not tracker.candidates  # below the spec's slowdown threshold
     tracker.report(slow_report(2, step=20, slowdown=3.0), now=0.0)
-    assert all(tracker.iteration(record(2, s, 0.3), now=5.0) is None for s in range(21, 100))
-    # Once the episode is min_duration_s old, the held loss is paid in at once.
-    decision = tracker.iteration(record(2, 100, 0.3), now=11.0)
+    feed(tracker, range(15, 20), {0: 0.1, 1: 0.1, 2: 0.3})
+    tracker.tick(now=1.0)
+    feed(tracker, range(20, 40), {0: 0.1, 1: 0.1, 2: 0.3})
+    tracker.tick(now=5.0)
+    assert not tracker.active  # confirmed at 1.0, not yet min_duration_s
+    tracker.tick(now=11.5)
+    assert tracker.active and tracker.slow == {2: 3.0}
+    # The loss from the onset (step 15) to the opening step (39) was paid in at once: 24 x 0.2 s.
+    assert tracker.controller.loss_s == pytest.approx(24 * 0.2)
+    decision = tracker.iteration(record(2, 40, 0.3))
     assert decision is not None and decision.action is Action.MICROBATCH
     tracker.forget([2])
     assert not tracker.active

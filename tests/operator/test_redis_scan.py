@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.telemetry import Telemetry
 from resilientjob.agent.telemetry_messages import DropReason, dropped
-from resilientjob.operator._redis_state import JobRedis, node_list
+from resilientjob.operator._redis_state import JobRedis, announcement, node_list
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 KEYS = JobKeys("default", "scan")
 
@@ -61,3 +62,55 @@ async def test_stream_reads_are_incremental_and_drop_hostile_entries(client: aio
     assert await state.new_iterations() == []
     await agent.record_iteration(0, 3, 0.3, 4)
     assert [r.step for r in await state.new_iterations(count=10)] == [3]
+
+
+def test_every_key_of_a_job_hashes_to_one_cluster_slot() -> None:
+    from redis.crc import key_slot
+
+    keys = JobKeys("team-a", "llama")
+    names = [
+        keys.heartbeat(0),
+        keys.heartbeat(4095),
+        keys.beaten,
+        keys.plan,
+        keys.plan_generation,
+        keys.plan_channel,
+        keys.iterations,
+        keys.reports,
+        keys.profiles,
+        keys.validation_request,
+        keys.validation_results,
+        keys.chaos(3),
+        f"{keys.prefix}failslow",
+    ]
+    assert keys.prefix == "rjob:{team-a/llama}:"
+    assert {key_slot(name.encode()) for name in names} == {key_slot(b"team-a/llama")}
+    # Another job's keys land elsewhere (jobs spread over the shards).
+    assert key_slot(JobKeys("team-a", "other").plan.encode()) != key_slot(keys.plan.encode())
+
+
+async def test_failslow_state_and_validation_requests_round_trip(client: aioredis.Redis) -> None:
+    state = JobRedis(client, KEYS)
+    assert await state.load_failslow() is None
+    first = await state.request_validation(3, [5, 2, 5], "suspects")
+    second = await state.request_validation(3, [1], "again")
+    assert (first.id, second.id, first.suspects) == (1, 2, [2, 5])  # ids only grow
+    state.reports_cursor = "17-0"
+    await state.save_failslow({"slow": {"1": 2.0}})
+    restarted = JobRedis(client, KEYS)
+    assert await restarted.load_failslow() == {"slow": {"1": 2.0}}
+    assert restarted.reports_cursor == "17-0"  # old reports are not replayed into the restored episode
+    # A mitigation's commit stores the episode's state in the same transaction as the plan.
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(_one_stage(0),), step_time_s=1.0)
+    committed = await state.commit(announcement(plan), None, {"slow": {"3": 1.5}})
+    assert committed is not None and await JobRedis(client, KEYS).load_failslow() == {"slow": {"3": 1.5}}
+    assert await state.commit(announcement(plan), None, {"slow": {}}) is None  # lost the race: nothing stored
+    assert await JobRedis(client, KEYS).load_failslow() == {"slow": {"3": 1.5}}
+    before = dropped("operator.failslow", DropReason.INVALID)
+    await client.set(state.failslow_key, b'{"state": [], "reports_cursor": "x"}')
+    assert await JobRedis(client, KEYS).load_failslow() is None
+    assert dropped("operator.failslow", DropReason.INVALID) == before + 1
+
+
+def _one_stage(node: int) -> PipelinePlan:
+    return PipelinePlan(stages=(StagePlan(layers=(0, 2), node=node),), microbatches=4)

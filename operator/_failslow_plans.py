@@ -1,0 +1,213 @@
+"""The plans of Falcon's mitigations for a running job (S2, S3 a and b, restore), pure: no I/O.
+
+- S2 (`microbatch_plan`): the pipelines keep their stages; micro-batches move off the pipelines through slow
+  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed);
+- S3 a (`link_plan`): nodes are swapped so that slow links carry pipeline sends instead of the gradient
+  all-reduce (`failslow.reassign_congested_links`, Falcon Fig. 10; symmetric layouts only);
+- S3 b (`topology_plan`): stragglers are consolidated into as few stages as possible
+  (`failslow.consolidate_stragglers`, Fig. 11);
+- `restored_plan`: the healthy plan from before the episode, when it is estimated faster.
+
+Each returns the next generation's plan (weights copied peer-to-peer as listed in its transfers), or a
+sentence saying why nothing would help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.balance import balance_monotone
+from resilientjob.planner.estimator import pipeline_time, send_time
+from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, reassign_congested_links
+from resilientjob.planner.plan import PipelinePlan, Plan
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.planner.restorer import transfer_list
+from resilientjob.planner.spec import ClusterSpec
+
+
+def _pipeline_time(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    pipeline: PipelinePlan,
+    microbatches: int,
+    factors: dict[int, float],
+) -> float:
+    """Exact 1F1B makespan of one pipeline with the stages on slow nodes slowed by their factor."""
+    forward: list[float] = []
+    backward: list[float] = []
+    sends: list[float] = []
+    stages = pipeline.stages
+    for index, stage in enumerate(stages):
+        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
+        factor = 1.0 if stage.rerouted else factors.get(stage.node, 1.0)
+        forward.append(fwd * factor)
+        backward.append(bwd * factor)
+        if index + 1 < len(stages):
+            same = stages[index + 1].node == stage.node
+            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same))
+    return pipeline_time(forward, backward, microbatches, sends)
+
+
+def slowed_step_time(
+    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float]
+) -> float:
+    """The plan's pipeline makespan (no gradient sync) with slow nodes slowed: the quantity S2 and S3
+    minimise, and, with no factors, the healthy estimate a restore compares."""
+    return max(
+        _pipeline_time(profile, cluster, pipeline, pipeline.microbatches, factors)
+        for pipeline in plan.pipelines
+    )
+
+
+def sync_time(healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> float:
+    """What the planner's step estimate adds to the pipeline makespan (gradient sync), from the healthy
+    plan: a mitigated plan's published estimate is its slowed makespan plus this."""
+    return max(0.0, healthy.step_time_s - slowed_step_time(healthy, profile, cluster, {}))
+
+
+def microbatch_plan(
+    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], sync_s: float
+) -> Plan | str:
+    """S2: the same stages with micro-batches re-split to minimise the slowed makespan; or why not."""
+    if len(plan.pipelines) < 2:
+        return "one pipeline only: there is no other pipeline to take micro-batches"
+    total = sum(pipeline.microbatches for pipeline in plan.pipelines)
+    cache: dict[tuple[int, int], float] = {}
+
+    def cost(index: int, count: int) -> float:
+        key = (index, count)
+        if key not in cache:
+            cache[key] = _pipeline_time(profile, cluster, plan.pipelines[index], count, factors)
+        return cache[key]
+
+    counts = balance_monotone(cost, len(plan.pipelines), total)
+    if tuple(counts) == tuple(p.microbatches for p in plan.pipelines):
+        return "the current split is already the best for these slowdowns"
+    pipelines = tuple(
+        pipeline.model_copy(update={"microbatches": count})
+        for pipeline, count in zip(plan.pipelines, counts, strict=True)
+    )
+    before = slowed_step_time(plan, profile, cluster, factors)
+    after = max(cost(index, count) for index, count in enumerate(counts))
+    if after >= before * (1 - 1e-9):
+        return "no split is faster than the current one"
+    return plan.model_copy(
+        update={
+            "generation": plan.generation + 1,
+            "pipelines": pipelines,
+            "step_time_s": after + sync_s,
+            "transfers": (),
+            "transition_s": 0.0,
+            "candidates": (),
+        }
+    )
+
+
+def _grid(plan: Plan) -> NodeGrid | str:
+    bounds = {tuple(stage.layers for stage in pipeline.stages) for pipeline in plan.pipelines}
+    if len(bounds) != 1:
+        return "the layout is asymmetric; consolidating stragglers needs equal pipelines"
+    if any(stage.rerouted for pipeline in plan.pipelines for stage in pipeline.stages):
+        return "the layout reroutes failed stages"
+    rows = tuple(tuple(stage.node for stage in pipeline.stages) for pipeline in plan.pipelines)
+    try:
+        return NodeGrid(rows, next(iter(bounds)))
+    except PlannerError as exc:
+        return exc.message
+
+
+def _regridded(plan: Plan, rows: tuple[tuple[int, ...], ...]) -> Plan:
+    """`plan` with the nodes of its (symmetric) stages replaced row by row."""
+    pipelines = tuple(
+        pipeline.model_copy(
+            update={
+                "stages": tuple(
+                    stage.model_copy(update={"node": node})
+                    for stage, node in zip(pipeline.stages, row, strict=True)
+                )
+            }
+        )
+        for pipeline, row in zip(plan.pipelines, rows, strict=True)
+    )
+    return plan.model_copy(update={"pipelines": pipelines})
+
+
+def topology_plan(
+    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], sync_s: float
+) -> Plan | str:
+    """S3 b: stragglers packed into as few (interior) stages as possible, weights copied peer-to-peer."""
+    grid = _grid(plan)
+    if isinstance(grid, str):
+        return grid
+    stragglers = [node for node in factors if node in set(grid.nodes)]
+    change = consolidate_stragglers(grid, stragglers, profile)
+    if not change.moved:
+        return "the stragglers already sit in as few stages as they can"
+    moved = _regridded(plan, change.after.rows)
+    before = slowed_step_time(plan, profile, cluster, factors)
+    after = slowed_step_time(moved, profile, cluster, factors)
+    if after >= before * (1 - 1e-9):
+        return "moving the stragglers would not shorten the step"
+    return moved.model_copy(
+        update={
+            "generation": plan.generation + 1,
+            "step_time_s": after + sync_s,
+            "transfers": change.transfers,
+            "transition_s": 0.0,
+            "candidates": (),
+        }
+    )
+
+
+def link_plan(
+    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, links: Sequence[tuple[int, int]], sync_s: float
+) -> Plan | str:
+    """S3 a: nodes swapped so that the slow links (node pairs) carry light pipeline sends, not the
+    gradient all-reduce; swaps within a stage are preferred (they move no weights)."""
+    grid = _grid(plan)
+    if isinstance(grid, str):
+        return grid
+    inside = set(grid.nodes)
+    congested = [(a, b) for a, b in links if a in inside and b in inside and a != b]
+    if not congested:
+        return f"the slow links {sorted(links)} do not join two nodes of the layout"
+    try:
+        change = reassign_congested_links(grid, congested, profile)
+    except PlannerError as exc:
+        return exc.message
+    if not change.moved or change.score_after >= change.score_before:
+        return "no swap takes traffic off the slow links"
+    moved = _regridded(plan, change.after.rows)
+    return moved.model_copy(
+        update={
+            "generation": plan.generation + 1,
+            "step_time_s": slowed_step_time(moved, profile, cluster, {}) + sync_s,
+            "transfers": change.transfers,
+            "transition_s": 0.0,
+            "candidates": (),
+        }
+    )
+
+
+def restored_plan(current: Plan, healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> Plan | str:
+    """The plan from before the episode as generation current + 1, if every node it needs still runs and it
+    is estimated faster than the mitigated plan once nothing is slow."""
+    missing = set(healthy.nodes) - set(current.nodes)
+    if missing:
+        return f"nodes {sorted(missing)} of the healthy plan are no longer in the layout"
+    healthy_s = slowed_step_time(healthy, profile, cluster, {})
+    current_s = slowed_step_time(current, profile, cluster, {})
+    if not healthy_s < current_s * (1 - 1e-9):
+        # Equal estimates (an S3 permutation): moving weights back would buy nothing.
+        return "the mitigated plan is as fast as the healthy one; it stays"
+    transfers = transfer_list(current.layers_by_node(), healthy.layers_by_node(), profile)
+    return healthy.model_copy(
+        update={
+            "generation": current.generation + 1,
+            "failed_nodes": current.failed_nodes,
+            "transfers": tuple(transfers),
+            "transition_s": 0.0,
+            "candidates": (),
+        }
+    )

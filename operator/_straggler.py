@@ -1,0 +1,202 @@
+"""Which nodes are stragglers, judged across the job (Falcon 4.3 localisation), pure: no I/O.
+
+An agent's change-point report says that ITS step time moved; on a loaded machine every node's time moves
+with the noise, and a report alone is no proof that one node holds the others back. The operator therefore
+confirms each report against the other nodes' recent levels before it counts (`StragglerGate`), and finds
+suspicious communication groups from the agents' profiles (`communication_suspects`).
+
+The rule (what `StragglerGate.straggler` decides):
+
+- A node's **level** is the median of its last `window` compute times (`IterationRecord.compute_s`, or the
+  step's `seconds` from agents that do not split compute from communication), in the current generation
+  only (a new generation changes the work of every node); for the reporting node, only steps from the
+  report's onset on count.
+- Its **planned share** `w` is its compute per step in the published plan (forward + backward of its layers
+  x its pipeline's micro-batches, rerouted stages split over the peers that run them) divided by the median
+  over the plan's nodes; 1.0 for every node of a symmetric layout. Dividing by it makes a node with a
+  heavier stage, or with more micro-batches after S2, comparable with the rest: its healthy level relative
+  to the job's median is its planned share.
+- The node is a straggler when `level / w > threshold x median(level_m / w_m)` over the OTHER nodes m with
+  at least `min_samples` levels (theirs over the same steps, from the report's onset, where they have
+  enough of them). A machine-wide slowdown raises every node's level, so the median of the
+  others rises with it and nobody is a straggler. With no other node to compare with (a one-node job), the
+  agent's own before/after ratio is all there is, and the report counts as it is.
+- A slowdown report opens an episode only after `min_duration_s` during which every check found the node a
+  straggler (`FailSlowTracker` holds the candidates); one check that finds it back within the threshold
+  dismisses the report.
+
+Communication: the agents' `ProfileRecord.groups` give seconds per iteration inside each group's calls,
+labelled with node ids ('0,1,2' a collective, '0,1@1' point-to-point with peer 1). Groups are compared only
+with groups of the same kind and size (a 4-way all-reduce moves other volumes than a 2-node send); a group
+above `SUSPICION_FACTOR` (1.1) x the median of its class is suspicious (`planner.failslow.suspicious_groups`),
+and its nodes are the communication suspects that a validation pass tests.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
+
+from resilientjob.agent.telemetry_messages import IterationRecord, ProfileRecord
+from resilientjob.planner.failslow import GroupProfile, suspicious_groups
+from resilientjob.planner.plan import Plan
+from resilientjob.planner.profile import ModelProfile
+
+
+def planned_shares(plan: Plan, profile: ModelProfile) -> dict[int, float]:
+    """Each node's compute per step in `plan`, relative to the median over the plan's nodes."""
+    work: dict[int, float] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            forward, backward = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
+            seconds = (forward + backward) * pipeline.microbatches
+            runners = stage.rerouted_to or (stage.node,)
+            for node in runners:
+                work[node] = work.get(node, 0.0) + seconds / len(runners)
+    middle = median(work.values()) if work else 0.0
+    if middle <= 0:
+        return dict.fromkeys(work, 1.0)
+    return {node: value / middle for node, value in work.items()}
+
+
+@dataclass(slots=True)
+class StragglerGate:
+    """Recent compute levels of every node, and the rule above to judge one of them."""
+
+    threshold: float
+    window: int = 16
+    min_samples: int = 4
+    shares: dict[int, float] = field(default_factory=dict)
+    generation: int = -1
+    _levels: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)
+    """Each node's latest step seen (any generation): the loss of a late-opened episode counts from it."""
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 1:
+            raise ValueError(f"threshold: must be > 1, got {self.threshold}")
+        if self.window < 1 or not 1 <= self.min_samples <= self.window:
+            raise ValueError(f"window/min_samples: need 1 <= min_samples <= window, got {self.window}")
+
+    def new_generation(self, generation: int, shares: Mapping[int, float]) -> None:
+        """The published plan changed: levels measured under the old work no longer compare."""
+        if generation != self.generation:
+            self.generation = generation
+            self.shares = dict(shares)
+            self._levels.clear()
+
+    def observe(self, record: IterationRecord) -> None:
+        self.steps[record.node] = max(record.step, self.steps.get(record.node, -1))
+        if record.generation != self.generation:
+            return
+        level = record.compute_s if record.compute_s is not None else record.seconds
+        if level <= 0:
+            return  # a step that was all communication says nothing about compute speed
+        samples = self._levels.get(record.node)
+        if samples is None:
+            samples = self._levels[record.node] = deque(maxlen=self.window)
+        samples.append((record.step, level))
+
+    def level(self, node: int, since_step: int = 0) -> float | None:
+        """The node's recent level (steps >= since_step) divided by its planned share; None with too few
+        samples."""
+        samples = [level for step, level in self._levels.get(node, ()) if step >= since_step]
+        if len(samples) < self.min_samples:
+            return None
+        return median(samples) / self.shares.get(node, 1.0)
+
+    def straggler(self, node: int, since_step: int = 0) -> bool | None:
+        """True/False by the rule; None when the node itself has too few samples to judge. `since_step`
+        (a report's onset) keeps the steps from before its change out of its level."""
+        return self.judge({node: since_step})[node]
+
+    def judge(self, candidates: Mapping[int, int]) -> dict[int, bool | None]:
+        """`straggler` for many nodes (node -> since_step) at once: the other nodes' levels are computed
+        once per distinct onset, so a machine-wide slowdown that every node reports costs O(N log N) per
+        onset, not O(N^2)."""
+        verdicts: dict[int, bool | None] = {}
+        by_onset: dict[int, list[int]] = {}
+        for node, since in candidates.items():
+            by_onset.setdefault(since, []).append(node)
+        for since, nodes in by_onset.items():
+            # The others over the same steps where they have them: a change that hit every node at the
+            # onset (machine-wide) then shows on both sides of the comparison.
+            everyone = {
+                other: value
+                for other in self._levels
+                if (value := self._level_or_recent(other, since)) is not None
+            }
+            ordered = sorted(everyone.values())
+            for node in nodes:
+                own = self.level(node, since)
+                if own is None:
+                    verdicts[node] = None
+                    continue
+                skip = bisect_left(ordered, everyone[node]) if node in everyone else None
+                reference = _median_without(ordered, skip)
+                # Nothing to compare with (a one-node job): the agent's own before/after ratio stands.
+                verdicts[node] = reference is None or own > self.threshold * reference
+        return verdicts
+
+    def _level_or_recent(self, node: int, since_step: int) -> float | None:
+        level = self.level(node, since_step)
+        return level if level is not None else self.level(node)
+
+    def forget(self, nodes: Iterable[int]) -> None:
+        for node in nodes:
+            self._levels.pop(node, None)
+            self.steps.pop(node, None)
+
+
+def _median_without(ordered: list[float], skip: int | None) -> float | None:
+    """Median of a sorted list with the element at index `skip` left out (None: none left out), in O(1)."""
+    size = len(ordered) - (skip is not None)
+    if size <= 0:
+        return None
+
+    def at(index: int) -> float:
+        return ordered[index + 1] if skip is not None and index >= skip else ordered[index]
+
+    middle = size // 2
+    return at(middle) if size % 2 else (at(middle - 1) + at(middle)) / 2
+
+
+def group_nodes(label: str) -> tuple[int, ...]:
+    """Node ids of a profile group label ('0,1,2' or '0,1@1'); () for a label that does not parse."""
+    members = label.split("@", 1)[0]
+    try:
+        nodes = tuple(sorted({int(part) for part in members.split(",") if part.strip()}))
+    except ValueError:
+        return ()
+    return nodes if all(node >= 0 for node in nodes) else ()
+
+
+def communication_suspects(
+    profiles: Mapping[int, ProfileRecord], factor: float | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Suspicious groups (label -> nodes) from the latest profile of each node.
+
+    A group's time is the median over the members that profiled it (all of them wait for a slow transfer);
+    groups are compared within their class (collective or point-to-point, and size)."""
+    seen: dict[str, list[float]] = {}
+    for record in profiles.values():
+        for label, seconds in record.groups.items():
+            seen.setdefault(label, []).append(seconds)
+    classes: dict[tuple[bool, int], list[tuple[str, float]]] = {}
+    for label, values in seen.items():
+        nodes = group_nodes(label)
+        if nodes:
+            classes.setdefault(("@" in label, len(nodes)), []).append((label, median(values)))
+    found: dict[str, tuple[int, ...]] = {}
+    for groups in classes.values():
+        if len(groups) < 2:
+            continue  # a group alone has no median to exceed
+        profiled = [GroupProfile(index, 0.0, seconds) for index, (_, seconds) in enumerate(groups)]
+        suspects = suspicious_groups(profiled) if factor is None else suspicious_groups(profiled, factor)
+        for index in suspects.communication:
+            label = groups[index][0]
+            found[label] = group_nodes(label)
+    return found

@@ -1,0 +1,176 @@
+"""The telemetry half of a reconcile pass: measured throughput, and the fail-slow inputs (reports, iteration
+times, profiles, validation results) through the job's `FailSlowTracker`, with the Events and status they
+call for. A mitigation the tracker asks for is handed back to the controller, which publishes it as a
+generation (or defers it while another decision runs) and stores the episode's state in the same commit.
+
+Validation (Falcon 4.3): when a communication report waits for one, the pass sets a `ValidationRequest` for
+the current generation with the suspects, and reads the `ValidationResult` stream for its id. The tracker's
+state is stored in Redis whenever it changed (except between a decision and its commit), so a restarted
+operator continues the episode (`restore_failslow`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+
+from . import _failslow, api, metrics
+from ._straggler import planned_shares
+
+if TYPE_CHECKING:
+    from .reconciler import JobController, _Published
+
+log = logging.getLogger("resilientjob.operator")
+
+_EVENTS = {
+    _failslow.FindingKind.SLOW: ("Warning", api.Reason.NODE_SLOW),
+    _failslow.FindingKind.RECOVERED: ("Normal", api.Reason.NODE_RECOVERED),
+    _failslow.FindingKind.DISMISSED: ("Normal", api.Reason.SLOW_REPORT_DISMISSED),
+    _failslow.FindingKind.SLOW_LINK: ("Warning", api.Reason.SLOW_LINK_FOUND),
+    _failslow.FindingKind.SLOW_DEVICE: ("Warning", api.Reason.SLOW_DEVICE_FOUND),
+}
+
+
+@dataclass(slots=True)
+class TelemetryPass:
+    """Per-job telemetry state kept between passes."""
+
+    rates: dict[int, tuple[int, float, int]] = field(default_factory=dict)
+    """node -> (generation, seconds, samples) of its latest step."""
+    deferred: _failslow.Mitigation | None = None
+    """A mitigation that came while another decision ran; published by the first pass after it."""
+    holding: bool = False
+    """A mitigation is decided but not committed: the episode's state is stored with its commit (in one
+    transaction), not before, so that a kill in between neither loses nor repeats the decision."""
+
+    async def run(self, ctl: JobController, current: _Published, deciding: bool) -> None:
+        """Read the new telemetry, update status (at most every status_interval_s) and start a mitigation."""
+        redis, spec, tracker = ctl.redis, ctl.spec, ctl.failslow
+        assert redis is not None and spec is not None and tracker is not None and ctl.inputs is not None
+        published = current.message
+        watched = current.watched
+        if tracker.gate.generation != published.generation:
+            tracker.gate.new_generation(
+                published.generation, planned_shares(published.plan, ctl.inputs.profile)
+            )
+        mitigation, self.deferred = self.deferred, None
+        # Reports first: a recovery closes the episode before more iterations are charged to it.
+        for report in await redis.new_reports():
+            if report.node in watched and report.generation <= published.generation:
+                mitigation = tracker.report(report) or mitigation
+        for record in await redis.new_iterations():
+            if record.generation == published.generation:
+                self.rates[record.node] = (record.generation, record.seconds, record.samples)
+            if record.node in current.plan_nodes:
+                tracker.observe(record)  # parked nodes' probe steps are other work: not in the levels
+            if record.node in watched and mitigation is None:
+                mitigation = tracker.iteration(record)
+        for profile in await redis.new_profiles():
+            if profile.node in watched and profile.generation == published.generation:
+                tracker.profile(profile)
+        await self._validation(ctl, published)
+        tracker.tick()
+        for finding in tracker.drain_findings():
+            self._report_finding(ctl, finding)
+        if mitigation is not None:
+            self.holding = True
+        if tracker.changed and not self.holding:
+            await redis.save_failslow(tracker.state())
+            tracker.changed = False
+        self._status(ctl, current)
+        await ctl.write_status(force=False)
+        if mitigation is not None and deciding:
+            self.deferred = mitigation
+        elif mitigation is not None:
+            ctl.start_mitigation(published, mitigation)
+
+    async def _validation(self, ctl: JobController, published: PlanAnnouncement) -> None:
+        redis, tracker = ctl.redis, ctl.failslow
+        assert redis is not None and tracker is not None
+        for result in await redis.new_validation_results():
+            tracker.validated(result)
+        if tracker.validation_timeout():
+            timeout = ctl.spec.fail_slow.validation_timeout_s if ctl.spec is not None else 0.0
+            log.warning(
+                "job %s/%s: no validation result within %.0fs; the episode goes on without it",
+                ctl.namespace,
+                ctl.name,
+                timeout,
+            )
+            ctl.event(
+                "Normal",
+                api.Reason.VALIDATION_TIMED_OUT,
+                f"no validation result within {timeout:.0f}s; the slow report stands unvalidated",
+            )
+        suspects = tracker.validation_wanted()
+        if suspects is None:
+            return
+        reason = f"communication slowdown reported; suspects {suspects}"
+        request = await redis.request_validation(published.generation, suspects, reason)
+        tracker.validation_sent(request.id)
+        ctl.event(
+            "Normal",
+            api.Reason.VALIDATION_REQUESTED,
+            f"validation {request.id} at generation {published.generation}: {reason}",
+        )
+
+    @staticmethod
+    def _report_finding(ctl: JobController, finding: _failslow.Finding) -> None:
+        kind, reason = _EVENTS[finding.kind]
+        if finding.kind is _failslow.FindingKind.SLOW:
+            metrics.FAIL_SLOW_EVENTS.labels(ctl.name).inc()
+        log.info("job %s/%s: %s: %s", ctl.namespace, ctl.name, reason, finding.message)
+        ctl.event(kind, reason, finding.message)
+
+    def _status(self, ctl: JobController, current: _Published) -> None:
+        tracker = ctl.failslow
+        assert tracker is not None
+        plan_nodes = current.plan_nodes
+        generation = current.message.generation
+        rates = {n: r for n, r in self.rates.items() if r[0] == generation and n in plan_nodes}
+        throughput = sum(samples / seconds for _, seconds, samples in rates.values())
+        step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
+        pods = ctl.pods
+        alive = sum(1 for node in plan_nodes if node in pods and pods[node].failed is None)
+        total = len(plan_nodes)
+        metrics.ACTIVE_WORKERS.labels(ctl.name).set(alive)
+        metrics.SAMPLES_PER_SECOND.labels(ctl.name).set(throughput)
+        metrics.STEP_TIME.labels(ctl.name).set(step)
+        ctl.status = ctl.status.model_copy(
+            update={
+                "throughput": round(throughput, 2),
+                "workers_alive": alive,
+                "workers_total": total,
+                "workers": f"{alive}/{total}",
+                "slow_nodes": sorted(set(tracker.slow) & current.watched),
+                "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
+            }
+        )
+
+
+async def restore_failslow(ctl: JobController) -> bool:
+    """Continue a stored fail-slow episode in a (re)started operator; False when there is none."""
+    redis, tracker = ctl.redis, ctl.failslow
+    assert redis is not None and tracker is not None
+    state = await redis.load_failslow()
+    if state is None:
+        return False
+    try:
+        tracker.restore(state)
+    except (KeyError, ValueError, TypeError) as exc:
+        log.warning(
+            "job %s/%s: stored fail-slow state unusable (%r); starting over", ctl.namespace, ctl.name, exc
+        )
+        return False
+    log.info(
+        "job %s/%s: fail-slow episode restored: slow %s, loss %.1fs, applied %s",
+        ctl.namespace,
+        ctl.name,
+        sorted(tracker.slow),
+        tracker.controller.loss_s,
+        [str(s) for s in tracker.controller.applied],
+    )
+    return True

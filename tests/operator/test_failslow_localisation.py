@@ -1,0 +1,347 @@
+"""Fail-slow localisation without I/O: the job-wide straggler rule against noise and machine-wide slowdowns,
+planned shares of uneven stages, suspicious groups from profiles, the validation flow, S3 (a) for a slow
+link, and the episode's state surviving an operator restart."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_failslow_decisions import CLUSTER, PROFILE, grid_plan
+
+from resilientjob.agent.telemetry_messages import (
+    IterationRecord,
+    ProfileRecord,
+    SlowKind,
+    SlowReport,
+    ValidationResult,
+)
+from resilientjob.operator._failslow import (
+    CANDIDATE_TTL_S,
+    Action,
+    FailSlowTracker,
+    FindingKind,
+    Mitigation,
+    link_plan,
+)
+from resilientjob.operator._mitigation import topology_change
+from resilientjob.operator._straggler import (
+    _median_without,
+    communication_suspects,
+    group_nodes,
+    planned_shares,
+)
+from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
+from resilientjob.planner.failslow import NodeGrid, RootCause, Strategy, Traffic
+from resilientjob.planner.plan import Plan
+
+NODES = 8
+BASE = 0.1
+
+
+def report(node: int, step: int, slowdown: float, kind: SlowKind = SlowKind.COMPUTE) -> SlowReport:
+    return SlowReport(
+        node=node,
+        generation=0,
+        step=step,
+        onset_step=step - 4,
+        slowdown=slowdown,
+        baseline_s=BASE,
+        level_s=BASE * slowdown,
+        kind=kind,
+        detected_at=0.0,
+    )
+
+
+class Job:
+    """Eight workers stepping together (compute_s as the agents report it), one second per step of
+    wall-clock for the tracker; `levels(step)` gives each node's compute time."""
+
+    def __init__(self, spec: FailSlowSpec, seed: int = 1) -> None:
+        self.tracker = FailSlowTracker(spec)
+        self.tracker.gate.new_generation(0, {})
+        self.rng = random.Random(seed)
+        self.step = 0
+        self.mitigations: list[Mitigation] = []
+
+    def run(self, steps: int, factor: dict[int, float], noise: float, machine: float = 1.0) -> None:
+        for _ in range(steps):
+            self.step += 1
+            for node in range(NODES):
+                compute = BASE * machine * factor.get(node, 1.0) * max(0.2, 1 + self.rng.gauss(0, noise))
+                record = IterationRecord(
+                    node=node,
+                    generation=0,
+                    step=self.step,
+                    seconds=compute + 0.02,
+                    samples=4,
+                    sent_at=0.0,
+                    compute_s=compute,
+                    communication_s=0.02,
+                )
+                self.tracker.observe(record)
+                decision = self.tracker.iteration(record)
+                if decision is not None:
+                    self.mitigations.append(decision)
+            self.tracker.tick(now=float(self.step))
+
+    def report(self, node: int, slowdown: float) -> None:
+        self.tracker.report(report(node, self.step, slowdown), now=float(self.step))
+
+
+def test_noise_on_every_node_and_a_machine_wide_slowdown_raise_no_alarm() -> None:
+    spec = FailSlowSpec(
+        slowdown_threshold=1.1, min_duration_s=5.0, overheads=StrategyOverheads(microbatch_s=0.1)
+    )
+    job = Job(spec)
+    job.run(20, {}, noise=0.15)
+    # Noise makes detectors on several nodes fire, as on an overloaded 2-core machine (make demo).
+    for node in (2, 3, 7):
+        job.report(node, 1.4)
+    job.run(10, {}, noise=0.15)
+    for node in (0, 3, 7):
+        job.report(node, 1.3)
+    job.run(40, {}, noise=0.15)
+    # Then the whole machine slows down 2x: every node's detector reports it.
+    job.run(5, {}, noise=0.05, machine=2.0)
+    for node in range(NODES):
+        job.report(node, 2.0)
+    job.run(int(CANDIDATE_TTL_S) + 5, {}, noise=0.05, machine=2.0)
+    assert not job.tracker.active and not job.mitigations and not job.tracker.slow
+    findings = job.tracker.drain_findings()
+    assert findings and {f.kind for f in findings} == {FindingKind.DISMISSED}
+    assert not job.tracker.candidates  # all dismissed within the TTL
+
+
+def test_one_node_at_1_5x_amid_noise_is_found_and_mitigated() -> None:
+    spec = FailSlowSpec(
+        slowdown_threshold=1.1, min_duration_s=5.0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = Job(spec, seed=2)
+    job.run(20, {}, noise=0.1)
+    job.report(3, 1.3)  # a noise report that is never confirmed
+    job.run(5, {5: 1.5}, noise=0.1)
+    job.report(5, 1.5)
+    job.run(4, {5: 1.5}, noise=0.1)
+    assert not job.tracker.active  # confirmed, but not yet for min_duration_s
+    job.run(20, {5: 1.5}, noise=0.1)
+    assert job.tracker.active and set(job.tracker.slow) == {5}
+    job.run(30, {5: 1.5}, noise=0.1)
+    assert [m.action for m in job.mitigations][:1] == [Action.MICROBATCH]
+    assert job.mitigations[0].nodes == (5,)
+    kinds = [(f.kind, f.nodes) for f in job.tracker.drain_findings()]
+    assert (FindingKind.SLOW, (5,)) in kinds and all(
+        nodes != (3,) or k is FindingKind.DISMISSED for k, nodes in kinds
+    )
+
+
+def test_planned_shares_make_uneven_stages_comparable() -> None:
+    # Pipeline 0 runs 8 micro-batches, pipeline 1 only 4 (as after S2): its nodes do half the work.
+    plan = grid_plan([[0, 1], [2, 3]], microbatches=4)
+    pipelines = (plan.pipelines[0].model_copy(update={"microbatches": 8}), plan.pipelines[1])
+    skewed = plan.model_copy(update={"pipelines": pipelines})
+    shares = planned_shares(skewed, PROFILE)
+    assert shares[0] == pytest.approx(2 * shares[2]) and shares[1] == pytest.approx(shares[0])
+    tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    tracker.gate.new_generation(0, shares)
+    for step in range(10):
+        for node, seconds in {0: 0.2, 1: 0.2, 2: 0.1, 3: 0.1}.items():
+            tracker.observe(
+                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0)
+            )
+    assert [tracker.gate.straggler(node) for node in range(4)] == [False] * 4  # 2x the work, 2x the time
+    unscaled = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    unscaled.gate.new_generation(0, {})
+    for step in range(10):
+        for node, seconds in {0: 0.2, 1: 0.2, 2: 0.1, 3: 0.1}.items():
+            unscaled.observe(
+                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0)
+            )
+    assert unscaled.gate.straggler(0) is True  # without the plan's shares it would be a false alarm
+
+
+def profile(node: int, groups: dict[str, float]) -> ProfileRecord:
+    return ProfileRecord(
+        node=node,
+        generation=0,
+        step=10,
+        iterations=5,
+        iteration_s=0.5,
+        compute_s=0.3,
+        communication_s=0.2,
+        groups=groups,
+        sent_at=0.0,
+    )
+
+
+def test_groups_above_1_1x_their_class_median_are_communication_suspects() -> None:
+    # DP groups of 2 (stage pairs) and p2p groups; the all-reduce of {2,3} is slow, p2p 4->5 too.
+    dp = {"0,1": 0.10, "2,3": 0.25, "4,5": 0.10, "6,7": 0.105}
+    p2p = {"0,2@2": 0.01, "1,3@3": 0.01, "4,5@5": 0.03}
+    profiles = {
+        n: profile(n, {label: s for label, s in {**dp, **p2p}.items() if n in group_nodes(label)})
+        for n in range(8)
+    }
+    found = communication_suspects(profiles)
+    assert found == {"2,3": (2, 3), "4,5@5": (4, 5)}
+    assert group_nodes("0,1@1") == (0, 1) and group_nodes("x,1") == () and group_nodes("") == ()
+    assert communication_suspects({0: profile(0, {"0,1": 9.0})}) == {}  # alone in its class: no median
+
+
+def result(request_id: int, links: list[tuple[int, int]], nodes: tuple[int, ...] = ()) -> ValidationResult:
+    return ValidationResult(
+        id=request_id,
+        generation=0,
+        step=30,
+        gemm_s=dict.fromkeys(range(4), 0.01),
+        slow_links=links,
+        slow_nodes=list(nodes),
+        held_s=0.8,
+        finished_at=0.0,
+    )
+
+
+def test_a_communication_report_is_validated_and_its_slow_link_drives_topology() -> None:
+    spec = FailSlowSpec(min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.1, topology_s=0.5))
+    tracker = FailSlowTracker(spec)
+    tracker.profile(profile(0, {"0,2": 0.3, "1,3": 0.1, "4,5": 0.1}))
+    tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
+    assert tracker.validation_wanted() == [0, 2]  # the reporter and the slow group's nodes
+    tracker.validation_sent(7, now=0.0)
+    assert tracker.validation_wanted() is None  # one pass at a time
+    tracker.tick(now=1.0)
+    assert not tracker.active  # waits for the result
+    tracker.validated(result(6, [(0, 2)]))  # another pass's result: ignored
+    assert tracker.awaiting is not None
+    tracker.validated(result(7, [(0, 2)]))
+    tracker.tick(now=1.0)
+    assert tracker.active and tracker.links == {(0, 2)} and set(tracker.slow) == {0, 2}
+    kinds = [f.kind for f in tracker.drain_findings()]
+    assert kinds == [FindingKind.SLOW_LINK, FindingKind.SLOW]
+    mitigation = None
+    for step in range(21, 40):
+        mitigation = mitigation or tracker.iteration(
+            IterationRecord(node=0, generation=0, step=step, seconds=0.2, samples=1, sent_at=0)
+        )
+    # S2 cannot help a slow link (Falcon Table 3): the first rung is S3, with the link.
+    assert mitigation is not None and mitigation.action is Action.TOPOLOGY and mitigation.links == ((0, 2),)
+
+
+def test_validation_that_finds_nothing_dismisses_and_a_timeout_goes_on() -> None:
+    spec = FailSlowSpec(min_duration_s=0, validation_timeout_s=5.0)
+    tracker = FailSlowTracker(spec)
+    tracker.report(report(1, 20, 1.5, SlowKind.COMMUNICATION), now=0.0)
+    tracker.validation_sent(1, now=0.0)
+    tracker.validated(result(1, []))
+    tracker.tick(now=1.0)
+    assert not tracker.active and not tracker.candidates
+    assert [f.kind for f in tracker.drain_findings()] == [FindingKind.DISMISSED]
+    tracker.report(report(1, 40, 1.5, SlowKind.COMMUNICATION), now=10.0)
+    tracker.validation_sent(2, now=10.0)
+    assert not tracker.validation_timeout(now=14.0)
+    assert tracker.validation_timeout(now=15.5) and tracker.awaiting is None
+    tracker.tick(now=15.5)
+    assert tracker.active and set(tracker.slow) == {1} and not tracker.links
+
+
+def test_s3a_moves_a_slow_data_parallel_link_onto_a_pipeline_path() -> None:
+    plan = grid_plan([[0, 1, 2], [3, 4, 5]])  # DP2 x PP3: 0-3, 1-4, 2-5 carry the all-reduce
+    grid = NodeGrid(((0, 1, 2), (3, 4, 5)), ((0, 2), (2, 4), (4, 6)))
+    assert grid.traffic(1, 4) is Traffic.DATA_PARALLEL
+    moved = link_plan(plan, PROFILE, CLUSTER, [(1, 4)], sync_s=0.0)
+    assert isinstance(moved, Plan) and moved.generation == plan.generation + 1
+    rows = tuple(tuple(stage.node for stage in p.stages) for p in moved.pipelines)
+    after = NodeGrid(rows, grid.stage_layers)
+    assert after.traffic(1, 4) is not Traffic.DATA_PARALLEL and sorted(moved.nodes) == list(range(6))
+    assert moved.transfers and {t.dst for t in moved.transfers} <= set(range(6))
+    assert "do not join" in str(link_plan(plan, PROFILE, CLUSTER, [(1, 9)], sync_s=0.0))
+    # Through the mitigation path: a link and a compute straggler in one generation.
+    mixed = Mitigation(Action.TOPOLOGY, {1: 1.5, 4: 1.5, 0: 2.0, 5: 2.0}, "", 1.0, 0.0, ((1, 4),))
+    both = topology_change(plan, PROFILE, CLUSTER, mixed, 0.0)
+    assert isinstance(both, Plan) and both.generation == plan.generation + 1
+    final = NodeGrid(tuple(tuple(s.node for s in p.stages) for p in both.pipelines), grid.stage_layers)
+    stage_of = {node: c for row in final.rows for c, node in enumerate(row)}
+    assert final.traffic(1, 4) is not Traffic.DATA_PARALLEL and stage_of[0] == stage_of[5]
+    # One set of copies from the current layout to the final one.
+    assert {t.dst for t in both.transfers} <= {n for n in range(6) if stage_of[n] != plan_stage(plan, n)}
+
+
+def plan_stage(plan: Plan, node: int) -> int:
+    return next(c for p in plan.pipelines for c, s in enumerate(p.stages) if s.node == node)
+
+
+def test_the_episode_state_survives_a_restart_at_the_same_rung() -> None:
+    overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
+    spec = FailSlowSpec(overheads=overheads, min_duration_s=0)
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    for step in range(10, 21):
+        for node, seconds in ((0, 0.1), (1, 0.2 if step >= 16 else 0.1), (2, 0.1)):
+            tracker.observe(
+                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0)
+            )
+    tracker.report(report(1, 20, 2.0), now=0.0)
+    tracker.tick(now=0.0)
+    first = [
+        tracker.iteration(IterationRecord(node=1, generation=0, step=s, seconds=0.2, samples=1, sent_at=0))
+        for s in range(21, 26)
+    ]
+    assert [m.action for m in first if m is not None] == [Action.MICROBATCH]
+    state = json.loads(json.dumps(tracker.state()))  # as stored in Redis
+    restarted = FailSlowTracker(spec)
+    restarted.restore(state)
+    assert restarted.active and restarted.slow == tracker.slow
+    assert restarted.controller.loss_s == pytest.approx(tracker.controller.loss_s)
+    assert restarted.controller.applied == (Strategy.MICROBATCH,)
+    later = [
+        restarted.iteration(IterationRecord(node=1, generation=0, step=s, seconds=0.2, samples=1, sent_at=0))
+        for s in range(26, 80)
+    ]
+    # The next rung, not S2 again; and steps already fed before the restart are not charged twice.
+    assert [m.action for m in later if m is not None] == [Action.TOPOLOGY, Action.REPLACE]
+    assert (
+        restarted.iteration(IterationRecord(node=1, generation=0, step=22, seconds=0.2, samples=1, sent_at=0))
+        is None
+    )
+    assert RootCause.COMPUTE.value in state["episode"]["causes"]
+
+
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=30), st.data())
+def test_median_without_one_element_matches_the_definition(values: list[float], data: st.DataObject) -> None:
+    ordered = sorted(values)
+    skip = data.draw(st.integers(0, len(ordered) - 1))
+    rest = ordered[:skip] + ordered[skip + 1 :]
+    expected = statistics.median(rest) if rest else None
+    assert _median_without(ordered, skip) == (pytest.approx(expected) if rest else None)
+    assert _median_without(ordered, None) == pytest.approx(statistics.median(ordered))
+
+
+def test_a_compute_episode_counts_its_loss_in_compute_time() -> None:
+    tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    tracker.gate.new_generation(0, {})
+
+    def step(node: int, index: int, compute: float) -> IterationRecord:
+        # 0.1 s of communication on top of compute, as a compute detector's report leaves it out.
+        return IterationRecord(
+            node=node,
+            generation=0,
+            step=index,
+            seconds=compute + 0.1,
+            samples=1,
+            sent_at=0,
+            compute_s=compute,
+        )
+
+    for index in range(10, 21):
+        for node in range(3):
+            tracker.observe(step(node, index, 0.2 if node == 1 and index >= 16 else 0.1))
+    tracker.report(report(1, 20, 2.0), now=0.0)  # baseline 0.1 s of compute, now 0.2 s
+    tracker.tick(now=0.0)
+    opened = tracker.controller.loss_s
+    for index in range(21, 31):
+        tracker.iteration(step(1, index, 0.2))
+    assert tracker.controller.loss_s == pytest.approx(opened + 10 * 0.1)  # not 10 x 0.2 with communication
