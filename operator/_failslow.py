@@ -50,7 +50,6 @@ from resilientjob.planner.failslow import (
     RootCause,
     Strategy,
 )
-from resilientjob.planner.failslow._skirental import _Episode
 
 from ._failslow_plans import (
     link_plan,
@@ -466,18 +465,8 @@ class FailSlowTracker:
     # ---- persistence -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything an operator restarted mid-episode needs (JSON-able)."""
-        # The planner's controller has no public snapshot; its episode is a plain dataclass (see report).
-        episode = self.controller._episode
         return {
-            "episode": None
-            if episode is None
-            else {
-                "healthy_s": episode.healthy_s,
-                "causes": sorted(str(c) for c in episode.causes),
-                "nodes": list(episode.nodes),
-                "loss_s": episode.loss_s,
-                "applied": [str(s) for s in episode.applied],
-            },
+            "episode": self.controller.snapshot(),
             "slow": {str(n): f for n, f in self.slow.items()},
             "links": sorted(list(link) for link in self.links),
             "sources": {str(n): list(led) for n, led in self._sources.items()},
@@ -490,16 +479,8 @@ class FailSlowTracker:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continue the episode `state()` described (raises KeyError/ValueError/TypeError if malformed)."""
-        raw = state.get("episode")
         controller = self._fresh_controller()
-        if raw is not None:
-            controller._episode = _Episode(
-                healthy_s=float(raw["healthy_s"]),
-                causes={RootCause(c) for c in raw["causes"]},
-                nodes=tuple(int(n) for n in raw["nodes"]),
-                loss_s=float(raw["loss_s"]),
-                applied=[Strategy(s) for s in raw["applied"]],
-            )
+        controller.resume(state.get("episode"))
         slow = {int(n): float(f) for n, f in state["slow"].items()}
         links = {(int(a), int(b)) for a, b in state["links"]}
         sources = {int(n): tuple(int(m) for m in led) for n, led in state["sources"].items()}

@@ -15,8 +15,10 @@ without them (peer-to-peer layer copies, no checkpoint restart). The decision na
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from .._errors import PlannerError
 from ._events import ChangeEvent, ChangeKind, check_time
@@ -100,6 +102,36 @@ class MitigationController:
     def active(self) -> bool:
         """Whether a fail-slow is in progress."""
         return self._episode is not None
+
+    def snapshot(self) -> dict[str, object] | None:
+        """The episode in progress as plain JSON-able data (None when healthy), for `resume` in another
+        process: an operator restarted mid-episode goes on at the same strategy with the loss it had."""
+        episode = self._episode
+        if episode is None:
+            return None
+        return {
+            "healthy_s": episode.healthy_s,
+            "causes": sorted(str(cause) for cause in episode.causes),
+            "nodes": list(episode.nodes),
+            "loss_s": episode.loss_s,
+            "applied": [str(strategy) for strategy in episode.applied],
+        }
+
+    def resume(self, snapshot: Mapping[str, Any] | None) -> None:
+        """Continue the episode `snapshot()` described (None: healthy). Raises PlannerError if malformed."""
+        if snapshot is None:
+            self._episode = None
+            return
+        try:
+            self._episode = _Episode(
+                healthy_s=float(snapshot["healthy_s"]),
+                causes={RootCause(cause) for cause in snapshot["causes"]},
+                nodes=tuple(int(node) for node in snapshot["nodes"]),
+                loss_s=float(snapshot["loss_s"]),
+                applied=[Strategy(strategy) for strategy in snapshot["applied"]],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlannerError("snapshot", f"not an episode snapshot: {exc!r}") from None
 
     @property
     def loss_s(self) -> float:
