@@ -38,8 +38,10 @@ import redis.asyncio as aioredis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from _rjob_stack import Operator, api_server, job_manifest, redis_server, rjob_path  # noqa: E402
+from _rjob_stack import Operator, api_server, job_manifest, rjob_path  # noqa: E402
+from _support import redis_server  # noqa: E402
 
 from resilientjob.agent._redis import JobKeys  # noqa: E402
 from resilientjob.agent.telemetry import queue_beat  # noqa: E402

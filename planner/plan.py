@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LAYOUT_LISTED = 16
+"""`Plan.layout` lists every pipeline's depth up to this many pipelines, and counts them per depth beyond."""
 
 
 class Policy(StrEnum):
@@ -151,9 +155,14 @@ class Plan(_Frozen):
 
     @property
     def layout(self) -> str:
-        """Human summary such as `DP3 PP[2,2,3]` (stages per pipeline)."""
-        depths = ",".join(str(len(pipeline.stages)) for pipeline in self.pipelines)
-        return f"DP{len(self.pipelines)} PP[{depths}]"
+        """Human summary such as `DP3 PP[2,2,3]` (stages per pipeline). Beyond `LAYOUT_LISTED` pipelines it
+        counts pipelines per depth instead, `DP2048 PP[2x2000,3x48]`, so that the summary (a status field, a
+        printer column) stays short at any scale."""
+        depths = [len(pipeline.stages) for pipeline in self.pipelines]
+        if len(depths) <= LAYOUT_LISTED:
+            return f"DP{len(depths)} PP[{','.join(map(str, depths))}]"
+        counts = Counter(depths)
+        return f"DP{len(depths)} PP[{','.join(f'{depth}x{counts[depth]}' for depth in sorted(counts))}]"
 
     @property
     def throughput(self) -> float:

@@ -125,6 +125,20 @@ def test_plan_summary() -> None:
     assert plan.layers_by_node()[3] == {1, 2}
 
 
+def test_layout_of_thousands_of_pipelines_counts_depths_and_stays_short() -> None:
+    shallow = [PipelinePlan(stages=(StagePlan(layers=(0, 4), node=n),), microbatches=1) for n in range(3000)]
+    deep = [
+        PipelinePlan(
+            stages=(StagePlan(layers=(0, 2), node=3000 + 2 * i), StagePlan(layers=(2, 4), node=3001 + 2 * i)),
+            microbatches=1,
+        )
+        for i in range(48)
+    ]
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(*deep, *shallow), step_time_s=1.0)
+    assert plan.layout == "DP3048 PP[1x3000,2x48]"
+    assert len(plan.layout) < 64
+
+
 def test_plan_rejects_gaps_and_double_booking() -> None:
     with pytest.raises(ValidationError, match="contiguous"):
         _plan([(0, 2, 0), (3, 4, 1)], [(0, 4, 2)])
