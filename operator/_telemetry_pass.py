@@ -48,14 +48,12 @@ class TelemetryPass:
 
     async def run(self, ctl: JobController, current: _Published, deciding: bool) -> None:
         """Read the new telemetry, update status (at most every status_interval_s) and start a mitigation."""
-        redis, spec, tracker = ctl.redis, ctl.spec, ctl.failslow
-        assert redis is not None and spec is not None and tracker is not None and ctl.inputs is not None
+        _, inputs, redis = ctl.require()
+        tracker = ctl.tracker()
         published = current.message
         watched = current.watched
         if tracker.gate.generation != published.generation:
-            tracker.gate.new_generation(
-                published.generation, planned_shares(published.plan, ctl.inputs.profile)
-            )
+            tracker.gate.new_generation(published.generation, planned_shares(published.plan, inputs.profile))
         mitigation, self.deferred = self.deferred, None
         # Reports first: a recovery closes the episode before more iterations are charged to it.
         for report in await redis.new_reports():
@@ -88,8 +86,7 @@ class TelemetryPass:
             ctl.start_mitigation(published, mitigation)
 
     async def _validation(self, ctl: JobController, published: PlanAnnouncement) -> None:
-        redis, tracker = ctl.redis, ctl.failslow
-        assert redis is not None and tracker is not None
+        redis, tracker = ctl.require()[2], ctl.tracker()
         for result in await redis.new_validation_results():
             tracker.validated(result)
         if tracker.validation_timeout():
@@ -126,8 +123,7 @@ class TelemetryPass:
         ctl.event(kind, reason, finding.message)
 
     def _status(self, ctl: JobController, current: _Published) -> None:
-        tracker = ctl.failslow
-        assert tracker is not None
+        tracker = ctl.tracker()
         plan_nodes = current.plan_nodes
         generation = current.message.generation
         rates = {n: r for n, r in self.rates.items() if r[0] == generation and n in plan_nodes}
@@ -153,8 +149,7 @@ class TelemetryPass:
 
 async def restore_failslow(ctl: JobController) -> bool:
     """Continue a stored fail-slow episode in a (re)started operator; False when there is none."""
-    redis, tracker = ctl.redis, ctl.failslow
-    assert redis is not None and tracker is not None
+    redis, tracker = ctl.require()[2], ctl.tracker()
     state = await redis.load_failslow()
     if state is None:
         return False

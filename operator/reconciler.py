@@ -203,7 +203,7 @@ class JobController:
     # ---- initial generation --------------------------------------------------------------------------
     async def ensure_started(self) -> PlanAnnouncement:
         """Generation 0 committed, and the Service, plan ConfigMap and pods created (all idempotent)."""
-        spec, inputs, redis = self._require()
+        spec, inputs, redis = self.require()
         published = await redis.published()
         if published is None:
             try:
@@ -240,13 +240,20 @@ class JobController:
         return published
 
     def _redis_url(self) -> str:
-        assert self.spec is not None
+        if self.spec is None:
+            raise RuntimeError("JobController.setup() must parse the spec first")
         return self.spec.redis.url or self.settings.redis_url
 
-    def _require(self) -> tuple[api.ResilientJobSpec, PlannerInputs, JobRedis]:
+    def require(self) -> tuple[api.ResilientJobSpec, PlannerInputs, JobRedis]:
         if self.spec is None or self.inputs is None or self.redis is None:
             raise RuntimeError("JobController.setup() must succeed first")
         return self.spec, self.inputs, self.redis
+
+    def tracker(self) -> _failslow.FailSlowTracker:
+        """The job's fail-slow tracker (made by `setup`)."""
+        if self.failslow is None:
+            raise RuntimeError("JobController.setup() must succeed first")
+        return self.failslow
 
     async def _infeasible(self, error: PlannerError) -> None:
         conditions = _decide.set_condition(
@@ -360,7 +367,7 @@ class JobController:
     async def _current(self) -> tuple[_Published, HeartbeatScan]:
         """The committed generation and a liveness scan of its nodes. The plan itself is re-read only when
         the scan shows another generation (or the generation key is missing)."""
-        redis = self._require()[2]
+        redis = self.require()[2]
         cached = self._published
         if cached is not None:
             scan = await redis.scan(cached.nodes, cached.nodes_arg)
@@ -374,7 +381,7 @@ class JobController:
         return cached, await redis.scan(cached.nodes, cached.nodes_arg)
 
     async def reconcile_once(self) -> None:
-        spec = self._require()[0]
+        spec = self.require()[0]
         deciding = self._deciding is not None and not self._deciding.done()
         if self._deciding is not None and self._deciding.done():
             task, self._deciding = self._deciding, None
@@ -441,7 +448,7 @@ class JobController:
     async def _fence(self, failures: dict[int, tuple[api.Reason, str]]) -> None:
         """Delete failed nodes' pods at once (before any planning), so that a worker that lost its
         heartbeat but still runs cannot come back with the weights of a generation the job has left."""
-        assert self.redis is not None
+        redis = self.require()[2]
         detected = time.monotonic()
         for node, (reason, cause) in failures.items():
             path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
@@ -452,7 +459,7 @@ class JobController:
                 metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
             log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
-            await self.redis.fence(node)
+            await redis.fence(node)
             self._heartbeat_seen.pop(node, None)
             self._fenced[node] = _Fenced(reason, cause, latency)
         if self.failslow is not None:
@@ -461,7 +468,7 @@ class JobController:
     async def _reconfigure(
         self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
     ) -> None:
-        spec, inputs, _ = self._require()
+        spec, inputs, _ = self.require()
         detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)
         trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values())).reason
         why = "; ".join(f"node {n}: {f.cause}" for n, f in sorted(failures.items()))
@@ -494,9 +501,9 @@ class JobController:
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
     ) -> None:
         """Commit (with the fail-slow episode's state in the same transaction, for a mitigation) and apply."""
-        assert self.redis is not None
+        redis = self.require()[2]
         plan = message.plan
-        committed = await self.redis.commit(message, current.generation, failslow)
+        committed = await redis.commit(message, current.generation, failslow)
         if committed is not None:
             self._published = _Published.of(committed)
         if committed is None:
@@ -519,9 +526,8 @@ class JobController:
         The episode's state (which already counts this decision) is stored in the commit's transaction:
         an operator killed before the commit restores the state from before the decision and decides
         again; one killed after it finds both the generation and the decision recorded."""
-        spec, inputs, redis = self._require()
-        tracker = self.failslow
-        assert tracker is not None
+        spec, inputs, redis = self.require()
+        tracker = self.tracker()
 
         def running(node: int) -> bool:
             return node in self.pods and self.pods[node].failed is None
