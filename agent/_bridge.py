@@ -16,11 +16,14 @@ Three parts:
   lock, reachable as `<pod>.<job>-workers` through the job's headless Service, and losing that pod loses the
   job's store (as losing torch elastic's c10d rendezvous host does).
 - The **worker** (`TrainingAgent`): one process per device started with torch elastic's `start_processes`
-  (as `launcher.NodeAgent` does), running `worker.run_from_plan`. Each committed step's per-node *compute*
-  time (wall time minus time spent waiting on peers) goes to the agent, which reports it through
-  `Telemetry.record_iteration`, so the change-point detector blames the slow node, not its waiting peers.
-- **Chaos** for the local stack: `rjob local chaos slow` sets a factor in Redis; the agent throttles its
-  worker with a SIGSTOP/SIGCONT duty cycle (what a CPU quota does), a real slowdown of real compute.
+  (as `launcher.NodeAgent` does), running `worker.run_from_plan`, with `_worker_probe` inside it: the
+  `torch.distributed` tracer, chaos orders (`agent.chaos`, when the job allows chaos: a duty-cycle delay
+  of compute or a delay of sends to one peer), each committed step's wall, compute and communication time
+  split from the trace, a per-group profile every few steps, and validation passes at an agreed iteration
+  boundary. The agent tails what the worker writes into `Telemetry.record_iteration` (the compute
+  detector blames the slow node, not its waiting peers) and `Telemetry.record_profile`.
+- The store host also relays validation (`_validation_relay`): it mirrors the operator's request into the
+  store with a boundary step every worker will reach, and forwards world rank 0's result to Redis once.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from redis.exceptions import RedisError
 from resilientjob.planner.plan import Plan
 
 from ._redis import JobKeys, connect
-from .synthetic import slowdown
 from .telemetry import Telemetry
 from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
@@ -63,10 +65,6 @@ HOST_IDLE_S = 15.0
 
 GONE_GRACE_S = 5.0
 """The store host stops when the job's plan key or Redis has been gone this long."""
-
-THROTTLE_PERIOD_S = 0.1
-"""One SIGSTOP/SIGCONT cycle of an injected slowdown: short against a step, long against scheduling."""
-
 
 RUNTIME_MODELS = frozenset({"gpt", "llama", "sleep"})
 """`models.ModelKind` values, spelled out so that a synthetic agent never imports torch (a test checks)."""
@@ -164,6 +162,8 @@ class StoreHost:
     def __init__(self, client: aioredis.Redis, keys: JobKeys, advertise: str, poll_s: float = 0.05) -> None:
         from torch._C._distributed_c10d import TCPStore
 
+        from ._validation_relay import ValidationRelay
+
         self.client = client
         self.keys = keys
         self.poll_s = poll_s
@@ -174,6 +174,7 @@ class StoreHost:
         self.plan: Plan | None = None
         self.parked: list[int] = []
         self.announced = 0
+        self.validation = ValidationRelay(client, keys, self.store)
 
     async def _published(self) -> PlanAnnouncement | None:
         return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
@@ -209,6 +210,7 @@ class StoreHost:
                 current = await self._published()
                 if current is not None and (self.plan is None or current.generation > self.plan.generation):
                     self.mirror(current)
+                await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and not registered:
                     # The address appears only once a plan is in the store: workers read it at once.
                     await self.client.set(store_key(self.keys), self.address)
@@ -355,64 +357,51 @@ def _agree_on_step(
     print(f"rolled back to step {lowest} to match the new world", flush=True)
 
 
-def _instrument(node: int, sink_path: str) -> None:
-    """Report each committed step's compute time (wall minus waits on peers) to the agent, one JSON line
-    per step, and keep abandoned process groups alive (`_RETIRED`). Done by wrapping `Trainer.run_step`,
-    `Trainer.apply_plan` and `Waiter.wait` in this worker process only: the runtime stays as it is."""
-    from ._runtime_wait import Waiter
+def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
+    """Trace the worker, obey chaos orders, report each committed step (wall, compute and communication
+    from the trace) and a profile every few steps to the agent through the sink file, run validation at
+    its boundary (`_worker_probe`), and keep abandoned process groups alive (`_RETIRED`). Done by wrapping
+    `Trainer.run_step` and `Trainer.apply_plan` in this worker process only: the runtime stays as it is."""
+    from ._worker_probe import WorkerProbe, chaos_client
     from .runtime import Trainer
 
-    waited = [0.0]
     undo: list[tuple[int, dict[int, list[torch.Tensor]]] | None] = [None]
     # (the step count after the last committed step, the layers' state from before that step)
     roles: dict[int, str] = {}
     sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
-    original_wait, original_step, original_apply = Waiter.wait, Trainer.run_step, Trainer.apply_plan
-
-    def wait(self: Waiter, work: Any, notice: Any, what: str) -> None:
-        began = time.perf_counter()
-        try:
-            original_wait(self, work, notice, what)
-        finally:
-            waited[0] += time.perf_counter() - began
+    probe = WorkerProbe(node, sink)
+    if keys is not None:
+        probe.start_chaos(keys, chaos_client())
+    original_step, original_apply = Trainer.run_step, Trainer.apply_plan
 
     def run_step(self: Trainer, latest_generation: int) -> tuple[float, bool, list[int]]:
-        waited[0] = 0.0
-        began = time.perf_counter()
+        # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
+        probe.maybe_validate(self.store, self.generation, self.step, self.world_rank)
         before = _snapshot(self)
+        probe.begin_step()
         try:
             result = original_step(self, latest_generation)
         except BaseException as exc:
             _RETIRED.append(exc)
             raise
         undo[0] = (self.step, before)
-        wall = time.perf_counter() - began
         plan = self.plan
         if plan is not None and plan.generation not in roles:
             roles[plan.generation] = plan_role(plan, node)
-        line = {
-            "generation": self.generation,
-            "step": self.step,
-            "compute_s": max(1e-6, wall - waited[0]),
-            "wall_s": wall,
-            "samples": len(result[2]),
-            "loss": result[0],
-            "role": roles.get(self.generation, ""),
-        }
-        sink.write(json.dumps(line) + "\n")
+        probe.end_step(self.generation, self.step, len(result[2]), result[0], roles.get(self.generation, ""))
         return result
 
     def apply_plan(self: Trainer, plan: Plan, store: Any) -> bool:
         _RETIRED.append(list(self._groups))
         _agree_on_step(self, plan, store, undo[0])
+        probe.on_plan(plan)  # before the layer copy, so that a slowed link already delays its sends
         try:
             return original_apply(self, plan, store)
         except BaseException as exc:
             _RETIRED.append(exc)
             raise
 
-    setattr(Waiter, "wait", wait)  # noqa: B010 - class-level wraps inside this worker process only
-    setattr(Trainer, "run_step", run_step)  # noqa: B010
+    setattr(Trainer, "run_step", run_step)  # noqa: B010 - class-level wraps inside this worker process only
     setattr(Trainer, "apply_plan", apply_plan)  # noqa: B010
 
 
@@ -427,13 +416,14 @@ def worker_entry(
     signal.set_wakeup_fd(-1)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
-    _instrument(node, sink_path)
+    job = os.environ.get("RJOB_JOB")
+    _instrument(node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None)
     return run_from_plan(node, config, host, port)
 
 
 # ---- the agent's side ------------------------------------------------------------------------------------
 class TrainingAgent:
-    """Runs this node's worker and feeds its steps to the telemetry; throttles it under injected chaos."""
+    """Runs this node's worker (which obeys chaos orders itself) and feeds its reports to the telemetry."""
 
     def __init__(self, telemetry: Telemetry, options: TrainingOptions, model: str, address: str) -> None:
         self.telemetry = telemetry
@@ -479,7 +469,7 @@ class TrainingAgent:
         return list(self.context.pids().values()) if self.context is not None else []
 
     async def forward_steps(self, stopped: asyncio.Event) -> None:
-        """Tail the worker's step lines into the telemetry (and the pod log)."""
+        """Tail the worker's sink (steps, profiles, validation passes) into the telemetry and the pod log."""
         with self.sink.open() as lines:
             while not stopped.is_set():
                 line = lines.readline()
@@ -488,44 +478,40 @@ class TrainingAgent:
                         lines.seek(lines.tell() - len(line))
                     await asyncio.sleep(0.05)
                     continue
-                step = json.loads(line)
-                print(
-                    f"step {step['step']} gen {step['generation']} loss {step['loss']:.4f} "
-                    f"compute {step['compute_s']:.3f}s wall {step['wall_s']:.3f}s",
-                    flush=True,
-                )
                 with contextlib.suppress(RedisError, OSError):
-                    await self.telemetry.record_iteration(
-                        step["generation"], step["step"], step["compute_s"], step["samples"], step["role"]
-                    )
+                    await self._forward(json.loads(line))
 
-    async def throttle(self, stopped: asyncio.Event) -> None:
-        """Apply the injected slowdown factor f: the worker runs 1/f of each period and is stopped for the
-        rest, so its compute takes f times as long."""
-        factor = 1.0
-        checked = 0.0
-        try:
-            while not stopped.is_set():
-                if time.monotonic() - checked > 0.5:
-                    with contextlib.suppress(RedisError, OSError):
-                        factor = await slowdown(self.telemetry)
-                    checked = time.monotonic()
-                if factor <= 1.0:
-                    await asyncio.sleep(0.1)
-                    continue
-                self._signal(signal.SIGSTOP)
-                try:
-                    await asyncio.sleep(THROTTLE_PERIOD_S * (1 - 1 / factor))
-                finally:
-                    self._signal(signal.SIGCONT)
-                await asyncio.sleep(THROTTLE_PERIOD_S / factor)
-        finally:
-            self._signal(signal.SIGCONT)
-
-    def _signal(self, signum: int) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+    async def _forward(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind", "step")
+        if kind == "step":
+            print(
+                f"step {event['step']} gen {event['generation']} loss {event['loss']:.4f} "
+                f"wall {event['wall_s']:.3f}s compute {event['compute_s']:.3f}s",
+                flush=True,
+            )
+            await self.telemetry.record_iteration(
+                event["generation"],
+                event["step"],
+                event["wall_s"],
+                event["samples"],
+                event["role"],
+                compute_s=event["compute_s"],
+                communication_s=event["communication_s"],
+            )
+        elif kind == "profile":
+            await self.telemetry.record_profile(
+                generation=event["generation"],
+                step=event["step"],
+                iterations=event["iterations"],
+                iteration_s=event["iteration_s"],
+                compute_s=event["compute_s"],
+                communication_s=event["communication_s"],
+                groups=event["groups"],
+            )
+        elif kind == "validation":
+            print(
+                f"validation {event['id']} at step {event['step']}: held {event['held_s']:.3f}s", flush=True
+            )
 
     async def supervise(self, stopped: asyncio.Event) -> int:
         """Exit status of the pod: 0 when training finished, 1 when the worker failed. A worker the plan
@@ -549,7 +535,6 @@ class TrainingAgent:
 
     def stop(self) -> None:
         if self.context is not None:
-            self._signal(signal.SIGCONT)
             self.context.close()
         with contextlib.suppress(OSError):
             for path in sorted(self.directory.rglob("*"), reverse=True):
@@ -586,10 +571,7 @@ async def train(telemetry: Telemetry, stopped: asyncio.Event, model: str, option
         loop.add_signal_handler(signum, stopped.set)
     print(f"training {model} on node {telemetry.node}; store {address}", flush=True)
     done = asyncio.Event()
-    helpers = [
-        asyncio.create_task(agent.forward_steps(done)),
-        asyncio.create_task(agent.throttle(done)),
-    ]
+    helpers = [asyncio.create_task(agent.forward_steps(done))]
     supervisor = asyncio.create_task(agent.supervise(stopped))
     try:
         code = await supervisor

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import statistics
 import time
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
@@ -17,7 +19,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
-from resilientjob.planner.failslow import ChangeDetector, ChangeKind, DetectorConfig
+from resilientjob.planner.failslow import ChangeDetector, ChangeEvent, ChangeKind, DetectorConfig
 
 from ._redis import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
 from .telemetry_messages import (
@@ -25,12 +27,24 @@ from .telemetry_messages import (
     Heartbeat,
     IterationRecord,
     PlanAnnouncement,
+    ProfileRecord,
+    SlowKind,
     SlowReport,
     decode,
     encode,
 )
 
 HEARTBEAT_INTERVAL_S = 0.5
+
+WARMUP_STEPS = 5
+"""Steps not fed to the detectors after (re)starting detection: the first steps of a worker or of a new
+role carry start-up costs (allocations, first collectives of new groups) that are no fail-slow."""
+
+AGENT_DETECTOR = DetectorConfig(min_change=0.25)
+"""Detector settings of a live worker. The level check is 25%, not Falcon's 10%: on a loaded 2-core machine
+every worker's compute moved 13-34% at once for tens of steps (scheduling delays stretching short sleeps
+while other jobs ran), which a 10% check reports as fail-slows; 1.5x slowdowns are still confirmed within
+a few steps (docs/benchmarks/failslow-e2e.md)."""
 
 STEP_SECONDS = Histogram(
     "rjob_agent_step_seconds",
@@ -64,6 +78,7 @@ class Telemetry:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
         detector: DetectorConfig | None = None,
+        warmup: int = WARMUP_STEPS,
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be > 0 and below heartbeat_ttl_s")
@@ -73,9 +88,17 @@ class Telemetry:
         self.pod = pod
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.detector_config = detector or DetectorConfig()
+        if warmup < 0:
+            raise ValueError(f"warmup: must be >= 0, got {warmup}")
+        self.detector_config = detector or AGENT_DETECTOR
+        self.warmup = warmup
         self.detector = ChangeDetector(self.detector_config)
-        self._detector_start = 0  # step of this worker fed first to the current detector
+        """On the step (wall) time."""
+        self.compute_detector = ChangeDetector(self.detector_config)
+        """On the compute time of each step, when the worker reports it."""
+        self._computes: list[float] = []
+        self._detector_start = warmup  # step of this worker fed first to the current detectors
+        self._skipped = 0
         self._role: Hashable = None
         self.generation = -1
         self.step = 0
@@ -99,21 +122,42 @@ class Telemetry:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), self.heartbeat_interval_s)
 
+    def _restart_detection(self, step: int, key: Hashable) -> None:
+        self.detector = ChangeDetector(self.detector_config)
+        self.compute_detector = ChangeDetector(self.detector_config)
+        self._computes = []
+        self._detector_start = step + self.warmup
+        self._skipped = 0
+        self._role = key
+
     async def record_iteration(
-        self, generation: int, step: int, seconds: float, samples: int, role: Hashable | None = None
+        self,
+        generation: int,
+        step: int,
+        seconds: float,
+        samples: int,
+        role: Hashable | None = None,
+        *,
+        compute_s: float | None = None,
+        communication_s: float | None = None,
     ) -> SlowReport | None:
-        """Append one step to the job's iteration stream; report a change point when the detector sees one.
+        """Append one step to the job's iteration stream; report a change point when a detector sees one.
+
+        With `compute_s` (the step's time outside communication, from the trace) two detectors run: one on
+        compute time, reporting `kind=compute` (the node itself slowed: a peer waiting for it sees its
+        communication grow, not its compute), and one on the step time, reporting `kind=communication`
+        only when compute did not move at the same onset. Without it the step time alone is watched and a
+        change is reported as compute (the synthetic loop).
 
         `role` is what this worker computes (its stages and micro-batches, or a probe step when the plan
-        does not use it); the detector starts over when it changes, since the normal step time changes with
-        it. Without a role every new generation starts over. Keeping the detector across generations that
-        leave this worker's work alone matters: a detector in its warm-up cannot see a change yet."""
+        does not use it); detection starts over when it changes, since the normal step time changes with
+        it, and ignores the first `warmup` steps after (start-up noise). Without a role every new generation
+        starts over. Keeping the detectors across generations that leave this worker's work alone matters:
+        a detector in its warm-up cannot see a change yet."""
         key = role if role is not None else generation
         if generation != self.generation or key != self._role:
             if key != self._role:
-                self.detector = ChangeDetector(self.detector_config)
-                self._detector_start = step
-                self._role = key
+                self._restart_detection(step, key)
             self.generation = generation
             GENERATION.set(generation)
         self.step = step
@@ -126,13 +170,40 @@ class Telemetry:
             seconds=seconds,
             samples=samples,
             sent_at=time.time(),
+            compute_s=compute_s,
+            communication_s=communication_s,
         )
         await self.client.xadd(
             self.keys.iterations, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True
         )
-        event = self.detector.feed(seconds)
-        if event is None:
+        if self._skipped < self.warmup:
+            self._skipped += 1
             return None
+        compute_event = None
+        if compute_s is not None:
+            self._computes.append(compute_s)
+            compute_event = self.compute_detector.feed(compute_s)
+        step_event = self.detector.feed(seconds)
+        if compute_event is not None:
+            return await self._report(generation, step, compute_event, SlowKind.COMPUTE)
+        if step_event is None:
+            return None
+        if compute_s is None:
+            return await self._report(generation, step, step_event, SlowKind.COMPUTE)
+        if self._compute_moved(step_event.index):
+            return None  # the compute detector owns this change (reported already, or soon)
+        return await self._report(generation, step, step_event, SlowKind.COMMUNICATION)
+
+    def _compute_moved(self, onset: int) -> bool:
+        """Whether compute time shifted at `onset` (an index into the fed samples) as much as a change."""
+        before = self._computes[max(0, onset - self.detector_config.baseline) : onset]
+        after = self._computes[onset:]
+        if not before or not after:
+            return False
+        ratio = statistics.median(after) / statistics.median(before)
+        return abs(math.log(ratio)) >= math.log1p(self.detector_config.min_change)
+
+    async def _report(self, generation: int, step: int, event: ChangeEvent, kind: SlowKind) -> SlowReport:
         report = SlowReport(
             node=self.node,
             generation=generation,
@@ -141,6 +212,7 @@ class Telemetry:
             slowdown=event.ratio,
             baseline_s=event.before_s,
             level_s=event.after_s,
+            kind=kind,
             recovered=event.kind is ChangeKind.RECOVERY,
             detected_at=time.time(),
         )
@@ -149,6 +221,34 @@ class Telemetry:
         )
         SLOW_REPORTS.labels(report.kind).inc()
         return report
+
+    async def record_profile(
+        self,
+        *,
+        generation: int,
+        step: int,
+        iterations: int,
+        iteration_s: float,
+        compute_s: float,
+        communication_s: float,
+        groups: dict[str, float],
+    ) -> ProfileRecord:
+        """Send one per-group profile of the recent window (`tracing.profile`, group labels in node ids)."""
+        record = ProfileRecord(
+            node=self.node,
+            generation=generation,
+            step=step,
+            iterations=iterations,
+            iteration_s=iteration_s,
+            compute_s=compute_s,
+            communication_s=communication_s,
+            groups=groups,
+            sent_at=time.time(),
+        )
+        await self.client.xadd(
+            self.keys.profiles, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True
+        )
+        return record
 
     async def current_plan(self) -> PlanAnnouncement | None:
         raw = await self.client.get(self.keys.plan)

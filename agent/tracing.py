@@ -107,6 +107,18 @@ class TraceRecord:
     nbytes: int
     start_s: float
     end_s: float
+    wait_from_s: float = math.nan
+    """When the caller began waiting for an asynchronous call (NaN for a synchronous one or before it)."""
+
+    @property
+    def blocked(self) -> tuple[float, float] | None:
+        """The span the caller was held by this call: the call itself if synchronous, from the first
+        `wait()` to the end if asynchronous (an `isend` still in flight while the caller computes does not
+        hold it); None while pending."""
+        if not self.end_s >= self.start_s:
+            return None
+        began = self.wait_from_s if self.wait_from_s >= self.start_s else self.start_s
+        return (min(began, self.end_s), self.end_s)
 
     @property
     def duration_s(self) -> float:
@@ -129,7 +141,7 @@ class TraceRing:
     Appends are O(1) list stores (thread-safe under the GIL: the sequence number comes from an atomic
     counter, and a reader skips slots whose sequence does not match the one it expects)."""
 
-    __slots__ = ("_counter", "_ends", "_mask", "_slots", "capacity", "head")
+    __slots__ = ("_counter", "_ends", "_mask", "_slots", "_waits", "capacity", "head")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 2 or capacity & (capacity - 1):
@@ -138,6 +150,7 @@ class TraceRing:
         self._mask = capacity - 1
         self._slots: list[tuple[int, str, tuple[int, ...], int, int, float] | None] = [None] * capacity
         self._ends: list[float] = [math.nan] * capacity
+        self._waits: list[float] = [math.nan] * capacity
         self._counter = itertools.count()
         self.head = 0
         """One past the newest sequence number written."""
@@ -150,17 +163,22 @@ class TraceRing:
         slot = seq & self._mask
         self._slots[slot] = (seq, op, group, peer, nbytes, start_s)
         self._ends[slot] = end_s
+        self._waits[slot] = math.nan
         if seq >= self.head:
             self.head = seq + 1
         return seq
 
-    def finish(self, seq: int, end_s: float) -> None:
-        """Stamp the end of record `seq`, or move it later (a batch ends with its last request); a record
-        already overwritten is left alone."""
+    def finish(self, seq: int, end_s: float, wait_from_s: float = math.nan) -> None:
+        """Stamp the end of record `seq`, or move it later (a batch ends with its last request), and when
+        its caller began waiting (the earliest wait counts); a record already overwritten is left alone."""
         slot = seq & self._mask
         record = self._slots[slot]
-        if record is not None and record[0] == seq and not self._ends[slot] >= end_s:
+        if record is None or record[0] != seq:
+            return
+        if not self._ends[slot] >= end_s:
             self._ends[slot] = end_s
+        if not self._waits[slot] <= wait_from_s:
+            self._waits[slot] = wait_from_s
 
     def records(self, since: int = 0) -> list[TraceRecord]:
         """Records with sequence >= `since` still in the ring, oldest first."""
@@ -169,10 +187,10 @@ class TraceRing:
         for seq in range(max(since, head - self.capacity, 0), head):
             slot = seq & self._mask
             record = self._slots[slot]
-            end = self._ends[slot]
+            end, wait_from = self._ends[slot], self._waits[slot]
             if record is None or record[0] != seq:
                 continue  # overwritten meanwhile, or a concurrent append not finished yet
-            found.append(TraceRecord(*record, end_s=end))
+            found.append(TraceRecord(*record, end_s=end, wait_from_s=wait_from))
         return found
 
     def __len__(self) -> int:
@@ -188,18 +206,22 @@ class CallHook(Protocol):
 class TracedWork(dist.Work):
     """An asynchronous operation's `Work`, forwarding everything to it and stamping the end on `wait()`."""
 
-    def __init__(self, inner: dist.Work, ring: TraceRing, seq: int) -> None:
+    def __init__(self, inner: dist.Work, tracer: Tracer, seq: int) -> None:
         super().__init__()
         self._inner = inner
-        self._ring = ring
+        self._tracer = tracer
         self._seq = seq
         self._waited = False
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
+        began = time.perf_counter()
         done: bool = self._inner.wait(*args, **kwargs)
         if not self._waited:  # a later wait() on finished work says nothing about the operation
             self._waited = True
-            self._ring.finish(self._seq, time.perf_counter())
+            end = time.perf_counter()
+            self._tracer.ring.finish(self._seq, end, began)
+            # Compute resumes when the wait returns (often on a helper thread that waits for the caller).
+            self._tracer.last_end = max(self._tracer.last_end, end)
         return done
 
 
@@ -243,6 +265,10 @@ class Tracer:
         """Called before every traced call (also while recording is off)."""
         self.recording = True
         """Off during `quiet()`: calls still run the hook but leave no record (validation traffic)."""
+        self.last_end = -math.inf
+        """When the process last came out of communication (a call returned or a wait on one ended): the
+        compute interval before the next call starts here. Process-wide, not per thread, since runtimes
+        wait on work from helper threads (`agent._runtime_wait.Waiter`)."""
         self._local = threading.local()
         self._originals: dict[str, Callable[..., Any]] = {}
         self._group_cache: dict[object, tuple[int, ...]] = {}
@@ -337,8 +363,8 @@ class Tracer:
             if hook is not None:
                 # The time since this thread's previous call is the compute before this one; a quiet
                 # (validation) call follows no training compute.
-                last_end = getattr(local, "last_end", None)
-                gap = 0.0 if last_end is None or not self.recording else clock() - last_end
+                last_end = self.last_end
+                gap = 0.0 if last_end == -math.inf or not self.recording else max(0.0, clock() - last_end)
                 hook(name, peer, nbytes, gap)
             local.inside = True
             try:
@@ -347,15 +373,15 @@ class Tracer:
                 end = clock()
             finally:
                 local.inside = False
-            local.last_end = end
+            self.last_end = max(self.last_end, end)
             if not self.recording:
                 return result
             if isinstance(result, dist.Work):
-                return TracedWork(result, ring, ring.append(name, group, peer, nbytes, start, math.nan))
+                return TracedWork(result, self, ring.append(name, group, peer, nbytes, start, math.nan))
             if isinstance(result, list) and result and isinstance(result[0], dist.Work):
                 # batch_isend_irecv: one record, ended by the last of its requests to be waited on
                 seq = ring.append(name, group, peer, nbytes, start, math.nan)
-                return [TracedWork(work, ring, seq) for work in result]
+                return [TracedWork(work, self, seq) for work in result]
             ring.append(name, group, peer, nbytes, start, end)
             return result
 
@@ -470,6 +496,17 @@ class TraceProfile:
         return max(0.0, self.iteration_s - self.communication_s)
 
 
+def blocked_s(records: Sequence[TraceRecord], begin_s: float, end_s: float) -> float:
+    """Time within [begin_s, end_s] the caller was held by communication (`TraceRecord.blocked`, overlaps
+    counted once): a step's communication time, waiting for slower peers included; the rest is compute."""
+    spans = []
+    for record in records:
+        span = record.blocked
+        if span is not None and span[1] > begin_s and span[0] < end_s:
+            spans.append((max(span[0], begin_s), min(span[1], end_s)))
+    return _covered(spans)
+
+
 def _covered(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of intervals."""
     total, reach = 0.0, -math.inf
@@ -500,10 +537,13 @@ def profile(records: Sequence[TraceRecord], max_lag: int | None = None) -> Trace
         lengths[window] = finish - begin
         intervals = []
         for record in ordered[window * period : (window + 1) * period]:
-            end = min(record.start_s + record.duration_s, finish)
-            intervals.append((record.start_s, end))
-            per_group[record.label] = per_group.get(record.label, 0.0) + max(0.0, end - record.start_s)
-        communication[window] = _covered([(max(s, begin), e) for s, e in intervals])
+            span = record.blocked  # the time the caller was held, not an isend in flight behind compute
+            if span is None:
+                continue
+            start, end = max(span[0], begin), min(span[1], finish)
+            intervals.append((start, end))
+            per_group[record.label] = per_group.get(record.label, 0.0) + max(0.0, end - start)
+        communication[window] = _covered([(s, e) for s, e in intervals if e > s])
     return TraceProfile(
         period=period,
         iterations=windows,

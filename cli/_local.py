@@ -1,6 +1,6 @@
 """`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
 operator, a process kubelet). `up`, `apply -f FILE`, `get`, `logs POD`, `chaos kill POD`,
-`chaos slow POD --factor F --for 60s`, `down`."""
+`chaos slow POD --factor F --for 60s [--link PEER]`, `down`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow.add_argument("pod")
     slow.add_argument("--factor", type=float, default=1.5)
     slow.add_argument("--for", dest="duration", default="60s", help="duration such as 60s or 2m")
+    slow.add_argument("--link", metavar="PEER", help="slow only sends to this peer pod (or node number)")
     commands.add_parser("down", help="stop everything")
     parser.set_defaults(handler=guarded(_run))
 
@@ -89,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.chaos_command == "kill":
         return _kill(args.pod)
-    return _slow(args.pod, args.factor, args.duration)
+    return _slow(args.pod, args.factor, args.duration, args.link)
 
 
 def _up() -> int:
@@ -206,18 +207,43 @@ def _seconds(text: str) -> float:
         raise CliError(f"for: expected a duration such as 60s, got {text!r}") from None
 
 
-def _slow(pod: str, factor: float, duration: str) -> int:
-    import redis
-
-    if factor < 1:
-        raise CliError(f"factor: must be >= 1, got {factor}")
+def _worker_labels(pod: str, field: str) -> dict[str, str]:
     _, body = _call("GET", f"/api/v1/namespaces/default/pods/{pod}")
     labels = ((body or {}).get("metadata") or {}).get("labels") or {}
     if "resilientjob.io/node" not in labels:
-        raise CliError(f"pod: {pod!r} is not a ResilientJob worker")
-    key = f"rjob:default:{labels['resilientjob.io/job']}:chaos:{labels['resilientjob.io/node']}"
+        raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
+    return dict(labels)
+
+
+def _slow(pod: str, factor: float, duration: str, link: str | None = None) -> int:
+    """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its sends to `link`."""
+    import redis
+    from pydantic import ValidationError
+
+    from resilientjob.agent._redis import JobKeys
+    from resilientjob.agent.chaos import ChaosOrder, write_order
+
+    labels = _worker_labels(pod, "pod")
+    job = labels["resilientjob.io/job"]
+    peer: int | None = None
+    if link is not None:
+        peer_labels = {"resilientjob.io/job": job, "resilientjob.io/node": link} if link.isdigit() else None
+        peer_labels = peer_labels or _worker_labels(link, "link")
+        if peer_labels["resilientjob.io/job"] != job:
+            raise CliError(
+                f"link: {link!r} belongs to job {peer_labels['resilientjob.io/job']!r}, not {job!r}"
+            )
+        peer = int(peer_labels["resilientjob.io/node"])
+    try:
+        order = ChaosOrder(factor=factor, until=time.time() + _seconds(duration), link=peer)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise CliError(f"{'.'.join(map(str, error['loc'])) or 'factor'}: {error['msg']}") from None
     client = redis.Redis.from_url(_state()["redis_url"])
-    client.set(key, json.dumps({"factor": factor, "until": time.time() + _seconds(duration)}))
-    client.close()
-    print(f"pod/{pod} slowed x{factor} for {duration}")
+    try:
+        write_order(client, JobKeys("default", job), int(labels["resilientjob.io/node"]), order)
+    finally:
+        client.close()
+    target = f" link to node {peer}" if peer is not None else ""
+    print(f"pod/{pod}{target} slowed x{factor} for {duration}")
     return 0

@@ -20,6 +20,9 @@ from resilientjob.agent.telemetry_messages import (
     DropReason,
     IterationRecord,
     PlanAnnouncement,
+    ProfileRecord,
+    SlowKind,
+    SlowReport,
     decode,
     dropped,
 )
@@ -173,6 +176,68 @@ async def test_a_new_generation_restarts_detection(client: aioredis.Redis) -> No
     # The new layout is slower for everyone: a new baseline, not a fail-slow.
     reports = [await agent.record_iteration(1, step, 0.2, 1) for step in range(31, 61)]
     assert reports == [None] * 30
+
+
+async def test_compute_split_blames_the_slow_node_and_reports_links_as_communication(
+    client: aioredis.Redis,
+) -> None:
+    keys = JobKeys("default", "split")
+    rng = random.Random(3)
+
+    def jitter(value: float) -> float:
+        return value * (1 + 0.02 * rng.gauss(0, 1))
+
+    async def run(node: int, steps: list[tuple[float, float]]) -> list[SlowReport]:
+        agent = Telemetry(client, keys, node=node, pod=f"split-node-{node}")
+        found = []
+        for step, (compute, communication) in enumerate(steps, start=1):
+            c, m = jitter(compute), jitter(communication)
+            report = await agent.record_iteration(0, step, c + m, 2, "role", compute_s=c, communication_s=m)
+            if report is not None:
+                found.append(report)
+        return found
+
+    # Node 1's compute slows 1.5x from step 41; node 0 waits for it: its communication grows, not compute.
+    slow = await run(1, [(0.1, 0.02)] * 40 + [(0.15, 0.02)] * 30)
+    waiting = await run(0, [(0.1, 0.02)] * 40 + [(0.1, 0.07)] * 30)
+    # Node 2's link slows: only its communication grows.
+    link = await run(2, [(0.1, 0.02)] * 40 + [(0.1, 0.08)] * 30)
+    assert [(r.kind, r.recovered) for r in slow] == [(SlowKind.COMPUTE, False)]
+    assert slow[0].step - 40 <= 10 and slow[0].slowdown == pytest.approx(1.5, rel=0.05)
+    assert [r.kind for r in waiting] == [SlowKind.COMMUNICATION]
+    assert [r.kind for r in link] == [SlowKind.COMMUNICATION] and link[0].slowdown > 1.4
+    stored = [IterationRecord.model_validate_json(f[b"m"]) for _, f in await client.xrange(keys.iterations)]
+    assert all(r.compute_s is not None and r.communication_s is not None for r in stored)
+
+
+async def test_warmup_steps_are_recorded_but_not_detected(client: aioredis.Redis) -> None:
+    keys = JobKeys("default", "warm")
+    agent = Telemetry(client, keys, node=0, pod="warm-node-0", warmup=5)
+    # A slow start-up (first steps 3x) must not become the baseline, nor a "recovery".
+    times = [0.3] * 5 + [0.1] * 40
+    reports = [
+        await agent.record_iteration(0, step, value, 1, "r") for step, value in enumerate(times, start=1)
+    ]
+    assert reports == [None] * len(times)
+    assert await client.xlen(keys.iterations) == len(times)
+    with pytest.raises(ValueError, match="warmup"):
+        Telemetry(client, keys, node=0, pod="p", warmup=-1)
+
+
+async def test_profiles_go_to_their_stream(client: aioredis.Redis) -> None:
+    keys = JobKeys("default", "prof")
+    agent = Telemetry(client, keys, node=2, pod="prof-node-2")
+    sent = await agent.record_profile(
+        generation=1,
+        step=20,
+        iterations=9,
+        iteration_s=0.2,
+        compute_s=0.15,
+        communication_s=0.05,
+        groups={"0,1,2,3": 0.05, "2,3@3": 0.01},
+    )
+    ((_, fields),) = await client.xrange(keys.profiles)
+    assert ProfileRecord.model_validate_json(fields[b"m"]) == sent and sent.groups["2,3@3"] == 0.01
 
 
 def test_bad_detector_settings_name_the_field() -> None:

@@ -112,6 +112,51 @@ def test_ring_finishes_pending_records_and_never_an_overwritten_one() -> None:
     assert all(r.end_s in (5.0, 6.0) for r in ring.records())
 
 
+def test_blocked_spans_count_waits_not_sends_in_flight_behind_compute() -> None:
+    ring = TraceRing(capacity=8)
+    sync = ring.append("all_reduce", (0, 1), NO_PEER, 8, 1.0, 2.0)
+    isend = ring.append("isend", (0, 1), 1, 8, 2.0, math.nan)  # issued, then 3 s of compute
+    irecv = ring.append("irecv", (0, 1), 1, 8, 2.5, math.nan)
+    pending = ring.append("irecv", (0, 1), 1, 8, 9.0, math.nan)
+    ring.finish(isend, 5.5, 5.0)  # waited on from 5.0
+    ring.finish(irecv, 6.0, 5.5)
+    ring.finish(irecv, 6.0, 5.2)  # the earliest wait counts
+    records = {r.seq: r for r in ring.records()}
+    assert records[sync].blocked == (1.0, 2.0)
+    assert records[isend].blocked == (5.0, 5.5) and records[irecv].blocked == (5.2, 6.0)
+    assert records[pending].blocked is None
+    # Held 1 s in the all-reduce and 1 s in the waits (overlap counted once); the rest of [0, 7] is compute.
+    assert tracing.blocked_s(list(records.values()), 0.0, 7.0) == pytest.approx(2.0)
+    assert tracing.blocked_s(list(records.values()), 1.5, 5.6) == pytest.approx(0.5 + 0.6)
+
+
+def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
+    import threading
+
+    class SlowWork(dist.Work):
+        def wait(self, *args: Any, **kwargs: Any) -> bool:
+            time.sleep(0.2)  # a slow peer
+            return True
+
+    def isend(tensor: torch.Tensor, dst: int | None = None, group: object = None, tag: int = 0) -> dist.Work:
+        return SlowWork()
+
+    tracer = Tracer(capacity=8)
+    gaps: list[float] = []
+    tracer.hook = lambda op, peer, nbytes, gap: gaps.append(gap)
+    traced = tracer._wrap("isend", isend, TRACED["isend"])
+    work = traced(torch.ones(1), 1)
+    waiter = threading.Thread(target=work.wait)  # as `_runtime_wait.Waiter` does
+    waiter.start()
+    waiter.join()
+    time.sleep(0.05)  # compute
+    traced(torch.ones(1), 1)
+    # The 0.2 s spent waiting for the peer is not compute: a compute slowdown must not stretch it.
+    assert gaps[0] == 0.0 and 0.04 <= gaps[1] < 0.15, gaps
+    (first, _) = tracer.ring.records()
+    assert first.blocked is not None and first.blocked[1] - first.blocked[0] >= 0.2
+
+
 @pytest.mark.parametrize("capacity", [0, 1, 3, 100])
 def test_ring_capacity_must_be_a_power_of_two(capacity: int) -> None:
     with pytest.raises(ValueError, match="capacity"):

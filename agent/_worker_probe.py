@@ -1,0 +1,245 @@
+"""What a training worker process learns about itself without touching the training loop (Falcon 4.2-4.3):
+the `torch.distributed` tracer, chaos orders (when the job allows them), each committed step split into
+compute and communication from the trace, a per-group profile every `PROFILE_EVERY` steps, and the
+validation pass at an agreed iteration boundary.
+
+The worker writes one JSON line per event to a sink file the pod's agent tails (`_bridge.TrainingAgent`):
+`{"kind": "step", ...}` and `{"kind": "profile", ...}`; the agent turns them into `IterationRecord`s and
+`ProfileRecord`s. Validation results go through the job's TCPStore to the store host, which forwards each
+one to Redis exactly once (`_validation_relay`).
+
+Communication time of a step is the time the worker was *held* by communication: inside a synchronous call,
+or from the first `wait()` on an asynchronous one to its end (`tracing.blocked_s`); waiting for a slower
+peer counts as communication, as in Falcon, and the rest of the step is this node's compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+import redis
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import Plan
+
+from . import chaos, tracing, validation
+from ._redis import JobKeys
+from ._runtime_schedule import world_nodes
+from .telemetry_messages import LinkTiming, ValidationResult, ValidationTopology
+
+PROFILE_EVERY = 10
+"""Steps between two per-group profiles (`ProfileRecord`)."""
+
+REQUEST_KEY = "validation/request"
+"""TCPStore key: the validation request the store host mirrored, with its boundary step (JSON)."""
+
+
+def result_key(request_id: int) -> str:
+    """TCPStore key where world rank 0 leaves the pass's `ValidationResult`."""
+    return f"validation/result/{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryRequest:
+    """A validation request as the workers see it: run it before step `step` of `generation`."""
+
+    id: int
+    generation: int
+    step: int
+    topology: ValidationTopology
+
+    def __post_init__(self) -> None:
+        if self.id < 1:
+            raise ValueError(f"id: must be >= 1, got {self.id}")
+        if self.generation < 0 or self.step < 0:
+            raise ValueError(f"generation and step: must be >= 0, got {self.generation} and {self.step}")
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"id": self.id, "generation": self.generation, "step": self.step, "topology": self.topology.value}
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> BoundaryRequest:
+        data = json.loads(raw)
+        return cls(
+            int(data["id"]), int(data["generation"]), int(data["step"]), ValidationTopology(data["topology"])
+        )
+
+
+def rank_table(plan: Plan) -> dict[int, int]:
+    """Node -> global rank under `plan` (the runtime numbers the world's nodes in order)."""
+    return {node: rank for rank, node in enumerate(world_nodes(plan))}
+
+
+def node_label(label: str, nodes_by_rank: Mapping[int, int]) -> str:
+    """A trace group label in global ranks (`0,1,2` or `0,1@1`) rewritten in node ids."""
+    ranks, _, peer = label.partition("@")
+
+    def node(rank: str) -> str:
+        return str(nodes_by_rank.get(int(rank), f"r{rank}"))
+
+    text = ",".join(node(rank) for rank in ranks.split(",") if rank)
+    return f"{text}@{node(peer)}" if peer else text
+
+
+def result_in_nodes(
+    report: validation.ValidationReport,
+    request: BoundaryRequest,
+    nodes_by_rank: Mapping[int, int],
+    held_s: float,
+) -> ValidationResult:
+    """The pass's report (global ranks) as the operator's `ValidationResult` (node ids)."""
+
+    def node(rank: int) -> int:
+        return nodes_by_rank[rank]
+
+    return ValidationResult(
+        id=request.id,
+        generation=request.generation,
+        step=request.step,
+        gemm_s={node(rank): result.seconds for rank, result in report.gemm.items()},
+        links=[
+            LinkTiming(src=node(src), dst=node(dst), seconds=result.seconds)
+            for (src, dst), result in sorted(report.links.items())
+        ],
+        slow_nodes=sorted(node(rank) for rank in report.slow_gpus),
+        slow_links=[(node(src), node(dst)) for src, dst in report.slow_links],
+        held_s=held_s,
+        finished_at=time.time(),
+    )
+
+
+def chaos_client(environ: Mapping[str, str] | None = None) -> redis.Redis | None:
+    """A sync Redis client for the chaos watcher, from the pod's environment (None without a URL)."""
+    env = os.environ if environ is None else environ
+    url = env.get("RJOB_REDIS_URL")
+    if not url:
+        return None
+    return redis.Redis.from_url(url, password=env.get("RJOB_REDIS_PASSWORD") or None)
+
+
+class WorkerProbe:
+    """The per-process state: the tracer, the chaos watcher, the step window and the last validation."""
+
+    def __init__(self, node: int, sink: IO[str], *, profile_every: int = PROFILE_EVERY) -> None:
+        if profile_every < 2:
+            raise ValueError(f"profile_every: must be >= 2, got {profile_every}")
+        self.node = node
+        self.sink = sink
+        self.profile_every = profile_every
+        self.tracer = tracing.install()
+        self.ranks: dict[int, int] = {}
+        self.watcher: chaos.ChaosWatcher | None = None
+        self.validated = 0
+        """Id of the newest validation request handled (run or skipped)."""
+        self._step_began = 0.0
+        self._step_cursor = 0
+        self._window_cursor = 0
+        self._window_steps = 0
+
+    def start_chaos(self, keys: JobKeys, client: redis.Redis | None) -> None:
+        """Obey this node's chaos orders if the job allows chaos (`chaos.allowed`)."""
+        if client is None or not chaos.allowed():
+            return
+        self.watcher = chaos.start(self.tracer, client, keys, self.node, rank_of=self.ranks.get)
+
+    def on_plan(self, plan: Plan) -> None:
+        """A new plan renumbers the ranks: chaos link targets and profile labels follow (one dict, updated
+        in place, so the injector's `rank_of` sees it at once)."""
+        self.ranks.clear()
+        self.ranks.update(rank_table(plan))
+        self._window_cursor = self.tracer.ring.head
+        self._window_steps = 0
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._step_began = time.perf_counter()
+        self._step_cursor = self.tracer.ring.head
+
+    def end_step(self, generation: int, step: int, samples: int, loss: float, role: str) -> dict[str, Any]:
+        """The committed step's line: wall time, and its compute and communication split from the trace."""
+        ended = time.perf_counter()
+        wall = max(1e-6, ended - self._step_began)
+        records = self.tracer.ring.records(since=self._step_cursor)
+        communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
+        line: dict[str, Any] = {
+            "kind": "step",
+            "generation": generation,
+            "step": step,
+            "wall_s": wall,
+            "compute_s": max(1e-6, wall - communication),
+            "communication_s": communication,
+            "samples": samples,
+            "loss": loss,
+            "role": role,
+        }
+        self._write(line)
+        self._window_steps += 1
+        if self._window_steps >= self.profile_every:
+            self._profile(generation, step)
+        return line
+
+    def _profile(self, generation: int, step: int) -> None:
+        records = self.tracer.ring.records(since=self._window_cursor)
+        self._window_cursor = self.tracer.ring.head
+        self._window_steps = 0
+        try:
+            found = tracing.profile(records)
+        except PlannerError:
+            return  # no recurring period in this window (a reconfiguration inside it): skip one profile
+        nodes_by_rank = {rank: node for node, rank in self.ranks.items()}
+        self._write(
+            {
+                "kind": "profile",
+                "generation": generation,
+                "step": step,
+                "iterations": found.iterations,
+                "iteration_s": found.iteration_s,
+                "compute_s": found.compute_s,
+                "communication_s": found.communication_s,
+                "groups": {node_label(label, nodes_by_rank): s for label, s in found.group_s.items()},
+            }
+        )
+
+    def _write(self, line: Mapping[str, Any]) -> None:
+        self.sink.write(json.dumps(line) + "\n")
+
+    # ---- validation --------------------------------------------------------------------------------------
+    def maybe_validate(
+        self, store: Any, generation: int, step: int, world_rank: int | None
+    ) -> ValidationResult | None:
+        """Run the validation pass if a request's boundary is this step of this generation (called between
+        steps, nothing in flight). Every member of the world calls it and runs the same pass; world rank 0
+        leaves the result in the store. A request this worker can no longer meet is marked handled."""
+        if store is None or world_rank is None or not store.check([REQUEST_KEY]):
+            return None
+        try:
+            request = BoundaryRequest.decode(store.get(REQUEST_KEY))
+        except (ValueError, KeyError, TypeError):
+            return None
+        if request.id <= self.validated:
+            return None
+        if request.generation != generation or request.step < step:
+            self.validated = request.id  # another world's request, or one we are past: not ours to run
+            return None
+        if request.step > step:
+            return None
+        self.validated = request.id
+        began = time.perf_counter()
+        report = validation.validate(validation.Topology(request.topology.value))
+        held = time.perf_counter() - began
+        result = result_in_nodes(report, request, {rank: node for node, rank in self.ranks.items()}, held)
+        if world_rank == 0:
+            store.set(result_key(request.id), result.model_dump_json())
+        self._write({"kind": "validation", "id": request.id, "step": step, "held_s": held})
+        return result
+
+    def stop(self) -> None:
+        chaos.stop(self.tracer, self.watcher)
+        self.watcher = None
