@@ -55,9 +55,16 @@ class RuntimePlanner:
         bandwidth: float = 1e9,
         costs: TransitionCosts = LOCAL_COSTS,
         failure_rate_per_node_hour: float = 0.01,
+        message_latency_s: float = 0.0,
     ) -> RuntimePlanner:
-        """One worker (device) per node, as the runtime runs; bandwidth (bytes/s) is loopback-like."""
-        cluster = ClusterSpec(nodes=nodes, gpus_per_node=1, inter_node_bandwidth=bandwidth)
+        """One worker (device) per node, as the runtime runs; bandwidth (bytes/s) is loopback-like;
+        `message_latency_s` as `profiler.measure_message_latency` measures it (0: bandwidth only)."""
+        cluster = ClusterSpec(
+            nodes=nodes,
+            gpus_per_node=1,
+            inter_node_bandwidth=bandwidth,
+            message_latency_s=message_latency_s,
+        )
         job = JobSpec(
             global_batch=global_batch,
             microbatch_size=microbatch_size,

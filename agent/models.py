@@ -8,7 +8,8 @@ communicating, and a worker that receives layer `i` later can allocate it and ov
 Built in: a small GPT (pre-norm attention + GELU MLP), a Llama-style stack (RMSNorm, rotary attention,
 SwiGLU, no biases) and calibrated-sleep layers whose compute is a sleep of a fixed duration, so that two CPU
 cores can emulate many workers without contention distorting step times. User models come from
-`module:function` returning the ordered layers.
+`module:function` returning the ordered layers, and Hugging Face GPT-2 / Llama configurations from
+`hf:gpt2?n_layer=2&n_embd=32...` / `hf:llama?...` (random initialisation; see `_hf_models`).
 """
 
 from __future__ import annotations
@@ -290,8 +291,38 @@ def user_model(target: str, vocab: int, seq_len: int, seed: int = 0) -> ModelSpe
     )
 
 
+def hf_model(spec: str, seq_len: int = 16, seed: int = 0) -> ModelSpec:
+    """A Hugging Face GPT-2 or Llama configuration (`hf:<family>?key=value&...`, see `_hf_models`) as an
+    ordered layer list: embedding, the configuration's decoder blocks, head. Needs `transformers`."""
+    from ._hf_models import hf_layers
+
+    layers, vocab, hidden, build_layer = hf_layers(spec)
+    if seq_len < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+
+    def build(index: int) -> nn.Module:
+        torch.manual_seed(seed * 100_003 + index)  # as the built-ins: layer i independent of the others
+        return build_layer(index)
+
+    return ModelSpec(
+        name=spec,
+        num_layers=layers,
+        build=build,
+        vocab=vocab,
+        seq_len=seq_len,
+        hidden_shape=lambda micro: (micro, seq_len, hidden),
+    )
+
+
 def load_model(name: str, **overrides: object) -> ModelSpec:
-    """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides) or `module:function`."""
+    """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides), `hf:<family>?...` (overrides:
+    `seq_len`, `seed`) or `module:function`."""
+    if name.startswith("hf:"):
+        return hf_model(
+            name,
+            seq_len=int(overrides.get("seq_len", 16)),  # type: ignore[call-overload]
+            seed=int(overrides.get("seed", 0)),  # type: ignore[call-overload]
+        )
     if ":" in name:
         return user_model(
             name,

@@ -3,12 +3,15 @@
 The planner's estimates and the restorer's transfer sizes come from this profile, so bytes are exact: a
 layer's `param_bytes + optimizer_bytes` is what `p2p.LayerState` sends. Times are medians over `repeats`
 runs after a warm-up, per micro-batch of `microbatch_size`, measured layer by layer on real activations.
+`measure_message_latency` measures the per-message cost between two workers (`ClusterSpec.message_latency_s`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -95,3 +98,63 @@ def calibrated_profile(model: ModelSpec) -> ModelProfile:
         for layer in measured.layers
     )
     return ModelProfile(name=measured.name, layers=layers)
+
+
+def _ping_pong(rank: int, port: int, rounds: int, results: Any) -> None:
+    """One side of `measure_message_latency`: small tensors back and forth through the runtime's waits."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
+
+    from ._runtime_wait import FailureNotice, Waiter
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    waiter, notice = Waiter(30.0), FailureNotice(None)
+    buffer = torch.zeros(64)
+    trips = []
+    try:
+        for index in range(rounds):
+            began = time.perf_counter()
+            if rank == 0:
+                sent = dist.isend(buffer, 1, tag=2 * index)
+                waiter.wait(dist.irecv(buffer, 1, tag=2 * index + 1), notice, "pong")
+            else:
+                waiter.wait(dist.irecv(buffer, 0, tag=2 * index), notice, "ping")
+                sent = dist.isend(buffer, 0, tag=2 * index + 1)
+            waiter.wait(sent, notice, "send")
+            trips.append(time.perf_counter() - began)
+            time.sleep(0.002)  # a pipeline stage computes between messages: do not measure a busy loop
+        if rank == 0:
+            results.put(trips)
+    finally:
+        dist.destroy_process_group()
+        waiter.close()
+
+
+def measure_message_latency(rounds: int = 60) -> float:
+    """Seconds one small message between two worker processes of this machine costs (the median one-way
+    time of a ping-pong through gloo and the runtime's `Waiter`, first tenth dropped as warm-up). This is
+    `ClusterSpec.message_latency_s` for jobs whose workers share the machine, as the local stack's do; it
+    includes the scheduling delays of the current load, so measure it under the load the job will see."""
+    import multiprocessing
+
+    from torch._C._distributed_c10d import TCPStore
+
+    if rounds < 10:
+        raise ValueError(f"rounds: must be >= 10, got {rounds}")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    context = multiprocessing.get_context("fork")  # torch is imported already: fork starts in milliseconds
+    results = context.Queue()
+    sides = [context.Process(target=_ping_pong, args=(rank, store.port, rounds, results)) for rank in (0, 1)]
+    for side in sides:
+        side.start()
+    try:
+        trips: list[float] = results.get(timeout=60)
+    finally:
+        for side in sides:
+            side.join(timeout=10)
+            if side.is_alive():
+                side.kill()
+                side.join()
+    return statistics.median(trips[rounds // 10 :]) / 2

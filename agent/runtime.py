@@ -2,9 +2,11 @@
 
 A `Trainer` holds the layers its node owns under the current plan. One step runs the node's 1F1B ops (see
 `_runtime_schedule`), sums gradients layer range by layer range across replicas in the restorer's colour
-rounds, then commits: a world all-reduce of the step's loss and of a "new plan seen" flag, after which every
-worker applies its optimizers. Only committed steps count; a step that fails before the commit is abandoned
-and redone under the next plan, so the global step and the global batch are preserved.
+rounds, then commits atomically (`_runtime_commit`): every rank votes in the job's store, then a world
+all-reduce of the step's loss and of a "new plan seen" flag, after which every worker applies its optimizers;
+if a peer dies in between, the votes decide, identically on every survivor. Only committed steps count; an
+abandoned step is redone under the next plan, so the global step and the global batch are preserved, and all
+survivors always stand at the same step.
 
 Why the update equals the symmetric one: each micro-batch's loss is the sum of its per-sample losses divided
 by the global batch B, and replicas' gradients are summed (never averaged). Whatever the split of the batch
@@ -15,7 +17,8 @@ Reconfiguration re-initialises the default process group in place: `destroy_proc
 this plan's ranks; the per-generation prefix keeps the new rendezvous from reading the old one's keys. Every
 wait goes through `_runtime_wait.Waiter`: a wait blocked behind a dead peer is abandoned as soon as the
 launcher announces the failure in the store (`FailureNotice`), and at the latest after `collective_timeout_s`
-(the gloo timeout), never after the 30-minute default.
+(the gloo timeout), never after the 30-minute default. Groups left with operations pending behind a dead
+peer are retired, not destroyed (`_runtime_commit.Retirement`), because destroying them hangs.
 
 A stage must run on one device (`StagePlan.gpus` of length 1): multi-device stages (tensor parallelism) are
 refused when the plan is applied, with a `PlannerError` naming the stage (see `check_supported`).
@@ -34,8 +37,9 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 
+from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
 from ._runtime_schedule import Op, OpKind, SyncGroup, build_ops, held_layers, sync_groups, world_nodes
-from ._runtime_wait import FailureNotice, Waiter
+from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from .data import SampleOrder, SyntheticDataset
 from .models import ModelSpec, lm_loss
 from .p2p import LayerState, TransferRecord, execute_transfers
@@ -81,7 +85,8 @@ def backend_for(device: torch.device | str) -> str:
 def join_world(
     store: Store, generation: int, rank: int, world_size: int, timeout_s: float, device: str = "cpu"
 ) -> None:
-    """(Re)create the default process group for one plan generation, in this process."""
+    """Create the default process group for one plan generation, in this process (the previous one must
+    have been left: `Trainer` does it with `_runtime_commit.leave_world`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(
@@ -127,6 +132,15 @@ class Trainer:
     notice: FailureNotice = field(default_factory=lambda: FailureNotice(None))
     """Trips when a failure the current plan does not account for is announced."""
     _waiter: Waiter = field(init=False)
+    store: Store | None = None
+    """The job's store (the one `apply_plan` joined through); commit votes go there."""
+    fault_hook: FaultHook | None = None
+    """Fault injection: called as hook(step, phase) at each `CommitPhase` (tests kill the worker there)."""
+    retirement: Retirement = field(default_factory=Retirement)
+    _pending: list[object] = field(default_factory=list)
+    """Work items of the step in progress (and the transfers of a switch), kept until it commits."""
+    _abandoned: bool = False
+    """The last step or switch failed: the current groups may have operations pending on a dead peer."""
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
@@ -135,12 +149,24 @@ class Trainer:
         self._waiter = Waiter(self.collective_timeout_s)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is not None:
+            self._pending.append(work)
         self._waiter.wait(work, self.notice, what)
+
+    def _track(self, work: dist.Work | None) -> dist.Work | None:
+        if work is not None:
+            self._pending.append(work)
+        return work
+
+    def _leave(self) -> None:
+        """Leave the current world: destroy it after clean steps, retire (or abort) it after a failure."""
+        keep: list[object] = [handle for _, handle in self._groups if handle is not None]
+        leave_world(self.retirement, self.generation, keep + self._pending, self._abandoned)
+        self._groups, self._pending, self._abandoned = [], [], False
 
     def close(self) -> None:
         """Leave the process group and stop the wait helpers."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._leave()
         self._waiter.close()
 
     def _current(self) -> Plan:
@@ -177,13 +203,19 @@ class Trainer:
             )
         check_supported(plan)
         nodes = world_nodes(plan)
-        self.plan, self.generation = plan, plan.generation
+        self._leave()
+        self.plan, self.generation, self.store = plan, plan.generation, store
         self.notice = FailureNotice.for_generation(store, plan.generation)
         if self.node not in nodes:
             self._rank_of = {}
-            if dist.is_initialized():
-                dist.destroy_process_group()
             return False
+        try:
+            return self._join(plan, store, nodes)
+        except BaseException:
+            self._abandoned = True
+            raise
+
+    def _join(self, plan: Plan, store: Store, nodes: list[int]) -> bool:
         started = time.perf_counter()
         self._rank_of = {node: rank for rank, node in enumerate(nodes)}
         join_world(
@@ -213,7 +245,6 @@ class Trainer:
             del self.layers[index]
         self.received.extend(records)
         self._ops = build_ops(plan).get(self.node, [])
-        self._groups = []
         for group in sync_groups(plan):
             # Every rank must take part in creating every group, members or not.
             ranks = [self._rank_of[node] for node in group.holders]
@@ -225,6 +256,7 @@ class Trainer:
             copy_s=time.perf_counter() - rendezvous,
             bytes_received=sum(record.bytes for record in records),
         )
+        self._pending = []
         return True
 
     # ---- one step ----------------------------------------------------------------------------------------
@@ -249,7 +281,19 @@ class Trainer:
 
     def run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
         """Run and commit one step. Returns (mean loss, whether a newer plan is waiting, sample ids whose
-        loss this node computed). Raises RuntimeError if a peer fails; nothing is committed then."""
+        loss this node computed). Raises RuntimeError if a peer fails and the step is abandoned; every
+        survivor then abandons it too (see `_runtime_commit`)."""
+        try:
+            return self._run_step(latest_generation)
+        except BaseException:
+            self._abandoned = True
+            raise
+
+    def _fault(self, phase: CommitPhase) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(self.step, phase)
+
+    def _run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
         step, plan = self.step, self._current()
         for layer in self.layers.values():
             layer.zero_grad()
@@ -291,15 +335,40 @@ class Trainer:
         for work in sends:
             self._wait(work, "send")
         self._sync_gradients()
-        # Commit: the loss sum, and whether anybody saw a newer plan (so all switch after the same step).
-        commit = torch.tensor(
-            [loss_sum, 1.0 if latest_generation > self.generation else 0.0], dtype=torch.float64
-        )
-        self._wait(dist.all_reduce(commit, async_op=True), "commit")
+        loss, switch = self._commit(loss_sum, latest_generation > self.generation)
         for layer in self.layers.values():
             layer.optimizer.step()
         self.step += 1
-        return float(commit[0]), bool(commit[1] > 0), sample_ids
+        if not self._abandoned:
+            self._pending = []
+        return loss, switch, sample_ids
+
+    def _commit(self, loss_share: float, newer_plan: bool) -> tuple[float, bool]:
+        """Vote, then all-reduce the loss and "newer plan seen" flag (so all switch after the same step).
+        Returns (loss, switch) once the step is committed; raises PeerFailure if it is abandoned."""
+        if self.store is None or self.world_rank is None:
+            raise RuntimeError("commit: the trainer has not joined a world")
+        vote = CommitVote(self.store, self.generation, self.step, self.world_rank, len(self._rank_of))
+        self._fault(CommitPhase.VOTE)
+        if not vote.vote(loss_share):
+            raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
+        self._fault(CommitPhase.VOTED)
+        commit = torch.tensor([loss_share, 1.0 if newer_plan else 0.0], dtype=torch.float64)
+        try:
+            self._wait(dist.all_reduce(commit, async_op=True), "commit")
+        except RuntimeError:
+            total = vote.close()
+            if total is None:
+                raise
+            # The world's all-reduce failed here: its groups may hold operations pending on the dead peer,
+            # so they must be retired, not destroyed, whenever this trainer leaves them (even at close()).
+            self._abandoned = True
+            # Every rank voted before the failure: the step is committed everywhere. The flag is lost; the
+            # next step fails on the dead peer and the switch happens then, on every survivor alike.
+            self._fault(CommitPhase.REDUCED)
+            return total, False
+        self._fault(CommitPhase.REDUCED)
+        return float(commit[0]), bool(commit[1] > 0)
 
     def _send(
         self, tensor: torch.Tensor, dst: int | None, tag: int, mailbox: dict[int, torch.Tensor]
@@ -308,7 +377,7 @@ class Trainer:
         if target == self.node:
             mailbox[tag] = tensor
             return []
-        work = dist.isend(tensor.contiguous(), dst=self._rank_of[target], tag=tag)
+        work = self._track(dist.isend(tensor.contiguous(), dst=self._rank_of[target], tag=tag))
         return [work] if work is not None else []
 
     def _sync_gradients(self) -> None:
@@ -322,7 +391,7 @@ class Trainer:
                 params = [p for index in range(*group.layers) for p in self.layers[index].module.parameters()]
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                work = dist.all_reduce(flat, group=handle, async_op=True)
+                work = self._track(dist.all_reduce(flat, group=handle, async_op=True))
                 in_flight.append((work, flat, params))
             for work, flat, params in in_flight:
                 self._wait(work, f"gradient all-reduce of layers {list(group.layers)}")

@@ -5,7 +5,10 @@ cores can run up to 8 workers without compute contention distorting step times, 
 planner predicts from is built from those calibrated times (`profiler.calibrated_profile`), bytes as
 measured. Each layout is produced by the planner itself (`initial_plan` over a DP range, or `replan` after
 failures for heterogeneous layouts), run for a few steps by real gloo workers, and the median of the
-steps after the first is compared with the plan's `step_time_s`.
+steps after the first is compared with the plan's `step_time_s`. The per-message cost between two workers
+(`ClusterSpec.message_latency_s`) is measured once at the start (`profiler.measure_message_latency`) and
+given to every layout's planner; the same model predicts all layouts. It also measures the store round
+trip the atomic commit adds to every step (`_runtime_commit.CommitVote.vote`).
 Usage: .venv/bin/python bench/bench_runtime_estimator.py
 """
 
@@ -13,14 +16,18 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from torch._C._distributed_c10d import TCPStore
 
+from resilientjob.agent._runtime_commit import CommitVote
 from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.models import load_model
-from resilientjob.agent.profiler import calibrated_profile
+from resilientjob.agent.profiler import calibrated_profile, measure_message_latency
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import Plan, Policy
 
@@ -29,7 +36,17 @@ GLOBAL_BATCH, MICROBATCH = 8, 1
 STEPS = 4
 
 
-def layouts(profile_nodes: int) -> list[tuple[str, RuntimePlanner, Plan]]:
+def vote_cost_s(votes: int = 2000) -> float:
+    """Seconds one commit vote costs a worker (a compare_set round trip to a TCPStore on this machine)."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    began = time.perf_counter()
+    for step in range(votes):
+        CommitVote(client, 0, step, 0, 8).vote(0.5)
+    return (time.perf_counter() - began) / votes
+
+
+def layouts(profile_nodes: int, latency_s: float) -> list[tuple[str, RuntimePlanner, Plan]]:
     """(description, planner, plan) for every layout measured: symmetric and heterogeneous."""
     profile = calibrated_profile(load_model("sleep", **MODEL))
     out = []
@@ -37,12 +54,20 @@ def layouts(profile_nodes: int) -> list[tuple[str, RuntimePlanner, Plan]]:
         if nodes > profile_nodes:
             continue
         planner = RuntimePlanner.for_job(
-            profile, nodes, GLOBAL_BATCH, MICROBATCH, fault_tolerance=0, dp_range=(dp, dp)
+            profile,
+            nodes,
+            GLOBAL_BATCH,
+            MICROBATCH,
+            fault_tolerance=0,
+            dp_range=(dp, dp),
+            message_latency_s=latency_s,
         )
         out.append((f"{nodes} nodes", planner, planner.initial(Policy.DYNAMIC)))
     # Heterogeneous layouts: what the planner makes of 8 and 6 nodes after one failure.
     for nodes, dp, failed in ((8, 2, 5), (6, 2, 1), (5, 2, 4)):
-        planner = RuntimePlanner.for_job(profile, nodes, GLOBAL_BATCH, MICROBATCH, dp_range=(dp, dp))
+        planner = RuntimePlanner.for_job(
+            profile, nodes, GLOBAL_BATCH, MICROBATCH, dp_range=(dp, dp), message_latency_s=latency_s
+        )
         plan = planner.recover(planner.initial(Policy.DYNAMIC), [failed], Policy.DYNAMIC)
         # Run the new layout from the start: renumber nothing, just drop the transfers it needed.
         out.append((f"{nodes}-1 nodes", planner, plan.model_copy(update={"transfers": (), "generation": 0})))
@@ -51,9 +76,14 @@ def layouts(profile_nodes: int) -> list[tuple[str, RuntimePlanner, Plan]]:
 
 def main() -> None:
     torch.set_num_threads(1)
+    latency = measure_message_latency()
+    vote = vote_cost_s()
+    print(
+        f"message latency (measured, one way): {latency * 1e3:.3f} ms; commit vote: {vote * 1e6:.1f} us/step"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for index, (name, planner, plan) in enumerate(layouts(8)):
+        for index, (name, planner, plan) in enumerate(layouts(8, latency)):
             config = JobConfig(
                 model="sleep",
                 model_options=dict(MODEL),

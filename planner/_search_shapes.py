@@ -112,7 +112,7 @@ class ShapeTable:
         self._static = 2 * profile.prefix("param") + profile.prefix("optimizer")
         self._activation = profile.prefix("activation")
         outputs = np.array([layer.output_bytes for layer in profile.layers], dtype=np.float64)
-        self._send = outputs / cluster.inter_node_bandwidth
+        self._send = outputs / cluster.inter_node_bandwidth + cluster.message_latency_s
         # Plain lists for the scalar-heavy dynamic programme (numpy scalar indexing is slow).
         self._static_list: list[float] = self._static.tolist()
         self._activation_list: list[float] = self._activation.tolist()

@@ -146,7 +146,7 @@ def send_time(profile: ModelProfile, cluster: ClusterSpec, last_layer: int, same
     """Time to move one micro-batch's boundary activations out of `last_layer`."""
     size = profile.layers[last_layer].output_bytes
     bandwidth = cluster.intra_node_bandwidth if same_node else cluster.inter_node_bandwidth
-    return size / bandwidth
+    return size / bandwidth + cluster.message_latency_s
 
 
 def pipeline_arrays(
@@ -179,14 +179,17 @@ def allreduce_time(
     profile: ModelProfile, cluster: ClusterSpec, rounds: Sequence[Sequence[tuple[int, int]]], replicas: int
 ) -> float:
     """Gradient synchronisation: rounds run one after another; segments within a round in parallel, each a
-    ring all-reduce of its parameter bytes over `replicas` participants between nodes."""
+    ring all-reduce of its parameter bytes over `replicas` participants between nodes: 2 (replicas - 1)
+    messages in sequence, each costing `message_latency_s` besides its share of the bytes."""
     if replicas <= 1:
         return 0.0
     param = profile.prefix("param")
     factor = 2 * (replicas - 1) / replicas / cluster.inter_node_bandwidth
+    latency = 2 * (replicas - 1) * cluster.message_latency_s
     return sum(
-        max((float(param[end] - param[start]) for start, end in segments), default=0.0) * factor
+        max((float(param[end] - param[start]) for start, end in segments), default=0.0) * factor + latency
         for segments in rounds
+        if segments
     )
 
 

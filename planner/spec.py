@@ -21,6 +21,13 @@ class ClusterSpec(BaseModel):
     intra_node_bandwidth: float = Field(
         default=200e9, gt=0, allow_inf_nan=False, description="Bytes/s between GPUs of one node."
     )
+    message_latency_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds one message costs besides its bytes (a pipeline hop, one step of a ring "
+        "all-reduce): wake-ups, framing, scheduling. Measured by the agent's profiler; 0 = bandwidth only.",
+    )
 
 
 class JobSpec(BaseModel):

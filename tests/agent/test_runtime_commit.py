@@ -1,0 +1,215 @@
+"""Atomic step commit and process-group retirement: the store vote alone, then 4 real gloo workers with a
+worker killed at each commit phase (`fault_hook`, torchft's `fail_at(rank, step)` style).
+
+The process test plays the launcher itself (publishes plans, announces the death, publishes the planner's
+recovery) so that the fault can be injected inside `Trainer.run_step`, which `worker.worker_main` does not
+expose. Every survivor must abandon or commit the failing step alike (same step everywhere), switch to the
+new plan without hanging, and produce the losses of the failure-free single-process run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.queues import Queue
+from typing import Any
+
+import pytest
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement, vote_key
+from resilientjob.agent._runtime_plans import RuntimePlanner
+from resilientjob.agent.data import SyntheticDataset
+from resilientjob.agent.models import load_model
+from resilientjob.agent.runtime import Trainer
+from resilientjob.agent.worker import (
+    JobConfig,
+    announce_failures,
+    publish_plan,
+    read_generation,
+    read_plan,
+    reference_run,
+    wait_for_plan_after,
+)
+from resilientjob.planner.plan import Policy
+from resilientjob.planner.profile import ModelProfile
+
+GPT8 = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
+STEPS, FAIL_STEP, VICTIM, NODES = 4, 1, 1, 4
+
+
+@pytest.fixture
+def store() -> Any:
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server
+
+
+def test_vote_commits_when_every_rank_voted_even_if_one_then_died(store: Any) -> None:
+    votes = [CommitVote(store, 0, 5, rank, 3) for rank in range(3)]
+    assert all(vote.vote(0.25 * (rank + 1)) for rank, vote in enumerate(votes))
+    # Two survivors close after their all-reduce failed: both read the same decision, with the loss.
+    assert votes[0].close() == pytest.approx(1.5)
+    assert votes[2].close() == pytest.approx(1.5)
+
+
+def test_vote_closed_before_a_slow_rank_voted_abandons_everywhere(store: Any) -> None:
+    votes = [CommitVote(store, 0, 5, rank, 3) for rank in range(3)]
+    assert votes[0].vote(1.0) and votes[1].vote(1.0)
+    assert votes[0].close() is None
+    assert not votes[2].vote(1.0)  # the slow rank learns the step was abandoned
+    assert votes[1].close() is None
+    # Another generation or step is a separate vote.
+    assert CommitVote(store, 1, 5, 2, 3).vote(1.0)
+
+
+def test_vote_rejects_bad_fields(store: Any) -> None:
+    with pytest.raises(ValueError, match="rank"):
+        CommitVote(store, 0, 0, 3, 3)
+    with pytest.raises(ValueError, match="world_size"):
+        CommitVote(store, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        Retirement(capacity=0)
+
+
+def test_retirement_keeps_the_newest_generations() -> None:
+    retirement = Retirement(capacity=2)
+    for generation in range(4):
+        retirement.retire(generation, [object()])
+    assert retirement.generations() == [2, 3] and len(retirement) == 2
+
+
+# ---- real processes ----------------------------------------------------------------------------------------
+def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Queue[Any]) -> None:
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    model = load_model("gpt", **GPT8)
+    dataset = SyntheticDataset(128, seq_len=model.seq_len, vocab=model.vocab, seed=0)
+    plan = read_plan(store, read_generation(store))
+
+    def hook(step: int, phase: CommitPhase) -> None:
+        if fault is not None and (node, step, str(phase)) == fault:
+            if phase is CommitPhase.VOTED:
+                # Die as the last voter: every vote is in, so the survivors must all commit this step
+                # although none of their all-reduces can complete (the votes alone decide).
+                keys = [vote_key(0, step, rank) for rank in range(NODES)]
+                deadline = time.monotonic() + 20.0
+                while not store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            os._exit(17)  # a crash at this exact point: no cleanup, peers learn it from sockets and the store
+
+    trainer = Trainer(
+        node=node,
+        model=model,
+        dataset=dataset,
+        global_batch=plan.global_batch,
+        lr=3e-3,
+        collective_timeout_s=10.0,  # the failure notice ends waits at once; this only bounds stalls
+        fault_hook=hook,
+    )
+    trainer.init_layers(plan)
+    trainer.apply_plan(plan, store)
+    losses: dict[int, float] = {}
+    aborted_at: list[int] = []
+    switch_s: list[float] = []
+    while trainer.step < STEPS:
+        try:
+            loss, switch, _ = trainer.run_step(read_generation(store))
+        except RuntimeError:
+            aborted_at.append(trainer.step)
+            began = time.monotonic()
+            trainer.apply_plan(wait_for_plan_after(store, trainer.generation, 60.0), store)
+            switch_s.append(time.monotonic() - began)
+            continue
+        losses[trainer.step - 1] = loss
+        if switch:
+            trainer.apply_plan(read_plan(store, read_generation(store)), store)
+    retired = len(trainer.retirement)
+    trainer.close()
+    results.put((node, trainer.step, aborted_at, losses, switch_s, retired))
+
+
+def _run_job(
+    planner: RuntimePlanner, fault: tuple[int, int, str], timeout_s: float = 90.0
+) -> dict[int, tuple[Any, ...]]:
+    """Run NODES workers; on the victim's death announce it and publish the planner's recovery."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    plan = planner.initial()
+    publish_plan(store, plan, 0)
+    context = multiprocessing.get_context("fork")  # torch is imported already: fork is fastest on 2 cores
+    results: Queue[Any] = context.Queue()
+    workers = {
+        node: context.Process(target=_worker, args=(node, store.port, fault, results), daemon=True)
+        for node in range(NODES)
+    }
+    for process in workers.values():
+        process.start()
+    collected: dict[int, tuple[Any, ...]] = {}
+    deadline = time.monotonic() + timeout_s
+    recovered = False
+    try:
+        while len(collected) < NODES - 1 and time.monotonic() < deadline:
+            victim = workers[fault[0]]
+            if not recovered and victim.exitcode is not None:
+                assert victim.exitcode == 17
+                announced = announce_failures(store, 1)
+                # Forced: `auto` weighs measured planning time, so under load it could pick another policy.
+                publish_plan(store, planner.recover(plan, [fault[0]], Policy.DYNAMIC), announced)
+                recovered = True
+            while not results.empty():
+                row = results.get()
+                collected[row[0]] = row
+            time.sleep(0.05)
+        for node, process in workers.items():
+            if node != fault[0]:
+                process.join(timeout=max(1.0, deadline - time.monotonic()))
+                assert process.exitcode == 0, f"node {node} exit {process.exitcode}"
+        while len(collected) < NODES - 1:  # rows a survivor queued just before it exited
+            row = results.get(timeout=10)
+            collected[row[0]] = row
+    finally:
+        for process in workers.values():
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert recovered, "the victim never died"
+    return collected
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("phase", "committed"),
+    [(CommitPhase.VOTE, False), (CommitPhase.VOTED, True), (CommitPhase.REDUCED, True)],
+)
+def test_kill_at_commit_point_leaves_survivors_at_one_step(
+    gpt_profile: ModelProfile,
+    job_config: Callable[..., JobConfig],
+    phase: CommitPhase,
+    committed: bool,
+) -> None:
+    planner = RuntimePlanner.for_job(
+        gpt_profile, nodes=NODES, global_batch=8, microbatch_size=2, dp_range=(2, 2)
+    )
+    config = job_config(steps=STEPS)
+    reference, _, _ = reference_run(config, 8, 2)
+    collected = _run_job(planner, (VICTIM, FAIL_STEP, str(phase)))
+    assert sorted(collected) == [n for n in range(NODES) if n != VICTIM]
+    aborts = {tuple(row[2]) for row in collected.values()}
+    # Every survivor abandoned exactly one step, the same one: nobody stands one step ahead.
+    assert len(aborts) == 1, aborts
+    (abort_step,) = aborts.pop()
+    # Killed before voting: the step is abandoned; after every vote was in: it is committed (its loss is
+    # then the sum of the votes), and the survivors abandon the next step instead.
+    assert abort_step == (FAIL_STEP + 1 if committed else FAIL_STEP), collected
+    for node, (_, step, _, losses, switch_s, retired) in collected.items():
+        row = collected[node]
+        assert step == STEPS, row
+        assert sorted(losses) == list(range(STEPS)), row
+        for index in range(STEPS):
+            assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
+        # The switch after the death did not hang on the old groups, which were retired, not destroyed.
+        assert len(switch_s) == 1 and switch_s[0] < 20.0, row
+        assert retired == 1, row
