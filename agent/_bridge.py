@@ -56,8 +56,6 @@ from .telemetry import Telemetry
 from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
 if TYPE_CHECKING:
-    import torch
-
     from .runtime import Trainer
 
 HOST_IDLE_S = 15.0
@@ -309,64 +307,14 @@ def plan_role(plan: Plan, node: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-_RETIRED: list[object] = []
-"""Process groups of abandoned generations, and the failures whose tracebacks reference them, kept alive
-for the life of the worker. Destroying a gloo group whose collective is still pending behind a dead peer
-joins its run-loop thread with the GIL held, and that thread never finishes (seen: a survivor hung for
-minutes in `~ProcessGroupGloo` when a failed step's traceback was freed). A few threads per failure is
-the price; the proper fix belongs in `runtime.Trainer` (it should retire, not drop, old groups)."""
-
-
-def _snapshot(trainer: Trainer) -> dict[int, list[torch.Tensor]]:
-    return {index: [t.clone() for t in layer.tensors()] for index, layer in trainer.layers.items()}
-
-
-def _agree_on_step(
-    trainer: Trainer, plan: Plan, store: Any, undo: tuple[int, dict[int, list[torch.Tensor]]] | None
-) -> None:
-    """Bring every worker of the new world to the same committed step before the runtime checks it.
-
-    A peer killed inside the commit all-reduce can leave it completed on some ranks and failed on others
-    (gloo's ring finishes on a rank once it has every chunk), so survivors may stand one step apart; the
-    runtime then refuses the switch (`ReconfigurationError`) and only a checkpoint restart, which the pods
-    do not have, could go on. Each worker therefore posts its step in the store; the ones ahead restore the
-    state they kept from before their last step, and the step is redone under the new plan with the same
-    sample ids. A worker of the new world that never posts (it died too) makes this raise RuntimeError,
-    which sends the worker on to the next plan."""
-    from ._runtime_schedule import world_nodes
-    from .runtime import ReconfigurationError
-
-    world = world_nodes(plan)
-    if trainer.node not in world:
-        return
-    prefix = f"bridge/step/{plan.generation}/"
-    store.set(f"{prefix}{trainer.node}", str(trainer.step))
-    try:
-        store.wait([f"{prefix}{node}" for node in world], timedelta(seconds=trainer.collective_timeout_s))
-    except Exception as exc:  # the store's timeout error type differs across torch versions
-        raise RuntimeError(f"step agreement for generation {plan.generation}: {exc}") from None
-    lowest = min(int(store.get(f"{prefix}{node}")) for node in world)
-    if trainer.step == lowest:
-        return
-    if undo is None or undo[0] != trainer.step or trainer.step - lowest != 1:
-        raise ReconfigurationError(f"step: node {trainer.node} at {trainer.step}, the world at {lowest}")
-    for index, saved in undo[1].items():
-        for tensor, value in zip(trainer.layers[index].tensors(), saved, strict=True):
-            tensor.copy_(value)
-    trainer.step = lowest
-    print(f"rolled back to step {lowest} to match the new world", flush=True)
-
-
 def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
     """Trace the worker, obey chaos orders, report each committed step (wall, compute and communication
     from the trace) and a profile every few steps to the agent through the sink file, run validation at
-    its boundary (`_worker_probe`), and keep abandoned process groups alive (`_RETIRED`). Done by wrapping
-    `Trainer.run_step` and `Trainer.apply_plan` in this worker process only: the runtime stays as it is."""
+    its boundary (`_worker_probe`). Done by wrapping `Trainer.run_step` and `Trainer.apply_plan` in this
+    worker process only: the user's training loop and the runtime stay as they are."""
     from ._worker_probe import WorkerProbe, chaos_client
     from .runtime import Trainer
 
-    undo: list[tuple[int, dict[int, list[torch.Tensor]]] | None] = [None]
-    # (the step count after the last committed step, the layers' state from before that step)
     roles: dict[int, str] = {}
     sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
     probe = WorkerProbe(node, sink)
@@ -377,14 +325,8 @@ def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
     def run_step(self: Trainer, latest_generation: int) -> tuple[float, bool, list[int]]:
         # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
         probe.maybe_validate(self.store, self.generation, self.step, self.world_rank)
-        before = _snapshot(self)
         probe.begin_step()
-        try:
-            result = original_step(self, latest_generation)
-        except BaseException as exc:
-            _RETIRED.append(exc)
-            raise
-        undo[0] = (self.step, before)
+        result = original_step(self, latest_generation)
         plan = self.plan
         if plan is not None and plan.generation not in roles:
             roles[plan.generation] = plan_role(plan, node)
@@ -392,14 +334,8 @@ def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
         return result
 
     def apply_plan(self: Trainer, plan: Plan, store: Any) -> bool:
-        _RETIRED.append(list(self._groups))
-        _agree_on_step(self, plan, store, undo[0])
         probe.on_plan(plan)  # before the layer copy, so that a slowed link already delays its sends
-        try:
-            return original_apply(self, plan, store)
-        except BaseException as exc:
-            _RETIRED.append(exc)
-            raise
+        return original_apply(self, plan, store)
 
     setattr(Trainer, "run_step", run_step)  # noqa: B010 - class-level wraps inside this worker process only
     setattr(Trainer, "apply_plan", apply_plan)  # noqa: B010

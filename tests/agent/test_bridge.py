@@ -73,40 +73,6 @@ def test_dropped_nodes_counts_deaths_not_parked_nodes() -> None:
     assert dropped_nodes(None, after) == set()
 
 
-@pytest.mark.torch
-def test_step_agreement_rolls_a_worker_back_by_its_partial_commit() -> None:
-    import torch
-    from torch.distributed import HashStore
-
-    from resilientjob.agent._bridge import _agree_on_step, _snapshot
-    from resilientjob.agent.data import SyntheticDataset
-    from resilientjob.agent.models import load_model
-    from resilientjob.agent.runtime import ReconfigurationError, Trainer
-
-    model = load_model("gpt", layers=3)
-    dataset = SyntheticDataset(16, seq_len=model.seq_len, vocab=model.vocab)
-    trainer = Trainer(node=1, model=model, dataset=dataset, global_batch=4, collective_timeout_s=0.3)
-    trainer.layers = {index: trainer.make_layer(index) for index in range(3)}
-    trainer.step = 6
-    before = _snapshot(trainer)
-    with torch.no_grad():
-        for layer in trainer.layers.values():
-            for tensor in layer.tensors():
-                tensor.add_(1.0)  # what the step this worker alone committed changed
-    store = HashStore()
-    store.set("bridge/step/1/0", "5")  # its peer never saw that commit
-    _agree_on_step(trainer, _plan([0, 1], 1), store, (6, before))
-    assert trainer.step == 5
-    for index, saved in before.items():
-        for tensor, value in zip(trainer.layers[index].tensors(), saved, strict=True):
-            assert torch.equal(tensor, value)
-    store.set("bridge/step/2/0", "3")  # two steps apart cannot come from one partial commit
-    with pytest.raises(ReconfigurationError, match="node 1 at 5"):
-        _agree_on_step(trainer, _plan([0, 1], 2), store, (5, before))
-    with pytest.raises(RuntimeError, match="generation 3"):  # node 2 never posts: it died too
-        _agree_on_step(trainer, _plan([1, 2], 3), store, None)
-
-
 # ---- the local stack with real training ------------------------------------------------------------------
 def _rjob(state: Path, *args: str) -> str:
     env = {**os.environ, "RJOB_LOCAL_DIR": str(state)}
