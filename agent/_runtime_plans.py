@@ -56,12 +56,14 @@ class RuntimePlanner:
         costs: TransitionCosts = LOCAL_COSTS,
         failure_rate_per_node_hour: float = 0.01,
         message_latency_s: float = 0.0,
+        gpus_per_node: int = 1,
     ) -> RuntimePlanner:
-        """One worker (device) per node, as the runtime runs; bandwidth (bytes/s) is loopback-like;
-        `message_latency_s` as `profiler.measure_message_latency` measures it (0: bandwidth only)."""
+        """`gpus_per_node` workers (devices) per node: with more than one, stages are tensor-parallel over
+        the node's devices; bandwidth (bytes/s) is loopback-like; `message_latency_s` as
+        `profiler.measure_message_latency` measures it (0: bandwidth only)."""
         cluster = ClusterSpec(
             nodes=nodes,
-            gpus_per_node=1,
+            gpus_per_node=gpus_per_node,
             inter_node_bandwidth=bandwidth,
             message_latency_s=message_latency_s,
         )

@@ -7,7 +7,8 @@ any new layout loads exactly the layers each worker holds: layer `i` of step `s`
 `dcp.async_save` (a background thread, after a private copy so training can go on updating the weights);
 DCP writes a layer's `.metadata` last, so a step counts as complete only when every layer has one.
 `no_dist=True` because each layer is written by one process: no collective may block a checkpoint on a peer
-that has just died.
+that has just died. With k devices per stage (tensor parallelism) each layer is k shards: local rank j of
+the designated node writes shard j to `layer<i>-tp<j>of<k>/`, and local rank j loads that shard back.
 """
 
 from __future__ import annotations
@@ -37,12 +38,31 @@ class Checkpointer:
     asynchronous: bool = True
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted by whoever saves the newest."""
+    shard: int = 0
+    """This worker's local rank: the shard of each layer it writes and loads."""
+    shards: int = 1
+    """Shards per layer (devices per stage)."""
     _pending: list[Future[Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ValueError(f"checkpoint_interval: must be >= 1, got {self.interval}")
         self.directory = Path(self.directory)
+        if self.shards < 1:
+            raise ValueError(f"shards: must be >= 1, got {self.shards}")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard: must be in [0, {self.shards}), got {self.shard}")
+
+    def _layer_dirs(self, index: int) -> list[str]:
+        """Directory names of every shard of layer `index` (one, `layer<i>`, when layers are whole)."""
+        if self.shards == 1:
+            return [f"layer{index}"]
+        return [f"layer{index}-tp{j}of{self.shards}" for j in range(self.shards)]
+
+    def _complete(self, child: Path, num_layers: int) -> bool:
+        return all(
+            (child / name / ".metadata").exists() for i in range(num_layers) for name in self._layer_dirs(i)
+        )
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0
@@ -53,7 +73,7 @@ class Checkpointer:
         for index in sorted(owned):
             # Clone: the async writer must see the weights of this step, not of the steps that follow.
             state = {name: tensor.detach().clone() for name, tensor in layers[index].named_tensors().items()}
-            target = self.directory / f"step{step}" / f"layer{index}"
+            target = self.directory / f"step{step}" / self._layer_dirs(index)[self.shard]
             if self.asynchronous:
                 self._pending.append(async_save(state, checkpoint_id=target, no_dist=True))  # type: ignore[arg-type]
             else:
@@ -77,7 +97,7 @@ class Checkpointer:
         if self.directory.exists():
             for child in self.directory.iterdir():
                 match = _STEP.match(child.name)
-                if match and all((child / f"layer{i}" / ".metadata").exists() for i in range(num_layers)):
+                if match and self._complete(child, num_layers):
                     steps.append(int(match.group(1)))
         return max(steps) if steps else None
 
@@ -86,7 +106,7 @@ class Checkpointer:
         complete = []
         for child in self.directory.iterdir() if self.directory.exists() else ():
             match = _STEP.match(child.name)
-            if match and all((child / f"layer{i}" / ".metadata").exists() for i in range(num_layers)):
+            if match and self._complete(child, num_layers):
                 complete.append(int(match.group(1)))
         for step in sorted(complete)[: -self.keep]:
             shutil.rmtree(self.directory / f"step{step}", ignore_errors=True)
@@ -96,5 +116,7 @@ class Checkpointer:
         state = layer.named_tensors()
         with torch.no_grad():
             dcp_load(
-                state, checkpoint_id=self.directory / f"step{step}" / f"layer{layer.index}", no_dist=True
+                state,
+                checkpoint_id=self.directory / f"step{step}" / self._layer_dirs(layer.index)[self.shard],
+                no_dist=True,
             )

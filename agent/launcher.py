@@ -5,7 +5,9 @@ supervision layer `LocalElasticAgent` is built on), exactly as each pod's agent 
 workers: a dead node therefore never tears down the survivors, who reconfigure live. The rendezvous is driven
 by the plan instead of elastic's `RendezvousHandler`: the launcher hosts a `TCPStore`, publishes plan
 generation g under `plan/<g>`, and workers re-initialise the default process group under the `gen<g>/`
-prefix with the plan's ranks (see `runtime.join_world`). Workers are restarted only on the fallback path,
+prefix with the plan's ranks (see `runtime.join_world`). A plan whose stages span k devices gets k workers
+per node (local ranks 0..k-1, tensor-parallel within the stage); k is fixed for the job's lifetime.
+Workers are restarted only on the fallback path,
 when the planner answers `checkpoint` (no live replica of some layer remains) or a failure hits a switch in
 progress: every process context is closed and the survivors start again from the last complete checkpoint.
 
@@ -76,18 +78,21 @@ class NodeAgent:
         self.start_method = start_method
         self.context: PContext | None = None
 
-    def start(self, args: tuple[object, ...]) -> None:
+    def start(self, args: tuple[object, ...], workers: int = 1) -> None:
+        """Start `workers` processes (one per device of the node's stage; local rank j gets `j` last)."""
+        if workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {workers}")
         self.context = start_processes(
             name=f"rjob-node{self.node}",
             entrypoint=worker_main,
-            args={0: args},
-            envs={0: {}},
+            args={j: (*args, j) for j in range(workers)},
+            envs={j: {} for j in range(workers)},
             logs_specs=DefaultLogsSpecs(log_dir=str(self.log_dir / f"node{self.node}"), redirects=Std.ALL),
             start_method=self.start_method,
         )
 
     def poll(self) -> tuple[bool, bool, Any]:
-        """(finished, failed, return value)."""
+        """(finished, failed, local rank 0's return value); the node has failed if any of its workers did."""
         if self.context is None:
             raise RuntimeError(f"node {self.node}: poll() before start()")
         result = self.context.wait(timeout=0)
@@ -119,7 +124,7 @@ class Launcher:
     ) -> None:
         """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
         steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change)."""
-        check_supported(plan)
+        self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
                 "global_batch", f"plan has {plan.global_batch}, the job {planner.job.global_batch}"
@@ -168,7 +173,8 @@ class Launcher:
         return int(self.store.add("committed", 0))
 
     def _fully_applied(self) -> bool:
-        return int(self.store.add(f"applied/{self.plan.generation}", 0)) >= len(world_nodes(self.plan))
+        applied = int(self.store.add(f"applied/{self.plan.generation}", 0))
+        return applied >= len(world_nodes(self.plan)) * self.degree
 
     # ---- processes ---------------------------------------------------------------------------------------
     def _start(self, nodes: list[int], restore: bool) -> None:
@@ -176,7 +182,7 @@ class Launcher:
         for node in nodes:
             agent = NodeAgent(node, self.log_dir, self.start_method)
             fail_at = None if restore else self.fail_at.get(node)
-            agent.start((node, self.config, host, port, fail_at, restore))
+            agent.start((node, self.config, host, port, fail_at, restore), workers=self.degree)
             self.agents[node] = agent
 
     def run(self, timeout_s: float = 120.0) -> JobResult:

@@ -110,13 +110,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=-1)
-        shape = (batch, length, self.heads, hidden // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        # Thirds of the projection, not `hidden`-wide splits: under tensor parallelism (`_tensor_parallel`)
+        # this rank's qkv output holds only its heads of q, k and v, interleaved per shard.
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = (batch, length, -1, hidden // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
         if self.rotary:
             q, k = _rotary(q), _rotary(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(batch, length, hidden))
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(batch, length, -1))
         return out
 
 

@@ -5,6 +5,9 @@ the AdamW `exp_avg`, `exp_avg_sq` and `step`. The optimizer state is created eag
 first update is then identical to its lazy initialisation), so the list, and therefore the bytes a transfer
 moves, is the same before and after the first step and equals `layer_state_bytes`, the figure the profiler
 writes into `LayerProfile.param_bytes + optimizer_bytes` and the restorer puts into `Transfer.bytes`.
+A tensor-parallel layer (`_tensor_parallel`) lists only this rank's shard of each tensor, so shard j moves
+from local rank j of the source to local rank j of the destination; its replicated tensors (norms, rowwise
+biases, AdamW step counts) travel with every shard.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from resilientjob.planner.plan import Transfer
 
@@ -45,20 +49,26 @@ class LayerState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Everything that defines this layer's training state, in wire order."""
-        params = [param.detach() for param in self.module.parameters()]
+        params = [_local(param.detach()) for param in self.module.parameters()]
         state = [
-            self.optimizer.state[param][key]
+            _local(self.optimizer.state[param][key])
             for param in self.module.parameters()
             for key in ("exp_avg", "exp_avg_sq", "step")
         ]
         return params + state
 
+    def replicated(self) -> list[bool]:
+        """For each tensor of `tensors()`: whether every rank of a tensor-parallel stage holds it whole
+        (unsharded parameters, their AdamW moments, every step count); all True for an unsharded layer."""
+        whole = [not _is_sharded(param) for param in self.module.parameters()]
+        return whole + [value for flag in whole for value in (flag, flag, True)]
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The same tensors keyed by name (checkpoint keys)."""
-        out = {f"param.{name}": param.detach() for name, param in self.module.named_parameters()}
+        out = {f"param.{name}": _local(param.detach()) for name, param in self.module.named_parameters()}
         for name, param in self.module.named_parameters():
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                out[f"optim.{name}.{key}"] = self.optimizer.state[param][key]
+                out[f"optim.{name}.{key}"] = _local(self.optimizer.state[param][key])
         return out
 
     def zero_grad(self) -> None:
@@ -66,6 +76,20 @@ class LayerState:
 
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel (DTensor) tensor, sharing storage; other tensors as they are.
+
+    A sharded layer (`_tensor_parallel`) therefore travels, and is checkpointed, shard by shard."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
 def layer_state_bytes(module: nn.Module) -> tuple[int, int]:
@@ -93,12 +117,19 @@ def execute_transfers(
     layers: dict[int, LayerState],
     make_layer: Callable[[int], LayerState],
     wait: Callable[[dist.Work | None, str], None],
+    lane: int = 0,
+    stage_group: dist.ProcessGroup | None = None,
 ) -> list[TransferRecord]:
     """Send and receive this node's share of the transfer plan; return what this node received.
 
     Sends are non-blocking and receives blocking, in the plan's order on every node, so two nodes that send
     each other layers cannot deadlock. A received layer enters `layers` only once all its tensors arrived.
     `wait(work, what)` blocks on one operation (the trainer's, which gives up when a peer fails).
+
+    Tensor-parallel stages (`stage_group`: this node's stage ranks, `lane`: this worker's local rank, whose
+    `rank_of` addresses the peers' same local rank): every lane moves its shard of the sharded tensors, and
+    lane 0 alone moves the replicated ones, which the receiving node then broadcasts to its other lanes, so
+    the bytes crossing between nodes sum over the lanes to the plan's `Transfer.bytes`.
     """
     pending: list[dist.Work] = []
     received: list[TransferRecord] = []
@@ -106,7 +137,10 @@ def execute_transfers(
         if transfer.src == node:
             if transfer.layer not in layers:
                 raise RuntimeError(f"transfer: node {node} must send layer {transfer.layer} it does not hold")
-            for offset, tensor in enumerate(layers[transfer.layer].tensors()):
+            state = layers[transfer.layer]
+            for offset, (tensor, whole) in enumerate(zip(state.tensors(), state.replicated(), strict=True)):
+                if whole and lane != 0:
+                    continue
                 tag = _TAG_BASE + transfer.layer * 1024 + offset
                 work = dist.isend(tensor.contiguous(), dst=rank_of[transfer.dst], tag=tag)
                 if work is not None:
@@ -115,7 +149,11 @@ def execute_transfers(
             fresh = make_layer(transfer.layer)
             size = 0
             with torch.no_grad():
-                for offset, tensor in enumerate(fresh.tensors()):
+                for offset, (tensor, whole) in enumerate(
+                    zip(fresh.tensors(), fresh.replicated(), strict=True)
+                ):
+                    if whole and lane != 0:
+                        continue  # arrives by the broadcast below
                     tag = _TAG_BASE + transfer.layer * 1024 + offset
                     wait(dist.irecv(tensor, src=rank_of[transfer.src], tag=tag), f"layer {transfer.layer}")
                     size += tensor.nbytes
@@ -123,4 +161,12 @@ def execute_transfers(
             received.append(TransferRecord(transfer.layer, transfer.src, transfer.dst, size))
     for work in pending:
         wait(work, "layer send")
+    if stage_group is not None:
+        # Every lane of this node received the same layers in the same order: one broadcast per tensor.
+        for record in received:
+            state = layers[record.layer]
+            for tensor, whole in zip(state.tensors(), state.replicated(), strict=True):
+                if whole:
+                    work = dist.broadcast(tensor, group=stage_group, group_src=0, async_op=True)
+                    wait(work, f"replicated part of layer {record.layer}")
     return received

@@ -20,8 +20,15 @@ launcher announces the failure in the store (`FailureNotice`), and at the latest
 (the gloo timeout), never after the 30-minute default. Groups left with operations pending behind a dead
 peer are retired, not destroyed (`_runtime_commit.Retirement`), because destroying them hangs.
 
-A stage must run on one device (`StagePlan.gpus` of length 1): multi-device stages (tensor parallelism) are
-refused when the plan is applied, with a `PlannerError` naming the stage (see `check_supported`).
+A stage may span k devices of its node (`StagePlan.gpus`): the node then runs k workers, one per local rank
+j, world rank = (position of the node in `world_nodes`) * k + j, and each block is tensor-parallel over the
+node's k ranks (`_tensor_parallel`). The rest of the runtime runs in k independent lanes: local rank j
+exchanges activations with local rank j of the neighbouring stages, sums gradients with local rank j of the
+other replicas (one group per colour-round group per lane), and copies shard j of a layer from local rank j
+of the source; only lane 0 reports the loss and the sample ids, and every rank votes. Every live stage must
+have the same k, and k > 1 excludes rerouting (`check_supported`). The tensor-parallel collectives inside a
+block are DTensor's own (blocking, bounded by the gloo/NCCL timeout rather than the `Waiter`): the k ranks
+of a stage live and die with their node, so a dead peer is met first in a wait between nodes.
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed.device_mesh import DeviceMesh
 
-from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 
 from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
 from ._runtime_schedule import Op, OpKind, SyncGroup, build_ops, held_layers, sync_groups, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
+from ._tensor_parallel import local, shard_layer, stage_mesh, tp_degree
 from .data import SampleOrder, SyntheticDataset
 from .models import ModelSpec, lm_loss
 from .p2p import LayerState, TransferRecord, execute_transfers
@@ -49,20 +57,10 @@ class ReconfigurationError(RuntimeError):
     """The new world cannot resume live (workers disagree on the step); the checkpoint path must take over."""
 
 
-def check_supported(plan: Plan) -> None:
-    """Raise PlannerError naming the first stage this runtime cannot execute.
-
-    A stage spanning several devices of a node needs tensor parallelism inside the stage; this runtime runs
-    one worker process per stage and has no intra-stage sharding, so such plans are refused up front rather
-    than silently run on one device (the planner's step-time estimate would be wrong)."""
-    for p, pipeline in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipeline.stages):
-            if len(stage.gpus) > 1 and not stage.rerouted:
-                raise PlannerError(
-                    f"pipelines[{p}].stages[{s}].gpus",
-                    f"stage on node {stage.node} spans {len(stage.gpus)} devices {list(stage.gpus)}; the "
-                    "training runtime runs one device per stage (plan with gpus_per_node=1)",
-                )
+def check_supported(plan: Plan) -> int:
+    """Return the plan's tensor-parallel degree k (devices per stage, one worker each); raise PlannerError
+    naming the field when live stages span different numbers of devices or k > 1 comes with rerouting."""
+    return tp_degree(plan)
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -118,6 +116,10 @@ class Trainer:
     lr: float = 1e-3
     collective_timeout_s: float = 5.0
     device: str = "cpu"
+    local_rank: int = 0
+    """This worker's index among its node's `degree` workers (the j-th entry of its stage's gpus)."""
+    degree: int = 1
+    """Devices (workers) per stage: the tensor-parallel degree every plan this trainer applies must have."""
     layers: dict[int, LayerState] = field(default_factory=dict)
     step: int = 0
     """Committed steps so far; the next step to run."""
@@ -141,10 +143,20 @@ class Trainer:
     """Work items of the step in progress (and the transfers of a switch), kept until it commits."""
     _abandoned: bool = False
     """The last step or switch failed: the current groups may have operations pending on a dead peer."""
+    _world_size: int = 0
+    _tp_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    _mesh: DeviceMesh | None = None
+    """The DeviceMesh of this node's stage ranks under the current plan (degree > 1 only)."""
+    _unsharded: set[int] = field(default_factory=set)
+    """Layers built whole by `init_layers` before any world existed; sharded when the first plan is joined."""
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s}")
+        if self.degree < 1:
+            raise ValueError(f"degree: must be >= 1, got {self.degree}")
+        if not 0 <= self.local_rank < self.degree:
+            raise ValueError(f"local_rank: must be in [0, {self.degree}), got {self.local_rank}")
         self._order = SampleOrder(self.dataset.num_samples, self.global_batch, seed=self.dataset.seed)
         self._waiter = Waiter(self.collective_timeout_s)
 
@@ -161,8 +173,10 @@ class Trainer:
     def _leave(self) -> None:
         """Leave the current world: destroy it after clean steps, retire (or abort) it after a failure."""
         keep: list[object] = [handle for _, handle in self._groups if handle is not None]
+        keep.extend(self._tp_groups)
         leave_world(self.retirement, self.generation, keep + self._pending, self._abandoned)
         self._groups, self._pending, self._abandoned = [], [], False
+        self._tp_groups, self._mesh = [], None
 
     def close(self) -> None:
         """Leave the process group and stop the wait helpers."""
@@ -176,12 +190,36 @@ class Trainer:
 
     # ---- layers ------------------------------------------------------------------------------------------
     def make_layer(self, index: int) -> LayerState:
-        return LayerState(index, self.model.layer(index), lr=self.lr)
+        """Layer `index` from its seed; this rank's shard of it when stages are tensor-parallel."""
+        module = self.model.layer(index)
+        if self.degree > 1:
+            if self._mesh is None:
+                raise RuntimeError("degree: a tensor-parallel layer needs the stage mesh of a joined plan")
+            module = shard_layer(module, self._mesh)
+        return LayerState(index, module, lr=self.lr)
 
     def init_layers(self, plan: Plan) -> None:
-        """Build this node's layers of the first plan from their seeds (no communication)."""
+        """Build this node's layers of the first plan from their seeds (no communication); with several
+        devices per stage they are sharded when the plan is joined (the stage mesh needs the world)."""
         for index in sorted(held_layers(plan).get(self.node, set())):
-            self.layers[index] = self.make_layer(index)
+            self.layers[index] = LayerState(index, self.model.layer(index), lr=self.lr)
+            if self.degree > 1:
+                self._unsharded.add(index)
+
+    def _rebind(self) -> None:
+        """Re-create every held layer on the new stage mesh, keeping this rank's shard of its state.
+
+        A tensor-parallel layer's parameters are DTensors bound to the mesh (and process group) of the plan
+        they were built under; after a switch that group is gone, so each layer is rebuilt for the new mesh
+        (slicing locally, no communication) and its local parameters and AdamW state are copied over."""
+        for index in sorted(self.layers):
+            fresh = self.make_layer(index)
+            if index not in self._unsharded:
+                with torch.no_grad():
+                    for target, source in zip(fresh.tensors(), self.layers[index].tensors(), strict=True):
+                        target.copy_(source)
+            self.layers[index] = fresh
+        self._unsharded.clear()
 
     @property
     def world_rank(self) -> int | None:
@@ -201,7 +239,11 @@ class Trainer:
             raise ReconfigurationError(
                 f"global_batch: plan has {plan.global_batch}, job runs {self.global_batch}"
             )
-        check_supported(plan)
+        if check_supported(plan) != self.degree:
+            raise ReconfigurationError(
+                f"gpus: plan {plan.generation} has {tp_degree(plan)} devices per stage, the job's workers "
+                f"run {self.degree}"
+            )
         nodes = world_nodes(plan)
         self._leave()
         self.plan, self.generation, self.store = plan, plan.generation, store
@@ -217,12 +259,15 @@ class Trainer:
 
     def _join(self, plan: Plan, store: Store, nodes: list[int]) -> bool:
         started = time.perf_counter()
-        self._rank_of = {node: rank for rank, node in enumerate(nodes)}
+        k = self.degree
+        # Lane j's view of the world: node -> rank of its local rank j (p2p ops address lane peers).
+        self._rank_of = {node: position * k + self.local_rank for position, node in enumerate(nodes)}
+        self._world_size = len(nodes) * k
         join_world(
             store,
             plan.generation,
             self._rank_of[self.node],
-            len(nodes),
+            self._world_size,
             self.collective_timeout_s,
             self.device,
         )
@@ -231,9 +276,24 @@ class Trainer:
         self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
         if int(steps[0]) != -int(steps[1]):
             raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
+        if k > 1:
+            for slot, node in enumerate(nodes):
+                # Every rank takes part in creating every node's stage group, as `new_group` requires.
+                group = dist.new_group(ranks=[slot * k + j for j in range(k)])
+                if node == self.node:
+                    self._tp_groups.append(group)
+                    self._mesh = stage_mesh(group, self.device)
+            self._rebind()
         rendezvous = time.perf_counter()
         records = execute_transfers(
-            plan.transfers, self.node, self._rank_of, self.layers, self.make_layer, self._wait
+            plan.transfers,
+            self.node,
+            self._rank_of,
+            self.layers,
+            self.make_layer,
+            self._wait,
+            lane=self.local_rank,
+            stage_group=self._tp_groups[0] if self._tp_groups else None,
         )
         keep = held_layers(plan).get(self.node, set())
         missing = keep - set(self.layers)
@@ -245,12 +305,14 @@ class Trainer:
             del self.layers[index]
         self.received.extend(records)
         self._ops = build_ops(plan).get(self.node, [])
+        position = {node: index for index, node in enumerate(nodes)}
         for group in sync_groups(plan):
-            # Every rank must take part in creating every group, members or not.
-            ranks = [self._rank_of[node] for node in group.holders]
-            handle = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
-            if self.node in group.holders:
-                self._groups.append((group, handle))
+            for lane in range(k):
+                # Every rank must take part in creating every group, members or not (every lane's too).
+                ranks = [position[node] * k + lane for node in group.holders]
+                handle = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+                if self.node in group.holders and lane == self.local_rank:
+                    self._groups.append((group, handle))
         self.timings = StepTimings(
             rendezvous_s=rendezvous - started,
             copy_s=time.perf_counter() - rendezvous,
@@ -316,8 +378,9 @@ class Trainer:
                 if op.last:
                     ids, _, targets = self._inputs(step, op.microbatch)
                     y = lm_loss(y, targets) / plan.global_batch
-                    loss_sum += float(y.detach())
-                    sample_ids.extend(ids)
+                    if self.local_rank == 0:  # the k ranks of a stage compute the same loss: count it once
+                        loss_sum += float(y.detach())
+                        sample_ids.extend(ids)
                 else:
                     sends.extend(self._send(y.detach(), op.send_to, op.send_tag, mailbox))
                 saved[key] = (inputs, y)
@@ -348,7 +411,7 @@ class Trainer:
         Returns (loss, switch) once the step is committed; raises PeerFailure if it is abandoned."""
         if self.store is None or self.world_rank is None:
             raise RuntimeError("commit: the trainer has not joined a world")
-        vote = CommitVote(self.store, self.generation, self.step, self.world_rank, len(self._rank_of))
+        vote = CommitVote(self.store, self.generation, self.step, self.world_rank, self._world_size)
         self._fault(CommitPhase.VOTE)
         if not vote.vote(loss_share):
             raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
@@ -389,17 +452,22 @@ class Trainer:
                 if group.round != number or handle is None:
                     continue
                 params = [p for index in range(*group.layers) for p in self.layers[index].module.parameters()]
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                for param in params:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                # This rank's shard of each gradient (the whole gradient when the layer is not sharded).
+                grads = [local(p.grad) for p in params if p.grad is not None]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 work = self._track(dist.all_reduce(flat, group=handle, async_op=True))
-                in_flight.append((work, flat, params))
-            for work, flat, params in in_flight:
+                in_flight.append((work, flat, grads))
+            for work, flat, grads in in_flight:
                 self._wait(work, f"gradient all-reduce of layers {list(group.layers)}")
                 offset = 0
-                for param in params:
-                    count = param.numel()
-                    param.grad = flat[offset : offset + count].view_as(param).clone()
-                    offset += count
+                with torch.no_grad():
+                    for grad in grads:
+                        count = grad.numel()
+                        grad.copy_(flat[offset : offset + count].view_as(grad))
+                        offset += count
 
 
 def _peer(node: int | None, op: object) -> int:

@@ -34,6 +34,7 @@ from resilientjob.planner.plan import Plan, Policy
 
 from ._runtime_schedule import held_layers
 from ._runtime_wait import FAILURES_KEY, accounted_key
+from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
 from .data import SyntheticDataset
 from .models import load_model
@@ -115,8 +116,16 @@ def _settle(trainer: Trainer, store: Store, plan: Plan, timeout_s: float) -> boo
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
-        store.add(f"applied/{generation}", 1)
+        store.add(f"applied/{generation}", 1)  # every worker counts: the launcher expects nodes x degree
         timings = trainer.timings
+        for record in trainer.received:
+            if record.dst == trainer.node:
+                store.append(  # type: ignore[attr-defined]
+                    f"received/{generation}", f"{record.layer},{record.src},{record.dst},{record.bytes};"
+                )
+        trainer.received.clear()
+        if trainer.local_rank > 0:  # events are per node: local rank 0 writes them
+            return joined
         store.set(
             f"event/applied/{generation}/{trainer.node}",
             json.dumps(
@@ -128,26 +137,30 @@ def _settle(trainer: Trainer, store: Store, plan: Plan, timeout_s: float) -> boo
                 }
             ),
         )
-        for record in trainer.received:
-            if record.dst == trainer.node:
-                store.append(  # type: ignore[attr-defined]
-                    f"received/{generation}", f"{record.layer},{record.src},{record.dst},{record.bytes};"
-                )
-        trainer.received.clear()
         return joined
 
 
 def worker_main(
-    node: int, config: JobConfig, host: str, port: int, fail_at: int | None, restore: bool
+    node: int,
+    config: JobConfig,
+    host: str,
+    port: int,
+    fail_at: int | None,
+    restore: bool,
+    local_rank: int = 0,
 ) -> dict[str, object]:
-    """Entry point of one worker process (started by the launcher through torch elastic)."""
+    """Entry point of one worker process (started by the launcher through torch elastic): device
+    `local_rank` of `node` (the plan's stages span as many devices as the node runs workers)."""
     torch.set_num_threads(1)
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
     model = load_model(config.model, **config.model_options)
     dataset = SyntheticDataset(config.num_samples, seq_len=model.seq_len, vocab=model.vocab, seed=config.seed)
     plan = read_plan(store, read_generation(store))
+    degree = tp_degree(plan)
     trainer = Trainer(
         node=node,
+        local_rank=local_rank,
+        degree=degree,
         model=model,
         dataset=dataset,
         global_batch=plan.global_batch,
@@ -155,23 +168,32 @@ def worker_main(
         collective_timeout_s=config.collective_timeout_s,
     )
     checkpointer = (
-        Checkpointer(Path(config.checkpoint_dir), config.checkpoint_interval, config.async_checkpoint)
+        Checkpointer(
+            Path(config.checkpoint_dir),
+            config.checkpoint_interval,
+            config.async_checkpoint,
+            shard=local_rank,
+            shards=degree,
+        )
         if config.checkpoint_dir
         else None
     )
     trainer.init_layers(plan)
+    restored: int | None = None
     if restore:
         if checkpointer is None:
             raise ValueError("checkpoint_dir: a restart needs a checkpoint directory")
-        step = checkpointer.latest_complete(model.num_layers)
-        if step is not None:
+        restored = checkpointer.latest_complete(model.num_layers)
+        # Whole layers load now; shards once the plan is joined and the layers are sharded.
+        if restored is not None and degree == 1:
             for layer in trainer.layers.values():
-                checkpointer.load(step, layer)
-            trainer.step = step
-        else:  # nothing complete yet: start over from the seeded initial weights
-            trainer.step = 0
+                checkpointer.load(restored, layer)
+        trainer.step = restored or 0  # nothing complete yet: start over from the seeded initial weights
     if not _settle(trainer, store, plan, config.plan_timeout_s):
         return {"node": node, "step": trainer.step, "left": True}
+    if checkpointer is not None and restored is not None and degree > 1:
+        for layer in trainer.layers.values():
+            checkpointer.load(restored, layer)
     resumed_generation = -1
     first_grads: dict[int, list[torch.Tensor]] = {}
     while trainer.step < config.steps:
@@ -194,7 +216,8 @@ def worker_main(
             first_grads = _grads(trainer.layers)
         if trainer.generation != resumed_generation:
             resumed_generation = trainer.generation
-            store.set(f"event/resumed/{trainer.generation}/{node}", repr(time.time()))
+            if local_rank == 0:
+                store.set(f"event/resumed/{trainer.generation}/{node}", repr(time.time()))
         if trainer.world_rank == 0:
             store.set(f"loss/{step}", f"{trainer.generation}:{loss!r}")
             store.set("committed", str(trainer.step))
@@ -215,20 +238,24 @@ def worker_main(
             break
     if checkpointer is not None:
         checkpointer.wait()
-    trainer.close()
     result: dict[str, object] = {"node": node, "step": trainer.step, "left": trainer.step < config.steps}
-    if config.return_state:
+    if config.return_state and (degree == 1 or trainer.active):
+        # Gathered over the stage's ranks (a collective when sharded: every local rank runs it, in order).
         result["params"] = {
-            index: [p.detach().clone() for p in layer.module.parameters()]
-            for index, layer in trainer.layers.items()
+            index: full_parameters(trainer.layers[index].module, degree) for index in sorted(trainer.layers)
         }
         result["first_grads"] = first_grads
+        result["local_rank"] = local_rank
+    trainer.close()
     return result
 
 
-def run_from_plan(node: int, config: JobConfig, host: str, port: int) -> dict[str, object]:
+def run_from_plan(
+    node: int, config: JobConfig, host: str, port: int, local_rank: int = 0
+) -> dict[str, object]:
     """Train this node's share of the job's newest plan to `config.steps` committed steps, following every
-    plan published after it; the entry point for a pod agent (one call per device, in its own process).
+    plan published after it; the entry point for a pod agent (one call per device, in its own process:
+    `local_rank` j for the j-th device of the node's stage).
 
     The job's store at `host:port` must hold a plan (`publish_plan`). A plan of policy `checkpoint` after
     generation 0 means the job restarted: the worker loads the last complete checkpoint first.
@@ -238,14 +265,15 @@ def run_from_plan(node: int, config: JobConfig, host: str, port: int) -> dict[st
     restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0
     if restore and not config.checkpoint_dir:
         raise ValueError("checkpoint_dir: the newest plan restarts from a checkpoint but none is configured")
-    return worker_main(node, config, host, port, fail_at=None, restore=restore)
+    return worker_main(node, config, host, port, fail_at=None, restore=restore, local_rank=local_rank)
 
 
 def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:
     """The synchronised gradients of a step (optimizers leave them in place until the next step)."""
     return {
         index: [
-            p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.module.parameters()
+            local(p.grad).clone() if p.grad is not None else torch.zeros_like(local(p))
+            for p in layer.module.parameters()
         ]
         for index, layer in layers.items()
     }

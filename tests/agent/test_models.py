@@ -190,14 +190,14 @@ def test_runtime_planner_is_the_planner_search() -> None:
     assert upgraded.policy == Policy.DYNAMIC and 1 not in upgraded.nodes
 
 
-def test_multi_device_stage_is_refused_at_plan_apply() -> None:
+def test_mixed_device_counts_are_refused_at_plan_apply() -> None:
     from resilientjob.agent.runtime import check_supported
 
     plan = Plan(
         policy=Policy.DYNAMIC,
         microbatch_size=1,
         step_time_s=1,
-        pipelines=(PipelinePlan(stages=(_stage(0, 4, 0, gpus=(0, 1)),), microbatches=2),),
+        pipelines=(PipelinePlan(stages=(_stage(0, 2, 0, gpus=(0, 1)), _stage(2, 4, 1)), microbatches=2),),
     )
-    with pytest.raises(PlannerError, match=r"pipelines\[0\]\.stages\[0\]\.gpus"):
+    with pytest.raises(PlannerError, match=r"pipelines\[0\]\.stages\[1\]\.gpus"):
         check_supported(plan)

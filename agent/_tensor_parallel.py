@@ -1,0 +1,169 @@
+"""Tensor parallelism inside a stage: the Megatron split of the built-in blocks over a node's k devices.
+
+A stage whose `StagePlan.gpus` lists k devices runs on k worker processes of its node (local ranks
+0..k-1), and every block it holds is sharded over them with `torch.distributed.tensor.parallel`:
+attention `qkv` and the MLP's up projections column-wise, attention `out` and the MLP's down projection
+row-wise, so each block needs one all-reduce forward and one backward. Norms, the rowwise biases, the
+embedding and the head stay replicated: their inputs are identical on the k ranks, so their gradients are
+too, and each local rank's data-parallel sync (one group per local rank) keeps the replicas equal.
+
+The fused `qkv` projection is column-sharded after its rows are interleaved per shard ([q_j; k_j; v_j] for
+shard j), so each rank holds whole heads of q, k and v and `Attention.forward` splits its local output in
+three as it does unsharded. `full_parameters` undoes the interleave when it gathers a layer back.
+
+Sharding uses `src_data_rank=None`: every rank built the layer from the same seed, so each slices its own
+shard locally and no communication is needed; the same holds for a layer rebuilt after a reconfiguration
+(`Trainer` then overwrites the local shards with the ones it held or received).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.plan import Plan
+
+from .models import Embedding, GPTBlock, Head, LlamaBlock, SleepLayer
+
+_QKV = ("attn.qkv.weight", "attn.qkv.bias")
+"""Parameters whose rows are interleaved per shard before column sharding."""
+
+_REPLICATED = (Embedding, Head, SleepLayer)
+"""Layers kept whole on every rank of a stage (their compute is small next to the blocks')."""
+
+
+def tp_degree(plan: Plan) -> int:
+    """The number of devices every live stage of `plan` spans (the tensor-parallel degree k).
+
+    Raises PlannerError naming the field when live stages disagree, or when a plan with k > 1 reroutes a
+    stage (its micro-batches would have to run on a peer's k shards in another order: not supported)."""
+    degree: int | None = None
+    first = ""
+    for p, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            if stage.rerouted:
+                continue
+            k = max(1, len(stage.gpus))
+            if degree is None:
+                degree, first = k, f"pipelines[{p}].stages[{s}]"
+            elif k != degree:
+                raise PlannerError(
+                    f"pipelines[{p}].stages[{s}].gpus",
+                    f"stage on node {stage.node} spans {k} devices but {first} spans {degree}; the training "
+                    "runtime needs one tensor-parallel degree for every stage",
+                )
+    degree = degree or 1
+    if degree > 1:
+        for p, pipeline in enumerate(plan.pipelines):
+            for s, stage in enumerate(pipeline.stages):
+                if stage.rerouted:
+                    raise PlannerError(
+                        f"pipelines[{p}].stages[{s}].rerouted",
+                        f"stage of node {stage.node} is rerouted in a plan with {degree} devices per stage; "
+                        "rerouting runs one device per stage (use the dynamic policy)",
+                    )
+    return degree
+
+
+def stage_mesh(group: ProcessGroup, device: str) -> DeviceMesh:
+    """A one-dimensional mesh over the k ranks of this node's stage (a subgroup of the world)."""
+    return DeviceMesh.from_group(group, device_type=device.split(":", maxsplit=1)[0])
+
+
+def _block_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    if isinstance(module, GPTBlock):
+        return {
+            "attn.qkv": ColwiseParallel(),
+            "attn.out": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(),
+        }
+    if isinstance(module, LlamaBlock):
+        return {
+            "attn.qkv": ColwiseParallel(),
+            "attn.out": RowwiseParallel(),
+            "gate": ColwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+        }
+    raise ValueError(
+        f"model: layer {type(module).__name__} has no tensor-parallel plan (built-in GPT and Llama blocks "
+        "only); run it with one device per stage (gpus_per_node=1)"
+    )
+
+
+def _check_divisible(module: nn.Module, plan: dict[str, ParallelStyle], degree: int) -> None:
+    """Refuse uneven shards: a row-wise layer rebuilds its input's global shape assuming equal shards."""
+    heads = module.attn.heads if isinstance(module, GPTBlock | LlamaBlock) else 1
+    if heads % degree:
+        raise ValueError(f"heads: {heads} attention heads cannot be split over {degree} devices")
+    for name, style in plan.items():
+        linear = module.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"model: {name} of {type(module).__name__} is not a Linear")
+        width = linear.out_features if isinstance(style, ColwiseParallel) else linear.in_features
+        if width % degree:
+            raise ValueError(
+                f"hidden: {name} of {type(module).__name__} is {width} wide, not divisible by {degree} "
+                "devices (choose hidden so that every projection splits evenly)"
+            )
+
+
+def _interleave(tensor: torch.Tensor, degree: int) -> torch.Tensor:
+    """Rows [q; k; v] -> [q_0; k_0; v_0; q_1; ...] so that column shard j holds whole heads of each."""
+    q, k, v = tensor.chunk(3, dim=0)
+    rows = zip(q.chunk(degree), k.chunk(degree), v.chunk(degree), strict=True)
+    parts = [torch.cat((qj, kj, vj)) for qj, kj, vj in rows]
+    return torch.cat(parts)
+
+
+def _deinterleave(tensor: torch.Tensor, degree: int) -> torch.Tensor:
+    shards = [shard.chunk(3, dim=0) for shard in tensor.chunk(degree, dim=0)]
+    return torch.cat([torch.cat([shard[i] for shard in shards]) for i in range(3)])
+
+
+def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard one layer over `mesh` in place (built-in blocks), or keep it replicated (embedding, head,
+    sleep layers). Raises ValueError for a layer type it cannot shard."""
+    if isinstance(module, _REPLICATED):
+        return module
+    degree = mesh.size()
+    plan = _block_plan(module)
+    _check_divisible(module, plan, degree)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name in _QKV:
+                param.copy_(_interleave(param, degree))
+    return parallelize_module(module, mesh, plan, src_data_rank=None)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly distributed) tensor, sharing its storage."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def full_parameters(module: nn.Module, degree: int) -> list[torch.Tensor]:
+    """Every parameter of a (possibly sharded) layer gathered whole, in the unsharded layout.
+
+    A collective over the stage's ranks when the layer is sharded: all of them must call it."""
+    out = []
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            value = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if degree > 1 and name in _QKV and isinstance(module, GPTBlock | LlamaBlock):
+                value = _deinterleave(value, degree)
+            out.append(value.clone())
+    return out
