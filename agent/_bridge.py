@@ -342,11 +342,16 @@ def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
 
 
 def worker_entry(
-    node: int, config: Any, host: str, port: int, sink_path: str, parent: int
+    node: int, config: Any, host: str, port: int, sink_path: str, parent: int, local_rank: int = 0
 ) -> dict[str, object]:
-    """Entry point of one worker process (started by `TrainingAgent` through torch elastic)."""
+    """Entry point of one worker process (started by `TrainingAgent` through torch elastic); a node whose
+    stages span k devices runs k of them, `local_rank` 0..k-1. Every one is instrumented (all take part in
+    validation passes and obey chaos), but only local rank 0's sink reaches the telemetry: the others see
+    the same steps, and counting them would report each step k times."""
     from .worker import run_from_plan
 
+    if local_rank:
+        sink_path = f"{sink_path}.{local_rank}"
     _die_with_parent(parent)
     # A forked child inherits the agent's asyncio signal set-up; torch elastic stops workers with SIGTERM.
     signal.set_wakeup_fd(-1)
@@ -354,7 +359,7 @@ def worker_entry(
         signal.signal(signum, signal.SIG_DFL)
     job = os.environ.get("RJOB_JOB")
     _instrument(node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None)
-    return run_from_plan(node, config, host, port)
+    return run_from_plan(node, config, host, port, local_rank)
 
 
 # ---- the agent's side ------------------------------------------------------------------------------------
@@ -376,10 +381,17 @@ class TrainingAgent:
         self.left = False
 
     def start(self) -> None:
-        """Start the worker (fork: torch is already imported here, which halves start-up on few cores)."""
+        """Start the node's workers, one per device of its stages (fork: torch is already imported here,
+        which halves start-up on few cores)."""
+        from torch._C._distributed_c10d import TCPStore
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-        from .worker import JobConfig
+        from ._tensor_parallel import tp_degree
+        from .worker import JobConfig, read_generation, read_plan
+
+        store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60))
+        devices = tp_degree(read_plan(store, read_generation(store)))
+        del store
 
         config = JobConfig(
             model=self.model,
@@ -395,8 +407,8 @@ class TrainingAgent:
         self.context = start_processes(
             name=f"rjob-node{self.telemetry.node}",
             entrypoint=worker_entry,
-            args={0: args},
-            envs={0: {}},
+            args={local_rank: (*args, local_rank) for local_rank in range(devices)},
+            envs={local_rank: {"LOCAL_RANK": str(local_rank)} for local_rank in range(devices)},
             logs_specs=DefaultLogsSpecs(log_dir=str(self.directory / "logs"), redirects=Std.NONE),
             start_method="fork",
         )

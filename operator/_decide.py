@@ -38,12 +38,17 @@ class PodView:
     """The pod's generation annotation: a pod already showing the generation is not patched again."""
 
     @property
+    def completed(self) -> bool:
+        """The worker exited cleanly: it trained to the end (not a failure, and its heartbeat stops)."""
+        return self.phase == "Succeeded" and not self.deleting
+
+    @property
     def failed(self) -> str | None:
         """Why this pod no longer runs a healthy worker, or None."""
         if self.deleting:
             return "pod is being deleted"
-        if self.phase in ("Failed", "Succeeded"):
-            return f"pod {self.phase.lower()}" + (f" ({self.reason})" if self.reason else "")
+        if self.phase == "Failed":
+            return "pod failed" + (f" ({self.reason})" if self.reason else "")
         if self.reason in NODE_LOST_REASONS:
             return f"node lost ({self.reason})"
         return None
@@ -94,11 +99,21 @@ def detect_failures(plan: Plan, observed: Observation) -> dict[int, tuple[api.Re
         pod = observed.pods.get(node)
         if pod is None:
             failures[node] = (api.Reason.NODE_FAILED, "pod deleted")
+        elif pod.completed:
+            continue  # finished training; its peers finish the same step
         elif pod.failed is not None:
             failures[node] = (api.Reason.NODE_FAILED, pod.failed)
         elif node in observed.expired_heartbeats:
             failures[node] = (api.Reason.HEARTBEAT_EXPIRED, "heartbeat expired in Redis")
     return failures
+
+
+def training_complete(plan: Plan, observed: Observation) -> bool:
+    """Whether every node of the plan has finished training (all commit the same last step, so they end
+    together; one that finished while another failed is handled as that failure)."""
+    return bool(plan.nodes) and all(
+        (pod := observed.pods.get(node)) is not None and pod.completed for node in plan.nodes
+    )
 
 
 def detect_joins(plan: Plan, observed: Observation, nodes: int, parked: Iterable[int] = ()) -> set[int]:

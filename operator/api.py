@@ -56,6 +56,7 @@ class Phase(StrEnum):
     PENDING = "Pending"  # accepted, pods being created
     RUNNING = "Running"  # every planned worker is training
     RECONFIGURING = "Reconfiguring"  # a new generation was published and is being applied
+    SUCCEEDED = "Succeeded"  # every planned worker finished training
     FAILED = "Failed"  # the spec is invalid or no plan can run the job
 
 
@@ -63,6 +64,7 @@ class ConditionType(StrEnum):
     VALID = "Valid"
     PLANNED = "Planned"
     DEGRADED = "Degraded"
+    COMPLETE = "Complete"
 
 
 class Reason(StrEnum):
@@ -84,6 +86,7 @@ class Reason(StrEnum):
     VALIDATION_TIMED_OUT = "ValidationTimedOut"
     REPLANNED = "Replanned"
     ALL_HEALTHY = "AllHealthy"
+    TRAINING_COMPLETE = "TrainingComplete"
 
 
 class LayerSpec(_Api):

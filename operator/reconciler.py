@@ -350,7 +350,7 @@ class JobController:
             await restore_failslow(self)
             self._failslow_restored = True
         try:
-            while not stopped:
+            while not stopped and self.status.phase != api.Phase.SUCCEEDED:
                 try:
                     await self.reconcile_once()
                 except (RedisError, OSError) as exc:
@@ -394,6 +394,9 @@ class JobController:
         self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
         expired = self._expired_heartbeats(scan)
         observed = _decide.Observation(pods=dict(self.pods), expired_heartbeats=frozenset(expired))
+        if not deciding and _decide.training_complete(plan, observed):
+            await self._complete(published)
+            return
         suspects = {
             n: cause for n, cause in _decide.detect_failures(plan, observed).items() if n not in self._fenced
         }
@@ -405,6 +408,17 @@ class JobController:
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
         await self._telemetry.run(self, current, deciding)
+
+    async def _complete(self, published: PlanAnnouncement) -> None:
+        """Every worker trained to the end: the job succeeded (its pods stay, Completed, for their logs)."""
+        message = f"training finished under generation {published.generation} ({published.layout})"
+        conditions = _decide.set_condition(
+            self.status.conditions, api.ConditionType.COMPLETE, True, api.Reason.TRAINING_COMPLETE, message
+        )
+        self.status = self.status.model_copy(update={"phase": api.Phase.SUCCEEDED, "conditions": conditions})
+        await self._write_status(force=True)
+        self.event("Normal", api.Reason.TRAINING_COMPLETE, message)
+        log.info("job %s/%s: %s", self.namespace, self.name, message)
 
     def _start(self, decide: Callable[[], Awaitable[None]]) -> None:
         """Run one decision in the background; its end wakes the loop (to apply it or surface its error)."""

@@ -170,3 +170,37 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     # appending that step's ids to the record (its samples were trained on; only the record is missing).
     assert short == [] or (len(short) == 1 and short[0][1] == share and short[0][0] >= killed_at), short
     client.close()
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succeeds(
+    stack: Path, tmp_path: Path
+) -> None:
+    """The pod path with a stage spanning both devices of a node (one worker process per device, tensor
+    parallel), trained to `--steps`: the workers exit cleanly and the job ends Succeeded, not as failures."""
+    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    manifest["metadata"]["name"] = "tp"
+    manifest["spec"].update(nodes=2, gpusPerNode=2, faultTolerance=0)
+    manifest["spec"]["command"] = [*manifest["spec"]["command"], "--steps", "12"]
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    _rjob(stack, "apply", "-f", str(path))
+    state = json.loads((stack / "state.json").read_text())
+    client = redis.Redis.from_url(state["redis_url"])
+    keys = JobKeys("default", "tp")
+
+    def phase() -> str | None:
+        rows = [line.split() for line in _rjob(stack, "get").splitlines()]
+        row = next((r for r in rows if r and r[0] == "tp"), None)
+        return row[1] if row and row[1] in ("Succeeded", "Failed") else None
+
+    assert until(phase, 90, "the job to finish") == "Succeeded"
+    published = PlanAnnouncement.model_validate_json(client.get(keys.plan) or b"")
+    assert published.generation == 0, "finishing must not look like a failure to the operator"
+    assert {len(stage.gpus) for p in published.plan.pipelines for stage in p.stages} == {2}
+    node = published.plan.pipelines[-1].stages[-1].node
+    log = _rjob(stack, "logs", f"tp-node-{node}")
+    assert "step 12 gen 0" in log, log[-2000:]
+    client.close()
