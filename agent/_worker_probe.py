@@ -8,6 +8,11 @@ The worker writes one JSON line per event to a sink file the pod's agent tails (
 `ProfileRecord`s. Validation results go through the job's TCPStore to the store host, which forwards each
 one to Redis exactly once (`_validation_relay`).
 
+The pass (`validation.validate`) benchmarks every device and the links of the world's ring; the probe adds
+the links of the training's own data-parallel rings (the stages holding the same layers, in pipeline order,
+all tested at once since the rings are disjoint: 2 or 3 more passes), so that a congested link between two
+replicas of one stage, which the world ring (numbered pipeline by pipeline) never crosses, is named too.
+
 Communication time of a step is the time the worker was *held* by communication: inside a synchronous call,
 or from the first `wait()` on an asynchronous one to its end (`tracing.blocked_s`); waiting for a slower
 peer counts as communication, as in Falcon, and the rest of the step is this node's compute.
@@ -15,16 +20,20 @@ peer counts as communication, as in Falcon, and the rest of the step is this nod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import redis
+import torch.distributed as dist
 
 from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.failslow import Link, ring_schedule, slow_links
 from resilientjob.planner.plan import Plan
 
 from . import chaos, tracing, validation
@@ -75,6 +84,49 @@ class BoundaryRequest:
 def rank_table(plan: Plan) -> dict[int, int]:
     """Node -> global rank under `plan` (the runtime numbers the world's nodes in order)."""
     return {node: rank for rank, node in enumerate(world_nodes(plan))}
+
+
+def data_parallel_rings(plan: Plan, ranks: Mapping[int, int]) -> list[list[int]]:
+    """Global ranks of each data-parallel group of `plan` (the stages holding the same layers, in pipeline
+    order) that has two members or more: the rings its gradient all-reduce runs over."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            if stage.node in ranks:
+                groups.setdefault(stage.layers, []).append(ranks[stage.node])
+    return [members for _, members in sorted(groups.items()) if len(set(members)) > 1]
+
+
+def ring_passes(rings: Sequence[Sequence[int]]) -> list[list[Link]]:
+    """The planner's ring schedule for each (disjoint) ring in global ranks, pass i of every ring in pass i:
+    within a pass no rank sends or receives twice, so all rings are tested at once."""
+    passes: list[list[Link]] = []
+    for ring in rings:
+        for index, links in enumerate(ring_schedule(len(ring))):
+            if index == len(passes):
+                passes.append([])
+            passes[index].extend((ring[src], ring[dst]) for src, dst in links)
+    return passes
+
+
+def with_links(
+    report: validation.ValidationReport,
+    measured: Mapping[Link, tuple[float, float]],
+    nbytes: int,
+    factor: float = validation.SUSPICION_FACTOR,
+    floor_s: float = validation.LINK_FLOOR_S,
+) -> validation.ValidationReport:
+    """`report` with more measured links ({link: (latency, seconds)}) and the slow links named again over
+    all of them (flagged by the planner's rule and at least `floor_s` slower than the median link)."""
+    links = dict(report.links)
+    for link, (latency, seconds) in measured.items():
+        links[link] = validation.LinkResult(link, latency, seconds, nbytes)
+    timed = {link: result.seconds for link, result in links.items()}
+    if not timed:
+        return report
+    median = statistics.median(timed.values())
+    named = [link for link in slow_links(timed, factor) if timed[link] - median >= floor_s]
+    return dataclasses.replace(report, links=links, slow_links=tuple(named))
 
 
 def node_label(label: str, nodes_by_rank: Mapping[int, int]) -> str:
@@ -135,6 +187,8 @@ class WorkerProbe:
         self.profile_every = profile_every
         self.tracer = tracing.install()
         self.ranks: dict[int, int] = {}
+        self.rings: list[list[int]] = []
+        """The current plan's data-parallel rings (global ranks), whose links validation tests too."""
         self.watcher: chaos.ChaosWatcher | None = None
         self.validated = 0
         """Id of the newest validation request handled (run or skipped)."""
@@ -154,6 +208,7 @@ class WorkerProbe:
         in place, so the injector's `rank_of` sees it at once)."""
         self.ranks.clear()
         self.ranks.update(rank_table(plan))
+        self.rings = data_parallel_rings(plan, self.ranks)
         self._window_cursor = self.tracer.ring.head
         self._window_steps = 0
 
@@ -233,6 +288,16 @@ class WorkerProbe:
         self.validated = request.id
         began = time.perf_counter()
         report = validation.validate(validation.Topology(request.topology.value))
+        # The rings' links the world pass did not already measure (all of them, in a pipelined layout).
+        passes = [[link for link in links if link not in report.links] for links in ring_passes(self.rings)]
+        passes = [links for links in passes if links]
+        if passes:
+            nbytes = 1 << 16  # as the world pass's links
+            with self.tracer.quiet():
+                own = validation.link_tests(passes, nbytes, 5)
+                views: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(views, own)
+            report = with_links(report, validation.merge_views([view or {} for view in views]), nbytes)
         held = time.perf_counter() - began
         result = result_in_nodes(report, request, {rank: node for node, rank in self.ranks.items()}, held)
         if world_rank == 0:

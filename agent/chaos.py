@@ -7,9 +7,15 @@ The order lives at `JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`)
 format the synthetic loop of the local stack already reads. Without `link` the worker's compute slows down:
 after every compute interval (the time between two traced `torch.distributed` calls, or a span the runtime
 passes to `after_compute`), the worker sleeps (F - 1) x that interval, so compute takes F times as long.
-With `link`, every send to that peer node is preceded by a delay of (F - 1) x (latency_s + bytes /
-bandwidth_bps): the peer waits longer for the data, as behind a congested link whose nominal latency and
-bandwidth the order names (1 ms and 1 GB/s unless given).
+With `link`, the link between this node and the peer node is congested: every call that moves data over it
+is preceded by a delay of (F - 1) x (latency_s + bytes / bandwidth_bps), as behind a link whose nominal
+latency and bandwidth the order names (1 ms and 1 GB/s unless given). Such calls are the point-to-point sends
+to the peer (pipeline traffic, the validation's link tests; a batch of requests with that peer only) and
+every collective of a group whose ring joins the two ends (a data-parallel all-reduce whose ring, in
+group-rank order, has them as neighbours): in a ring collective each member waits for the slowest link, so
+the delay on this one end slows the whole group, as the real link would, while groups whose ring does not
+cross the link are untouched. Only the node holding the order sleeps: the other end's
+waits come from the collective or the receive itself.
 
 Off by default: `start` does nothing unless `RJOB_ALLOW_CHAOS=1` is in the worker's environment (the
 operator sets it only for jobs whose spec allows chaos), so a stray key cannot slow a production job.
@@ -25,11 +31,17 @@ import time
 from collections.abc import Callable, Mapping
 
 import redis
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError
 
 from ._redis import JobKeys
 from .tracing import SENDS, Tracer
+
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+"""Calls that move data between two named ranks (the others are collectives of a group)."""
+LINK_P2P = SENDS | {"batch_isend_irecv"}
+"""Point-to-point calls slowed by a link order when their peer is the order's: this end sends over it."""
 
 ALLOW_ENV = "RJOB_ALLOW_CHAOS"
 """Environment variable that must be "1" for a worker to obey chaos orders."""
@@ -55,7 +67,7 @@ class ChaosOrder(BaseModel):
     until: float
     """Unix time at which the order expires."""
     link: int | None = Field(default=None, ge=0)
-    """Slow only sends to this peer node instead of compute."""
+    """Slow the link to this peer node (sends to it, collectives of groups holding it) instead of compute."""
     latency_s: float = Field(default=0.001, ge=0.0, le=10.0)
     """Nominal per-message time of the slowed link."""
     bandwidth_bps: float = Field(default=1e9, gt=0.0)
@@ -72,6 +84,18 @@ class ChaosOrder(BaseModel):
 
     def link_delay_s(self, nbytes: int) -> float:
         return (self.factor - 1.0) * (self.latency_s + nbytes / self.bandwidth_bps)
+
+
+def ring_neighbours(group: tuple[int, ...], me: int | None, peer: int) -> bool:
+    """Whether a ring collective of `group` (global ranks in group-rank order, the order gloo's and NCCL's
+    rings follow) sends over the link me-peer: the two are adjacent in the ring, the closing link included.
+    Without a known own rank, any group holding the peer counts."""
+    if peer not in group:
+        return False
+    if me is None or me not in group:
+        return me is None
+    distance = abs(group.index(me) - group.index(peer))
+    return distance == 1 or (distance == len(group) - 1 and distance > 0)
 
 
 def parse_order(raw: bytes | str | None) -> ChaosOrder | None:
@@ -103,13 +127,18 @@ class ChaosInjector:
     """Applies the current order: the tracer's hook for calls, `after_compute` for explicit compute spans."""
 
     def __init__(
-        self, rank_of: Callable[[int], int | None] | None = None, sleep: Callable[[float], None] = time.sleep
+        self,
+        rank_of: Callable[[int], int | None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        node: int | None = None,
     ):
         self.order: ChaosOrder | None = None
         """Replaced as a whole by the watcher (an atomic attribute store), read on every call."""
         self.rank_of = rank_of or (lambda node: node)
         """Maps the order's peer node to its current global rank (a new plan may renumber the ranks)."""
         self._sleep = sleep
+        self.node = node
+        """This worker's node (its rank via `rank_of`); None: the process's rank in the default group."""
         self.injected_s = 0.0
         """Total delay injected so far (for tests and logs)."""
 
@@ -117,20 +146,39 @@ class ChaosInjector:
         order = self.order
         return order if order is not None and order.active() else None
 
+    def _me(self) -> int | None:
+        if self.node is not None:
+            return self.rank_of(self.node)
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
     def _delay(self, seconds: float) -> None:
         if seconds > 0:
             self.injected_s += seconds
             self._sleep(seconds)
 
-    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float) -> None:
-        """The tracer hook: runs before each traced call with the compute interval that preceded it."""
+    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float, group: tuple[int, ...] = ()) -> float:
+        """The tracer hook: runs before each traced call with the compute interval that preceded it and the
+        global ranks of the call's group. A compute order sleeps here (the time counts as compute); a link
+        order returns the delay for the tracer to spend inside the call, before the data leaves (it counts
+        as communication, and the peers wait for it as behind a congested link)."""
         order = self._current()
         if order is None:
-            return
+            return 0.0
         if order.link is None:
             self._delay((order.factor - 1.0) * min(max(gap_s, 0.0), MAX_GAP_S))
-        elif op in SENDS and peer == self.rank_of(order.link):
-            self._delay(order.link_delay_s(nbytes))
+            return 0.0
+        target = self.rank_of(order.link)
+        if target is None:
+            return 0.0  # the peer node is not in the current plan: no traffic crosses the link
+        if op in POINT_TO_POINT:
+            crosses = op in LINK_P2P and peer == target
+        else:
+            crosses = ring_neighbours(group, self._me(), target)
+        if not crosses:
+            return 0.0
+        delay = order.link_delay_s(nbytes)
+        self.injected_s += delay
+        return delay
 
     def after_compute(self, seconds: float) -> None:
         """Stretch an explicit compute span (a step, a GEMM benchmark) when compute is slowed."""
@@ -201,7 +249,7 @@ def start(
     """Obey this node's chaos orders from now on, if the environment allows chaos; None otherwise."""
     if not allowed(environ):
         return None
-    injector = ChaosInjector(rank_of)
+    injector = ChaosInjector(rank_of, node=node)
     tracer.hook = injector
     _Process.injector = injector
     return ChaosWatcher(client, keys, node, injector, poll_interval_s).start()

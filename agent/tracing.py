@@ -20,8 +20,9 @@ The reader: `IterationFeed` turns the ring into iteration times (the planner's A
 once, for the change-point detector; `profile` splits iterations into per-group communication and compute
 time, and `group_profiles` combines the workers' profiles into the planner's `GroupProfile`s.
 
-A hook (`Tracer.hook`, used by `agent.chaos`) runs before each call with the operation, peer, bytes and the
-time since this thread's previous traced call ended (the compute interval before it; 0 while `quiet`).
+A hook (`Tracer.hook`, used by `agent.chaos`) runs before each call with the operation, peer, bytes, the
+time since the process's previous traced call ended (the compute interval before it; 0 while `quiet`) and the
+global ranks of the call's group (so that a slowed link can slow the collectives that cross it).
 """
 
 from __future__ import annotations
@@ -156,14 +157,22 @@ class TraceRing:
         """One past the newest sequence number written."""
 
     def append(
-        self, op: str, group: tuple[int, ...], peer: int, nbytes: int, start_s: float, end_s: float
+        self,
+        op: str,
+        group: tuple[int, ...],
+        peer: int,
+        nbytes: int,
+        start_s: float,
+        end_s: float,
+        wait_from_s: float = math.nan,
     ) -> int:
-        """Store one record (end NaN while pending) and return its sequence number."""
+        """Store one record (end NaN while pending; `wait_from_s` when the caller was already held) and
+        return its sequence number."""
         seq = next(self._counter)
         slot = seq & self._mask
         self._slots[slot] = (seq, op, group, peer, nbytes, start_s)
         self._ends[slot] = end_s
-        self._waits[slot] = math.nan
+        self._waits[slot] = wait_from_s
         if seq >= self.head:
             self.head = seq + 1
         return seq
@@ -198,9 +207,11 @@ class TraceRing:
 
 
 class CallHook(Protocol):
-    """Runs before each traced call (the chaos injector implements it)."""
+    """Runs before each traced call (the chaos injector implements it). It may sleep itself (time that
+    counts as compute, before the call) and returns seconds the call itself must take longer (time that
+    counts as communication: a congested link; spent inside the call, before the data leaves), or 0."""
 
-    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float) -> None: ...
+    def __call__(self, op: str, peer: int, nbytes: int, gap_s: float, group: tuple[int, ...]) -> float: ...
 
 
 class TracedWork(dist.Work):
@@ -360,15 +371,20 @@ class Tracer:
                 return original(*args, **kwargs)
             group, peer, nbytes = self._describe(name, spec, positions, args, kwargs)
             hook = self.hook
+            delay = 0.0
             if hook is not None:
                 # The time since this thread's previous call is the compute before this one; a quiet
                 # (validation) call follows no training compute.
                 last_end = self.last_end
                 gap = 0.0 if last_end == -math.inf or not self.recording else max(0.0, clock() - last_end)
-                hook(name, peer, nbytes, gap)
+                delay = hook(name, peer, nbytes, gap, group) or 0.0
             local.inside = True
             try:
                 start = clock()
+                if delay > 0:
+                    # A congested link: the data leaves this end that much later, so the peers wait for it
+                    # too (a collective's members inside the call, a receiver in its recv/wait).
+                    time.sleep(delay)
                 result = original(*args, **kwargs)
                 end = clock()
             finally:
@@ -376,11 +392,14 @@ class Tracer:
             self.last_end = max(self.last_end, end)
             if not self.recording:
                 return result
+            # The caller was held from the start of a delayed asynchronous call, not only from its wait().
+            held_from = start if delay > 0 else math.nan
             if isinstance(result, dist.Work):
-                return TracedWork(result, self, ring.append(name, group, peer, nbytes, start, math.nan))
+                seq = ring.append(name, group, peer, nbytes, start, math.nan, held_from)
+                return TracedWork(result, self, seq)
             if isinstance(result, list) and result and isinstance(result[0], dist.Work):
                 # batch_isend_irecv: one record, ended by the last of its requests to be waited on
-                seq = ring.append(name, group, peer, nbytes, start, math.nan)
+                seq = ring.append(name, group, peer, nbytes, start, math.nan, held_from)
                 return [TracedWork(work, self, seq) for work in result]
             ring.append(name, group, peer, nbytes, start, end)
             return result

@@ -1,30 +1,40 @@
 """Fail-slow end to end on the local stack (issue 7): the real kopf operator against kmock, Redis, the process
 kubelet and real gloo workers of the `sleep` model (calibrated-sleep layers, so that 2 shared cores give
-stable step times), a job of 4 data-parallel groups. Chaos orders go through `rjob local chaos slow`.
+stable step times): a job of 4 data-parallel groups, or with `--pipelined` 8 nodes as DP4 x PP2. Chaos orders
+go through `rjob local chaos slow`.
 
 Scenarios (`--scenario`):
-- `compute`: node 1's compute slowed 1.5x. Prints the detection delay in iterations (first compute
-  SlowReport of node 1 after the order) and the share of the slowdown the mitigation removed,
+- `compute`: node 1's compute slowed 1.5x (4 nodes, DP4). Prints the detection delay in iterations (first
+  compute SlowReport of node 1 after the order) and the share of the slowdown the mitigation removed,
   (mitigated - slow) / (healthy - slow) in throughput.
-- `link`: node 1's sends to node 2 slowed; prints the validation result and the mitigation, if the operator
-  runs validation and S3 (issue 7, operator side).
-- `mixed`: Falcon Fig. 17: a slow link, then a slow GPU, then both persist; writes throughput over time to
-  JSON and PNG (`--out`, default docs/img/failslow-mixed.png).
-- `healthy`: no order for `--minutes`; counts SlowReports and fail-slow mitigations (must be 0).
+- `link`: the DP4 x PP2 job (8 nodes, `--pipelined` implied): the link between stage 0 of pipelines 0 and 1
+  (a data-parallel ring link) congested 5x; prints the detection delay, the validation result (the link
+  named, training held), the plan change and the slowdown removed.
+- `mixed`: Falcon Fig. 17 on the same job, with small strategy overheads (`OVERHEADS`): the DP link slow,
+  then a GPU slow, both persisting past the escalation to S4; writes throughput over time with the
+  injections and mitigations marked to JSON and PNG (`--out`, default docs/img/failslow-mixed.png).
+- `healthy`: no order for `--minutes` (the bench's job, or `--manifest examples/demo.yaml`); counts the
+  SlowReports, those that opened an episode or were dismissed, and the mitigations; ends with a VERDICT line.
 
 Usage: .venv/bin/python bench/bench_failslow_e2e.py --scenario compute
-       .venv/bin/python bench/bench_failslow_e2e.py --scenario healthy --minutes 5
+       .venv/bin/python bench/bench_failslow_e2e.py --scenario link
+       .venv/bin/python bench/bench_failslow_e2e.py --scenario mixed
+The 30-minute healthy run of issue 7 with the demo job:
+       .venv/bin/python bench/bench_failslow_e2e.py --scenario healthy --minutes 30 --manifest X
+with X = examples/demo.yaml.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +43,7 @@ from typing import Any
 import redis
 import yaml
 
+from resilientjob.agent import chaos
 from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.telemetry_messages import (
     IterationRecord,
@@ -51,15 +62,37 @@ Eight micro-batches per node give S2 room: one slow node can hand a few of its m
 Sleeps of 1 ms were too short on the loaded machine (compute CV 6-9% against 2% with 3 ms sleeps)."""
 
 
-def manifest(nodes: int) -> dict[str, Any]:
+PIPELINED_LAYERS = 16
+PIPELINED_FORWARD_S = 0.005
+PIPELINED_HIDDEN = 4096
+"""The DP4 x PP2 job (`--pipelined`): 16 sleep layers of hidden 4096 and sequence length 1, so that a
+stage's gradients (8 x 16 KB) are 8 times one micro-batch's activations (16 KB): the gradient all-reduce
+is the heavy traffic, as in real training, and a congested link hurts far less on a pipeline path.
+Four micro-batches of one sample per step allow at most 4 replicas: the 8 nodes form 4 pipelines of 2."""
+
+LINK_LATENCY_S = 0.0
+LINK_BANDWIDTH_BPS = 2e6
+"""The congested link's nominal figures (`--latency/--bandwidth` of `rjob local chaos slow --link`): no
+per-message latency, so that the job's tiny control all-reduces over the world group are not slowed, and a
+bandwidth at which a factor of 5 adds 4 x 128 KB / 2 MB/s = 0.26 s to each all-reduce of the stage's
+gradients but 4 x 16 KB / 2 MB/s = 33 ms to a pipeline send."""
+
+
+def manifest(nodes: int, pipelined: bool = False) -> dict[str, Any]:
+    layers, forward_s = (PIPELINED_LAYERS, PIPELINED_FORWARD_S) if pipelined else (LAYERS, FORWARD_S)
     layer = {
-        "forwardS": FORWARD_S,
-        "backwardS": 2 * FORWARD_S,
+        "forwardS": forward_s,
+        "backwardS": 2 * forward_s,
         "paramBytes": 4352,
         "optimizerBytes": 8716,
         "activationBytes": 1024,
         "outputBytes": 1024,
     }
+    options = ["--model-option", f"forward_sleep_s={forward_s}", "--model-option", f"layers={layers}"]
+    if pipelined:
+        size = PIPELINED_HIDDEN * 4  # float32 bytes of one layer's scale, and of a 1 x 1 x hidden activation
+        layer.update(paramBytes=size, optimizerBytes=2 * size + 4, activationBytes=size, outputBytes=size)
+        options += ["--model-option", f"hidden={PIPELINED_HIDDEN}", "--model-option", "seq_len=1"]
     return {
         "apiVersion": "resilientjob.io/v1alpha1",
         "kind": "ResilientJob",
@@ -76,32 +109,58 @@ def manifest(nodes: int) -> dict[str, Any]:
                     "--collective-timeout",
                     "10",
                 ),
-                *("--model-option", f"forward_sleep_s={FORWARD_S}", "--model-option", f"layers={LAYERS}"),
+                *options,
             ],
             "model": "sleep",
-            "profile": {"inline": [{"name": f"layer{i}", **layer} for i in range(LAYERS)]},
+            "profile": {"inline": [{"name": f"layer{i}", **layer} for i in range(layers)]},
             "nodes": nodes,
             "gpusPerNode": 1,
             "deviceResource": "none",
-            "globalBatchSize": MICROBATCHES_PER_NODE * nodes,
+            "globalBatchSize": GLOBAL_BATCH_PIPELINED if pipelined else MICROBATCHES_PER_NODE * nodes,
             "microBatchSize": 1,
             "faultTolerance": 1,
             "policy": "auto",
-            "failSlow": {"slowdownThreshold": 1.3, "minDurationS": 2},
+            "failSlow": {
+                "slowdownThreshold": 1.3,
+                "minDurationS": 2,
+                **({"overheads": OVERHEADS} if pipelined else {}),
+            },
             "chaos": {"enabled": True},
         },
     }
 
 
+GLOBAL_BATCH_PIPELINED = 4
+"""Samples per step of the pipelined job (four micro-batches of one sample)."""
+
+OVERHEADS = {"microbatchS": 1, "topologyS": 5, "restartS": 30}
+"""The ski-rental controller's strategy costs for the pipelined job: small, so that a persisting slowdown
+escalates to S4 within a few minutes (Falcon Fig. 17)."""
+
+
+def grid(plan: PlanAnnouncement) -> list[list[int]]:
+    """The plan's node of each (pipeline, stage)."""
+    return [[stage.node for stage in pipeline.stages] for pipeline in plan.plan.pipelines]
+
+
+def dp_pair(plan: PlanAnnouncement) -> tuple[int, int]:
+    """Two nodes of the same stage in different pipelines (a data-parallel link), stage 0 of pipelines 0
+    and 1."""
+    rows = grid(plan)
+    if len(rows) < 2 or len(rows[0]) < 2:
+        raise RuntimeError(f"not a pipelined layout: {plan.layout}")
+    return rows[0][0], rows[1][0]
+
+
 class Stack:
     """`rjob local` in a temporary directory, and readers of the job's Redis streams."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, job: str = JOB) -> None:
         self.directory = directory
         self.rjob("up")
         state = json.loads((directory / "state.json").read_text())
         self.client = redis.Redis.from_url(state["redis_url"])
-        self.keys = JobKeys("default", JOB)
+        self.keys = JobKeys("default", job)
 
     def rjob(self, *args: str) -> str:
         env = {**os.environ, "RJOB_LOCAL_DIR": str(self.directory)}
@@ -163,9 +222,17 @@ def throughput(records: list[IterationRecord], node: int, first: float, last: fl
     return (mine[-1][1] - mine[0][1]) / (mine[-1][0] - mine[0][0])
 
 
-def timeline(records: list[IterationRecord], node: int, bucket_s: float = 5.0) -> list[tuple[float, float]]:
-    """(seconds since the first step, steps/s) per bucket."""
-    mine = sorted((r.sent_at, r.step) for r in records if r.node == node)
+def timeline(
+    records: list[IterationRecord], node: int | None = None, bucket_s: float = 5.0
+) -> list[tuple[float, float]]:
+    """(seconds since the first step, steps/s) per bucket, from one node's steps or, with `node` None, from
+    every node's (all nodes of a synchronous job finish the same steps, and a node parked by S4 stops
+    reporting while the others go on)."""
+    stamps: dict[int, float] = {}
+    for record in records:
+        if node is None or record.node == node:
+            stamps[record.step] = min(stamps.get(record.step, record.sent_at), record.sent_at)
+    mine = sorted((at, step) for step, at in stamps.items())
     if not mine:
         return []
     start = mine[0][0]
@@ -233,56 +300,232 @@ def scenario_compute(stack: Stack, nodes: int) -> dict[str, Any]:
     }
 
 
-def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
-    wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
-    stack.rjob("chaos", "slow", f"{JOB}-node-1", "--factor", "20", "--for", "10m", "--link", f"{JOB}-node-2")
-    try:
-        results = wait(stack.validations, 180, "a validation result (operator side of issue 7)")
-    except TimeoutError:
-        results = []
-    plan = stack.plan()
+def _plan_row(plan: PlanAnnouncement) -> dict[str, Any]:
     return {
-        "validations": [r.model_dump(mode="json") for r in results],
-        "plan": None if plan is None else {"generation": plan.generation, "strategy": plan.strategy},
+        "at": plan.published_at,
+        "generation": plan.generation,
+        "strategy": plan.strategy,
+        "trigger": plan.trigger,
+        "layout": plan.layout,
+        "grid": grid(plan),
+        "parked": plan.parked,
+    }
+
+
+def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
+    """What the link a-b carries under `plan` as the runtime runs it: "data-parallel" when a and b are
+    neighbours in their stage's all-reduce ring (global ranks are the sorted node ids and process groups
+    sort their ranks, so the ring runs in node-id order), "pipeline" when they are adjacent stages of one
+    pipeline, else "none"."""
+    rows = grid(plan)
+    where = {node: (r, c) for r, row in enumerate(rows) for c, node in enumerate(row)}
+    (ra, ca), (rb, cb) = where[a], where[b]
+    if ca == cb:
+        ring = tuple(sorted(row[ca] for row in rows))
+        return "data-parallel" if chaos.ring_neighbours(ring, a, b) else "none"
+    return "pipeline" if ra == rb and abs(ca - cb) == 1 else "none"
+
+
+def link_slow(stack: Stack, node: int, peer: int, factor: float) -> float:
+    """Congest the link node-peer (the order on `node`); returns when it landed."""
+    stack.rjob(
+        "chaos", "slow", f"{JOB}-node-{node}", "--factor", str(factor), "--for", "20m",
+        "--link", str(peer), "--latency", str(LINK_LATENCY_S), "--bandwidth", str(LINK_BANDWIDTH_BPS),
+    )  # fmt: skip
+    return time.time()
+
+
+def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
+    """(b) a congested data-parallel link on the DP4 x PP2 job: detection, validation, S3 (a)."""
+    wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
+    healthy_from = time.time()
+    wait(lambda: stack.step(0) >= 80, 300, "80 healthy steps")
+    healthy_to = time.time()
+    before = stack.plan()
+    if before is None:
+        raise RuntimeError("no plan published")
+    a, b = dp_pair(before)
+    injected = link_slow(stack, a, b, 5.0)
+    inject_step = stack.step(0)
+
+    def detected() -> SlowReport | None:
+        found = [r for r in stack.reports() if r.detected_at >= injected and not r.recovered]
+        return found[0] if found else None
+
+    report = wait(detected, 240, "a SlowReport after the link order")
+
+    def validated() -> ValidationResult | None:
+        found = [v for v in stack.validations() if v.finished_at >= injected]
+        return found[0] if found else None
+
+    try:
+        result: ValidationResult | None = wait(validated, 240, "a validation result")
+    except TimeoutError:
+        result = None
+
+    def mitigated() -> PlanAnnouncement | None:
+        plan = stack.plan()
+        return plan if plan is not None and plan.generation > before.generation else None
+
+    try:
+        new: PlanAnnouncement | None = wait(mitigated, 240, "a mitigation plan")
+    except TimeoutError:
+        new = None
+    mitigated_at = time.time()
+    slow_to = new.published_at if new is not None else mitigated_at
+    if new is not None:
+        after = stack.step(0)
+        wait(lambda: stack.step(0) >= after + 60, 300, "60 steps after the mitigation")
+    records = stack.iterations()
+    healthy = throughput(records, 0, healthy_from, healthy_to)
+    slow = throughput(records, 0, injected + 0.5, slow_to)
+    mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0
+    removed = (mitigated_rate - slow) / (healthy - slow) if new is not None and healthy > slow else None
+    carried = None if new is None else link_traffic(new, a, b)
+    return {
+        "link": [a, b],
+        "healthy_steps_per_s": healthy,
+        "slow_steps_per_s": slow,
+        "mitigated_steps_per_s": mitigated_rate,
+        "slowdown_removed": removed,
+        "inject_step": inject_step,
+        "first_report": report.model_dump(mode="json"),
+        "detection_delay_iterations": report.step - inject_step,
+        "validation": None
+        if result is None
+        else {
+            "step": result.step,
+            "held_s": result.held_s,
+            "slow_links": result.slow_links,
+            "slow_nodes": result.slow_nodes,
+            "after_injection_s": result.finished_at - injected,
+        },
+        "plan_before": _plan_row(before),
+        "plan_after": None if new is None else _plan_row(new),
+        "link_carries_before": link_traffic(before, a, b),
+        "link_carries_after": carried,
         "reports": [r.model_dump(mode="json") for r in stack.reports()],
     }
+
+
+class PlanWatch:
+    """Records every plan generation the job publishes (polled twice a second on a thread)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.plans: dict[int, PlanAnnouncement] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                plan = self.stack.plan()
+            except (redis.RedisError, OSError):
+                plan = None
+            if plan is not None and plan.generation not in self.plans:
+                self.plans[plan.generation] = plan
+            self._stop.wait(0.5)
+
+    def stop(self) -> list[PlanAnnouncement]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return [self.plans[generation] for generation in sorted(self.plans)]
 
 
 def scenario_mixed(stack: Stack, nodes: int, out: Path) -> dict[str, Any]:
+    """(c) Falcon Fig. 17 on the DP4 x PP2 job: a DP link slow, then a GPU slow, both persisting until the
+    ski-rental controller escalates to S4 (small `OVERHEADS`). Throughput over time with markers."""
+    watch = PlanWatch(stack)
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
-    started = time.time()
-    stack.rjob("chaos", "slow", f"{JOB}-node-1", "--factor", "20", "--for", "10m", "--link", f"{JOB}-node-2")
-    time.sleep(60)
-    stack.rjob("chaos", "slow", f"{JOB}-node-3", "--factor", "2", "--for", "10m")
-    time.sleep(120)
+    before = stack.plan()
+    if before is None:
+        raise RuntimeError("no plan published")
+    a, b = dp_pair(before)
+    rows = grid(before)
+    gpu = rows[2][1]  # a node of another pipeline, other stage
+    time.sleep(15)  # a healthy stretch on the plot
+    events: list[dict[str, Any]] = []
+    events.append({"at": link_slow(stack, a, b, 5.0), "label": f"link {a}-{b} x5"})
+
+    def new_plan(after: int) -> Callable[[], PlanAnnouncement | None]:
+        def probe() -> PlanAnnouncement | None:
+            plan = stack.plan()
+            return plan if plan is not None and plan.generation > after else None
+
+        return probe
+
+    with contextlib.suppress(TimeoutError):
+        wait(new_plan(before.generation), 150, "a mitigation of the slow link")
+    time.sleep(20)
+    stack.rjob("chaos", "slow", f"{JOB}-node-{gpu}", "--factor", "2", "--for", "20m")
+    events.append({"at": time.time(), "label": f"GPU {gpu} x2"})
+
+    def escalated() -> bool:
+        return any(plan.strategy == "replace" for plan in watch.plans.values())
+
+    with contextlib.suppress(TimeoutError):
+        wait(escalated, 300, "escalation to S4")
+    time.sleep(60)  # the job after S4, and whatever the controller does next
+    plans = watch.stop()
     records = stack.iterations()
-    points = timeline(records, 0)
+    first = min(r.sent_at for r in records)
+    points = [(at, rate * GLOBAL_BATCH_PIPELINED) for at, rate in timeline(records)]
+    mitigations = [
+        {"at": plan.published_at, "label": plan.strategy or plan.trigger, "generation": plan.generation}
+        for plan in plans
+        if plan.generation > before.generation
+    ]
     result = {
-        "started": started,
+        "link": [a, b],
+        "gpu": gpu,
+        "overheads": OVERHEADS,
         "timeline": points,
-        "plans": [stack.plan().model_dump(mode="json")] if stack.plan() else [],
+        "events": [{**event, "t": event["at"] - first} for event in events],
+        "mitigations": [{**m, "t": m["at"] - first} for m in mitigations],
+        "plans": [_plan_row(plan) for plan in plans],
         "reports": [r.model_dump(mode="json") for r in stack.reports()],
     }
+    plot_mixed(result, out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def plot_mixed(result: dict[str, Any], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 3))
-    axes.plot([t for t, _ in points], [v for _, v in points])
-    axes.set_xlabel("seconds")
-    axes.set_ylabel("steps/s")
-    axes.set_title("Fail-slow mixed case: link slow, then GPU slow")
+    points = result["timeline"]
+    figure, axes = plt.subplots(figsize=(9, 3.6))
+    axes.plot([t for t, _ in points], [v for _, v in points], color="black", linewidth=1.2)
+    top = max((v for _, v in points), default=1.0) * 1.25
+    for event in result["events"]:
+        axes.axvline(event["t"], color="tab:red", linestyle="--", linewidth=1)
+        axes.text(event["t"], top * 0.97, " " + event["label"], color="tab:red", va="top", fontsize=8)
+    for index, mitigation in enumerate(result["mitigations"]):
+        axes.axvline(mitigation["t"], color="tab:blue", linestyle=":", linewidth=1.2)
+        y = top * (0.80 - 0.09 * (index % 3))
+        axes.text(mitigation["t"], y, " " + mitigation["label"], color="tab:blue", va="top", fontsize=8)
+    axes.set_ylim(0, top)
+    axes.set_xlabel("seconds since the first step")
+    axes.set_ylabel("samples/s (5 s buckets)")
+    axes.set_title("Fail-slow, mixed case (Falcon Fig. 17): DP link slow, then a GPU slow; DP4 x PP2")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    return result
+    figure.savefig(out, dpi=110)
 
 
 def scenario_healthy(stack: Stack, minutes: float) -> dict[str, Any]:
+    """(d) no order for `minutes`: every SlowReport, which of them opened an episode (the operator's
+    `NodeSlow` finding) or were dismissed, and every fail-slow mitigation (a plan with a strategy)."""
+    watch = PlanWatch(stack)
     wait(lambda: stack.step(0) >= 10, 300, "10 steps")
+    first_step = stack.step(0)
     time.sleep(minutes * 60)
+    plans = watch.stop()
     records = stack.iterations()
     computes: dict[int, list[float]] = {}
     for record in records:
@@ -293,37 +536,65 @@ def scenario_healthy(stack: Stack, minutes: float) -> dict[str, Any]:
         for node, values in computes.items()
         if len(values) > 2
     }
-    plan = stack.plan()
+    log = (stack.directory / "operator.log").read_text(errors="replace").splitlines()
+    opened = [line for line in log if ": NodeSlow: " in line]
+    dismissed = [line for line in log if "slow report ignored" in line]
+    mitigations = [_plan_row(plan) for plan in plans if plan.strategy]
+    reports = stack.reports()
+    clean = not opened and not mitigations
     return {
-        "steps": stack.step(0),
-        "slow_reports": [r.model_dump(mode="json") for r in stack.reports()],
-        "mitigations": 0 if plan is None or not plan.strategy else plan.generation,
-        "generation": None if plan is None else plan.generation,
+        "minutes": minutes,
+        "steps": stack.step(0) - first_step,
+        "slow_reports": [r.model_dump(mode="json") for r in reports],
+        "reports_total": len(reports),
+        "episodes_opened": len(opened),
+        "reports_dismissed": len(dismissed),
+        "dismissed": [line.split("] ", 2)[-1] for line in dismissed],
+        "mitigations": len(mitigations),
+        "mitigation_plans": mitigations,
+        "generations": [plan.generation for plan in plans],
         "compute_cv": spread,
+        "verdict": (
+            f"VERDICT: {'CLEAN' if clean else 'FALSE ALARM'}: {minutes:g} min, "
+            f"{stack.step(0) - first_step} steps, {len(reports)} SlowReports "
+            f"({len(opened)} opened an episode, {len(dismissed)} dismissed), {len(mitigations)} mitigations"
+        ),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=("compute", "link", "mixed", "healthy"), required=True)
-    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--nodes", type=int, default=None, help="default 4, or 8 with --pipelined")
+    parser.add_argument(
+        "--pipelined", action="store_true", help="the DP4 x PP2 job (link and mixed always use it)"
+    )
+    parser.add_argument("--manifest", type=Path, help="healthy: run this job (e.g. examples/demo.yaml)")
     parser.add_argument("--minutes", type=float, default=5.0, help="healthy: how long to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "failslow-mixed.png")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
+    pipelined = args.pipelined or args.scenario in ("link", "mixed")
+    nodes = args.nodes or (8 if pipelined else 4)
+    if args.manifest is not None and args.scenario != "healthy":
+        parser.error("--manifest: only the healthy scenario runs a given job")
+    job = manifest(nodes, pipelined)
+    if args.manifest is not None:
+        job = yaml.safe_load(args.manifest.read_text())
+    name = job["metadata"]["name"]
     with tempfile.TemporaryDirectory(prefix="rjob-failslow-") as directory:
-        stack = Stack(Path(directory))
+        stack = Stack(Path(directory), name)
         try:
             path = Path(directory) / "job.yaml"
-            path.write_text(yaml.safe_dump(manifest(args.nodes)))
+            path.write_text(yaml.safe_dump(job))
             stack.rjob("apply", "-f", str(path))
             began = time.time()
             if args.scenario == "compute":
-                result = scenario_compute(stack, args.nodes)
+                result = scenario_compute(stack, nodes)
             elif args.scenario == "link":
-                result = scenario_link(stack, args.nodes)
+                result = scenario_link(stack, nodes)
             elif args.scenario == "mixed":
-                result = scenario_mixed(stack, args.nodes, args.out)
+                result = scenario_mixed(stack, nodes, args.out)
             else:
                 result = scenario_healthy(stack, args.minutes)
             plan = stack.plan()
@@ -342,6 +613,8 @@ def main() -> None:
                 f"report node {report['node']} step {report['step']} kind {report['kind']} "
                 f"x{report['slowdown']:.2f} recovered={report['recovered']}"
             )
+    if "verdict" in result:
+        print(result["verdict"])  # last, so that the outcome is the final line
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`rjob chaos`: inject fail-slows and failures into a running job on a cluster.
 
-    rjob chaos slow POD --factor F --for DURATION [--link PEER]   slow compute, or sends to PEER
+    rjob chaos slow POD --factor F --for DURATION [--link PEER [--latency S] [--bandwidth BPS]]
+                                                   slow compute, or the link to PEER
     rjob chaos clear POD                                          withdraw a slowdown early
     rjob chaos kill POD                                           delete the pod at once (a fail-stop)
 
@@ -48,7 +49,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow.add_argument("pod")
     slow.add_argument("--factor", type=float, required=True, help="times slower, >= 1 (e.g. 1.5)")
     slow.add_argument("--for", dest="duration", required=True, help="duration such as 60s, 5m")
-    slow.add_argument("--link", help="peer pod name or node number: slow only sends to it")
+    slow.add_argument("--link", help="peer pod name or node number: slow the link to it instead")
+    slow.add_argument("--latency", type=float, default=0.001, help="link: nominal seconds per message")
+    slow.add_argument("--bandwidth", type=float, default=1e9, help="link: nominal bytes per second")
     slow.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
     clear = commands.add_parser("clear", help="withdraw a pod's slowdown")
     clear.add_argument("pod")
@@ -164,6 +167,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.chaos_command == "slow":  # check the flags before touching the cluster
         if not 1.0 <= args.factor <= 100.0:
             raise CliError(f"factor: must be in [1, 100], got {args.factor}")
+        if not 0.0 <= args.latency <= 10.0:
+            raise CliError(f"latency: must be in [0, 10] seconds, got {args.latency}")
+        if not args.bandwidth > 0.0:
+            raise CliError(f"bandwidth: must be > 0 bytes per second, got {args.bandwidth}")
         seconds = parse_duration(args.duration)
     cluster = _Cluster(args)
     pod = cluster.pod(args.pod)
@@ -189,12 +196,18 @@ def _run(args: argparse.Namespace) -> int:
                 f"pod: job {job!r} does not allow chaos ({ALLOW_ENV}=1 is not in {args.pod}'s env)"
             )
         link = _peer_node(cluster, job, args.link) if args.link else None
-        order = ChaosOrder(factor=args.factor, until=time.time() + seconds, link=link)
+        order = ChaosOrder(
+            factor=args.factor,
+            until=time.time() + seconds,
+            link=link,
+            latency_s=args.latency,
+            bandwidth_bps=args.bandwidth,
+        )
         write_order(client, keys, node, order)
     except RedisError as exc:
         raise CliError(f"redis-url: {exc}") from None
     finally:
         client.close()
-    target = f"sends to node {link}" if link is not None else "compute"
+    target = f"link to node {link}" if link is not None else "compute"
     print(f"pod/{args.pod} {target} slowed x{args.factor} for {args.duration}")
     return 0

@@ -67,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow.add_argument("pod")
     slow.add_argument("--factor", type=float, default=1.5)
     slow.add_argument("--for", dest="duration", default="60s", help="duration such as 60s or 2m")
-    slow.add_argument("--link", metavar="PEER", help="slow only sends to this peer pod (or node number)")
+    slow.add_argument("--link", metavar="PEER", help="slow the link to this peer pod (or node number)")
+    slow.add_argument("--latency", type=float, default=0.001, help="link: nominal seconds per message")
+    slow.add_argument("--bandwidth", type=float, default=1e9, help="link: nominal bytes per second")
     commands.add_parser("down", help="stop everything")
     parser.set_defaults(handler=guarded(_run))
 
@@ -90,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.chaos_command == "kill":
         return _kill(args.pod)
-    return _slow(args.pod, args.factor, args.duration, args.link)
+    return _slow(args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth)
 
 
 def _up() -> int:
@@ -215,8 +217,16 @@ def _worker_labels(pod: str, field: str) -> dict[str, str]:
     return dict(labels)
 
 
-def _slow(pod: str, factor: float, duration: str, link: str | None = None) -> int:
-    """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its sends to `link`."""
+def _slow(
+    pod: str,
+    factor: float,
+    duration: str,
+    link: str | None = None,
+    latency_s: float = 0.001,
+    bandwidth_bps: float = 1e9,
+) -> int:
+    """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its link to `link`
+    (whose nominal latency and bandwidth set the delay per transfer)."""
     import redis
     from pydantic import ValidationError
 
@@ -235,7 +245,13 @@ def _slow(pod: str, factor: float, duration: str, link: str | None = None) -> in
             )
         peer = int(peer_labels["resilientjob.io/node"])
     try:
-        order = ChaosOrder(factor=factor, until=time.time() + _seconds(duration), link=peer)
+        order = ChaosOrder(
+            factor=factor,
+            until=time.time() + _seconds(duration),
+            link=peer,
+            latency_s=latency_s,
+            bandwidth_bps=bandwidth_bps,
+        )
     except ValidationError as exc:
         error = exc.errors()[0]
         raise CliError(f"{'.'.join(map(str, error['loc'])) or 'factor'}: {error['msg']}") from None

@@ -82,25 +82,60 @@ def test_order_validates_and_bad_keys_read_as_no_order() -> None:
 def test_injector_stretches_compute_or_delays_sends_to_one_peer() -> None:
     slept: list[float] = []
     injector = ChaosInjector(rank_of={4: 7}.get, sleep=slept.append)
-    injector("all_reduce", -1, 8, 0.1)
+    assert injector("all_reduce", -1, 8, 0.1) == 0.0
     injector.after_compute(0.1)
     assert slept == []  # no order, no delay
     injector.order = ChaosOrder(factor=3, until=time.time() + 60)
-    injector("all_reduce", -1, 8, 0.1)
+    assert injector("all_reduce", -1, 8, 0.1) == 0.0  # compute is slept here, before the call
     injector("all_reduce", -1, 8, 3600.0)  # an idle hour is not compute: capped
     injector.after_compute(0.2)
     assert slept == pytest.approx([0.2, 2 * chaos.MAX_GAP_S, 0.4])
     slept.clear()
     injector.order = ChaosOrder(factor=2, until=time.time() + 60, link=4)  # node 4 runs as rank 7 now
-    injector("isend", 7, 1_000_000, 5.0)
-    injector("send", 3, 1_000_000, 5.0)
-    injector("irecv", 7, 1_000_000, 5.0)
+    # A link delay is not slept here: the tracer spends it inside the call (communication time).
+    assert injector("isend", 7, 1_000_000, 5.0) == pytest.approx(0.001 + 0.001)
+    assert injector("send", 3, 1_000_000, 5.0) == 0.0
+    assert injector("irecv", 7, 1_000_000, 5.0) == 0.0
     injector.after_compute(1.0)
-    assert slept == pytest.approx([0.001 + 0.001])
+    assert slept == []
     injector.order = ChaosOrder(factor=3, until=time.time() - 1)  # expired
-    injector("all_reduce", -1, 8, 1.0)
-    assert len(slept) == 1
+    assert injector("all_reduce", -1, 8, 1.0) == 0.0
+    assert slept == []
     assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002)
+
+
+def test_ring_neighbours_follow_the_group_rank_order() -> None:
+    ring = (0, 2, 4, 6)
+    assert chaos.ring_neighbours(ring, 0, 2) and chaos.ring_neighbours(ring, 0, 6)  # the closing link
+    assert not chaos.ring_neighbours(ring, 0, 4)  # across the ring: no traffic on that link
+    assert not chaos.ring_neighbours(ring, 0, 5)  # the peer is not a member
+    assert not chaos.ring_neighbours((2, 4, 6), 0, 2)  # this end is not a member
+    assert chaos.ring_neighbours((0, 2), 2, 0) and chaos.ring_neighbours((0, 2), None, 2)
+
+
+def test_a_slow_link_delays_the_collectives_of_groups_holding_both_ends_only() -> None:
+    injector = ChaosInjector(rank_of={4: 7, 5: None, 1: 2}.get, sleep=lambda seconds: None, node=1)
+    injector.order = ChaosOrder(factor=3, until=time.time() + 60, link=4, latency_s=0.0, bandwidth_bps=1e6)
+    crossing = [
+        injector("all_reduce", -1, 1000, 0.5, (2, 7)),  # this node's DP group with the peer
+        injector("all_gather", -1, 2000, 0.5, (2, 7, 9)),
+        injector("barrier", -1, 0, 0.5, (2, 7)),  # no bytes: only the (zero) latency
+        injector("batch_isend_irecv", 7, 1000, 0.5, (2, 7)),  # an exchange with the peer only
+    ]
+    assert crossing == pytest.approx([2 * 0.001, 2 * 0.002, 0.0, 2 * 0.001])
+    other = [
+        injector("all_reduce", -1, 1000, 0.5, (2, 3)),  # another group of this node: a different link
+        injector("broadcast", 7, 1000, 0.5, (2, 3)),  # the root is the peer but the group does not hold it
+        injector("recv", 7, 1000, 0.5, (2, 7)),  # the peer's sends to us are not ours to slow
+        injector("irecv", 7, 1000, 0.5, (2, 7)),
+        injector("isend", 3, 1000, 0.5, (2, 3, 7)),  # a send to someone else, even in a group with the peer
+        injector("all_reduce", -1, 1000, 0.5, (2, 3, 7, 8)),  # a ring where the two ends are not neighbours
+        injector("batch_isend_irecv", -1, 1000, 0.5, (2, 7)),  # with several peers: not attributable
+    ]
+    assert other == [0.0] * len(other)
+    injector.order = ChaosOrder(factor=3, until=time.time() + 60, link=5)  # the peer left the plan
+    assert injector("all_reduce", -1, 1000, 0.5, (2, 7)) == 0.0
+    assert injector("isend", 7, 1000, 0.5, (2, 7)) == 0.0
 
 
 def test_chaos_is_off_unless_the_environment_allows_it(client: redis.Redis) -> None:
@@ -178,13 +213,64 @@ def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> Non
     # Rank 1 sleeps twice each compute interval (>= the 10 ms sleep of the loop); rank 0 waits for it.
     injected = results[1]["compute_injected"] / 6
     assert injected >= 2 * 0.01 and results[0]["compute_injected"] == 0
-    # Rank 0 delays each send to rank 1 by 10 x (1 ms + 16 bytes / 1 GB/s); rank 1 waits for the data.
-    assert results[0]["link_injected"] == pytest.approx(6 * 10 * (0.001 + 16 / 1e9))
+    # Rank 0 delays each send to rank 1 and each all-reduce of the group holding both by 10 x (1 ms + 16
+    # bytes / 1 GB/s); rank 1 waits for the data or inside the collective.
+    assert results[0]["link_injected"] == pytest.approx(2 * 6 * 10 * (0.001 + 16 / 1e9))
     assert results[1]["link_injected"] == 0
     for result in results:
         # (sleeps overshoot on a loaded host, hence the loose upper bound)
         assert injected * 0.8 <= result["compute"] - result["healthy"] <= injected * 2 + 0.01
-        assert 0.008 <= result["link"] - result["healthy"] <= 0.01 * 2 + 0.01
+        assert 0.018 <= result["link"] - result["healthy"] <= 0.02 * 2 + 0.01
+
+
+def _two_groups_loop(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0-1 and 0-2 each all-reduce in their own group; rank 0's link to rank 2 is slow. Rank 0 times
+    its own calls and its compute (the 5 ms sleeps) from the trace's per-step split."""
+    tracer = tracing.install(capacity=256)
+    delays: list[float] = []
+    injector = ChaosInjector()
+
+    def hook(op: str, peer: int, nbytes: int, gap_s: float, group: tuple[int, ...]) -> float:
+        delay = injector(op, peer, nbytes, gap_s, group)
+        delays.append(delay)
+        return delay
+
+    chaos.activate(injector, tracer, ALLOW)
+    tracer.hook = hook
+    near, far = dist.new_group([0, 1]), dist.new_group([0, 2])
+    if rank == 0:
+        injector.order = ChaosOrder(factor=6, until=time.time() + 60, link=2, latency_s=0.01)
+    held = {"near": 0.0, "far": 0.0}
+    began, cursor = time.perf_counter(), tracer.ring.head
+    for _ in range(4):
+        time.sleep(0.005)  # compute
+        for name, group in (("near", near), ("far", far)):
+            if rank in dist.get_process_group_ranks(group):
+                start = time.perf_counter()
+                work = dist.all_reduce(torch.ones(4), group=group, async_op=name == "far")
+                if work is not None:
+                    work.wait()
+                held[name] += time.perf_counter() - start
+    ended = time.perf_counter()
+    communication = tracing.blocked_s(tracer.ring.records(since=cursor), began, ended)
+    chaos.activate(None, tracer)
+    tracing.uninstall()
+    return {"delays": delays, "held": held, "compute": ended - began - communication}
+
+
+@pytest.mark.torch
+def test_a_slow_link_slows_the_data_parallel_group_that_crosses_it_on_real_gloo(tmp_path: Path) -> None:
+    results = run_gloo(tmp_path, 3, _two_groups_loop)
+    # Only rank 0 (the order's end) is delayed, and only in the (asynchronous) all-reduces of the group
+    # holding rank 2.
+    assert sorted(results[0]["delays"]) == pytest.approx([0.0] * 4 + [5 * (0.01 + 16 / 1e9)] * 4)
+    assert not any(results[1]["delays"]) and not any(results[2]["delays"])
+    assert results[0]["held"]["far"] >= 4 * 0.05
+    # Rank 2 waits inside each collective of its group for rank 0's 50 ms (rank 1 may wait too, but only
+    # because rank 0 runs both groups one after the other: no delay is injected into its group).
+    assert results[2]["held"]["far"] >= 4 * 0.05 * 0.8
+    # The link delay is communication, not compute: rank 0's compute stays near its 4 x 5 ms of sleeps.
+    assert results[0]["compute"] < 4 * 0.005 + 0.05
 
 
 # ---- the command line ---------------------------------------------------------------------------------
@@ -246,13 +332,15 @@ async def test_cli_slow_writes_the_order_the_worker_reads(
     assert order.until == pytest.approx(time.time() + 120, abs=5)
     assert (
         await _rjob(
-            "chaos", "slow", "demo-0", "--factor", "4", "--for", "30", "--link", "demo-1", "--server", url
+            "chaos", "slow", "demo-0", "--factor", "4", "--for", "30", "--link", "demo-1", "--server", url,
+            "--latency", "0", "--bandwidth", "1e5",
         )
         == 0
-    )
+    )  # fmt: skip
     order = parse_order(client.get(KEYS.chaos(0)))  # type: ignore[arg-type]
     assert order is not None and (order.factor, order.link) == (4.0, 1)
-    assert "sends to node 1 slowed x4.0" in capsys.readouterr().out
+    assert (order.latency_s, order.bandwidth_bps) == (0.0, 1e5)
+    assert "link to node 1 slowed x4.0" in capsys.readouterr().out
     assert await _rjob("chaos", "clear", "demo-0", "--server", url) == 0
     assert client.get(KEYS.chaos(0)) is None
 
@@ -265,6 +353,8 @@ async def test_cli_slow_writes_the_order_the_worker_reads(
         (["ghost", "--factor", "2", "--for", "60s"], "pod 'ghost': not found"),
         (["demo-0", "--factor", "0.5", "--for", "60s"], "factor: must be in [1, 100]"),
         (["demo-0", "--factor", "2", "--for", "soon"], "for: expected a duration"),
+        (["demo-0", "--factor", "2", "--for", "60s", "--bandwidth", "0"], "bandwidth: must be > 0"),
+        (["demo-0", "--factor", "2", "--for", "60s", "--latency", "-1"], "latency: must be in [0, 10]"),
         (["demo-0", "--factor", "2", "--for", "60s", "--link", "prod-0"], "belongs to job 'prod'"),
     ],
 )

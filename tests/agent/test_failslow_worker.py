@@ -263,6 +263,40 @@ def test_link_order_is_named_by_validation_and_stale_requests_are_ignored(
     assert {(link.src, link.dst) for link in result.links} >= {(2, 3)}
 
 
+def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
+    from resilientjob.agent import validation
+    from resilientjob.agent._worker_probe import data_parallel_rings, rank_table, ring_passes, with_links
+
+    # DP3 x PP2: the world ring (ranks pipeline by pipeline) never joins two replicas of one stage.
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=1,
+        pipelines=_pipelines(
+            [[(4, 0, 2), (5, 2, 4)], [(0, 0, 2), (1, 2, 4)], [(2, 0, 2), (3, 2, 4)]], [1, 1, 1]
+        ),
+        step_time_s=1.0,
+    )
+    ranks = rank_table(plan)
+    rings = data_parallel_rings(plan, ranks)
+    assert rings == [[ranks[4], ranks[0], ranks[2]], [ranks[5], ranks[1], ranks[3]]]
+    passes = ring_passes(rings)
+    assert len(passes) == 3  # odd rings: 3 passes, both rings in each
+    assert sorted(link for links in passes for link in links) == sorted(
+        (ring[i], ring[(i + 1) % 3]) for ring in rings for i in range(3)
+    )
+    for links in passes:  # no rank sends or receives twice in one pass
+        assert len({src for src, _ in links}) == len(links) == len({dst for _, dst in links})
+    assert data_parallel_rings(dp_plan(1), {0: 0}) == []  # one replica: no ring
+    # A slow ring link is named among the world ring's links; a fast extra link changes nothing named.
+    world = {
+        (r, (r + 1) % 6): validation.LinkResult((r, (r + 1) % 6), 1e-4, 0.010, 1 << 16) for r in range(6)
+    }
+    report = validation.ValidationReport(links=world)
+    slow = with_links(report, {(0, 2): (1e-4, 0.060), (2, 4): (1e-4, 0.011)}, 1 << 16)
+    assert slow.slow_links == ((0, 2),) and len(slow.links) == 8
+    assert with_links(report, {(2, 4): (1e-4, 0.0105)}, 1 << 16).slow_links == ()
+
+
 def _pipelines(stages: list[list[tuple[int, int, int]]], microbatches: list[int]) -> tuple[PipelinePlan, ...]:
     return tuple(
         PipelinePlan(

@@ -143,7 +143,7 @@ def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
 
     tracer = Tracer(capacity=8)
     gaps: list[float] = []
-    tracer.hook = lambda op, peer, nbytes, gap: gaps.append(gap)
+    tracer.hook = lambda op, peer, nbytes, gap, group: gaps.append(gap)
     traced = tracer._wrap("isend", isend, TRACED["isend"])
     work = traced(torch.ones(1), 1)
     waiter = threading.Thread(target=work.wait)  # as `_runtime_wait.Waiter` does
@@ -155,6 +155,23 @@ def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
     assert gaps[0] == 0.0 and 0.04 <= gaps[1] < 0.15, gaps
     (first, _) = tracer.ring.records()
     assert first.blocked is not None and first.blocked[1] - first.blocked[0] >= 0.2
+
+
+def test_the_hook_gets_the_global_ranks_of_the_call_group() -> None:
+    seen: list[tuple[str, int, int, tuple[int, ...]]] = []
+
+    def all_reduce(
+        tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False
+    ) -> None:
+        return None
+
+    tracer = Tracer(capacity=8)
+    tracer._group_cache["dp"] = (1, 5)  # a subgroup's global ranks, as `dist.get_process_group_ranks` says
+    tracer.hook = lambda op, peer, nbytes, gap, group: seen.append((op, peer, nbytes, group))
+    traced = tracer._wrap("all_reduce", all_reduce, TRACED["all_reduce"])
+    traced(torch.ones(3), group="dp")
+    assert seen == [("all_reduce", tracing.NO_PEER, 12, (1, 5))]
+    assert tracer.ring.records()[0].group == (1, 5)
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 3, 100])
