@@ -248,14 +248,16 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
     for number, segments in enumerate(rounds):
         for start, end in segments:
             # Rerouted micro-batches' gradients accumulate on the peers' own copies, so the holders are the
-            # live stages' nodes only.
-            holders = {
+            # live stages' nodes only. They stay in pipeline order: that is the ring the all-reduce runs
+            # (the group is made without sorting its ranks), the order the planner's fail-slow topology
+            # change (Falcon's S3, `reassign_congested_links`) assumes when it moves a slow link off it.
+            holders = dict.fromkeys(
                 stage.node
                 for pipeline in plan.pipelines
                 for stage in pipeline.stages
                 if not stage.rerouted and stage.layers[0] <= start < stage.layers[1]
-            }
-            groups.append(SyncGroup(round=number, layers=(start, end), holders=tuple(sorted(holders))))
+            )
+            groups.append(SyncGroup(round=number, layers=(start, end), holders=tuple(holders)))
     return groups
 
 

@@ -310,7 +310,8 @@ class Trainer:
             for lane in range(k):
                 # Every rank must take part in creating every group, members or not (every lane's too).
                 ranks = [position[node] * k + lane for node in group.holders]
-                handle = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+                # In the holders' (pipeline) order, not sorted: the ring follows the plan (see sync_groups).
+                handle = dist.new_group(ranks=ranks, sort_ranks=False) if len(ranks) > 1 else None
                 if self.node in group.holders and lane == self.local_rank:
                     self._groups.append((group, handle))
         self.timings = StepTimings(

@@ -21,6 +21,11 @@ The rule (what `StragglerGate.straggler` decides):
   enough of them). A machine-wide slowdown raises every node's level, so the median of the
   others rises with it and nobody is a straggler. With no other node to compare with (a one-node job), the
   agent's own before/after ratio is all there is, and the report counts as it is.
+- And the straggler must matter: its excess compute per step, `(level / w - median) x w` in seconds, must
+  be at least `threshold - 1` times the job's median step time (wall, all nodes, this generation). A node
+  whose compute is a sliver of the step (communication-bound jobs, tiny models: the demo's compute is ~5 ms
+  of a 40 ms step, and its per-step variation on a loaded host reaches 50-60%) can double its compute
+  without slowing the job by the threshold; Falcon's controller would only "ignore" it (S1) anyway.
 - A slowdown report opens an episode only after `min_duration_s` during which every check found the node a
   straggler (`FailSlowTracker` holds the candidates); one check that finds it back within the threshold
   dismisses the report.
@@ -72,6 +77,8 @@ class StragglerGate:
     shares: dict[int, float] = field(default_factory=dict)
     generation: int = -1
     _levels: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    _step_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    """Recent step times (wall) of all nodes in this generation: the job's step, for the materiality rule."""
     steps: dict[int, int] = field(default_factory=dict)
     """Each node's latest step seen (any generation): the loss of a late-opened episode counts from it."""
 
@@ -87,11 +94,13 @@ class StragglerGate:
             self.generation = generation
             self.shares = dict(shares)
             self._levels.clear()
+            self._step_s.clear()
 
     def observe(self, record: IterationRecord) -> None:
         self.steps[record.node] = max(record.step, self.steps.get(record.node, -1))
         if record.generation != self.generation:
             return
+        self._step_s.append(record.seconds)
         level = record.compute_s if record.compute_s is not None else record.seconds
         if level <= 0:
             return  # a step that was all communication says nothing about compute speed
@@ -130,6 +139,7 @@ class StragglerGate:
                 if (value := self._level_or_recent(other, since)) is not None
             }
             ordered = sorted(everyone.values())
+            step_s = median(self._step_s) if self._step_s else 0.0
             for node in nodes:
                 own = self.level(node, since)
                 if own is None:
@@ -138,7 +148,13 @@ class StragglerGate:
                 skip = bisect_left(ordered, everyone[node]) if node in everyone else None
                 reference = _median_without(ordered, skip)
                 # Nothing to compare with (a one-node job): the agent's own before/after ratio stands.
-                verdicts[node] = reference is None or own > self.threshold * reference
+                if reference is None:
+                    verdicts[node] = True
+                    continue
+                excess_s = (own - reference) * self.shares.get(node, 1.0)
+                verdicts[node] = (
+                    own > self.threshold * reference and excess_s >= (self.threshold - 1) * step_s
+                )
         return verdicts
 
     def _level_or_recent(self, node: int, since_step: int) -> float | None:

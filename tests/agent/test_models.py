@@ -137,6 +137,22 @@ def test_schedule_is_1f1b_for_one_pipeline_and_covers_rerouted_work() -> None:
     assert {(g.layers, g.holders) for g in groups} == {((0, 2), (0,)), ((2, 4), (1, 3))}
 
 
+def test_sync_groups_keep_the_holders_in_pipeline_order() -> None:
+    """The all-reduce ring runs in this order, so a fail-slow topology change that moves a slow link off the
+    data-parallel ring (pipelines reordered) really takes it off: sorting the holders would put it back."""
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=1,
+        step_time_s=1,
+        pipelines=tuple(
+            PipelinePlan(stages=(_stage(0, 2, first), _stage(2, 4, second)), microbatches=1)
+            for first, second in ((6, 1), (0, 7), (4, 3), (2, 5))
+        ),
+    )
+    holders = {g.layers: g.holders for g in sync_groups(plan)}
+    assert holders == {(0, 2): (6, 0, 4, 2), (2, 4): (1, 7, 3, 5)}
+
+
 def test_heterogeneous_sync_groups_follow_colour_rounds() -> None:
     planner = RuntimePlanner.for_job(uniform_profile(8), nodes=8, global_batch=8, microbatch_size=1)
     plan = planner.recover(planner.initial(Policy.DYNAMIC), [3], Policy.DYNAMIC)

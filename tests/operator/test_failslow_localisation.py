@@ -164,6 +164,31 @@ def test_planned_shares_make_uneven_stages_comparable() -> None:
     assert unscaled.gate.straggler(0) is True  # without the plan's shares it would be a false alarm
 
 
+def test_a_straggler_must_cost_the_job_a_threshold_of_its_step() -> None:
+    """Compute 2.5x the others' is a straggler when compute fills the step, and is ignored when compute is a
+    sliver of a communication-bound step (the demo job: ~5 ms of a 40 ms step)."""
+    for compute_s, expected in ((0.005, False), (0.035, True)):
+        tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0, slowdown_threshold=1.5))
+        tracker.gate.new_generation(0, {})
+        for step in range(10):
+            for node in range(4):
+                own = compute_s * (2.5 if node == 3 else 1.0)
+                tracker.observe(
+                    IterationRecord(
+                        node=node,
+                        generation=0,
+                        step=step,
+                        seconds=0.04 + own - compute_s,
+                        samples=1,
+                        sent_at=0,
+                        compute_s=own,
+                        communication_s=0.04 - compute_s,
+                    )
+                )
+        assert tracker.gate.straggler(3) is expected, compute_s
+        assert tracker.gate.straggler(0) is False
+
+
 def profile(node: int, groups: dict[str, float]) -> ProfileRecord:
     return ProfileRecord(
         node=node,
