@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.balance import balance_monotone
-from resilientjob.planner.estimator import pipeline_time, send_time
+from resilientjob.planner.estimator import pipeline_arrays, pipeline_time
 from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, reassign_congested_links
 from resilientjob.planner.plan import PipelinePlan, Plan
 from resilientjob.planner.profile import ModelProfile
@@ -34,18 +34,7 @@ def _pipeline_time(
     factors: dict[int, float],
 ) -> float:
     """Exact 1F1B makespan of one pipeline with the stages on slow nodes slowed by their factor."""
-    forward: list[float] = []
-    backward: list[float] = []
-    sends: list[float] = []
-    stages = pipeline.stages
-    for index, stage in enumerate(stages):
-        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
-        factor = 1.0 if stage.rerouted else factors.get(stage.node, 1.0)
-        forward.append(fwd * factor)
-        backward.append(bwd * factor)
-        if index + 1 < len(stages):
-            same = stages[index + 1].node == stage.node
-            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same))
+    forward, backward, sends = pipeline_arrays(profile, cluster, pipeline, compute=factors)
     return pipeline_time(forward, backward, microbatches, sends)
 
 

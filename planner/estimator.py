@@ -9,7 +9,7 @@ asks for the same pipeline shape many times.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -150,20 +150,32 @@ def send_time(profile: ModelProfile, cluster: ClusterSpec, last_layer: int, same
 
 
 def pipeline_arrays(
-    profile: ModelProfile, cluster: ClusterSpec, pipeline: PipelinePlan
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    pipeline: PipelinePlan,
+    compute: Mapping[int, float] | None = None,
+    link: Mapping[int, float] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
-    """Per-stage forward and backward times and the sends between stages, as `estimate_pipeline` uses them."""
+    """Per-stage forward and backward times and the sends between stages, as `estimate_pipeline` uses them.
+
+    Fail-slow factors (node -> slowdown) stretch them: `compute` a stage's times on a slow node (not a
+    rerouted stage's: its peers run it), `link` a send leaving or entering a node with a slow NIC."""
+    compute = compute or {}
+    link = link or {}
     forward: list[float] = []
     backward: list[float] = []
     sends: list[float] = []
     stages = pipeline.stages
     for index, stage in enumerate(stages):
         fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
-        forward.append(fwd)
-        backward.append(bwd)
+        factor = 1.0 if stage.rerouted else compute.get(stage.node, 1.0)
+        forward.append(fwd * factor)
+        backward.append(bwd * factor)
         if index + 1 < len(stages):
-            same_node = stages[index + 1].node == stage.node
-            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same_node))
+            following = stages[index + 1].node
+            same_node = following == stage.node
+            slow = 1.0 if same_node else max(link.get(stage.node, 1.0), link.get(following, 1.0))
+            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same_node) * slow)
     return forward, backward, sends
 
 

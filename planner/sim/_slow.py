@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..balance import balance_monotone
-from ..estimator import allreduce_time, pipeline_time, send_time
+from ..estimator import allreduce_time, pipeline_arrays, pipeline_time
 from ..plan import PipelinePlan, Plan
 from ..profile import ModelProfile
 from ..restorer import allreduce_rounds
@@ -48,21 +48,7 @@ def _pipeline_makespan(
     compute: Mapping[int, float],
     link: Mapping[int, float],
 ) -> float:
-    forward: list[float] = []
-    backward: list[float] = []
-    sends: list[float] = []
-    stages = list(pipeline.stages)
-    for index, stage in enumerate(stages):
-        fwd, bwd = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))
-        # A rerouted stage runs on its peers; its own (failed) node's slowness no longer matters.
-        factor = 1.0 if stage.rerouted else compute.get(stage.node, 1.0)
-        forward.append(fwd * factor)
-        backward.append(bwd * factor)
-        if index + 1 < len(stages):
-            nxt = stages[index + 1]
-            same = nxt.node == stage.node
-            slow = 1.0 if same else max(link.get(stage.node, 1.0), link.get(nxt.node, 1.0))
-            sends.append(send_time(profile, cluster, stage.layers[1] - 1, same) * slow)
+    forward, backward, sends = pipeline_arrays(profile, cluster, pipeline, compute, link)
     return pipeline_time(forward, backward, microbatches, sends)
 
 
