@@ -57,6 +57,26 @@ async def mitigation_message(
     )
 
 
+def replaced_nodes(mitigation: Mitigation) -> list[int]:
+    """The nodes S4 takes out: every slow node that is not only the end of a slow link, and for the slow
+    links as few ends as cover them all (a congested link is gone once either end is; parking both would
+    leave their pipelines short of a node for nothing). Greedy cover: the end on most uncovered links first,
+    the lower node on ties."""
+    links = {(a, b) for a, b in mitigation.links if a != b}
+    ends = {node for link in links for node in link}
+    out = {node for node in mitigation.factors if node not in ends}
+    uncovered = {link for link in links if not set(link) & out}
+    while uncovered:
+        counts: dict[int, int] = {}
+        for link in uncovered:
+            for node in link:
+                counts[node] = counts.get(node, 0) + 1
+        chosen = min(counts, key=lambda node: (-counts[node], node))
+        out.add(chosen)
+        uncovered = {link for link in uncovered if chosen not in link}
+    return sorted(out)
+
+
 def _plan(
     spec: api.ResilientJobSpec,
     inputs: PlannerInputs,
@@ -77,7 +97,7 @@ def _plan(
     elif action is Action.REPLACE:
         # S4 hands the slow nodes to the fail-stop planner; their pods stay up (parked) so that their probe
         # steps can show the recovery. The healthy plan cannot come back without them.
-        out = [n for n in mitigation.nodes if n in current.plan.nodes]
+        out = [n for n in replaced_nodes(mitigation) if n in current.plan.nodes]
         result = plan_next(spec, inputs, current.plan, failed=out)
         parked |= set(out)
     else:

@@ -370,3 +370,16 @@ def test_a_compute_episode_counts_its_loss_in_compute_time() -> None:
     for index in range(21, 31):
         tracker.iteration(step(1, index, 0.2))
     assert tracker.controller.loss_s == pytest.approx(opened + 10 * 0.1)  # not 10 x 0.2 with communication
+
+
+def test_s4_takes_out_one_end_of_each_slow_link_and_every_slow_device() -> None:
+    from resilientjob.operator._failslow import Action, Mitigation
+    from resilientjob.operator._mitigation import replaced_nodes
+
+    def mitigation(factors: dict[int, float], links: tuple[tuple[int, int], ...]) -> Mitigation:
+        return Mitigation(Action.REPLACE, factors, "test", loss_s=1.0, detect_s=0.0, links=links)
+
+    assert replaced_nodes(mitigation({0: 2.0, 2: 2.0}, ((0, 2),))) == [0]
+    # Node 3 is on both slow links: taking it out clears them; node 5 is a slow device of its own.
+    assert replaced_nodes(mitigation({1: 2.0, 3: 2.0, 4: 2.0, 5: 1.5}, ((1, 3), (3, 4)))) == [3, 5]
+    assert replaced_nodes(mitigation({6: 1.5}, ())) == [6]
