@@ -314,14 +314,14 @@ def _plan_row(plan: PlanAnnouncement) -> dict[str, Any]:
 
 def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
     """What the link a-b carries under `plan` as the runtime runs it: "data-parallel" when a and b are
-    neighbours in their stage's all-reduce ring (global ranks are the sorted node ids and process groups
-    sort their ranks, so the ring runs in node-id order), "pipeline" when they are adjacent stages of one
+    neighbours in their stage's all-reduce ring (the runtime builds each ring in pipeline order, as the
+    planner's S3 assumes: `_runtime_schedule.sync_groups`), "pipeline" when they are adjacent stages of one
     pipeline, else "none"."""
     rows = grid(plan)
     where = {node: (r, c) for r, row in enumerate(rows) for c, node in enumerate(row)}
     (ra, ca), (rb, cb) = where[a], where[b]
     if ca == cb:
-        ring = tuple(sorted(row[ca] for row in rows))
+        ring = tuple(row[ca] for row in rows)
         return "data-parallel" if chaos.ring_neighbours(ring, a, b) else "none"
     return "pipeline" if ra == rb and abs(ca - cb) == 1 else "none"
 
