@@ -139,7 +139,11 @@ def _run_job(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     plan = planner.initial()
     publish_plan(store, plan, 0)
-    context = multiprocessing.get_context("fork")  # torch is imported already: fork is fastest on 2 cores
+    # Not fork: this pytest process has run other tests' threads (stores, gloo), and a fork of a threaded
+    # process can inherit a lock held by one of them (seen: the victim stuck in its first rendezvous). The
+    # fork server is a clean single-threaded process that has imported torch once.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
     results: Queue[Any] = context.Queue()
     workers = {
         node: context.Process(target=_worker, args=(node, store.port, fault, results), daemon=True)
