@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +51,9 @@ from resilientjob.agent.telemetry_messages import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _support import rjob_local  # noqa: E402
+
 JOB = "failslow"
 LAYERS = 8
 FORWARD_S = 0.002
@@ -163,16 +164,7 @@ class Stack:
         self.keys = JobKeys("default", job)
 
     def rjob(self, *args: str) -> str:
-        env = {**os.environ, "RJOB_LOCAL_DIR": str(self.directory)}
-        done = subprocess.run(
-            [sys.executable, "-m", "resilientjob.cli", "local", *args],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        done = rjob_local(self.directory, *args, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}")
         return done.stdout

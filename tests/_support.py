@@ -1,14 +1,18 @@
-"""Helpers shared by the tests: a throwaway real redis-server on a free port, and polling with a deadline.
+"""Helpers shared by the tests: a throwaway real redis-server on a free port, polling with a deadline, and
+`rjob local` run as a user runs it.
 
 Importable from every test folder because `tests/conftest.py` puts this folder on `sys.path`."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,3 +55,22 @@ def until(probe: Callable[[], T | None], timeout: float, what: str, interval: fl
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rjob_local(
+    state: Path, *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """`rjob local ARGS` in a subprocess with its state under `state` (RJOB_LOCAL_DIR); never raises on a
+    failed command: the caller asserts or raises with the output."""
+    return subprocess.run(
+        [sys.executable, "-m", "resilientjob.cli", "local", *args],
+        env={**os.environ, **(env or {}), "RJOB_LOCAL_DIR": str(state)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

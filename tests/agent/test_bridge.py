@@ -6,9 +6,6 @@ exactly its own global batch (no sample lost or repeated)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from _support import until
+from _support import rjob_local, until
 
 from resilientjob.agent._bridge import (
     RUNTIME_MODELS,
@@ -75,16 +72,7 @@ def test_dropped_nodes_counts_deaths_not_parked_nodes() -> None:
 
 # ---- the local stack with real training ------------------------------------------------------------------
 def _rjob(state: Path, *args: str) -> str:
-    env = {**os.environ, "RJOB_LOCAL_DIR": str(state)}
-    done = subprocess.run(
-        [sys.executable, "-m", "resilientjob.cli", "local", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = rjob_local(state, *args)
     assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
     return done.stdout
 

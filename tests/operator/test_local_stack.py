@@ -6,9 +6,7 @@ its metrics on a port of its own; the operator answers kopf's health endpoint as
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,9 +14,8 @@ from pathlib import Path
 
 import pytest
 from _rjob_stack import emulator_only
-from _support import until
+from _support import rjob_local, until
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.cluster,
     emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),
@@ -26,16 +23,7 @@ pytestmark = [
 
 
 def rjob(state: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RJOB_LOCAL_DIR": str(state), "RJOB_SYNTHETIC_TIME_SCALE": "0.02"}
-    done = subprocess.run(
-        [sys.executable, "-m", "resilientjob.cli", "local", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = rjob_local(state, *args, env={"RJOB_SYNTHETIC_TIME_SCALE": "0.02"})
     if check:
         assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
     return done
