@@ -50,6 +50,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.workload import Workload
 
 from ._redis import JobKeys, connect
 from .telemetry import Telemetry
@@ -366,10 +367,12 @@ def worker_entry(
 class TrainingAgent:
     """Runs this node's worker (which obeys chaos orders itself) and feeds its reports to the telemetry."""
 
-    def __init__(self, telemetry: Telemetry, options: TrainingOptions, model: str, address: str) -> None:
+    def __init__(
+        self, telemetry: Telemetry, options: TrainingOptions, workload: Workload, address: str
+    ) -> None:
         self.telemetry = telemetry
         self.options = options
-        self.model = model
+        self.workload = workload
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"store: expected host:port, got {address!r}")
@@ -394,12 +397,8 @@ class TrainingAgent:
         del store
 
         config = JobConfig(
-            model=self.model,
+            workload=self.workload,
             model_options=dict(self.options.model_options),
-            num_samples=self.options.num_samples,
-            seed=self.options.seed,
-            lr=self.options.lr,
-            steps=self.options.steps,
             collective_timeout_s=self.options.collective_timeout_s,
             plan_timeout_s=self.options.plan_timeout_s,
         )
@@ -490,28 +489,32 @@ class TrainingAgent:
             self.directory.rmdir()
 
 
-def _prepare(model: str, options: TrainingOptions) -> int:
+def _prepare(workload: Workload, options: TrainingOptions) -> int:
     """Import what the worker needs (so that the fork inherits it) and return the model's layer count."""
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 
     from . import worker  # noqa: F401
     from .models import load_model
 
-    return load_model(model, **options.model_options).num_layers
+    options_with_length = {"seq_len": workload.data.seq_len, **options.model_options}
+    return load_model(workload.model, **options_with_length).num_layers
 
 
-async def train(telemetry: Telemetry, stopped: asyncio.Event, model: str, options: TrainingOptions) -> int:
+async def train(
+    telemetry: Telemetry, stopped: asyncio.Event, workload: Workload, options: TrainingOptions
+) -> int:
     """Run this pod's share of a real training job until it ends or `stopped`; returns the exit status."""
+    model = workload.model
     # Importing torch takes seconds on a loaded machine: off the event loop, or heartbeats would lapse and
     # the operator would fence this pod as dead before it ever trained.
-    layers = await asyncio.to_thread(_prepare, model, options)
+    layers = await asyncio.to_thread(_prepare, workload, options)
     published = await telemetry.current_plan()
     if published is not None and published.plan.num_layers != layers:
         raise ValueError(
             f"model: {model} has {layers} layers but the job's profile has {published.plan.num_layers}"
         )
     address = await store_address(telemetry.client, telemetry.keys, telemetry.pod)
-    agent = TrainingAgent(telemetry, options, model, address)
+    agent = TrainingAgent(telemetry, options, workload, address)
     agent.start()
     # torch elastic installs SIGTERM/SIGINT handlers that raise; a pod stops cleanly through `stopped`.
     loop = asyncio.get_running_loop()

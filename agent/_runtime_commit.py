@@ -5,7 +5,8 @@ completed on some ranks (gloo's ring finishes on a rank once that rank holds eve
 others, so survivors would stand one step apart. The vote makes the decision a property of the job's store:
 
 1. After the gradient sum, every rank of the world votes for step s: `compare_set(commit/<g>/<s>/<rank>,
-   "", "<its loss share>")`. One store round trip, and the rank's loss share travels with it.
+   "", "<its loss share>,<its squared-gradient-norm share>")`. One store round trip, and the rank's shares
+   travel with it.
 2. Then the commit all-reduce (loss and "newer plan seen" flag). A rank enters it only after its vote is in,
    so the all-reduce completing anywhere proves that every rank voted: the step is committed, and the
    fast path costs nothing more.
@@ -29,7 +30,7 @@ pending operations (NCCL) are aborted instead, which frees them at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -76,21 +77,24 @@ class CommitVote:
         if self.step < 0:
             raise ValueError(f"step: must be >= 0, got {self.step}")
 
-    def vote(self, loss_share: float) -> bool:
-        """Record "ready" with this rank's loss share. False: a closer got there first (abandon the step)."""
+    def vote(self, shares: Sequence[float]) -> bool:
+        """Record "ready" with this rank's shares of the step's sums (loss, squared gradient norm). False: a
+        closer got there first (abandon the step)."""
         key = vote_key(self.generation, self.step, self.rank)
-        return bytes(self.store.compare_set(key, "", repr(float(loss_share)))) != _ABORT.encode()
+        text = ",".join(repr(float(value)) for value in shares)
+        return bytes(self.store.compare_set(key, "", text)) != _ABORT.encode()
 
-    def close(self) -> float | None:
-        """Block every vote not yet cast, then decide: the summed loss if every rank had voted (commit), None
-        if some rank had not (abandon). Every caller gets the same answer."""
+    def close(self) -> list[float] | None:
+        """Block every vote not yet cast, then decide: the element-wise sums of the shares if every rank had
+        voted (commit), None if some rank had not (abandon). Every caller gets the same answer."""
         values = [
             bytes(self.store.compare_set(vote_key(self.generation, self.step, rank), "", _ABORT))
             for rank in range(self.world_size)
         ]
         if any(value == _ABORT.encode() for value in values):
             return None
-        return sum(float(value) for value in values)
+        rows = [[float(item) for item in value.decode().split(",")] for value in values]
+        return [sum(column) for column in zip(*rows, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)

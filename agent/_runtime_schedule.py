@@ -144,6 +144,16 @@ def held_layers(plan: Plan) -> dict[int, set[int]]:
     return plan.layers_by_node()
 
 
+def designated_holders(plan: Plan) -> dict[int, int]:
+    """Layer -> the lowest node holding it: the one copy that is checkpointed, exported and counted in the
+    global gradient norm (after the gradient sum every holder's copy is the same)."""
+    owners: dict[int, int] = {}
+    for node, layers in sorted(held_layers(plan).items()):
+        for layer in layers:
+            owners.setdefault(layer, node)
+    return owners
+
+
 def build_ops(plan: Plan) -> dict[int, list[Op]]:
     """Every node's ops for one step, in an order that is deadlock-free across all nodes."""
     held_layers(plan)

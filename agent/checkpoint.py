@@ -35,6 +35,7 @@ class Checkpointer:
 
     directory: Path
     interval: int
+    """Checkpoint every this many committed steps; 0: only when the trainer asks (time interval)."""
     asynchronous: bool = True
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted by whoever saves the newest."""
@@ -45,8 +46,8 @@ class Checkpointer:
     _pending: list[Future[Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"checkpoint_interval: must be >= 1, got {self.interval}")
+        if self.interval < 0:
+            raise ValueError(f"checkpoint_interval: must be >= 0 (0: only when asked), got {self.interval}")
         self.directory = Path(self.directory)
         if self.shards < 1:
             raise ValueError(f"shards: must be >= 1, got {self.shards}")
@@ -65,7 +66,8 @@ class Checkpointer:
         )
 
     def due(self, step: int) -> bool:
-        return step > 0 and step % self.interval == 0
+        """Whether `step` falls on the step interval (the time interval is the trainer's `checkpoint_due`)."""
+        return step > 0 and self.interval > 0 and step % self.interval == 0
 
     def save(self, step: int, layers: dict[int, LayerState], owned: set[int]) -> None:
         """Write the layers this node is the designated writer of, as of `step` committed steps."""

@@ -1,4 +1,7 @@
-"""A learnable synthetic dataset and the deterministic order of samples per global step.
+"""What the runtime trains on: a data set of fixed-length token samples, and their order per global step.
+
+`open_dataset` turns `spec.data` into a `TokenDataset`: a memory-mapped token file or a tokenized JSON-lines
+file (`_data_files`), or the built-in synthetic data below.
 
 Nothing is downloaded. Sample `i` is a token sequence drawn from a fixed random Markov chain (the chain comes
 from the seed; each sample's start and noise from `(seed, i)`), so a model can learn it and every worker can
@@ -13,9 +16,51 @@ sample is processed exactly once per epoch as long as the global batch B stays t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from resilientjob.protocol.workload import DataFormat, DataSpec
+
+from ._data_files import DataError, TokenFileDataset, tokenize_jsonl
+
+__all__ = [
+    "DataError",
+    "SampleOrder",
+    "SyntheticDataset",
+    "TokenDataset",
+    "TokenFileDataset",
+    "open_dataset",
+    "tokenize_jsonl",
+]
+
+
+class TokenDataset(Protocol):
+    """What the runtime reads: sample ids -> inputs and next-token targets, int64 (m, seq_len) on the CPU."""
+
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    def batch(self, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def open_dataset(spec: DataSpec, vocab: int, cache_dir: Path) -> TokenDataset:
+    """The data set of `spec.data` for a model with `vocab` token ids; DataError naming the field if the data
+    cannot feed that model (a token id beyond the vocabulary is checked on a sample now, per batch later)."""
+    if spec.format is DataFormat.SYNTHETIC:
+        return SyntheticDataset(spec.num_samples, seq_len=spec.seq_len, vocab=vocab, seed=spec.seed)
+    path = Path(spec.path)
+    if spec.format is DataFormat.JSONL:
+        path = tokenize_jsonl(path, Path(spec.tokenizer), spec.text_field, spec.dtype, cache_dir)
+    dataset = TokenFileDataset(path, spec.dtype, spec.seq_len, seed=spec.seed, vocab=vocab)
+    dataset.check_vocab(vocab)
+    return dataset
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +83,7 @@ class SyntheticDataset:
 
     def _chain(self) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed)
-        return torch.randperm(self.vocab, generator=generator)
+        return torch.randperm(self.vocab, generator=generator, device="cpu")
 
     def sample(self, sample_id: int) -> torch.Tensor:
         """Tokens of one sample, shape (seq_len + 1,)."""
@@ -46,10 +91,11 @@ class SyntheticDataset:
             raise ValueError(f"sample_id: {sample_id} outside [0, {self.num_samples})")
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + sample_id + 1)
         successor = self._chain()
-        tokens = torch.empty(self.seq_len + 1, dtype=torch.long)
-        tokens[0] = torch.randint(self.vocab, (1,), generator=generator)
-        noise = torch.rand(self.seq_len, generator=generator) < self.noise
-        random_tokens = torch.randint(self.vocab, (self.seq_len,), generator=generator)
+        # The CPU, explicitly: data is made on the host whatever the default device, and moved by the runtime.
+        tokens = torch.empty(self.seq_len + 1, dtype=torch.long, device="cpu")
+        tokens[0] = torch.randint(self.vocab, (1,), generator=generator, device="cpu")
+        noise = torch.rand(self.seq_len, generator=generator, device="cpu") < self.noise
+        random_tokens = torch.randint(self.vocab, (self.seq_len,), generator=generator, device="cpu")
         for position in range(self.seq_len):
             nxt = successor[tokens[position]]
             tokens[position + 1] = random_tokens[position] if noise[position] else nxt
@@ -76,21 +122,23 @@ class SampleOrder:
             raise ValueError(f"global_batch: must be >= 1, got {self.global_batch}")
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        return _epoch_permutation(self.num_samples, self.seed, epoch)
 
     def step_ids(self, step: int) -> list[int]:
         """The global batch of `step`, in order."""
         if step < 0:
             raise ValueError(f"step: must be >= 0, got {step}")
-        start = step * self.global_batch
+        return self._ids(step * self.global_batch, self.global_batch)
+
+    def _ids(self, start: int, count: int) -> list[int]:
+        """Ids at positions [start, start + count) of the endless stream of epochs."""
         ids: list[int] = []
-        permutations: dict[int, torch.Tensor] = {}
-        for position in range(start, start + self.global_batch):
+        position = start
+        while position < start + count:
             epoch, index = divmod(position, self.num_samples)
-            if epoch not in permutations:
-                permutations[epoch] = self._permutation(epoch)
-            ids.append(int(permutations[epoch][index]))
+            take = min(self.num_samples - index, start + count - position)
+            ids.extend(self._permutation(epoch)[index : index + take].tolist())
+            position += take
         return ids
 
     def microbatch_ids(self, step: int, microbatch: int, microbatch_size: int) -> list[int]:
@@ -99,8 +147,20 @@ class SampleOrder:
             raise ValueError(
                 f"microbatch_size: must divide global_batch={self.global_batch}, got {microbatch_size}"
             )
-        ids = self.step_ids(step)
-        return ids[microbatch * microbatch_size : (microbatch + 1) * microbatch_size]
+        if step < 0:
+            raise ValueError(f"step: must be >= 0, got {step}")
+        if not 0 <= microbatch < self.global_batch // microbatch_size:
+            raise ValueError(
+                f"microbatch: {microbatch} outside the step's {self.global_batch // microbatch_size}"
+            )
+        return self._ids(step * self.global_batch + microbatch * microbatch_size, microbatch_size)
 
     def epoch_of(self, step: int) -> int:
         return step * self.global_batch // self.num_samples
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """Epoch `epoch`'s order (cached: every micro-batch of a step asks for the same one)."""
+    generator = torch.Generator().manual_seed(seed * 7919 + epoch)
+    return torch.randperm(num_samples, generator=generator, device="cpu")

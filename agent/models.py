@@ -8,8 +8,14 @@ communicating, and a worker that receives layer `i` later can allocate it and ov
 Built in: a small GPT (pre-norm attention + GELU MLP), a Llama-style stack (RMSNorm, rotary attention,
 SwiGLU, no biases) and calibrated-sleep layers whose compute is a sleep of a fixed duration, so that two CPU
 cores can emulate many workers without contention distorting step times. User models come from
-`module:function` returning the ordered layers, and Hugging Face GPT-2 / Llama configurations from
-`hf:gpt2?n_layer=2&n_embd=32...` / `hf:llama?...` (random initialisation; see `_hf_models`).
+`module:function` returning the ordered layers. Hugging Face causal LMs (GPT-2, Llama, Qwen2, Mistral) come
+from a `save_pretrained` directory `hf:./dir`, from a configuration `hf:gpt2?n_layer=2&n_embd=32...`, or from
+a built-in planner profile name such as `llama2-7b` (see `_hf_models`).
+
+Besides `layer(i)` (initial weights), a spec can `allocate(i)`: a layer of the right shapes whose contents
+will be overwritten, as a layer received peer-to-peer is; for a checkpoint directory that skips the disk
+read, for a configuration the random initialisation. `tied` names a parameter pair that Hugging Face shares
+(the LM head's projection and the token embedding) and that the runtime holds as two equal copies.
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ._hf_models import HFModel
 
 
 class ModelKind(StrEnum):
@@ -92,8 +102,8 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding on (m, heads, T, head_dim); pairs the two halves of the head dimension."""
     _, _, length, dim = x.shape
     half = dim // 2
-    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype) / half))
-    angles = torch.arange(length, dtype=x.dtype)[:, None] * freqs[None, :]
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
+    angles = torch.arange(length, dtype=x.dtype, device=x.device)[:, None] * freqs[None, :]
     cos, sin = angles.cos(), angles.sin()
     first, second = x[..., :half], x[..., half : 2 * half]
     rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
@@ -221,11 +231,41 @@ class ModelSpec:
     hidden_shape: Callable[[int], tuple[int, ...]]
     """Activation shape between layers for a micro-batch of the given size."""
     meta: dict[str, object] = field(default_factory=dict)
+    build_empty: Callable[[int], nn.Module] | None = None
+    """Layer `i` with the right shapes and arbitrary contents on the CPU, read from nowhere and not
+    initialised (None: `build`)."""
+    tied: tuple[tuple[int, str], tuple[int, str]] | None = None
+    """Two parameters that are one tensor in the model ((layer, parameter name) of the embedding's token
+    weight and of the head's projection): `build` starts them equal, the runtime keeps them equal."""
+    hf: HFModel | None = None
+    """The Hugging Face model this spec builds (tensor names, config), for export; None for other models."""
 
-    def layer(self, index: int) -> nn.Module:
+    def __post_init__(self) -> None:
+        if self.tied is not None:
+            (first, _), (second, _) = self.tied
+            if first == second or not (0 <= first < self.num_layers and 0 <= second < self.num_layers):
+                raise ValueError(f"tied: layers {first} and {second} must be two layers of {self.num_layers}")
+
+    def _check(self, index: int) -> None:
         if not 0 <= index < self.num_layers:
             raise ValueError(f"layer: {index} outside [0, {self.num_layers})")
+
+    def layer(self, index: int) -> nn.Module:
+        """Layer `index` with its initial weights (loaded or seeded), on the CPU."""
+        self._check(index)
         return self.build(index)
+
+    def allocate(self, index: int) -> nn.Module:
+        """Layer `index` to be overwritten (by a peer-to-peer copy or a checkpoint): no disk read."""
+        self._check(index)
+        return (self.build_empty or self.build)(index)
+
+    def hf_names(self, index: int) -> dict[str, str]:
+        """Local parameter name -> Hugging Face tensor name, for layer `index` of a Hugging Face model."""
+        self._check(index)
+        if self.hf is None:
+            raise ValueError(f"model: {self.name} is not a Hugging Face model (hf:<dir>, hf:<family>?...)")
+        return self.hf.hf_names(index)
 
 
 def builtin_model(config: ModelConfig) -> ModelSpec:
@@ -293,36 +333,47 @@ def user_model(target: str, vocab: int, seq_len: int, seed: int = 0) -> ModelSpe
     )
 
 
-def hf_model(spec: str, seq_len: int = 16, seed: int = 0) -> ModelSpec:
-    """A Hugging Face GPT-2 or Llama configuration (`hf:<family>?key=value&...`, see `_hf_models`) as an
-    ordered layer list: embedding, the configuration's decoder blocks, head. Needs `transformers`."""
-    from ._hf_models import hf_layers
+def hf_model(spec: str, seq_len: int | None = 16, seed: int = 0) -> ModelSpec:
+    """A Hugging Face causal LM as an ordered layer list: embedding, decoder blocks, head (see `_hf_models`).
 
-    layers, vocab, hidden, build_layer = hf_layers(spec)
-    if seq_len < 1:
-        raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
+    `spec` is `hf:<dir>`, `hf:<family>?key=value&...` or a built-in profile name (`llama2-7b`, ...);
+    `seq_len` None means the model's maximum positions. Needs `transformers` (and `safetensors`)."""
+    from . import _hf_models
 
-    def build(index: int) -> nn.Module:
-        torch.manual_seed(seed * 100_003 + index)  # as the built-ins: layer i independent of the others
-        return build_layer(index)
-
+    if spec.startswith(_hf_models.PREFIX):
+        model = _hf_models.open_spec(spec, seed)
+    else:
+        model = _hf_models.open_profile(spec, seed)
+    length = model.max_positions if seq_len is None else seq_len
+    if length < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {length}")
+    if model.family == "gpt2" and length > model.max_positions:
+        raise ValueError(f"seq_len: {length} exceeds the {model.max_positions} positions of {spec}")
+    hidden = model.hidden
     return ModelSpec(
         name=spec,
-        num_layers=layers,
-        build=build,
-        vocab=vocab,
-        seq_len=seq_len,
-        hidden_shape=lambda micro: (micro, seq_len, hidden),
+        num_layers=model.num_layers,
+        build=model.layer,
+        vocab=model.vocab,
+        seq_len=length,
+        hidden_shape=lambda micro: (micro, length, hidden),
+        build_empty=model.allocate,
+        tied=model.tied,
+        hf=model,
     )
 
 
 def load_model(name: str, **overrides: object) -> ModelSpec:
-    """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides), `hf:<family>?...` (overrides:
-    `seq_len`, `seed`) or `module:function`."""
-    if name.startswith("hf:"):
+    """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides), `hf:<dir>`, `hf:<family>?...` or a
+    built-in profile name such as `llama2-7b` (overrides: `seq_len`, default the model's positions, and
+    `seed`), or `module:function`."""
+    from ._hf_models import ENCODER_PROFILES, PROFILE_MODELS
+
+    if name.startswith("hf:") or name in PROFILE_MODELS or name in ENCODER_PROFILES:
+        seq_len = overrides.get("seq_len", 16 if name.startswith("hf:") else None)
         return hf_model(
             name,
-            seq_len=int(overrides.get("seq_len", 16)),  # type: ignore[call-overload]
+            seq_len=None if seq_len is None else int(seq_len),  # type: ignore[call-overload]
             seed=int(overrides.get("seed", 0)),  # type: ignore[call-overload]
         )
     if ":" in name:
@@ -336,7 +387,8 @@ def load_model(name: str, **overrides: object) -> ModelSpec:
         kind = ModelKind(name)
     except ValueError:
         raise ValueError(
-            f"model: expected one of {[k.value for k in ModelKind]} or module:function, got {name!r}"
+            f"model: expected one of {[k.value for k in ModelKind]}, hf:<dir>, hf:<family>?..., "
+            f"{sorted(PROFILE_MODELS)} or module:function, got {name!r}"
         ) from None
     return builtin_model(ModelConfig(kind=kind, **overrides))  # type: ignore[arg-type]
 

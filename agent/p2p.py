@@ -21,6 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from resilientjob.planner.plan import Transfer
+from resilientjob.protocol.workload import TrainingSpec
+
+from .optim import PLAIN_ADAMW, make_adamw
 
 # Tags of layer-state messages live above the pipeline's activation tags.
 _TAG_BASE = 1 << 30
@@ -34,12 +37,11 @@ class LayerState:
     index: int
     module: nn.Module
     optimizer: torch.optim.Optimizer = field(init=False)
-    lr: float = 1e-3
+    training: TrainingSpec = PLAIN_ADAMW
+    """AdamW's settings (`optim.make_adamw`); the learning rate is set per step from the schedule."""
 
     def __post_init__(self) -> None:
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=self.lr, weight_decay=0.0, foreach=False
-        )
+        self.optimizer = make_adamw(self.module, self.training)
         for param in self.module.parameters():
             self.optimizer.state[param] = {
                 "step": torch.tensor(0.0),
@@ -60,7 +62,7 @@ class LayerState:
     def replicated(self) -> list[bool]:
         """For each tensor of `tensors()`: whether every rank of a tensor-parallel stage holds it whole
         (unsharded parameters, their AdamW moments, every step count); all True for an unsharded layer."""
-        whole = [not _is_sharded(param) for param in self.module.parameters()]
+        whole = [not is_sharded(param) for param in self.module.parameters()]
         return whole + [value for flag in whole for value in (flag, flag, True)]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -88,7 +90,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
@@ -119,6 +121,7 @@ def execute_transfers(
     wait: Callable[[dist.Work | None, str], None],
     lane: int = 0,
     stage_group: dist.ProcessGroup | None = None,
+    comm_device: torch.device | str = "cpu",
 ) -> list[TransferRecord]:
     """Send and receive this node's share of the transfer plan; return what this node received.
 
@@ -130,8 +133,13 @@ def execute_transfers(
     `rank_of` addresses the peers' same local rank): every lane moves its shard of the sharded tensors, and
     lane 0 alone moves the replicated ones, which the receiving node then broadcasts to its other lanes, so
     the bytes crossing between nodes sum over the lanes to the plan's `Transfer.bytes`.
+
+    A tensor that does not live on `comm_device` (AdamW's step counts stay on the CPU, as torch keeps them)
+    travels through a copy there: NCCL and HCCL move device memory only.
     """
+    comm = torch.device(comm_device)
     pending: list[dist.Work] = []
+    keep: list[torch.Tensor] = []
     received: list[TransferRecord] = []
     for transfer in transfers:
         if transfer.src == node:
@@ -142,7 +150,9 @@ def execute_transfers(
                 if whole and lane != 0:
                     continue
                 tag = _TAG_BASE + transfer.layer * 1024 + offset
-                work = dist.isend(tensor.contiguous(), dst=rank_of[transfer.dst], tag=tag)
+                payload = tensor.contiguous() if tensor.device == comm else tensor.to(comm)
+                keep.append(payload)  # alive until its send completes
+                work = dist.isend(payload, dst=rank_of[transfer.dst], tag=tag)
                 if work is not None:
                     pending.append(work)
         elif transfer.dst == node:
@@ -155,7 +165,10 @@ def execute_transfers(
                     if whole and lane != 0:
                         continue  # arrives by the broadcast below
                     tag = _TAG_BASE + transfer.layer * 1024 + offset
-                    wait(dist.irecv(tensor, src=rank_of[transfer.src], tag=tag), f"layer {transfer.layer}")
+                    buffer = tensor if tensor.device == comm else torch.empty_like(tensor, device=comm)
+                    wait(dist.irecv(buffer, src=rank_of[transfer.src], tag=tag), f"layer {transfer.layer}")
+                    if buffer is not tensor:
+                        tensor.copy_(buffer)
                     size += tensor.nbytes
             layers[transfer.layer] = fresh
             received.append(TransferRecord(transfer.layer, transfer.src, transfer.dst, size))
@@ -167,6 +180,10 @@ def execute_transfers(
             state = layers[record.layer]
             for tensor, whole in zip(state.tensors(), state.replicated(), strict=True):
                 if whole:
-                    work = dist.broadcast(tensor, group=stage_group, group_src=0, async_op=True)
+                    buffer = tensor if tensor.device == comm else tensor.to(comm)
+                    work = dist.broadcast(buffer, group=stage_group, group_src=0, async_op=True)
                     wait(work, f"replicated part of layer {record.layer}")
+                    if buffer is not tensor:
+                        with torch.no_grad():
+                            tensor.copy_(buffer)
     return received

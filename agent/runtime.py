@@ -33,6 +33,7 @@ of a stage live and die with their node, so a dead peer is met first in a wait b
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,14 +44,25 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed.device_mesh import DeviceMesh
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.workload import Precision, TrainingSpec
 
 from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
-from ._runtime_schedule import Op, OpKind, SyncGroup, build_ops, held_layers, sync_groups, world_nodes
+from ._runtime_schedule import (
+    Op,
+    OpKind,
+    SyncGroup,
+    build_ops,
+    designated_holders,
+    held_layers,
+    sync_groups,
+    world_nodes,
+)
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import local, shard_layer, stage_mesh, tp_degree
-from .data import SampleOrder, SyntheticDataset
+from .data import SampleOrder, TokenDataset
 from .models import ModelSpec, lm_loss
-from .p2p import LayerState, TransferRecord, execute_transfers
+from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr, sq_norm
+from .p2p import LayerState, TransferRecord, execute_transfers, is_sharded
 
 
 class ReconfigurationError(RuntimeError):
@@ -111,11 +123,16 @@ class Trainer:
 
     node: int
     model: ModelSpec
-    dataset: SyntheticDataset
+    dataset: TokenDataset
     global_batch: int
-    lr: float = 1e-3
+    training: TrainingSpec = PLAIN_ADAMW
+    """AdamW, schedule, clipping and precision (`spec.training`)."""
     collective_timeout_s: float = 5.0
     device: str = "cpu"
+    """Where layers, optimizer state, activations and receive buffers live: `cpu`, `cuda:<j>`, `npu:<j>`."""
+    checkpoint_interval_s: float = 0.0
+    """World rank 0 asks for a checkpoint at the first commit this long after the last one (0: never); the
+    request travels in the commit all-reduce so every worker checkpoints the same step."""
     local_rank: int = 0
     """This worker's index among its node's `degree` workers (the j-th entry of its stage's gpus)."""
     degree: int = 1
@@ -149,6 +166,15 @@ class Trainer:
     """The DeviceMesh of this node's stage ranks under the current plan (degree > 1 only)."""
     _unsharded: set[int] = field(default_factory=set)
     """Layers built whole by `init_layers` before any world existed; sharded when the first plan is joined."""
+    checkpoint_due: bool = False
+    """The last committed step is one every worker checkpoints (time interval, decided by world rank 0)."""
+    _checkpoint_clock: float = field(default_factory=time.monotonic)
+    _norm_layers: set[int] = field(default_factory=set)
+    """Layers whose squared gradient norm this node contributes to the global norm (one holder each)."""
+    _tied: tuple[list[tuple[int, str]], dist.ProcessGroup | None] | None = None
+    """Tied copies this rank holds and their group across the holders of either copy (None: no part)."""
+    last_grad_norm: float = 0.0
+    """Global gradient norm of the last committed step (before clipping)."""
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
@@ -159,6 +185,11 @@ class Trainer:
             raise ValueError(f"local_rank: must be in [0, {self.degree}), got {self.local_rank}")
         self._order = SampleOrder(self.dataset.num_samples, self.global_batch, seed=self.dataset.seed)
         self._waiter = Waiter(self.collective_timeout_s)
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors handed to collectives live: the accelerator for NCCL/HCCL, the CPU for gloo."""
+        return torch.device("cpu") if backend_for(self.device) == "gloo" else torch.device(self.device)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         if work is not None:
@@ -189,20 +220,26 @@ class Trainer:
         return self.plan
 
     # ---- layers ------------------------------------------------------------------------------------------
-    def make_layer(self, index: int) -> LayerState:
-        """Layer `index` from its seed; this rank's shard of it when stages are tensor-parallel."""
-        module = self.model.layer(index)
+    def make_layer(self, index: int, initial: bool = True) -> LayerState:
+        """Layer `index` on this worker's device with its initial weights (seeded, or read from the model
+        directory), or, with `initial=False`, only allocated (its contents arrive by a peer-to-peer copy, so
+        nothing is read from disk); this rank's shard of it when stages are tensor-parallel."""
+        module = (self.model.layer(index) if initial else self.model.allocate(index)).to(self.device)
         if self.degree > 1:
             if self._mesh is None:
                 raise RuntimeError("degree: a tensor-parallel layer needs the stage mesh of a joined plan")
             module = shard_layer(module, self._mesh)
-        return LayerState(index, module, lr=self.lr)
+        return LayerState(index, module, training=self.training)
+
+    def _receive_layer(self, index: int) -> LayerState:
+        return self.make_layer(index, initial=False)
 
     def init_layers(self, plan: Plan) -> None:
-        """Build this node's layers of the first plan from their seeds (no communication); with several
-        devices per stage they are sharded when the plan is joined (the stage mesh needs the world)."""
+        """Build this node's layers of the first plan (no communication); with several devices per stage
+        they are sharded when the plan is joined (the stage mesh needs the world)."""
         for index in sorted(held_layers(plan).get(self.node, set())):
-            self.layers[index] = LayerState(index, self.model.layer(index), lr=self.lr)
+            module = self.model.layer(index).to(self.device)
+            self.layers[index] = LayerState(index, module, training=self.training)
             if self.degree > 1:
                 self._unsharded.add(index)
 
@@ -213,7 +250,7 @@ class Trainer:
         they were built under; after a switch that group is gone, so each layer is rebuilt for the new mesh
         (slicing locally, no communication) and its local parameters and AdamW state are copied over."""
         for index in sorted(self.layers):
-            fresh = self.make_layer(index)
+            fresh = self.make_layer(index, initial=index in self._unsharded)
             if index not in self._unsharded:
                 with torch.no_grad():
                     for target, source in zip(fresh.tensors(), self.layers[index].tensors(), strict=True):
@@ -272,7 +309,7 @@ class Trainer:
             self.device,
         )
         # Everyone resumes at the same committed step, or nobody resumes live.
-        steps = torch.tensor([self.step, -self.step], dtype=torch.int64)
+        steps = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.comm_device)
         self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
         if int(steps[0]) != -int(steps[1]):
             raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
@@ -290,10 +327,11 @@ class Trainer:
             self.node,
             self._rank_of,
             self.layers,
-            self.make_layer,
+            self._receive_layer,
             self._wait,
             lane=self.local_rank,
             stage_group=self._tp_groups[0] if self._tp_groups else None,
+            comm_device=self.comm_device,
         )
         keep = held_layers(plan).get(self.node, set())
         missing = keep - set(self.layers)
@@ -314,6 +352,8 @@ class Trainer:
                 handle = dist.new_group(ranks=ranks, sort_ranks=False) if len(ranks) > 1 else None
                 if self.node in group.holders and lane == self.local_rank:
                     self._groups.append((group, handle))
+        self._norm_layers = {layer for layer, node in designated_holders(plan).items() if node == self.node}
+        self._tied = self._tied_group(plan, position)
         self.timings = StepTimings(
             rendezvous_s=rendezvous - started,
             copy_s=time.perf_counter() - rendezvous,
@@ -322,23 +362,51 @@ class Trainer:
         self._pending = []
         return True
 
+    def _tied_group(
+        self, plan: Plan, position: dict[int, int]
+    ) -> tuple[list[tuple[int, str]], dist.ProcessGroup | None] | None:
+        """The group that sums the tied copies' gradients (embedding and head of a tied model): every node
+        holding either copy, each copy's gradient counted once (from its designated holder)."""
+        tied = self.model.tied
+        if tied is None:
+            return None
+        holders = held_layers(plan)
+        members = sorted(node for node, layers in holders.items() if layers & {tied[0][0], tied[1][0]})
+        handle: dist.ProcessGroup | None = None
+        for lane in range(self.degree):
+            ranks = [position[node] * self.degree + lane for node in members]
+            # Every rank takes part in creating every lane's group, as `new_group` requires.
+            group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            if lane == self.local_rank:
+                handle = group
+        if self.node not in members:
+            return None
+        return [(layer, name) for layer, name in tied if layer in self.layers], handle
+
     # ---- one step ----------------------------------------------------------------------------------------
     def _inputs(self, step: int, microbatch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         ids = self._order.microbatch_ids(step, microbatch, self._current().microbatch_size)
         inputs, targets = self.dataset.batch(ids)
-        return ids, inputs, targets
+        return ids, inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.training.precision is Precision.BF16:
+            return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _forward(self, layers: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-        for index in range(*layers):
-            x = self.layers[index].module(x)
-        return x
+        with self._autocast():
+            for index in range(*layers):
+                x = self.layers[index].module(x)
+        # Activations cross stages in fp32 whatever the compute precision: the residual stream stays exact.
+        return x if x.dtype == torch.long else x.float()
 
     def _recv(
         self, shape: tuple[int, ...], src: int, tag: int, mailbox: dict[int, torch.Tensor]
     ) -> torch.Tensor:
         if src == self.node:
             return mailbox.pop(tag)
-        buffer = torch.empty(shape)
+        buffer = torch.empty(shape, dtype=torch.float32, device=self.device)
         self._wait(dist.irecv(buffer, src=self._rank_of[src], tag=tag), f"receive from node {src}")
         return buffer
 
@@ -378,7 +446,8 @@ class Trainer:
                 y = self._forward(op.layers, x)
                 if op.last:
                     ids, _, targets = self._inputs(step, op.microbatch)
-                    y = lm_loss(y, targets) / plan.global_batch
+                    with self._autocast():
+                        y = lm_loss(y, targets) / plan.global_batch
                     if self.local_rank == 0:  # the k ranks of a stage compute the same loss: count it once
                         loss_sum += float(y.detach())
                         sample_ids.extend(ids)
@@ -399,40 +468,111 @@ class Trainer:
         for work in sends:
             self._wait(work, "send")
         self._sync_gradients()
-        loss, switch = self._commit(loss_sum, latest_generation > self.generation)
+        self._sync_tied()
+        loss, switch, total_sq_norm = self._commit(
+            loss_sum, latest_generation > self.generation, self._norm_share()
+        )
+        self.last_grad_norm = total_sq_norm**0.5 if total_sq_norm > 0 else 0.0
+        coefficient = clip_coefficient(total_sq_norm, self.training.grad_clip_norm)
+        lr = lr_at(self.training, self.step)
         for layer in self.layers.values():
+            if coefficient < 1.0:
+                for param in layer.module.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(coefficient)
+            set_lr(layer.optimizer, lr)
             layer.optimizer.step()
         self.step += 1
         if not self._abandoned:
             self._pending = []
         return loss, switch, sample_ids
 
-    def _commit(self, loss_share: float, newer_plan: bool) -> tuple[float, bool]:
-        """Vote, then all-reduce the loss and "newer plan seen" flag (so all switch after the same step).
-        Returns (loss, switch) once the step is committed; raises PeerFailure if it is abandoned."""
+    def _commit(self, loss_share: float, newer_plan: bool, sq_norm_share: float) -> tuple[float, bool, float]:
+        """Vote, then all-reduce the loss, the squared gradient norm, the "newer plan seen" flag (so all
+        switch after the same step) and the checkpoint request (world rank 0's clock). Returns (loss,
+        switch, squared norm) once the step is committed; raises PeerFailure if it is abandoned."""
         if self.store is None or self.world_rank is None:
             raise RuntimeError("commit: the trainer has not joined a world")
         vote = CommitVote(self.store, self.generation, self.step, self.world_rank, self._world_size)
         self._fault(CommitPhase.VOTE)
-        if not vote.vote(loss_share):
+        if not vote.vote([loss_share, sq_norm_share]):
             raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
         self._fault(CommitPhase.VOTED)
-        commit = torch.tensor([loss_share, 1.0 if newer_plan else 0.0], dtype=torch.float64)
+        checkpoint = (
+            self.world_rank == 0
+            and self.checkpoint_interval_s > 0
+            and time.monotonic() - self._checkpoint_clock >= self.checkpoint_interval_s
+        )
+        flags = [loss_share, sq_norm_share, 1.0 if newer_plan else 0.0, 1.0 if checkpoint else 0.0]
+        commit = torch.tensor(flags, dtype=torch.float64, device=self.comm_device)
         try:
             self._wait(dist.all_reduce(commit, async_op=True), "commit")
         except RuntimeError:
-            total = vote.close()
-            if total is None:
+            totals = vote.close()
+            if totals is None:
                 raise
             # The world's all-reduce failed here: its groups may hold operations pending on the dead peer,
             # so they must be retired, not destroyed, whenever this trainer leaves them (even at close()).
             self._abandoned = True
-            # Every rank voted before the failure: the step is committed everywhere. The flag is lost; the
+            # Every rank voted before the failure: the step is committed everywhere. The flags are lost; the
             # next step fails on the dead peer and the switch happens then, on every survivor alike.
             self._fault(CommitPhase.REDUCED)
-            return total, False
+            self.checkpoint_due = False
+            return totals[0], False, totals[1]
         self._fault(CommitPhase.REDUCED)
-        return float(commit[0]), bool(commit[1] > 0)
+        values = commit.tolist()
+        self.checkpoint_due = values[3] > 0
+        if self.checkpoint_due:
+            self._checkpoint_clock = time.monotonic()
+        return float(values[0]), values[2] > 0, float(values[1])
+
+    def _norm_share(self) -> float:
+        """This rank's share of the global squared gradient norm: each layer counted once (its designated
+        holder), a tied copy once (the embedding's), a tensor-parallel shard by every lane and a replicated
+        tensor by lane 0 only."""
+        if self.training.grad_clip_norm <= 0:
+            return 0.0
+        skip = {self.model.tied[1]} if self.model.tied is not None else set()
+        grads: list[torch.Tensor] = []
+        for index in sorted(self._norm_layers):
+            for name, param in self.layers[index].module.named_parameters():
+                if param.grad is None or (index, name) in skip:
+                    continue
+                if is_sharded(param) or self.local_rank == 0:
+                    grads.append(local(param.grad))
+        return float(sq_norm(grads, self.device)) if grads else 0.0
+
+    def _sync_tied(self) -> None:
+        """Give both tied copies (embedding and head) the sum of their gradients, so they stay equal."""
+        if self._tied is None:
+            return
+        mine, handle = self._tied
+        params = {
+            (layer, name): param
+            for layer, name in mine
+            for pname, param in self.layers[layer].module.named_parameters()
+            if pname == name
+        }
+        designated = designated_holders(self._current())
+        total: torch.Tensor | None = None
+        for param in params.values():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        # Each copy's gradient is already summed over its replicas: count it once, from one holder.
+        for (layer, _), param in params.items():
+            if designated.get(layer) == self.node and param.grad is not None:
+                grad = local(param.grad)
+                total = grad.clone() if total is None else total + grad
+        if total is None:
+            total = torch.zeros_like(local(next(iter(params.values()))))
+        if handle is not None:
+            flat = total if total.device == self.comm_device else total.to(self.comm_device)
+            self._wait(self._track(dist.all_reduce(flat, group=handle, async_op=True)), "tied embedding sum")
+            total = flat.to(self.device)
+        with torch.no_grad():
+            for param in params.values():
+                if param.grad is not None:
+                    local(param.grad).copy_(total)
 
     def _send(
         self, tensor: torch.Tensor, dst: int | None, tag: int, mailbox: dict[int, torch.Tensor]
@@ -441,7 +581,7 @@ class Trainer:
         if target == self.node:
             mailbox[tag] = tensor
             return []
-        work = self._track(dist.isend(tensor.contiguous(), dst=self._rank_of[target], tag=tag))
+        work = self._track(dist.isend(tensor.float().contiguous(), dst=self._rank_of[target], tag=tag))
         return [work] if work is not None else []
 
     def _sync_gradients(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,13 +32,21 @@ import torch
 from torch._C._distributed_c10d import Store, TCPStore
 
 from resilientjob.planner.plan import Plan, Policy
+from resilientjob.protocol.workload import (
+    DataFormat,
+    DataSpec,
+    TrainingSpec,
+    Workload,
+    WorkloadCheckpoint,
+)
 
-from ._runtime_schedule import held_layers
+from ._runtime_schedule import designated_holders, held_layers
 from ._runtime_wait import FAILURES_KEY, accounted_key
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
-from .data import SyntheticDataset
-from .models import load_model
+from .data import TokenDataset, open_dataset
+from .models import ModelSpec, load_model
+from .optim import lr_at, set_lr
 from .p2p import LayerState
 from .runtime import ReconfigurationError, Trainer
 
@@ -46,31 +55,107 @@ FAILURE_EXIT_CODE = 17
 
 @dataclass(frozen=True, slots=True)
 class JobConfig:
-    """What every worker of a job needs besides the plan."""
+    """What every worker of a job needs besides the plan: the workload the operator hands to every pod
+    (`spec.model`, `spec.data`, `spec.training`, `spec.output`, checkpoints, device) and the runtime's own
+    limits."""
 
-    model: str = "gpt"
+    workload: Workload = field(default_factory=lambda: Workload(model="gpt"))
     model_options: dict[str, object] = field(default_factory=dict)
-    num_samples: int = 256
-    seed: int = 0
-    lr: float = 3e-3
-    steps: int = 10
+    """Shape overrides of a built-in toy model (`gpt`, `llama`, `sleep`), e.g. hidden=32."""
     collective_timeout_s: float = 5.0
     """A collective or receive blocked on a dead peer fails after this long."""
     plan_timeout_s: float = 60.0
     """How long a worker waits for the next plan after a failure before giving up."""
-    checkpoint_dir: str | None = None
-    checkpoint_interval: int = 5
     async_checkpoint: bool = True
     return_state: bool = False
     """Return each worker's final layer parameters (tests compare them with the reference run)."""
+    cache_dir: str | None = None
+    """Where a tokenized text data set is cached (None: the temporary directory)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "steps", "checkpoint_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("collective_timeout_s", "plan_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        seq_len = self.model_options.get("seq_len")
+        if seq_len is not None and seq_len != self.workload.data.seq_len:
+            raise ValueError(
+                f"model_options: seq_len {seq_len} differs from data.seqLen {self.workload.data.seq_len}"
+            )
+
+    @classmethod
+    def plain(
+        cls,
+        model: str = "gpt",
+        *,
+        steps: int = 10,
+        lr: float = 3e-3,
+        num_samples: int = 256,
+        seed: int = 0,
+        checkpoint_dir: str | None = None,
+        checkpoint_interval: int = 5,
+        model_options: dict[str, object] | None = None,
+        **runtime: object,
+    ) -> JobConfig:
+        """A job on the built-in synthetic data with plain AdamW at a constant `lr` (no weight decay, no
+        clipping), checkpointing every `checkpoint_interval` steps into `checkpoint_dir` if given: what
+        the runtime's tests and benchmarks compare against a single-process reference."""
+        options = dict(model_options or {})
+        seq_len = int(options.get("seq_len", 16))  # type: ignore[call-overload]
+        workload = Workload(
+            model=model,
+            data=DataSpec(format=DataFormat.SYNTHETIC, num_samples=num_samples, seed=seed, seq_len=seq_len),
+            training=TrainingSpec(steps=steps, lr=lr, betas=(0.9, 0.999), weight_decay=0.0, grad_clip_norm=0),
+            checkpoint=WorkloadCheckpoint(
+                path=checkpoint_dir or "", interval_steps=checkpoint_interval, interval_s=604800
+            ),
+        )
+        return cls(workload=workload, model_options=options, **runtime)  # type: ignore[arg-type]
+
+    @property
+    def steps(self) -> int:
+        return self.workload.training.steps
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return self.workload.checkpoint.path or None
+
+    def load_model(self) -> ModelSpec:
+        """The job's model, its sequence length the data's."""
+        options = {"seq_len": self.workload.data.seq_len, **self.model_options}
+        return load_model(self.workload.model, **options)
+
+    def open_dataset(self, model: ModelSpec) -> TokenDataset:
+        cache = Path(self.cache_dir) if self.cache_dir else Path(tempfile.gettempdir()) / "rjob-data"
+        return open_dataset(self.workload.data, vocab=model.vocab, cache_dir=cache)
+
+    def checkpointer(self, shard: int, shards: int) -> Checkpointer | None:
+        if not self.workload.checkpoint.path:
+            return None
+        return Checkpointer(
+            Path(self.workload.checkpoint.path),
+            self.workload.checkpoint.interval_steps,
+            self.async_checkpoint,
+            shard=shard,
+            shards=shards,
+        )
+
+
+def worker_device(kind: str, local_rank: int) -> str:
+    """This worker's device: the pod's `local_rank`-th visible accelerator (the device plugin exposes only
+    the pod's own devices, numbered from 0), or the CPU."""
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise ValueError(f"device: cuda:{local_rank} is not visible in this pod")
+        torch.cuda.set_device(local_rank)
+    elif kind == "npu":
+        import torch_npu  # noqa: F401  - registers torch.npu (extra `ascend`)
+
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+    else:
+        raise ValueError(f"device: expected cpu, cuda or npu, got {kind!r}")
+    return f"{kind}:{local_rank}"
 
 
 def publish_plan(store: Store, plan: Plan, failures_accounted: int) -> None:
@@ -105,11 +190,46 @@ def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan
     raise TimeoutError(f"plan_timeout_s: no plan after generation {generation} within {timeout_s} s")
 
 
-def _settle(trainer: Trainer, store: Store, plan: Plan, timeout_s: float) -> bool:
+def _restore(trainer: Trainer, checkpointer: Checkpointer | None, plan: Plan) -> None:
+    """A plan of policy `checkpoint` after generation 0: the job restarts from the last complete
+    checkpoint (weights, optimizer state; the schedule and the data position follow from the step), in
+    this process. Layers are allocated for the new plan and overwritten from disk; with none complete the
+    job starts over from the initial weights."""
+    if checkpointer is None:
+        raise ReconfigurationError("checkpoint: the plan restarts from a checkpoint but none is configured")
+    checkpointer.wait()
+    restored = checkpointer.latest_complete(trainer.model.num_layers)
+    trainer.layers.clear()
+    trainer.step = restored or 0
+    if trainer.degree > 1:
+        trainer.init_layers(plan)  # sharded, then loaded, once the plan's world exists (`_load_shards`)
+        return
+    for index in sorted(held_layers(plan).get(trainer.node, set())):
+        layer = trainer.make_layer(index, initial=restored is None)
+        if restored is not None:
+            checkpointer.load(restored, layer)
+        trainer.layers[index] = layer
+    print(f"node {trainer.node}: restarted from checkpoint step {restored}", flush=True)
+
+
+def _load_shards(trainer: Trainer, checkpointer: Checkpointer | None, restored: int | None) -> None:
+    if checkpointer is not None and restored is not None and trainer.degree > 1:
+        for layer in trainer.layers.values():
+            checkpointer.load(restored, layer)
+
+
+def _settle(
+    trainer: Trainer, store: Store, plan: Plan, timeout_s: float, checkpointer: Checkpointer | None = None
+) -> bool:
     """Apply `plan`, or the next one if a peer dies during the switch. False if this node is left out."""
     while True:
+        restart = plan.policy == Policy.CHECKPOINT and plan.generation > max(trainer.generation, 0)
         try:
+            if restart:
+                _restore(trainer, checkpointer, plan)
             joined = trainer.apply_plan(plan, store)
+            if restart and checkpointer is not None:
+                _load_shards(trainer, checkpointer, trainer.step or None)
         except ReconfigurationError:
             raise
         except RuntimeError:
@@ -153,10 +273,13 @@ def worker_main(
     `local_rank` of `node` (the plan's stages span as many devices as the node runs workers)."""
     torch.set_num_threads(1)
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
-    model = load_model(config.model, **config.model_options)
-    dataset = SyntheticDataset(config.num_samples, seq_len=model.seq_len, vocab=model.vocab, seed=config.seed)
+    workload = config.workload
+    device = worker_device(workload.device, local_rank)
+    model = config.load_model()
+    dataset = config.open_dataset(model)
     plan = read_plan(store, read_generation(store))
     degree = tp_degree(plan)
+    checkpointer = config.checkpointer(shard=local_rank, shards=degree)
     trainer = Trainer(
         node=node,
         local_rank=local_rank,
@@ -164,36 +287,25 @@ def worker_main(
         model=model,
         dataset=dataset,
         global_batch=plan.global_batch,
-        lr=config.lr,
+        training=workload.training,
         collective_timeout_s=config.collective_timeout_s,
-    )
-    checkpointer = (
-        Checkpointer(
-            Path(config.checkpoint_dir),
-            config.checkpoint_interval,
-            config.async_checkpoint,
-            shard=local_rank,
-            shards=degree,
-        )
-        if config.checkpoint_dir
-        else None
+        device=device,
+        checkpoint_interval_s=workload.checkpoint.interval_s if checkpointer is not None else 0.0,
     )
     trainer.init_layers(plan)
     restored: int | None = None
     if restore:
         if checkpointer is None:
-            raise ValueError("checkpoint_dir: a restart needs a checkpoint directory")
+            raise ValueError("checkpoint: a restart needs a checkpoint directory")
         restored = checkpointer.latest_complete(model.num_layers)
         # Whole layers load now; shards once the plan is joined and the layers are sharded.
         if restored is not None and degree == 1:
             for layer in trainer.layers.values():
                 checkpointer.load(restored, layer)
-        trainer.step = restored or 0  # nothing complete yet: start over from the seeded initial weights
-    if not _settle(trainer, store, plan, config.plan_timeout_s):
+        trainer.step = restored or 0  # nothing complete yet: start over from the initial weights
+    if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer):
         return {"node": node, "step": trainer.step, "left": True}
-    if checkpointer is not None and restored is not None and degree > 1:
-        for layer in trainer.layers.values():
-            checkpointer.load(restored, layer)
+    _load_shards(trainer, checkpointer, restored)
     resumed_generation = -1
     first_grads: dict[int, list[torch.Tensor]] = {}
     while trainer.step < config.steps:
@@ -209,7 +321,7 @@ def worker_main(
         except RuntimeError:
             store.set(f"event/abort/{trainer.generation}/{node}", repr(time.time()))
             new_plan = wait_for_plan_after(store, trainer.generation, config.plan_timeout_s)
-            if not _settle(trainer, store, new_plan, config.plan_timeout_s):
+            if not _settle(trainer, store, new_plan, config.plan_timeout_s, checkpointer):
                 break
             continue
         if config.return_state and step == 0:
@@ -228,17 +340,21 @@ def worker_main(
             store.append(  # type: ignore[attr-defined]
                 f"samples/{step}", f"{trainer.generation}:{','.join(map(str, ids))};"
             )
-        if checkpointer is not None and checkpointer.due(trainer.step) and trainer.plan is not None:
-            owners = _designated_writers(trainer.plan)
+        due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due)
+        if checkpointer is not None and due and trainer.plan is not None:
+            owners = designated_holders(trainer.plan)
             checkpointer.save(
                 trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
             )
         latest = read_plan(store, read_generation(store)) if switch else None
-        if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s):
+        if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s, checkpointer):
             break
     if checkpointer is not None:
         checkpointer.wait()
-    result: dict[str, object] = {"node": node, "step": trainer.step, "left": trainer.step < config.steps}
+    finished = trainer.step >= config.steps
+    if finished and workload.output is not None and trainer.active:
+        _export(trainer, Path(workload.output.path))
+    result: dict[str, object] = {"node": node, "step": trainer.step, "left": not finished}
     if config.return_state and (degree == 1 or trainer.active):
         # Gathered over the stage's ranks (a collective when sharded: every local rank runs it, in order).
         result["params"] = {
@@ -250,11 +366,37 @@ def worker_main(
     return result
 
 
+def _export(trainer: Trainer, directory: Path) -> None:
+    """Write the trained model in Hugging Face layout: each layer by its designated holder (gathered over
+    the stage's ranks when sharded, written by local rank 0), the config and index by layer 0's."""
+    from .hf_export import write_layer, write_metadata
+
+    if trainer.plan is None:
+        return
+    owners = designated_holders(trainer.plan)
+    mine = sorted(index for index, owner in owners.items() if owner == trainer.node)
+    for index in mine:
+        module = trainer.layers[index].module
+        if trainer.degree > 1:
+            # A collective over the stage's ranks: every local rank takes part, only lane 0 writes.
+            params = full_parameters(module, trainer.degree)
+            if trainer.local_rank:
+                continue
+            module = trainer.model.allocate(index)
+            with torch.no_grad():
+                for target, source in zip(module.parameters(), params, strict=True):
+                    target.copy_(source)
+        write_layer(trainer.model, index, module, directory)
+    if trainer.local_rank == 0 and owners.get(0) == trainer.node:
+        write_metadata(trainer.model, directory)
+    print(f"node {trainer.node}: exported layers {mine} to {directory}", flush=True)
+
+
 def run_from_plan(
     node: int, config: JobConfig, host: str, port: int, local_rank: int = 0
 ) -> dict[str, object]:
-    """Train this node's share of the job's newest plan to `config.steps` committed steps, following every
-    plan published after it; the entry point for a pod agent (one call per device, in its own process:
+    """Train this node's share of the job's newest plan to `steps` committed steps, following every plan
+    published after it; the entry point for a pod agent (one call per device, in its own process:
     `local_rank` j for the j-th device of the node's stage).
 
     The job's store at `host:port` must hold a plan (`publish_plan`). A plan of policy `checkpoint` after
@@ -264,7 +406,7 @@ def run_from_plan(
     plan = read_plan(store, read_generation(store))
     restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0
     if restore and not config.checkpoint_dir:
-        raise ValueError("checkpoint_dir: the newest plan restarts from a checkpoint but none is configured")
+        raise ValueError("checkpoint: the newest plan restarts from a checkpoint but none is configured")
     return worker_main(node, config, host, port, fail_at=None, restore=restore, local_rank=local_rank)
 
 
@@ -279,26 +421,20 @@ def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:
     }
 
 
-def _designated_writers(plan: Plan) -> dict[int, int]:
-    """Layer -> the lowest node holding it: exactly one writer per layer per checkpoint."""
-    owners: dict[int, int] = {}
-    for node, layers in sorted(held_layers(plan).items()):
-        for layer in layers:
-            owners.setdefault(layer, node)
-    return owners
-
-
 def reference_run(
     config: JobConfig, global_batch: int, microbatch_size: int
 ) -> tuple[list[float], dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]]:
-    """The failure-free single-process run of the same job (same seed, data order and global batch)."""
+    """The failure-free single-process run of the same job (same initial weights, data order, global
+    batch, optimizer, schedule, clipping and tied embeddings), written as plainly as possible."""
     from .data import SampleOrder
     from .models import lm_loss
 
-    model = load_model(config.model, **config.model_options)
-    dataset = SyntheticDataset(config.num_samples, seq_len=model.seq_len, vocab=model.vocab, seed=config.seed)
-    order = SampleOrder(config.num_samples, global_batch, seed=config.seed)
-    layers = [LayerState(index, model.layer(index), lr=config.lr) for index in range(model.num_layers)]
+    model = config.load_model()
+    dataset = config.open_dataset(model)
+    training = config.workload.training
+    order = SampleOrder(dataset.num_samples, global_batch, seed=dataset.seed)
+    layers = [LayerState(index, model.layer(index), training=training) for index in range(model.num_layers)]
+    tied = [_named(layers[index].module, name) for index, name in model.tied] if model.tied else []
     losses = []
     first_grads: dict[int, list[torch.Tensor]] = {}
     for step in range(config.steps):
@@ -313,10 +449,30 @@ def reference_run(
             loss = lm_loss(x, targets) / global_batch
             torch.autograd.backward([loss])
             total += float(loss.detach())
+        if tied:  # one tensor in the model: both copies get the sum of their gradients
+            summed = sum((p.grad for p in tied if p.grad is not None), torch.zeros_like(tied[0]))
+            for param in tied:
+                param.grad = summed.clone()
         if step == 0:
             first_grads = _grads(dict(enumerate(layers)))
+        params = [p for layer in layers for p in layer.module.parameters() if p.grad is not None]
+        if training.grad_clip_norm > 0:
+            # The tied tensor is one parameter of the model: its norm counts once.
+            counted = [p for p in params if all(p is not q for q in tied[1:])]
+            norm = torch.sqrt(sum((p.grad.float().pow(2).sum() for p in counted), torch.zeros(())))  # type: ignore[union-attr]
+            coefficient = min(1.0, training.grad_clip_norm / (float(norm) + 1e-6))
+            for param in params:
+                param.grad.mul_(coefficient)  # type: ignore[union-attr]
         for layer in layers:
+            set_lr(layer.optimizer, lr_at(training, step))
             layer.optimizer.step()
         losses.append(total)
-    params = {layer.index: [p.detach().clone() for p in layer.module.parameters()] for layer in layers}
-    return losses, params, first_grads
+    params_out = {layer.index: [p.detach().clone() for p in layer.module.parameters()] for layer in layers}
+    return losses, params_out, first_grads
+
+
+def _named(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    for pname, param in module.named_parameters():
+        if pname == name:
+            return param
+    raise ValueError(f"tied: no parameter {name!r}")

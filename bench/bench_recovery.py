@@ -48,7 +48,7 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, live in (("live", True), ("checkpoint-restart", False)):
-            config = JobConfig(
+            config = JobConfig.plain(
                 model="gpt",
                 model_options=dict(MODEL),
                 num_samples=128,

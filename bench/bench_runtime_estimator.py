@@ -84,7 +84,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, planner, plan) in enumerate(layouts(8, latency)):
-            config = JobConfig(
+            config = JobConfig.plain(
                 model="sleep",
                 model_options=dict(MODEL),
                 num_samples=64,

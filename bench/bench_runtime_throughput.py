@@ -34,7 +34,7 @@ def main() -> None:
     profile = calibrated_profile(load_model("sleep", **MODEL))
     planner = RuntimePlanner.for_job(profile, NODES, global_batch=16, microbatch_size=1, dp_range=(2, 2))
     plan = planner.initial()
-    config = JobConfig(
+    config = JobConfig.plain(
         model="sleep", model_options=dict(MODEL), num_samples=64, steps=STEPS, collective_timeout_s=10.0
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,7 @@
-"""`rjob profile`: measure a ModelProfile (per-layer time and memory) on this device and write it as JSON."""
+"""`rjob profile`: measure a ModelProfile (per-layer time and memory) on this device and write it as JSON.
+
+With `--computed`, a Hugging Face model's profile is computed from its config instead (FLOPs at
+`--device-flops`, exact bytes; `planner/_hf_profile.py`): no layer is built, so it works for any size."""
 
 from __future__ import annotations
 
@@ -11,15 +14,29 @@ from ._common import CliError, emit, guarded
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("profile", help="measure a model's per-layer profile on this device")
-    parser.add_argument("model", help="gpt, llama, sleep, or module:function returning the ordered layers")
+    parser.add_argument(
+        "model",
+        help="gpt, llama, sleep, hf:<dir>, hf:<family>?key=value&..., a built-in profile name (llama2-7b, "
+        "gpt3-2.7b, gpt3-6.7b), or module:function returning the ordered layers",
+    )
     parser.add_argument("--layers", type=int, default=8, help="built-ins: embedding + blocks + head")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="default 16 (a built-in profile name: its own length)"
+    )
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu ...")
+    parser.add_argument(
+        "--computed",
+        action="store_true",
+        help="Hugging Face models: compute the profile from the config (FLOPs, exact bytes), do not measure",
+    )
+    parser.add_argument(
+        "--device-flops", type=float, default=None, help="--computed: the device's FLOP/s (default 150e12)"
+    )
     parser.add_argument("--out", type=Path, help="write the profile here (default: print it)")
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
     parser.set_defaults(handler=guarded(_run))
@@ -27,23 +44,40 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run(args: argparse.Namespace) -> int:
     # torch is imported only when this command runs, so `rjob plan` stays light.
-    from resilientjob.agent.models import load_model
+    from resilientjob.agent.models import ModelKind, load_model
     from resilientjob.agent.profiler import measure_profile
+    from resilientjob.planner._hf_profile import NOMINAL_FLOPS, profile_from_hf_config
 
+    if args.device_flops is not None and not args.computed:
+        raise CliError("device-flops: only with --computed (a measured profile times this device)")
+    length = {} if args.seq_len is None else {"seq_len": args.seq_len}
     try:
-        if ":" in args.model:
-            spec = load_model(args.model, vocab=args.vocab, seq_len=args.seq_len)
-        else:
+        if args.model in {kind.value for kind in ModelKind}:
             spec = load_model(
                 args.model,
                 layers=args.layers,
                 hidden=args.hidden,
                 heads=args.heads,
                 vocab=args.vocab,
-                seq_len=args.seq_len,
+                seq_len=args.seq_len or 16,
             )
-        profile = measure_profile(spec, args.microbatch_size, args.repeats, args.device)
-    except ValueError as exc:
+        elif ":" in args.model and not args.model.startswith("hf:"):
+            spec = load_model(args.model, vocab=args.vocab, seq_len=args.seq_len or 16)
+        else:  # hf:<dir>, hf:<family>?..., or a built-in profile name
+            spec = load_model(args.model, **length)
+        if args.computed:
+            if spec.hf is None:
+                raise CliError(f"model: --computed needs a Hugging Face model, got {args.model}")
+            profile = profile_from_hf_config(
+                spec.hf.config.to_dict(),
+                seq_len=spec.seq_len,
+                microbatch_size=args.microbatch_size,
+                device_flops=args.device_flops or NOMINAL_FLOPS,
+                name=args.model,
+            )
+        else:
+            profile = measure_profile(spec, args.microbatch_size, args.repeats, args.device)
+    except ValueError as exc:  # PlannerError included
         raise CliError(str(exc)) from None
     document = profile.model_dump(mode="json")
     if args.out is None:

@@ -81,7 +81,7 @@ class TrainingSpec(_Wire):
     lr: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
     weight_decay: float = Field(
-        default=0.1, ge=0, le=10, description="AdamW decoupled weight decay of matrices (not of norms, biases)."
+        default=0.1, ge=0, le=10, description="AdamW weight decay of matrices (not of norms, biases)."
     )
     eps: float = Field(default=1e-8, gt=0, le=1)
     warmup_steps: int = Field(default=0, ge=0, le=2**40, description="Linear warm-up from 0 to `lr`.")

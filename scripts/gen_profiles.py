@@ -2,9 +2,10 @@
 """Write the built-in model profiles (planner/profiles/*.json) from transformer shape formulas.
 
 Shapes follow the published architectures; times assume 150 TFLOP/s sustained per device in bf16 (an A100 /
-Ascend 910B class device), backward = 2 x forward; memory assumes bf16 parameters, Adam with fp32 master
-weights (12 bytes/param of optimizer state) and activations without recomputation (Korthikanti et al.:
-34 * s * h bytes per layer per sequence, flash attention). Re-run after changing a formula:
+Ascend 910B class device), backward = 2 x forward, FLOPs by the formulas of the planner's Hugging Face
+profiles (`planner/_hf_profile.py`: matmul + attention); memory assumes bf16 parameters, Adam with fp32
+master weights (12 bytes/param of optimizer state) and activations without recomputation (Korthikanti et
+al.: 34 * s * h bytes per layer per sequence, flash attention). Re-run after changing a formula:
     python scripts/gen_profiles.py
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FLOPS = 150e12
+from resilientjob.planner._hf_profile import NOMINAL_FLOPS, attention_flops, embedding_flops, matmul_flops
+
+FLOPS = NOMINAL_FLOPS
 OUT = Path(__file__).resolve().parent.parent / "planner" / "profiles"
 
 MODELS = {
@@ -42,13 +45,13 @@ def profile(
     name: str, blocks: int, hidden: int, ffn: int, vocab: int, seq: int, gated: bool
 ) -> dict[str, object]:
     block_params = 4 * hidden * hidden + (3 if gated else 2) * hidden * ffn
-    block_flops = 2 * block_params * seq + 4 * seq * seq * hidden
+    block_flops = matmul_flops(block_params, seq) + attention_flops(seq, seq, hidden)
     activation = 34 * seq * hidden
     output = 2 * seq * hidden
     embed_params = vocab * hidden
-    layers = [layer("embedding", embed_params, 2 * seq * hidden, 2 * seq * hidden, output)]
+    layers = [layer("embedding", embed_params, embedding_flops(seq, hidden), 2 * seq * hidden, output)]
     layers += [layer(f"block{i}", block_params, block_flops, activation, output) for i in range(blocks)]
-    layers.append(layer("head", embed_params, 2 * embed_params * seq, 4 * seq * vocab, 0))
+    layers.append(layer("head", embed_params, matmul_flops(embed_params, seq), 4 * seq * vocab, 0))
     return {
         "name": name,
         "notes": f"{blocks} blocks, hidden {hidden}, seq {seq}, micro-batch 1; scripts/gen_profiles.py",

@@ -29,7 +29,7 @@ def _job_config(**overrides: object) -> JobConfig:
         "collective_timeout_s": 3.0,
     }
     options.update(overrides)
-    return JobConfig(**options)  # type: ignore[arg-type]
+    return JobConfig.plain(**options)  # type: ignore[arg-type]
 
 
 @pytest.fixture

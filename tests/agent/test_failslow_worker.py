@@ -44,7 +44,7 @@ from resilientjob.agent._bridge import worker_entry
 from resilientjob.agent.worker import JobConfig
 node, host, port, sink, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 options = {"layers": LAYERS, "forward_sleep_s": 0.004}
-config = JobConfig(model="sleep", model_options=options, num_samples=4096,
+config = JobConfig.plain(model="sleep", model_options=options, num_samples=4096,
                    steps=steps, collective_timeout_s=20.0, plan_timeout_s=60.0)
 worker_entry(node, config, host, port, sink, os.getppid())
 """.replace("LAYERS", str(LAYERS))

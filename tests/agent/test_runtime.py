@@ -74,7 +74,7 @@ def test_heterogeneous_update_equals_the_symmetric_one(
         for layer, tensors in value["params"].items():
             for got, want in zip(tensors, params[layer], strict=True):
                 torch.testing.assert_close(
-                    got, want, rtol=0, atol=config.lr, msg=f"node {node} layer {layer}"
+                    got, want, rtol=0, atol=config.workload.training.lr, msg=f"node {node} layer {layer}"
                 )
     assert {layer for v in result.return_values.values() for layer in v["params"]} == set(range(8))
 

@@ -50,20 +50,20 @@ def store() -> Any:
 
 def test_vote_commits_when_every_rank_voted_even_if_one_then_died(store: Any) -> None:
     votes = [CommitVote(store, 0, 5, rank, 3) for rank in range(3)]
-    assert all(vote.vote(0.25 * (rank + 1)) for rank, vote in enumerate(votes))
-    # Two survivors close after their all-reduce failed: both read the same decision, with the loss.
-    assert votes[0].close() == pytest.approx(1.5)
-    assert votes[2].close() == pytest.approx(1.5)
+    assert all(vote.vote([0.25 * (rank + 1), rank]) for rank, vote in enumerate(votes))
+    # Two survivors close after their all-reduce failed: both read the same decision, with the sums.
+    assert votes[0].close() == pytest.approx([1.5, 3.0])
+    assert votes[2].close() == pytest.approx([1.5, 3.0])
 
 
 def test_vote_closed_before_a_slow_rank_voted_abandons_everywhere(store: Any) -> None:
     votes = [CommitVote(store, 0, 5, rank, 3) for rank in range(3)]
-    assert votes[0].vote(1.0) and votes[1].vote(1.0)
+    assert votes[0].vote([1.0]) and votes[1].vote([1.0])
     assert votes[0].close() is None
-    assert not votes[2].vote(1.0)  # the slow rank learns the step was abandoned
+    assert not votes[2].vote([1.0])  # the slow rank learns the step was abandoned
     assert votes[1].close() is None
     # Another generation or step is a separate vote.
-    assert CommitVote(store, 1, 5, 2, 3).vote(1.0)
+    assert CommitVote(store, 1, 5, 2, 3).vote([1.0])
 
 
 def test_vote_rejects_bad_fields(store: Any) -> None:
@@ -106,7 +106,7 @@ def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Q
         model=model,
         dataset=dataset,
         global_batch=plan.global_batch,
-        lr=3e-3,
+        training=JobConfig.plain(lr=3e-3).workload.training,
         collective_timeout_s=10.0,  # the failure notice ends waits at once; this only bounds stalls
         fault_hook=hook,
     )

@@ -1,6 +1,7 @@
 """The Hugging Face adapter (`hf:gpt2?...`, `hf:llama?...`): the layer list computes what the `transformers`
-model of the same configuration computes, and trains in the runtime on 2 gloo workers (PP2) exactly as the
-single-process reference does. Skipped when `transformers` is not installed."""
+model of the same configuration computes (GPT-2's LM head tied, as in `transformers`), and trains in the
+runtime on 2 gloo workers (PP2) exactly as the single-process reference does. Skipped when `transformers`
+is not installed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.launcher import Launcher
-from resilientjob.agent.models import load_model
+from resilientjob.agent.models import ModelSpec, load_model
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig, reference_run
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
@@ -25,33 +26,23 @@ LLAMA = (
 )
 
 
-def _reference_model(spec: str) -> torch.nn.Module:
-    """The `transformers` causal-LM class of the spec's configuration, LM head untied like the adapter's."""
-    from resilientjob.agent._hf_models import _config, parse_spec
-
-    family, keys = parse_spec(spec)
-    config = _config(family, {**keys, "tie_word_embeddings": False})
-    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    return cls(config).eval()
+def _reference_model(model: ModelSpec) -> torch.nn.Module:
+    """The `transformers` causal-LM class of the spec's configuration (LM head tied when the spec's is)."""
+    assert model.hf is not None
+    cls = transformers.GPT2LMHeadModel if model.hf.family == "gpt2" else transformers.LlamaForCausalLM
+    reference: torch.nn.Module = cls(model.hf.config).eval()
+    return reference
 
 
-def _copy_layers_into(reference: torch.nn.Module, layers: list[torch.nn.Module], gpt2: bool) -> None:
-    """Load the adapter's layer weights into the reference model by the `transformers` parameter names."""
-    state: dict[str, torch.Tensor] = {}
-    body = "transformer" if gpt2 else "model"
-    for name, value in layers[0].state_dict().items():
-        state[f"{body}.{name}" if gpt2 else f"{body}.embed_tokens.{name}"] = value
-    for index, layer in enumerate(layers[1:-1]):
-        blocks = "h" if gpt2 else "layers"
-        for name, value in layer.block.state_dict().items():  # type: ignore[union-attr]
-            state[f"{body}.{blocks}.{index}.{name}"] = value
-    head = layers[-1]
-    for name, value in head.norm.state_dict().items():  # type: ignore[union-attr]
-        state[f"{body}.{'ln_f' if gpt2 else 'norm'}.{name}"] = value
-    state["lm_head.weight"] = head.proj.weight.detach()  # type: ignore[union-attr]
+def _copy_layers_into(reference: torch.nn.Module, model: ModelSpec, layers: list[torch.nn.Module]) -> None:
+    """Load the adapter's layer weights into the reference model by their `transformers` tensor names."""
+    state = {
+        name: layers[index].get_parameter(local).detach()
+        for index in range(model.num_layers)
+        for local, name in model.hf_names(index).items()
+    }
     missing, unexpected = reference.load_state_dict(state, strict=False)
-    assert not unexpected
-    assert all("rotary" in name or "attn.bias" in name or "masked_bias" in name for name in missing), missing
+    assert not unexpected and not missing, (missing, unexpected)
 
 
 @pytest.mark.parametrize("spec", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -62,8 +53,9 @@ def test_layer_list_computes_the_transformers_model(spec: str) -> None:
     # Each layer is built from its own seed: rebuilding layer 2 alone gives the same weights.
     for got, want in zip(model.layer(2).parameters(), layers[2].parameters(), strict=True):
         assert torch.equal(got, want)
-    reference = _reference_model(spec)
-    _copy_layers_into(reference, layers, gpt2=spec.startswith("hf:gpt2"))
+    assert model.tied == (((0, "wte.weight"), (3, "proj.weight")) if spec == GPT2 else None)
+    reference = _reference_model(model)
+    _copy_layers_into(reference, model, layers)
     tokens = torch.randint(32, (3, 12), generator=torch.Generator().manual_seed(1))
     x: torch.Tensor = tokens
     for layer in layers:
@@ -84,7 +76,7 @@ def test_hf_spec_errors_name_the_problem() -> None:
 @pytest.mark.torch
 def test_gpt2_trains_on_two_gloo_workers_pp2_like_the_reference(tmp_path: Path) -> None:
     steps = 3
-    config = JobConfig(
+    config = JobConfig.plain(
         model=GPT2, model_options={"seq_len": 16}, num_samples=64, steps=steps, collective_timeout_s=5.0
     )
     plan = Plan(

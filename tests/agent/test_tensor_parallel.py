@@ -91,7 +91,7 @@ def _run(
     assert sorted(result.losses) == list(range(steps))
     for step in range(steps):
         assert result.losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
-    held = _assert_params_match(result, params, config.lr)
+    held = _assert_params_match(result, params, config.workload.training.lr)
     assert held == set(range(4))
     return result
 
@@ -224,7 +224,7 @@ def test_kill_a_node_copies_shards_peer_to_peer(
     }
     assert all(len(sizes) == 2 for sizes in moved.values())
     assert sorted(result.return_values) == sorted(recovered.nodes)
-    assert _assert_params_match(result, params, config.lr) == set(range(4))
+    assert _assert_params_match(result, params, config.workload.training.lr) == set(range(4))
 
 
 def test_failure_beyond_f_restarts_every_shard_from_the_checkpoint(

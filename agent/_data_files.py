@@ -1,0 +1,217 @@
+"""Data sets on disk: a flat file of token ids, memory-mapped, and JSON lines tokenized once into one.
+
+A `tokens` file is what `numpy.ndarray.tofile` writes (uint16 or uint32 ids, no header), as nanoGPT's and
+Megatron's preprocessing scripts produce. Sample i is tokens [i*L, (i+1)*L + 1) for sequence length L: the
+inputs and, shifted by one, the next-token targets, so consecutive samples share one boundary token and a
+file of n tokens holds (n - 1) // L samples. The file is never read whole: `batch` reads the rows of one
+micro-batch through a strided view of the memory map.
+
+A `jsonl` file is tokenized with a local tokenizer directory (`tokenizer.json`, never a hub download),
+documents joined by the tokenizer's end-of-sequence token, streamed into a tokens file in a cache directory
+named by a hash of everything that determines its content; workers of one node that prepare the same file
+at once each write a private temporary file and rename it into place, so nobody reads half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from resilientjob.protocol.workload import TokenDtype
+
+CHECK_CHUNKS = 64
+CHECK_CHUNK_TOKENS = 16_384
+"""The start-up vocabulary check reads this many evenly spaced chunks (1M tokens) of a large file."""
+
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+
+
+class DataError(ValueError):
+    """Bad data: names the spec field to change (`spec.data.path`, `spec.data.dtype`, ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _numpy_dtype(dtype: TokenDtype) -> np.dtype[Any]:
+    return np.dtype(np.uint16 if dtype is TokenDtype.UINT16 else np.uint32)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFileDataset:
+    """Samples of `seq_len + 1` tokens from a memory-mapped token file (see the module doc)."""
+
+    path: Path
+    dtype: TokenDtype
+    seq_len: int
+    seed: int = 0
+    vocab: int | None = None
+    """Token ids must be below this (the model's vocabulary); checked per batch."""
+    _tokens: np.memmap[Any, Any] = field(init=False, repr=False, compare=False)
+    _rows: np.ndarray[Any, Any] = field(init=False, repr=False, compare=False)
+    num_samples: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.path)
+        if not path.is_file():
+            raise DataError("spec.data.path", f"{path}: no such file")
+        itemsize = _numpy_dtype(self.dtype).itemsize
+        size = path.stat().st_size
+        if size % itemsize:
+            raise DataError(
+                "spec.data.dtype",
+                f"{path} has {size} bytes, not a whole number of {self.dtype.value} tokens",
+            )
+        count = size // itemsize
+        if count < self.seq_len + 1:
+            raise DataError(
+                "spec.data.path",
+                f"{path} has {count} tokens, fewer than one sample (seqLen {self.seq_len} + 1)",
+            )
+        tokens = np.memmap(path, dtype=_numpy_dtype(self.dtype), mode="r")
+        samples = (count - 1) // self.seq_len
+        # Row i starts at token i*L and is L+1 long: a view of the map, read only where indexed.
+        rows = np.lib.stride_tricks.as_strided(
+            tokens,
+            shape=(samples, self.seq_len + 1),
+            strides=(self.seq_len * itemsize, itemsize),
+            writeable=False,
+        )
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "_tokens", tokens)
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "num_samples", samples)
+
+    @property
+    def tokens(self) -> np.memmap[Any, Any]:
+        """The whole file as a memory map (nothing read until indexed)."""
+        return self._tokens
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise DataError if a token id >= `vocab` appears in evenly spaced chunks of the file (about a
+        million tokens however large it is); `batch` catches the rest as it reads them."""
+        tokens = self.tokens
+        count = len(tokens)
+        starts = np.linspace(0, max(0, count - CHECK_CHUNK_TOKENS), num=CHECK_CHUNKS, dtype=np.int64)
+        for start in np.unique(starts):
+            chunk = np.asarray(tokens[start : start + CHECK_CHUNK_TOKENS])
+            top = int(chunk.max()) if len(chunk) else 0
+            if top >= vocab:
+                position = int(start) + int(np.argmax(chunk >= vocab))
+                raise DataError(
+                    "spec.data.path",
+                    f"{self.path}: token {top} at position {position} is outside the model's vocabulary "
+                    f"({vocab})",
+                )
+
+    def sample(self, sample_id: int) -> torch.Tensor:
+        """Tokens of one sample, shape (seq_len + 1,), int64."""
+        if not 0 <= sample_id < self.num_samples:
+            raise ValueError(f"sample_id: {sample_id} outside [0, {self.num_samples})")
+        return torch.from_numpy(self._rows[sample_id].astype(np.int64))
+
+    def batch(self, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (len(sample_ids), seq_len), int64 on the CPU."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
+            raise ValueError(f"sample_ids: outside [0, {self.num_samples})")
+        rows = self._rows[ids].astype(np.int64)  # one gather from the map
+        if self.vocab is not None and rows.size and int(rows.max()) >= self.vocab:
+            bad = int(np.argmax((rows >= self.vocab).any(axis=1)))
+            raise DataError(
+                "spec.data.path",
+                f"{self.path}: sample {int(ids[bad])} holds token {int(rows[bad].max())}, outside the "
+                f"model's vocabulary ({self.vocab})",
+            )
+        tensor = torch.from_numpy(rows)
+        return tensor[:, :-1], tensor[:, 1:]
+
+
+def _eos_id(tokenizer: Any, directory: Path) -> int | None:
+    config = directory / "tokenizer_config.json"
+    names: list[str] = []
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.append(eos)
+    for name in [*names, *_EOS_NAMES]:
+        token = tokenizer.token_to_id(name)
+        if token is not None:
+            return int(token)
+    return None
+
+
+def _cache_name(path: Path, tokenizer_json: Path, text_field: str, dtype: TokenDtype) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256()
+    for part in (str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), text_field, dtype.value):
+        digest.update(part.encode() + b"\0")
+    digest.update(hashlib.sha256(tokenizer_json.read_bytes()).digest())
+    return f"{path.stem}-{digest.hexdigest()[:20]}.{dtype.value}.bin"
+
+
+def tokenize_jsonl(
+    path: Path, tokenizer_dir: Path, text_field: str, dtype: TokenDtype, cache_dir: Path
+) -> Path:
+    """The tokens file of a JSON-lines data set (made once; later calls return the cached file)."""
+    from tokenizers import Tokenizer
+
+    path, tokenizer_dir = Path(path), Path(tokenizer_dir)
+    if not path.is_file():
+        raise DataError("spec.data.path", f"{path}: no such file")
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise DataError("spec.data.tokenizer", f"{tokenizer_dir}: no tokenizer.json")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / _cache_name(path, tokenizer_json, text_field, dtype)
+    if target.exists():
+        return target
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    eos = _eos_id(tokenizer, tokenizer_dir)
+    limit = int(np.iinfo(_numpy_dtype(dtype)).max)
+    handle, temporary = tempfile.mkstemp(dir=cache_dir, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(handle, "wb") as out, path.open(encoding="utf-8") as lines:
+            texts: list[str] = []
+            number = 0
+
+            def flush() -> None:
+                for encoding in tokenizer.encode_batch(texts):
+                    ids = [*encoding.ids, *([eos] if eos is not None else [])]
+                    if ids and max(ids) > limit:
+                        raise DataError("spec.data.dtype", f"token id {max(ids)} does not fit {dtype.value}")
+                    np.asarray(ids, dtype=_numpy_dtype(dtype)).tofile(out)
+                texts.clear()
+
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(
+                        "spec.data.path", f"{path}: line {number}: not JSON ({exc.msg})"
+                    ) from None
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise DataError("spec.data.path", f"{path}: line {number}: no {text_field!r} text field")
+                texts.append(text)
+                if len(texts) >= 1024:
+                    flush()
+            flush()
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target

@@ -1,0 +1,158 @@
+"""Write a trained Hugging Face model in the layout `transformers.AutoModelForCausalLM.from_pretrained` reads.
+
+The writer is distributed: each layer is written by exactly one worker (`write_layer`, one safetensors shard
+per layer, `model-{i+1:05d}-of-{N:05d}.safetensors`), and one worker writes the rest (`write_metadata`):
+config.json, the shard index `model.safetensors.index.json` (computed from the layers' shapes on the meta
+device, so it needs no weights) and, for a model read from a directory, its tokenizer files and
+generation_config.json. Tensor names are those of the input checkpoint (with or without the base model's
+prefix, as it had them), or those `save_pretrained` of the family's causal-LM class writes for a
+configuration. A tied LM head is not written: `transformers` ties it to the token embedding on load.
+
+Every file is written under a temporary name in the output directory and renamed into place, so a reader
+never sees half a file. Tensors are written as `dtype` (float32 by default, the runtime's master weights)
+and config.json says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._hf_models import CAUSAL_LM_CLASS, WEIGHTS_INDEX, HFModel
+from .models import ModelSpec
+
+METADATA_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+"""Files copied from the input directory when present (what `save_pretrained` of a model and of its
+tokenizer write besides the weights and config.json)."""
+
+
+def shard_name(index: int, num_layers: int) -> str:
+    """The safetensors file holding layer `index` of an exported model."""
+    return f"model-{index + 1:05d}-of-{num_layers:05d}.safetensors"
+
+
+def _hf(spec: ModelSpec) -> HFModel:
+    if spec.hf is None:
+        raise ValueError(
+            f"model: {spec.name} is not a Hugging Face model; export needs hf:<dir>, hf:<family>?... or a "
+            "built-in profile name"
+        )
+    return spec.hf
+
+
+def _exported(hf: HFModel, index: int, names: Mapping[str, str]) -> dict[str, str]:
+    """Local name -> tensor name of the tensors layer `index` writes (all but a tied head projection)."""
+    tied = hf.tied
+    skip = tied[1][1] if tied is not None and index == tied[1][0] else None
+    return {local: name for local, name in names.items() if local != skip}
+
+
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` through a temporary file in the same directory, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_layer(
+    spec: ModelSpec, index: int, module: nn.Module, out_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write layer `index` (`module`, with the spec's local parameter names) as its own shard; return it.
+
+    ValueError when the module's parameters are not the spec's layer's (names or shapes)."""
+    from safetensors.torch import save_file
+
+    hf = _hf(spec)
+    expected = hf.meta_layer(index)
+    shapes = {name: tuple(param.shape) for name, param in expected.named_parameters()}
+    found = {name: tuple(param.shape) for name, param in module.named_parameters()}
+    if found != shapes:
+        wrong = sorted(set(found) ^ set(shapes)) or sorted(n for n in shapes if shapes[n] != found[n])
+        raise ValueError(f"module: layer {index} of {spec.name} does not match the model at {wrong[:3]}")
+    params = dict(module.named_parameters())
+    tensors = {
+        name: params[local].detach().to(device="cpu", dtype=dtype).contiguous()
+        for local, name in _exported(hf, index, hf.hf_names(index)).items()
+    }
+    path = Path(out_dir) / shard_name(index, spec.num_layers)
+    _atomic(path, lambda target: save_file(tensors, str(target), metadata={"format": "pt"}))
+    return path
+
+
+def _config(hf: HFModel, dtype: torch.dtype) -> dict[str, Any]:
+    if hf.directory is not None:
+        config: dict[str, Any] = json.loads((hf.directory / "config.json").read_text())
+    else:
+        config = hf.config.to_dict()
+        config.setdefault("architectures", [CAUSAL_LM_CLASS[hf.family]])
+    # The tensors are written as `dtype`, whatever the input was: say so, or from_pretrained would cast.
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype_name
+    return config
+
+
+def _copy_from(source: Path) -> Callable[[Path], None]:
+    def copy(target: Path) -> None:
+        shutil.copyfile(source, target)
+
+    return copy
+
+
+def write_metadata(spec: ModelSpec, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write config.json, the shard index and the input directory's tokenizer files into `out_dir`."""
+    hf = _hf(spec)
+    out = Path(out_dir)
+    weight_map: dict[str, str] = {}
+    total = 0
+    element = torch.empty((), dtype=dtype).element_size()
+    for index in range(spec.num_layers):
+        params = dict(hf.meta_layer(index).named_parameters())
+        for local, name in _exported(hf, index, hf.hf_names(index)).items():
+            weight_map[name] = shard_name(index, spec.num_layers)
+            total += params[local].numel() * element
+    index_document = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    config = _config(hf, dtype)
+    _atomic(out / "config.json", lambda target: target.write_text(json.dumps(config, indent=2) + "\n"))
+    _atomic(
+        out / WEIGHTS_INDEX, lambda target: target.write_text(json.dumps(index_document, indent=2) + "\n")
+    )
+    if hf.directory is not None:
+        for name in METADATA_FILES:
+            source = hf.directory / name
+            if source.is_file():
+                _atomic(out / name, _copy_from(source))
+
+
+def write_model(
+    spec: ModelSpec, layers: Mapping[int, nn.Module], out_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> None:
+    """Every layer and the metadata from one process (a single worker, a test, a converted checkpoint)."""
+    missing = sorted(set(range(spec.num_layers)) - set(layers))
+    if missing:
+        raise ValueError(f"layers: export of {spec.name} needs every layer, missing {missing}")
+    for index in range(spec.num_layers):
+        write_layer(spec, index, layers[index], out_dir, dtype)
+    write_metadata(spec, out_dir, dtype)
