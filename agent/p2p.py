@@ -44,7 +44,8 @@ class LayerState:
         self.optimizer = make_adamw(self.module, self.training)
         for param in self.module.parameters():
             self.optimizer.state[param] = {
-                "step": torch.tensor(0.0),
+                # On the CPU whatever the default device, as torch keeps a non-capturable AdamW's count.
+                "step": torch.tensor(0.0, device="cpu"),
                 "exp_avg": torch.zeros_like(param),
                 "exp_avg_sq": torch.zeros_like(param),
             }

@@ -8,6 +8,7 @@ order, so it checks the runtime's gradient sums, tied-embedding sync, norm, sche
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
-from resilientjob.protocol.workload import DataSpec, Schedule, TokenDtype, TrainingSpec, Workload
+from resilientjob.protocol.workload import DataSpec, OutputSpec, Schedule, TokenDtype, TrainingSpec, Workload
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,17 +71,19 @@ def _tokens(path: Path) -> Path:
     return path
 
 
-def _config(model_dir: Path, tokens: Path, steps: int = STEPS) -> JobConfig:
+def _config(model_dir: Path, tokens: Path, steps: int = STEPS, output: Path | None = None) -> JobConfig:
     workload = Workload(
         model=f"hf:{model_dir}",
         data=DataSpec(path=str(tokens), dtype=TokenDtype.UINT16, seq_len=SEQ, seed=3),
         training=TRAINING.model_copy(update={"steps": steps}),
+        output=OutputSpec(path=str(output)) if output else None,
     )
     return JobConfig(workload=workload, collective_timeout_s=5.0)
 
 
-def plain_pytorch_losses(model_dir: Path, tokens: Path, steps: int) -> list[float]:
-    """The same job as one `transformers` model, one AdamW, `clip_grad_norm_` and a LambdaLR."""
+def plain_pytorch(model_dir: Path, tokens: Path, steps: int) -> tuple[list[float], torch.nn.Module]:
+    """The same job as one `transformers` model, one AdamW, `clip_grad_norm_` and a LambdaLR: the losses
+    and the trained model."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     flat = [p for p in model.parameters() if p.dim() < 2]
@@ -113,7 +116,7 @@ def plain_pytorch_losses(model_dir: Path, tokens: Path, steps: int) -> list[floa
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, model.eval()
 
 
 def _plan(dp: int, pp: int) -> Plan:
@@ -136,8 +139,9 @@ def _plan(dp: int, pp: int) -> Plan:
 def test_hf_directory_trains_like_plain_pytorch(tmp_path: Path, family: str, dp: int, pp: int) -> None:
     model_dir = MODELS[family](tmp_path / family)
     tokens = _tokens(tmp_path / "tokens.bin")
-    config = _config(model_dir, tokens)
-    expected = plain_pytorch_losses(model_dir, tokens, STEPS)
+    output = tmp_path / "trained"
+    config = _config(model_dir, tokens, output=output)
+    expected, trained = plain_pytorch(model_dir, tokens, STEPS)
     plan = _plan(dp, pp)
     profile = measure_profile(config.load_model(), timed=False)
     planner = RuntimePlanner.for_job(
@@ -150,3 +154,19 @@ def test_hf_directory_trains_like_plain_pytorch(tmp_path: Path, family: str, dp:
     for step in range(STEPS):
         assert result.losses[step] == pytest.approx(expected[step], abs=1e-4), step
     assert expected[-1] < expected[0]  # it learns, so equal curves mean something
+    # The trained model comes out in Hugging Face layout, under the input's tensor names, and computes
+    # what the plain run's trained model computes.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    names = set(json.loads((output / "model.safetensors.index.json").read_text())["weight_map"])
+    original = (model_dir / "model.safetensors").exists()
+    assert original and names <= set(safe_open_names(model_dir / "model.safetensors"))
+    tokens_in = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens_in).logits, trained(tokens_in).logits, atol=2e-4, rtol=0)
+
+
+def safe_open_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return list(handle.keys())
