@@ -47,22 +47,14 @@ from resilientjob.planner.plan import Plan
 from resilientjob.protocol.workload import Precision, TrainingSpec
 
 from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
-from ._runtime_schedule import (
-    Op,
-    OpKind,
-    SyncGroup,
-    build_ops,
-    designated_holders,
-    held_layers,
-    sync_groups,
-    world_nodes,
-)
+from ._runtime_grads import GradientSync
+from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
-from ._tensor_parallel import local, shard_layer, stage_mesh, tp_degree
+from ._tensor_parallel import shard_layer, stage_mesh, tp_degree
 from .data import SampleOrder, TokenDataset
 from .models import ModelSpec, lm_loss
-from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr, sq_norm
-from .p2p import LayerState, TransferRecord, execute_transfers, is_sharded
+from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr
+from .p2p import LayerState, TransferRecord, execute_transfers
 
 
 class ReconfigurationError(RuntimeError):
@@ -145,7 +137,8 @@ class Trainer:
     received: list[TransferRecord] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
     _ops: list[Op] = field(default_factory=list)
-    _groups: list[tuple[SyncGroup, dist.ProcessGroup | None]] = field(default_factory=list)
+    _grads: GradientSync | None = None
+    """This generation's gradient groups (`_runtime_grads`)."""
     _rank_of: dict[int, int] = field(default_factory=dict)
     _order: SampleOrder = field(init=False)
     notice: FailureNotice = field(default_factory=lambda: FailureNotice(None))
@@ -169,10 +162,6 @@ class Trainer:
     checkpoint_due: bool = False
     """The last committed step is one every worker checkpoints (time interval, decided by world rank 0)."""
     _checkpoint_clock: float = field(default_factory=time.monotonic)
-    _norm_layers: set[int] = field(default_factory=set)
-    """Layers whose squared gradient norm this node contributes to the global norm (one holder each)."""
-    _tied: tuple[list[tuple[int, str]], dist.ProcessGroup | None] | None = None
-    """Tied copies this rank holds and their group across the holders of either copy (None: no part)."""
     last_grad_norm: float = 0.0
     """Global gradient norm of the last committed step (before clipping)."""
 
@@ -203,10 +192,10 @@ class Trainer:
 
     def _leave(self) -> None:
         """Leave the current world: destroy it after clean steps, retire (or abort) it after a failure."""
-        keep: list[object] = [handle for _, handle in self._groups if handle is not None]
+        keep: list[object] = list(self._grads.handles()) if self._grads is not None else []
         keep.extend(self._tp_groups)
         leave_world(self.retirement, self.generation, keep + self._pending, self._abandoned)
-        self._groups, self._pending, self._abandoned = [], [], False
+        self._grads, self._pending, self._abandoned = None, [], False
         self._tp_groups, self._mesh = [], None
 
     def close(self) -> None:
@@ -344,16 +333,7 @@ class Trainer:
         self.received.extend(records)
         self._ops = build_ops(plan).get(self.node, [])
         position = {node: index for index, node in enumerate(nodes)}
-        for group in sync_groups(plan):
-            for lane in range(k):
-                # Every rank must take part in creating every group, members or not (every lane's too).
-                ranks = [position[node] * k + lane for node in group.holders]
-                # In the holders' (pipeline) order, not sorted: the ring follows the plan (see sync_groups).
-                handle = dist.new_group(ranks=ranks, sort_ranks=False) if len(ranks) > 1 else None
-                if self.node in group.holders and lane == self.local_rank:
-                    self._groups.append((group, handle))
-        self._norm_layers = {layer for layer, node in designated_holders(plan).items() if node == self.node}
-        self._tied = self._tied_group(plan, position)
+        self._grads = GradientSync.join(plan, self.node, self.local_rank, k, position, self.model.tied)
         self.timings = StepTimings(
             rendezvous_s=rendezvous - started,
             copy_s=time.perf_counter() - rendezvous,
@@ -361,27 +341,6 @@ class Trainer:
         )
         self._pending = []
         return True
-
-    def _tied_group(
-        self, plan: Plan, position: dict[int, int]
-    ) -> tuple[list[tuple[int, str]], dist.ProcessGroup | None] | None:
-        """The group that sums the tied copies' gradients (embedding and head of a tied model): every node
-        holding either copy, each copy's gradient counted once (from its designated holder)."""
-        tied = self.model.tied
-        if tied is None:
-            return None
-        holders = held_layers(plan)
-        members = sorted(node for node, layers in holders.items() if layers & {tied[0][0], tied[1][0]})
-        handle: dist.ProcessGroup | None = None
-        for lane in range(self.degree):
-            ranks = [position[node] * self.degree + lane for node in members]
-            # Every rank takes part in creating every lane's group, as `new_group` requires.
-            group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
-            if lane == self.local_rank:
-                handle = group
-        if self.node not in members:
-            return None
-        return [(layer, name) for layer, name in tied if layer in self.layers], handle
 
     # ---- one step ----------------------------------------------------------------------------------------
     def _inputs(self, step: int, microbatch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -419,6 +378,11 @@ class Trainer:
         except BaseException:
             self._abandoned = True
             raise
+
+    def _gradient_sync(self) -> GradientSync:
+        if self._grads is None:
+            raise RuntimeError("gradients: the trainer has not joined a world")
+        return self._grads
 
     def _fault(self, phase: CommitPhase) -> None:
         if self.fault_hook is not None:
@@ -467,11 +431,12 @@ class Trainer:
                     sends.extend(self._send(inputs.grad, op.send_to, op.send_tag, mailbox))
         for work in sends:
             self._wait(work, "send")
-        self._sync_gradients()
-        self._sync_tied()
-        loss, switch, total_sq_norm = self._commit(
-            loss_sum, latest_generation > self.generation, self._norm_share()
-        )
+        grads = self._gradient_sync()
+        grads.sum_replicas(self.layers, self._track, self._wait)
+        grads.sum_tied(self.layers, self._track, self._wait, self.comm_device)
+        clipping = self.training.grad_clip_norm > 0
+        norm_share = grads.norm_share(self.layers, self.local_rank, self.device) if clipping else 0.0
+        loss, switch, total_sq_norm = self._commit(loss_sum, latest_generation > self.generation, norm_share)
         self.last_grad_norm = total_sq_norm**0.5 if total_sq_norm > 0 else 0.0
         coefficient = clip_coefficient(total_sq_norm, self.training.grad_clip_norm)
         lr = lr_at(self.training, self.step)
@@ -526,54 +491,6 @@ class Trainer:
             self._checkpoint_clock = time.monotonic()
         return float(values[0]), values[2] > 0, float(values[1])
 
-    def _norm_share(self) -> float:
-        """This rank's share of the global squared gradient norm: each layer counted once (its designated
-        holder), a tied copy once (the embedding's), a tensor-parallel shard by every lane and a replicated
-        tensor by lane 0 only."""
-        if self.training.grad_clip_norm <= 0:
-            return 0.0
-        skip = {self.model.tied[1]} if self.model.tied is not None else set()
-        grads: list[torch.Tensor] = []
-        for index in sorted(self._norm_layers):
-            for name, param in self.layers[index].module.named_parameters():
-                if param.grad is None or (index, name) in skip:
-                    continue
-                if is_sharded(param) or self.local_rank == 0:
-                    grads.append(local(param.grad))
-        return float(sq_norm(grads, self.device)) if grads else 0.0
-
-    def _sync_tied(self) -> None:
-        """Give both tied copies (embedding and head) the sum of their gradients, so they stay equal."""
-        if self._tied is None:
-            return
-        mine, handle = self._tied
-        params = {
-            (layer, name): param
-            for layer, name in mine
-            for pname, param in self.layers[layer].module.named_parameters()
-            if pname == name
-        }
-        designated = designated_holders(self._current())
-        total: torch.Tensor | None = None
-        for param in params.values():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        # Each copy's gradient is already summed over its replicas: count it once, from one holder.
-        for (layer, _), param in params.items():
-            if designated.get(layer) == self.node and param.grad is not None:
-                grad = local(param.grad)
-                total = grad.clone() if total is None else total + grad
-        if total is None:
-            total = torch.zeros_like(local(next(iter(params.values()))))
-        if handle is not None:
-            flat = total if total.device == self.comm_device else total.to(self.comm_device)
-            self._wait(self._track(dist.all_reduce(flat, group=handle, async_op=True)), "tied embedding sum")
-            total = flat.to(self.device)
-        with torch.no_grad():
-            for param in params.values():
-                if param.grad is not None:
-                    local(param.grad).copy_(total)
-
     def _send(
         self, tensor: torch.Tensor, dst: int | None, tag: int, mailbox: dict[int, torch.Tensor]
     ) -> list[dist.Work]:
@@ -583,32 +500,6 @@ class Trainer:
             return []
         work = self._track(dist.isend(tensor.float().contiguous(), dst=self._rank_of[target], tag=tag))
         return [work] if work is not None else []
-
-    def _sync_gradients(self) -> None:
-        """Sum gradients of each layer range over its holders, one colour round at a time."""
-        rounds = sorted({group.round for group, _ in self._groups})
-        for number in rounds:
-            in_flight = []
-            for group, handle in self._groups:
-                if group.round != number or handle is None:
-                    continue
-                params = [p for index in range(*group.layers) for p in self.layers[index].module.parameters()]
-                for param in params:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                # This rank's shard of each gradient (the whole gradient when the layer is not sharded).
-                grads = [local(p.grad) for p in params if p.grad is not None]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                work = self._track(dist.all_reduce(flat, group=handle, async_op=True))
-                in_flight.append((work, flat, grads))
-            for work, flat, grads in in_flight:
-                self._wait(work, f"gradient all-reduce of layers {list(group.layers)}")
-                offset = 0
-                with torch.no_grad():
-                    for grad in grads:
-                        count = grad.numel()
-                        grad.copy_(flat[offset : offset + count].view_as(grad))
-                        offset += count
 
 
 def _peer(node: int | None, op: object) -> int:
