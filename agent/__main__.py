@@ -1,14 +1,15 @@
-"""`python -m resilientjob.agent [training flags]`: the worker pod's entry point. Reads its identity from the
-environment the operator puts in the pod (RJOB_JOB, RJOB_NAMESPACE, RJOB_NODE, RJOB_MODEL, RJOB_REDIS_URL,
-RJOB_REDIS_PASSWORD, POD_NAME) and heartbeats to Redis. A job whose model the runtime can train (`gpt`,
-`llama`, `sleep`, `module:function`) runs real training through `_bridge` (flags such as `--steps`,
-`--model-option hidden=32` come from the job's `spec.command`); any other model (a planner profile such as
-`bert-large`) runs the synthetic loop that follows the published plan."""
+"""`python -m resilientjob.agent [--collective-timeout S] [--plan-timeout S] [--model-option K=V]`: the worker
+pod's entry point. Reads its identity from the environment the operator puts in the pod (RJOB_JOB,
+RJOB_NAMESPACE, RJOB_NODE, RJOB_REDIS_URL, RJOB_REDIS_PASSWORD, POD_NAME) and what to train from
+RJOB_WORKLOAD (`protocol.workload`: model, data, training, output, checkpoints, device), and heartbeats to
+Redis. A `synthetic:<profile>` model runs the synthetic loop that only follows the published plans (scale
+tests of the control plane); every other model trains for real through `_bridge` (`protocol.models`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -27,12 +28,20 @@ async def main(argv: list[str]) -> int:
     except (KeyError, ValueError) as exc:
         print(f"resilientjob.agent: missing or bad environment: {exc}", file=sys.stderr)
         return 2
-    model = env.get("RJOB_MODEL", "")
     # Imported only on its path: the synthetic agent must not pay for torch.
-    from ._bridge import parse_options, wants_training
+    from resilientjob.protocol.models import ModelSource, model_source
+    from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
 
-    real = wants_training(model)
+    from ._bridge import parse_options
+
     try:
+        workload = (
+            load_workload(env[WORKLOAD_ENV])
+            if env.get(WORKLOAD_ENV)
+            # An agent started by hand may name only its model.
+            else load_workload(json.dumps({"model": env.get("RJOB_MODEL", "")}))
+        )
+        real = model_source(workload.model) is not ModelSource.SYNTHETIC
         options = parse_options(argv) if real else None
     except ValueError as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
@@ -50,7 +59,7 @@ async def main(argv: list[str]) -> int:
         if options is not None:
             from ._bridge import train
 
-            return await train(telemetry, stopped, model, options)
+            return await train(telemetry, stopped, workload, options)
         from .synthetic import train as synthetic_train
 
         await synthetic_train(telemetry, stopped, float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05")))

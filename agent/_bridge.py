@@ -65,14 +65,6 @@ HOST_IDLE_S = 15.0
 GONE_GRACE_S = 5.0
 """The store host stops when the job's plan key or Redis has been gone this long."""
 
-RUNTIME_MODELS = frozenset({"gpt", "llama", "sleep"})
-"""`models.ModelKind` values, spelled out so that a synthetic agent never imports torch (a test checks)."""
-
-
-def wants_training(model: str) -> bool:
-    """Whether `spec.model` names a model the runtime can train (else the agent runs the synthetic loop)."""
-    return model in RUNTIME_MODELS or ":" in model
-
 
 def store_key(keys: JobKeys) -> str:
     """Redis key holding `host:port` of the job's TCPStore."""
@@ -86,34 +78,24 @@ def store_lock_key(keys: JobKeys) -> str:
 # ---- options -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class TrainingOptions:
-    """What the pod's command line adds to the plan (`command: [python, -m, resilientjob.agent, ...]`)."""
+    """The runtime's own limits from the pod's command line (`spec.command`); what to train comes
+    from the workload (`spec.model`, `spec.data`, `spec.training`)."""
 
-    steps: int = 1_000_000
-    num_samples: int = 4096
-    seed: int = 0
-    lr: float = 3e-3
     collective_timeout_s: float = 5.0
     plan_timeout_s: float = 120.0
     model_options: dict[str, int | float] = field(default_factory=dict)
-    """ModelConfig overrides such as `hidden=32`; `layers` must match the job's profile."""
+    """Shape overrides of a built-in toy model (`gpt`, `llama`, `sleep`) such as `hidden=32`."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "num_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "collective_timeout_s", "plan_timeout_s"):
+        for name in ("collective_timeout_s", "plan_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
 
 def parse_options(argv: list[str]) -> TrainingOptions:
-    """Parse the agent's training flags; raises ValueError naming the flag."""
+    """Parse the agent's flags; raises ValueError naming the flag."""
     defaults = TrainingOptions()
     parser = argparse.ArgumentParser(prog="resilientjob.agent", exit_on_error=False, add_help=False)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--num-samples", type=int, default=defaults.num_samples)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--collective-timeout", type=float, default=defaults.collective_timeout_s)
     parser.add_argument("--plan-timeout", type=float, default=defaults.plan_timeout_s)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
@@ -122,7 +104,11 @@ def parse_options(argv: list[str]) -> TrainingOptions:
     except argparse.ArgumentError as exc:
         raise ValueError(f"{exc.argument_name}: {exc.message}") from None
     if unknown:
-        raise ValueError(f"arguments: unknown {' '.join(unknown)}")
+        moved = {"--steps": "spec.training.steps", "--lr": "spec.training.lr", "--seed": "spec.data.seed"}
+        moved["--num-samples"] = "spec.data.numSamples"
+        where = next((moved[flag] for flag in unknown if flag in moved), None)
+        hint = f" (now {where})" if where else ""
+        raise ValueError(f"arguments: unknown {' '.join(unknown)}{hint}")
     model_options: dict[str, int | float] = {}
     for item in args.model_option:
         key, sep, value = item.partition("=")
@@ -136,10 +122,6 @@ def parse_options(argv: list[str]) -> TrainingOptions:
             except ValueError:
                 raise ValueError(f"--model-option {key}: expected a number, got {value!r}") from None
     return TrainingOptions(
-        steps=args.steps,
-        num_samples=args.num_samples,
-        seed=args.seed,
-        lr=args.lr,
         collective_timeout_s=args.collective_timeout,
         plan_timeout_s=args.plan_timeout,
         model_options=model_options,
@@ -444,6 +426,7 @@ class TrainingAgent:
                 event["role"],
                 compute_s=event["compute_s"],
                 communication_s=event["communication_s"],
+                loss=event["loss"],
             )
         elif kind == "profile":
             await self.telemetry.record_profile(

@@ -43,6 +43,8 @@ from urllib.parse import parse_qsl
 import torch
 from torch import nn
 
+from resilientjob.protocol.models import ENCODER_PROFILES
+
 PREFIX = "hf:"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -107,8 +109,8 @@ PROFILE_MODELS: dict[str, tuple[HFFamily, dict[str, Any]]] = {
 }
 """Built-in profile names the runtime trains as the real architecture (random initialisation)."""
 
-ENCODER_PROFILES = frozenset({"bert-large"})
-"""Built-in profile names of encoders: the runtime trains causal LMs only."""
+# `protocol.models` names the profiles the runtime trains and the encoder ones it refuses; this table must
+# cover the first exactly (a test checks).
 
 
 def is_directory_spec(spec: str) -> bool:

@@ -367,7 +367,9 @@ def load_model(name: str, **overrides: object) -> ModelSpec:
     """`gpt`, `llama`, `sleep` (built-ins, with ModelConfig overrides), `hf:<dir>`, `hf:<family>?...` or a
     built-in profile name such as `llama2-7b` (overrides: `seq_len`, default the model's positions, and
     `seed`), or `module:function`."""
-    from ._hf_models import ENCODER_PROFILES, PROFILE_MODELS
+    from resilientjob.protocol.models import ENCODER_PROFILES
+
+    from ._hf_models import PROFILE_MODELS
 
     if name.startswith("hf:") or name in PROFILE_MODELS or name in ENCODER_PROFILES:
         seq_len = overrides.get("seq_len", 16 if name.startswith("hf:") else None)

@@ -51,7 +51,7 @@ def make_adamw(module: nn.Module, training: TrainingSpec) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         groups or [{"params": []}],
         lr=training.lr,
-        betas=training.betas,
+        betas=(training.betas[0], training.betas[1]),
         eps=training.eps,
         weight_decay=training.weight_decay,
         foreach=False,

@@ -53,6 +53,8 @@ STEP_SECONDS = Histogram(
 )
 SAMPLES_PER_SECOND = Gauge("rjob_agent_samples_per_second", "Samples/s processed by this worker.")
 GENERATION = Gauge("rjob_agent_plan_generation", "Plan generation this worker runs.")
+COMMITTED_STEP = Gauge("rjob_agent_step", "Committed global steps of the job, as this worker last saw them.")
+LOSS = Gauge("rjob_agent_loss", "The job's training loss at the last committed step.")
 HEARTBEATS = Counter("rjob_agent_heartbeats_total", "Heartbeats written.")
 HEARTBEAT_ERRORS = Counter("rjob_agent_heartbeat_errors_total", "Heartbeats that failed to reach Redis.")
 SLOW_REPORTS = Counter("rjob_agent_slow_reports_total", "Fail-slow change points reported.", ["kind"])
@@ -140,6 +142,7 @@ class Telemetry:
         *,
         compute_s: float | None = None,
         communication_s: float | None = None,
+        loss: float | None = None,
     ) -> SlowReport | None:
         """Append one step to the job's iteration stream; report a change point when a detector sees one.
 
@@ -161,6 +164,11 @@ class Telemetry:
             self.generation = generation
             GENERATION.set(generation)
         self.step = step
+        COMMITTED_STEP.set(step)
+        if loss is not None and math.isfinite(loss):
+            LOSS.set(loss)
+        else:
+            loss = None
         STEP_SECONDS.observe(seconds)
         SAMPLES_PER_SECOND.set(samples / seconds)
         record = IterationRecord(
@@ -172,6 +180,7 @@ class Telemetry:
             sent_at=time.time(),
             compute_s=compute_s,
             communication_s=communication_s,
+            loss=loss,
         )
         await self.client.xadd(
             self.keys.iterations, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True

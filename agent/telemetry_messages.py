@@ -59,6 +59,9 @@ class IterationRecord(_Message):
     communication_s: float | None = Field(
         default=None, ge=0, le=86400, allow_inf_nan=False, description="Of `seconds`, inside traced calls."
     )
+    loss: float | None = Field(
+        default=None, ge=-1e9, le=1e9, allow_inf_nan=False, description="The job's loss of this step."
+    )
 
 
 class SlowKind(StrEnum):

@@ -199,7 +199,9 @@ async def load_test(
     job = "load"
     keys = JobKeys("default", job)
     client = aioredis.Redis.from_url(redis_url)
-    manifest = job_manifest(job, nodes=agents, globalBatchSize=2 * agents, model="llama2-7b", profile=None)
+    manifest = job_manifest(
+        job, nodes=agents, globalBatchSize=2 * agents, model="synthetic:llama2-7b", profile=None
+    )
     created = time.monotonic()
     await emulator.post(rjob_path(), json=manifest)
     await _until(lambda: _generation_is(client, keys, 0), 300, 0.1)

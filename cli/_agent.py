@@ -1,4 +1,4 @@
-"""`rjob agent [training flags]`: the worker pod's agent (the same as `python -m resilientjob.agent`)."""
+"""`rjob agent [runtime flags]`: the worker pod's agent (the same as `python -m resilientjob.agent`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "agent",
         help="run the worker agent of one pod (identity from RJOB_* environment variables)",
-        description="Heartbeats, telemetry and the training workers of one pod; every further flag (e.g. "
-        "--steps 100) goes to the training runtime.",
+        description="Heartbeats, telemetry and the training workers of one pod; what to train comes from "
+        "RJOB_WORKLOAD (the job's spec), and every further flag (--collective-timeout S, --plan-timeout S, "
+        "--model-option KEY=VALUE) goes to the training runtime.",
     )
     parser.set_defaults(handler=_run, passthrough=True)
 

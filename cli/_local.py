@@ -170,13 +170,16 @@ def _apply(path: Path) -> int:
 
 def _get() -> int:
     _, jobs = _call("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}")
-    print(f"{'NAME':<20} {'PHASE':<14} {'WORKERS':<8} {'LAYOUT':<24} {'THROUGHPUT':>10} GEN")
+    print(
+        f"{'NAME':<20} {'PHASE':<14} {'WORKERS':<8} {'LAYOUT':<24} {'THROUGHPUT':>10} {'STEP':>8} "
+        f"{'LOSS':>8} GEN"
+    )
     for job in (jobs or {}).get("items", []):
         status = job.get("status") or {}
         print(
             f"{job['metadata']['name']:<20} {status.get('phase', ''):<14} {status.get('workers', ''):<8} "
-            f"{status.get('layout', ''):<24} {status.get('throughput', 0):>10} "
-            f"{status.get('planGeneration', '')}"
+            f"{status.get('layout', ''):<24} {status.get('throughput', 0):>10} {status.get('step', 0):>8} "
+            f"{_loss(status.get('loss')):>8} {status.get('planGeneration', '')}"
         )
     _, pods = _call("GET", "/api/v1/pods")
     print(f"\n{'POD':<28} {'PHASE':<10} GENERATION")
@@ -187,6 +190,10 @@ def _get() -> int:
             f"{pod['metadata']['name']:<28} {phase:<10} {annotations.get('resilientjob.io/generation', '')}"
         )
     return 0
+
+
+def _loss(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
 
 def _kill(pod: str) -> int:

@@ -10,6 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.protocol.workload import (
+    WORKLOAD_ENV,
+    DataFormat,
+    DataSpec,
+    Workload,
+    WorkloadCheckpoint,
+)
 
 from . import api
 
@@ -142,6 +149,29 @@ def generation_annotations(generation: int, layout: str) -> dict[str, str]:
     return {ANNOTATION_GENERATION: str(generation), ANNOTATION_LAYOUT: layout}
 
 
+DEVICE_KIND = {
+    api.DeviceResource.NVIDIA_GPU: "cuda",
+    api.DeviceResource.ASCEND_NPU: "npu",
+    api.DeviceResource.NONE: "cpu",
+}
+
+
+def workload(spec: api.ResilientJobSpec) -> Workload:
+    """What every worker trains with (the pod's `RJOB_WORKLOAD`), from the validated spec."""
+    return Workload(
+        model=spec.model,
+        data=spec.data or DataSpec(format=DataFormat.SYNTHETIC, seq_len=16),
+        training=spec.training,
+        output=spec.output,
+        checkpoint=WorkloadCheckpoint(
+            path=spec.checkpoint.path,
+            interval_s=spec.checkpoint.interval_s,
+            interval_steps=spec.checkpoint.interval_steps,
+        ),
+        device=DEVICE_KIND[spec.device_resource],
+    )
+
+
 def pod_manifest(
     body: Mapping[str, Any],
     spec: api.ResilientJobSpec,
@@ -160,7 +190,7 @@ def pod_manifest(
         {"name": "RJOB_MODEL", "value": spec.model},
         {"name": "RJOB_REDIS_URL", "value": redis_url},
         {"name": "RJOB_PODINFO_DIR", "value": PODINFO_DIR},
-        {"name": "RJOB_CHECKPOINT_PATH", "value": spec.checkpoint.path},
+        {"name": WORKLOAD_ENV, "value": workload(spec).model_dump_json(by_alias=True)},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": AGENT_METRICS_ENV, "value": str(AGENT_METRICS_PORT)},
@@ -214,6 +244,16 @@ def pod_manifest(
         volumes.append({"name": "checkpoint", "emptyDir": {}})
     if spec.checkpoint.volume or not in_scratch:
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
+    for volume in spec.volumes:
+        volumes.append(
+            {
+                "name": f"user-{volume.name}",
+                "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": volume.read_only},
+            }
+        )
+        container["volumeMounts"].append(
+            {"name": f"user-{volume.name}", "mountPath": volume.mount_path, "readOnly": volume.read_only}
+        )
     metadata = _metadata(body, pod_name(job, node), {LABEL_NODE: str(node)})
     metadata["annotations"] = generation_annotations(generation, layout)
     return {

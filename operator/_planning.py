@@ -14,6 +14,7 @@ from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan, warm_up
 from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
+from resilientjob.protocol.models import profile_name
 
 from .api import ResilientJobSpec, inline_profile
 
@@ -41,9 +42,15 @@ def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None
         raise PlannerError(
             "spec.profile.measure", "measuring at start is not available yet; give inline or configMapRef"
         )
-    if ":" in spec.model:
-        raise PlannerError("spec.profile", f"model {spec.model!r} is a function; it needs a profile")
-    return ModelProfile.load(spec.model)
+    name = profile_name(spec.model)
+    if name is None:
+        hint = (
+            " (`rjob profile hf:<dir> --computed --out profile.json` computes one from its config.json)"
+            if spec.model.startswith("hf:")
+            else " (`rjob profile` measures one)"
+        )
+        raise PlannerError("spec.profile", f"model {spec.model!r} has no built-in profile: give one{hint}")
+    return ModelProfile.load(name)
 
 
 def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> PlannerInputs:

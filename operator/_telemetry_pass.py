@@ -40,6 +40,9 @@ class TelemetryPass:
 
     rates: dict[int, tuple[int, float, int]] = field(default_factory=dict)
     """node -> (generation, seconds, samples) of its latest step."""
+    progress: tuple[int, int, float] | None = None
+    """(generation, committed steps, loss) of the newest step reported: a checkpoint restart goes back in
+    steps but forward in generations, so generation first."""
     deferred: _failslow.Mitigation | None = None
     """A mitigation that came while another decision ran; published by the first pass after it."""
     holding: bool = False
@@ -60,6 +63,10 @@ class TelemetryPass:
             if report.node in watched and report.generation <= published.generation:
                 mitigation = tracker.report(report) or mitigation
         for record in await redis.new_iterations():
+            if record.loss is not None and (
+                self.progress is None or (record.generation, record.step) > self.progress[:2]
+            ):
+                self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)
             if record.node in current.plan_nodes:
@@ -143,6 +150,11 @@ class TelemetryPass:
                 "workers": f"{alive}/{total}",
                 "slow_nodes": sorted(set(tracker.slow) & current.watched),
                 "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
+                **(
+                    {"step": self.progress[1], "loss": round(self.progress[2], 6)}
+                    if self.progress is not None
+                    else {}
+                ),
             }
         )
 

@@ -18,6 +18,8 @@ from pydantic.alias_generators import to_camel
 from resilientjob.planner._errors import PlannerError, error_from_validation
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import LayerProfile, ModelProfile, builtin_profiles
+from resilientjob.protocol.models import ModelSource, model_source
+from resilientjob.protocol.workload import DataSpec, OutputSpec, Precision, TrainingSpec
 
 GROUP = "resilientjob.io"
 VERSION = "v1alpha1"
@@ -27,8 +29,12 @@ SINGULAR = "resilientjob"
 SHORT_NAME = "rjob"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# A model is a built-in profile name or `package.module:function` returning the ordered layers.
-MODEL_PATTERN = r"^([a-z0-9][a-z0-9.-]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+# What a model string may look like (`protocol.models` says what each names): a name, `synthetic:<profile>`,
+# `hf:<directory or configuration>` or `package.module:function`.
+MODEL_PATTERN = (
+    r"^(synthetic:[a-z0-9][a-z0-9.-]*|hf:[^\s]+|[a-z0-9][a-z0-9.-]*"
+    r"|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+)
 
 
 def _immutable(what: str) -> dict[str, Any]:
@@ -162,9 +168,26 @@ class ChaosSpec(_Api):
 
 
 class CheckpointSpec(_Api):
-    volume: str | None = Field(default=None, max_length=253, description="PersistentVolumeClaim name.")
+    volume: str | None = Field(
+        default=None,
+        max_length=253,
+        description="PersistentVolumeClaim name; a restart from a checkpoint needs every worker to read it "
+        "(ReadWriteMany).",
+    )
     path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
     interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")
+    interval_steps: int = Field(
+        default=0, ge=0, le=2**40, description="Also checkpoint every this many steps (0: by time only)."
+    )
+
+
+class VolumeSpec(_Api):
+    """A PersistentVolumeClaim mounted into every worker pod (model directories, data sets, outputs)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    claim_name: str = Field(min_length=1, max_length=253)
+    mount_path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
+    read_only: bool = False
 
 
 class SecretKeyRef(_Api):
@@ -205,7 +228,9 @@ class ResilientJobSpec(_Api):
         min_length=1,
         max_length=512,
         pattern=MODEL_PATTERN,
-        description="Built-in profile name or module:function returning the ordered layers.",
+        description="hf:<dir> (a Hugging Face save_pretrained directory in the pod), hf:<family>?k=v, "
+        "llama2-7b | gpt3-2.7b | gpt3-6.7b (trained with random initialisation), gpt | llama | sleep (toy "
+        "models), module:function, or synthetic:<profile> (a simulation of the control plane, no training).",
         json_schema_extra=_immutable("model"),
     )
     profile: ProfileSource | None = Field(default=None, json_schema_extra=_immutable("profile"))
@@ -222,6 +247,16 @@ class ResilientJobSpec(_Api):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     chaos: ChaosSpec = Field(default_factory=ChaosSpec)
     redis: RedisSpec = Field(default_factory=RedisSpec, json_schema_extra=_immutable("redis"))
+    data: DataSpec | None = Field(
+        default=None,
+        description="The training data; empty: synthetic tokens (numSamples 4096, seqLen 16).",
+        json_schema_extra=_immutable("data"),
+    )
+    training: TrainingSpec = Field(default_factory=TrainingSpec, json_schema_extra=_immutable("training"))
+    output: OutputSpec | None = Field(
+        default=None, description="Where the trained model is written when the job completes."
+    )
+    volumes: list[VolumeSpec] = Field(default_factory=list, max_length=32)
 
     @model_validator(mode="after")
     def _cross_field(self) -> ResilientJobSpec:
@@ -234,10 +269,27 @@ class ResilientJobSpec(_Api):
                 "globalBatchSize",
                 f"{self.global_batch_size} is not a multiple of microBatchSize {self.micro_batch_size}",
             )
-        if ":" not in self.model and self.profile is None and self.model not in builtin_profiles():
+        try:
+            source = model_source(self.model)
+        except ValueError as exc:
+            raise PlannerError("model", str(exc).removeprefix("model: ")) from None
+        synthetic = self.model.removeprefix("synthetic:")
+        if source is ModelSource.SYNTHETIC and self.profile is None and synthetic not in builtin_profiles():
             raise PlannerError(
-                "model", f"{self.model!r} is not a built-in profile ({', '.join(builtin_profiles())})"
+                "model",
+                f"{synthetic!r} is not a built-in profile ({', '.join(builtin_profiles())}): give "
+                "spec.profile",
             )
+        if self.training.precision is Precision.BF16 and self.device_resource is DeviceResource.NONE:
+            raise PlannerError(
+                "training.precision", "bf16 needs an accelerator (deviceResource); this job runs on CPU"
+            )
+        if self.output is not None and source in (
+            ModelSource.SYNTHETIC,
+            ModelSource.TOY,
+            ModelSource.FUNCTION,
+        ):
+            raise PlannerError("output", f"model {self.model} has no Hugging Face layout to export")
         return self
 
 
@@ -312,6 +364,8 @@ class ResilientJobStatus(_Api):
     )
     last_decision: Decision | None = None
     throughput: float = Field(default=0.0, ge=0, description="Measured samples per second.")
+    step: int = Field(default=0, ge=0, description="Committed global steps so far.")
+    loss: float | None = Field(default=None, description="Training loss of the last committed step.")
     estimated_throughput: float = Field(default=0.0, ge=0, description="The plan's estimate, samples/s.")
     recoveries: list[Recovery] = Field(default_factory=list, max_length=50)
 

@@ -102,6 +102,18 @@ def crd_manifest() -> dict[str, Any]:
                             "jsonPath": ".status.throughput",
                             "description": "Measured samples per second.",
                         },
+                        {
+                            "name": "Step",
+                            "type": "integer",
+                            "jsonPath": ".status.step",
+                            "description": "Committed global steps.",
+                        },
+                        {
+                            "name": "Loss",
+                            "type": "number",
+                            "jsonPath": ".status.loss",
+                            "description": "Training loss of the last committed step.",
+                        },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

@@ -5,6 +5,7 @@ CRD is generated from them) and hands the validated result to every worker pod a
 agent validates it again on arrival (nothing read from the environment is trusted).
 """
 
+from .models import ModelSource, model_source, profile_name
 from .workload import (
     DataFormat,
     DataSpec,
@@ -21,6 +22,7 @@ from .workload import (
 __all__ = [
     "DataFormat",
     "DataSpec",
+    "ModelSource",
     "OutputSpec",
     "Precision",
     "Schedule",
@@ -29,4 +31,6 @@ __all__ = [
     "Workload",
     "WorkloadCheckpoint",
     "load_workload",
+    "model_source",
+    "profile_name",
 ]

@@ -16,39 +16,50 @@ import redis
 import yaml
 from _support import rjob_local, until
 
-from resilientjob.agent._bridge import (
-    RUNTIME_MODELS,
-    TrainingOptions,
-    dropped_nodes,
-    parse_options,
-    store_key,
-    wants_training,
-)
+from resilientjob.agent._bridge import TrainingOptions, dropped_nodes, parse_options, store_key
 from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.models import ModelKind
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.models import TOY_MODELS, ModelSource, model_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------
-def test_runtime_models_match_the_runtime() -> None:
-    assert {kind.value for kind in ModelKind} == RUNTIME_MODELS
-    assert wants_training("gpt") and wants_training("pkg.mod:layers")
-    assert not wants_training("bert-large") and not wants_training("uniform-8")
+def test_model_names_say_train_or_simulate_never_a_silent_fallback() -> None:
+    assert {kind.value for kind in ModelKind} == TOY_MODELS
+    trained = [
+        "gpt",
+        "pkg.mod:layers",
+        "llama2-7b",
+        "gpt3-2.7b",
+        "hf:/models/x",
+        "hf:./x",
+        "hf:gpt2?n_layer=2",
+    ]
+    assert all(model_source(model) is not ModelSource.SYNTHETIC for model in trained)
+    assert model_source("synthetic:bert-large") is ModelSource.SYNTHETIC
+    with pytest.raises(ValueError, match="synthetic:bert-large"):
+        model_source("bert-large")
+    with pytest.raises(ValueError, match="names no model"):
+        model_source("uniform-8")
 
 
 def test_parse_options_reads_flags_and_names_bad_ones() -> None:
-    options = parse_options(["--steps", "7", "--model-option", "hidden=64", "--model-option", "x=0.5"])
-    assert options.steps == 7 and options.model_options == {"hidden": 64, "x": 0.5}
+    options = parse_options(
+        ["--collective-timeout", "7", "--model-option", "hidden=64", "--model-option", "x=0.5"]
+    )
+    assert options.collective_timeout_s == 7 and options.model_options == {"hidden": 64, "x": 0.5}
     assert parse_options([]) == TrainingOptions()
     with pytest.raises(ValueError, match="--model-option"):
         parse_options(["--model-option", "hidden"])
     with pytest.raises(ValueError, match="unknown --bogus"):
         parse_options(["--bogus"])
-    with pytest.raises(ValueError, match="steps"):
-        parse_options(["--steps", "0"])
+    with pytest.raises(ValueError, match=r"now spec\.training\.steps"):
+        parse_options(["--steps", "7"])
+    with pytest.raises(ValueError, match="plan_timeout_s"):
+        parse_options(["--plan-timeout", "0"])
 
 
 def _plan(nodes: list[int], generation: int = 0) -> Plan:
@@ -98,7 +109,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     manifest["metadata"]["name"] = "bridge"
     manifest["spec"]["nodes"] = 4
-    manifest["spec"]["command"] = [*manifest["spec"]["command"][:3], "--num-samples", "512"]
+    manifest["spec"]["data"]["numSamples"] = 512
     manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -167,11 +178,12 @@ def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succe
     stack: Path, tmp_path: Path
 ) -> None:
     """The pod path with a stage spanning both devices of a node (one worker process per device, tensor
-    parallel), trained to `--steps`: the workers exit cleanly and the job ends Succeeded, not as failures."""
+    parallel), trained to `spec.training.steps`: the workers exit cleanly and the job ends Succeeded, not as
+    failures."""
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     manifest["metadata"]["name"] = "tp"
     manifest["spec"].update(nodes=2, gpusPerNode=2, faultTolerance=0)
-    manifest["spec"]["command"] = [*manifest["spec"]["command"], "--steps", "12"]
+    manifest["spec"]["training"]["steps"] = 12
     path = tmp_path / "tp.yaml"
     path.write_text(yaml.safe_dump(manifest))
     _rjob(stack, "apply", "-f", str(path))

@@ -153,3 +153,10 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def test_the_runtime_trains_exactly_the_profiles_the_protocol_names() -> None:
+    from resilientjob.agent._hf_models import PROFILE_MODELS
+    from resilientjob.protocol.models import TRAINABLE_PROFILES
+
+    assert set(PROFILE_MODELS) == TRAINABLE_PROFILES

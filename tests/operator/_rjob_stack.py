@@ -254,7 +254,7 @@ async def eventually(probe: Callable[[], Awaitable[T | None]], timeout: float, w
 def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
     body = {
         "image": "resilientjob/worker:test",
-        "model": "uniform-8",
+        "model": "synthetic:uniform-8",
         "profile": {
             "inline": [
                 {

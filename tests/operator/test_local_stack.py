@@ -64,7 +64,7 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
 
     until(running, 40, "4 running workers on generation 0")
     # The agents are real processes: they heartbeat and report iterations, so throughput gets measured.
-    until(lambda: "x" if float(job_row(rjob(stack, "get").stdout)[-2]) > 0 else None, 20, "throughput")
+    until(lambda: "x" if float(job_row(rjob(stack, "get").stdout)[-4]) > 0 else None, 20, "throughput")
     # Four agents on one host: the kubelet gave each its own metrics port, and each serves its metrics.
     ports = [int((stack / "pods" / f"local-cpu-node-{n}" / "metrics-port").read_text()) for n in range(4)]
     assert len(set(ports)) == 4

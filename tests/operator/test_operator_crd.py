@@ -65,6 +65,8 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
         "Workers",
         "Layout",
         "Throughput",
+        "Step",
+        "Loss",
         "Age",
     ]
     assert crd_manifest()["spec"]["names"]["shortNames"] == ["rjob"]
@@ -80,6 +82,15 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
         ({"deviceResource": "amd.com/gpu"}, "spec.deviceResource"),
         ({"model": "not-a-profile"}, "spec.model"),
         ({"profile": {"measure": True, "inline": []}}, "spec.profile"),
+        ({"model": "bert-large"}, "spec.model"),
+        ({"model": "synthetic:uniform-8"}, "spec.model"),
+        ({"training": {"precision": "bf16"}}, "spec.training.precision"),
+        ({"training": {"lrr": 0.1}}, "spec.training.lrr"),
+        ({"training": {"betas": [0.9, 1.5]}}, "spec.training"),
+        ({"data": {"format": "tokens"}}, "spec.data"),
+        ({"data": {"path": "/d", "dtype": "int8"}}, "spec.data.dtype"),
+        ({"model": "gpt", "output": {"path": "/out"}}, "spec.output"),
+        ({"volumes": [{"name": "Bad_Name", "claimName": "c", "mountPath": "/m"}]}, "spec.volumes"),
     ],
 )
 def test_parse_spec_names_the_field(change: dict[str, object], field: str) -> None:
@@ -106,3 +117,43 @@ def test_parse_spec_applies_defaults() -> None:
         and spec.device_resource is api.DeviceResource.NONE
     )
     assert spec.fail_slow.enabled and spec.checkpoint.interval_s == 1800
+
+
+def test_worker_pods_carry_the_workload_the_agent_accepts() -> None:
+    from resilientjob.operator._manifests import pod_manifest
+    from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
+
+    manifest = {
+        "image": "x",
+        "model": "hf:/models/tiny",
+        "profile": {"inline": [{"forwardS": 1, "backwardS": 2, "paramBytes": 1, "optimizerBytes": 2,
+                                "activationBytes": 1}] * 3},
+        "nodes": 2,
+        "globalBatchSize": 8,
+        "microBatchSize": 1,
+        "deviceResource": "nvidia.com/gpu",
+        "data": {"path": "/data/tokens.bin", "seqLen": 128},
+        "training": {"steps": 7, "precision": "bf16", "schedule": "cosine"},
+        "output": {"path": "/out"},
+        "checkpoint": {"path": "/ckpt", "intervalSteps": 5},
+        "volumes": [{"name": "data", "claimName": "corpus", "mountPath": "/data", "readOnly": True}],
+    }  # fmt: skip
+    spec = api.parse_spec(manifest)
+    body = {"metadata": {"name": "job", "namespace": "ns", "uid": "u"}}
+    pod = pod_manifest(body, spec, 1, 0, "DP1 PP[2]", "redis://r:6379")
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    workload = load_workload(env[WORKLOAD_ENV])
+    assert workload.model == "hf:/models/tiny" and workload.device == "cuda"
+    assert workload.data.path == "/data/tokens.bin" and workload.data.seq_len == 128
+    assert workload.training.steps == 7 and workload.training.precision == "bf16"
+    assert workload.output is not None and workload.output.path == "/out"
+    assert workload.checkpoint.path == "/ckpt" and workload.checkpoint.interval_steps == 5
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/data"]["readOnly"] is True
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert "corpus" in claims

@@ -15,6 +15,7 @@ from _chart import ROOT, crd_schemas, load_script, tool, validate
 
 from resilientjob.operator import api
 from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
+from resilientjob.planner.profile import ModelProfile
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -73,7 +74,11 @@ def test_examples_are_valid_jobs(path: Path) -> None:
     manifest = yaml.safe_load(path.read_text())
     validate(manifest)  # the CRD's openAPIV3Schema
     spec = api.parse_spec(manifest["spec"])  # and the operator's parser (CEL rules included)
-    plan_initial(spec, planner_inputs(spec))  # and the planner finds a layout for it
+    referenced = None
+    if spec.profile is not None and spec.profile.config_map_ref is not None:
+        # The example's ConfigMap holds the profile of the same architecture (`rjob profile --computed`).
+        referenced = ModelProfile.load(manifest["metadata"]["name"]).model_dump()
+    plan_initial(spec, planner_inputs(spec, referenced))  # and the planner finds a layout for it
 
 
 def test_examples_cover_cpu_gpu_and_ascend() -> None:

@@ -73,7 +73,7 @@ def test_job_lifecycle_on_the_cluster() -> None:
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "image": os.environ["RJOB_E2E_IMAGE"],
-            "model": "uniform-8",
+            "model": "synthetic:uniform-8",
             "profile": {"inline": [layer] * 8},
             "nodes": 3,
             "globalBatchSize": 12,

@@ -18,6 +18,7 @@ from resilientjob.operator import api
 from resilientjob.operator._manifests import AGENT_METRICS_ENV, LABEL_JOB, LABEL_NODE, pod_manifest
 from resilientjob.operator._worker_defaults import WorkerDefaults
 from resilientjob.operator.settings import OperatorSettings
+from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
 
 VALUES = [None, CHART / "ci" / "gpu-values.yaml", CHART / "ci" / "ascend-values.yaml"]
 # Pod Security Standards, "restricted" (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
@@ -104,10 +105,11 @@ def test_worker_pods_are_pod_security_restricted(values: Path | None, checkpoint
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     env = {e["name"]: e.get("value") for e in container["env"]}
-    for variable in ("TMPDIR", "XDG_CACHE_HOME", "TORCH_HOME", "TRITON_CACHE_DIR", "RJOB_CHECKPOINT_PATH"):
+    env["checkpoint"] = load_workload(env[WORKLOAD_ENV]).checkpoint.path
+    for variable in ("TMPDIR", "XDG_CACHE_HOME", "TORCH_HOME", "TRITON_CACHE_DIR", "checkpoint"):
         path = env[variable]
         assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), (variable, path)
-    checkpoint_volume = volumes[mounts[env["RJOB_CHECKPOINT_PATH"]]]
+    checkpoint_volume = volumes[mounts[env["checkpoint"]]]
     if checkpoint:
         assert checkpoint_volume["persistentVolumeClaim"]["claimName"] == "ckpt"
     else:
