@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -272,6 +273,9 @@ def worker_main(
     """Entry point of one worker process (started by the launcher through torch elastic): device
     `local_rank` of `node` (the plan's stages span as many devices as the node runs workers)."""
     torch.set_num_threads(1)
+    # Each layer is checkpointed by one process (`no_dist=True` on purpose); DCP says so at every save, from
+    # its writer thread, which would fill the pod's log.
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
     workload = config.workload
     device = worker_device(workload.device, local_rank)

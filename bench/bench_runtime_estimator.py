@@ -42,7 +42,7 @@ def vote_cost_s(votes: int = 2000) -> float:
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
     began = time.perf_counter()
     for step in range(votes):
-        CommitVote(client, 0, step, 0, 8).vote(0.5)
+        CommitVote(client, 0, step, 0, 8).vote([0.5, 0.0])
     return (time.perf_counter() - began) / votes
 
 

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,10 +35,10 @@ from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys, connect
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
 
-from . import _decide, _failslow, _manifests, api, metrics
+from . import _decide, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
-from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, warm_planner
+from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
@@ -145,15 +145,15 @@ class JobController:
         self.status = api.parse_status(body.get("status"))
         try:
             spec = api.parse_spec(body.get("spec"))
-            referenced = await self._referenced_profile(spec)
-            inputs = planner_inputs(spec, referenced)
+            referenced = await _profile_source.referenced_profile(self.kube, self.namespace, self.name, spec)
+            # None: only node 0's agent can make the profile; `run` waits for it (`_profile_source`).
+            waiting = referenced is None and profile_from_pod(spec)
+            inputs = None if waiting else planner_inputs(spec, referenced)
         except PlannerError as exc:
             await self._reject(exc)
             raise InvalidJob(str(exc)) from None
-        if self.inputs != inputs:
-            # Off the event loop and ahead of any failure; kept referenced so it is not collected mid-run.
-            self._warm_up = asyncio.create_task(asyncio.to_thread(warm_planner, inputs))
-        self.spec, self.inputs = spec, inputs
+        self.spec = spec
+        self._use_inputs(inputs)
         if self.failslow is None or self.failslow.spec != spec.fail_slow:
             self.failslow = _failslow.FailSlowTracker(spec.fail_slow)
         if self.redis is None:
@@ -161,23 +161,11 @@ class JobController:
             client = connect(spec.redis.url or self.settings.redis_url, password)
             self.redis = JobRedis(client, JobKeys(self.namespace, self.name))
 
-    async def _referenced_profile(self, spec: api.ResilientJobSpec) -> dict[str, Any] | None:
-        ref = spec.profile.config_map_ref if spec.profile is not None else None
-        if ref is None:
-            return None
-        import yaml
-
-        configmap = await self.kube.get(core_path(self.namespace, "configmaps", ref.name))
-        text = ((configmap or {}).get("data") or {}).get(ref.key)
-        if text is None:
-            raise PlannerError("spec.profile.configMapRef", f"ConfigMap {ref.name!r} has no key {ref.key!r}")
-        try:
-            decoded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PlannerError("spec.profile.configMapRef", f"not valid JSON/YAML: {exc}") from None
-        if not isinstance(decoded, dict):
-            raise PlannerError("spec.profile.configMapRef", "must hold a mapping with a 'layers' list")
-        return decoded
+    def _use_inputs(self, inputs: PlannerInputs | None) -> None:
+        if inputs is not None and self.inputs != inputs:
+            # Off the event loop and ahead of any failure; kept referenced so it is not collected mid-run.
+            self._warm_up = asyncio.create_task(asyncio.to_thread(warm_planner, inputs))
+        self.inputs = inputs
 
     async def _redis_password(self, spec: api.ResilientJobSpec) -> str | None:
         ref = spec.redis.password_secret_ref
@@ -219,35 +207,43 @@ class JobController:
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
         )
         self.status = self.status.model_copy(update={"conditions": conditions})
-        await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
         await self._apply_configmap(published)
+        await self.create_pods(published.plan.nodes, published.generation, published.layout)
+        return published
+
+    async def create_pods(self, nodes: Iterable[int], generation: int, layout: str) -> None:
+        """The Service and these nodes' pods (idempotent: existing ones are left as they are)."""
+        spec = self.require_spec()
+        await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
         limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
 
         async def create(node: int) -> None:
             manifest = _manifests.pod_manifest(
-                self.body, spec, node, published.generation, published.layout, redis_url=self._redis_url()
+                self.body, spec, node, generation, layout, redis_url=self._redis_url()
             )
             if self.settings.worker_defaults:
                 manifest = load_worker_defaults(self.settings.worker_defaults).apply(manifest)
             async with limit:
                 await self.kube.create(core_path(self.namespace, "pods"), manifest)
 
-        await asyncio.gather(*(create(node) for node in published.plan.nodes))
+        await asyncio.gather(*(create(node) for node in nodes))
         for pod in await self.kube.list(
             core_path(self.namespace, "pods"), _manifests.job_selector(self.name)
         ):
             self.observe_pod(pod, deleted=False)
-        return published
 
     def _redis_url(self) -> str:
-        if self.spec is None:
-            raise RuntimeError("JobController.setup() must parse the spec first")
-        return self.spec.redis.url or self.settings.redis_url
+        return self.require_spec().redis.url or self.settings.redis_url
 
     def require(self) -> tuple[api.ResilientJobSpec, PlannerInputs, JobRedis]:
         if self.spec is None or self.inputs is None or self.redis is None:
             raise RuntimeError("JobController.setup() must succeed first")
         return self.spec, self.inputs, self.redis
+
+    def require_spec(self) -> api.ResilientJobSpec:
+        if self.spec is None:
+            raise RuntimeError("JobController.setup() must succeed first")
+        return self.spec
 
     def tracker(self) -> _failslow.FailSlowTracker:
         """The job's fail-slow tracker (made by `setup`)."""
@@ -255,13 +251,13 @@ class JobController:
             raise RuntimeError("JobController.setup() must succeed first")
         return self.failslow
 
-    async def _infeasible(self, error: PlannerError) -> None:
+    async def _infeasible(self, error: PlannerError, reason: api.Reason = api.Reason.PLAN_INFEASIBLE) -> None:
         conditions = _decide.set_condition(
-            self.status.conditions, api.ConditionType.PLANNED, False, api.Reason.PLAN_INFEASIBLE, str(error)
+            self.status.conditions, api.ConditionType.PLANNED, False, reason, str(error)
         )
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
-        self.event("Warning", api.Reason.PLAN_INFEASIBLE, str(error))
+        self.event("Warning", reason, str(error))
 
     # ---- applying a committed generation -------------------------------------------------------------
     async def _apply_configmap(self, message: PlanAnnouncement) -> None:
@@ -341,6 +337,15 @@ class JobController:
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         """Reconcile until the job is deleted or the operator stops."""
+        if self.inputs is None:
+            try:
+                profile = await _profile_source.wait_for_profile(self, stopped)
+                if profile is None:
+                    return
+                self._use_inputs(planner_inputs(self.require_spec(), profile))
+            except PlannerError as exc:
+                await self._infeasible(exc, api.Reason.PROFILE_FAILED)
+                raise InvalidJob(str(exc)) from None
         published = await self.ensure_started()
         if self.status.plan_generation < published.generation:
             await self.apply(published)
@@ -393,6 +398,10 @@ class JobController:
         plan = published.plan
         self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
         expired = self._expired_heartbeats(scan)
+        if self._trained_to_the_end(spec):
+            # Every worker committed the last step (commits are atomic); they are exporting and exiting, and
+            # an agent's heartbeat stops before its pod reports Succeeded: silence now is no failure.
+            expired = []
         observed = _decide.Observation(pods=dict(self.pods), expired_heartbeats=frozenset(expired))
         if not deciding and _decide.training_complete(plan, observed):
             await self._complete(published)
@@ -408,6 +417,11 @@ class JobController:
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
         await self._telemetry.run(self, current, deciding)
+
+    def _trained_to_the_end(self, spec: api.ResilientJobSpec) -> bool:
+        progress = self._telemetry.progress
+        synthetic = spec.model.startswith("synthetic:")  # the simulation has no last step
+        return not synthetic and progress is not None and progress[1] >= spec.training.steps
 
     async def _complete(self, published: PlanAnnouncement) -> None:
         """Every worker trained to the end: the job succeeded (its pods stay, Completed, for their logs)."""

@@ -1,0 +1,250 @@
+"""The user's model and data through the whole system: `rjob local` (emulated API server over HTTP, real
+redis-server, the real operator, a process kubelet) runs a ResilientJob whose `spec.model` is a Hugging Face
+directory made here with `save_pretrained` and whose `spec.data` is a token file.
+
+- A worker is killed mid-run: the job still ends `Succeeded` after `spec.training.steps`, its loss curve
+  equals a failure-free plain-PyTorch run of the same model, every sample of every step is trained exactly
+  once, `status.step`/`status.loss` report the end, and `spec.output.path` holds the trained model in
+  Hugging Face layout, computing what the plain run's model computes.
+- Beyond f (a job without replicas loses a node): the operator's `checkpoint` plan is applied in the
+  surviving processes, which reload the last checkpoint and go on; the curve still equals the plain run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+import yaml
+from _support import rjob_local, until
+from _training_support import (
+    BATCH,
+    MICRO,
+    SEQ,
+    TRAINING,
+    VOCAB,
+    gpt2_directory,
+    hf_job_config,
+    plain_pytorch,
+    token_file,
+)
+
+from resilientjob.agent._bridge import store_key
+from resilientjob.agent._redis import JobKeys
+from resilientjob.agent.data import SampleOrder
+from resilientjob.agent.models import load_model
+from resilientjob.agent.profiler import measure_profile
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.agent.worker import JobConfig
+
+transformers = pytest.importorskip("transformers")
+
+
+def _rjob(state: Path, *args: str) -> str:
+    done = rjob_local(state, *args)
+    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "local"
+    _rjob(state, "up")
+    try:
+        yield state
+    finally:
+        _rjob(state, "down")
+
+
+def _inline_profile(config: JobConfig) -> list[dict[str, Any]]:
+    """The model's exact bytes and nominal times, so that plans do not depend on the machine's load."""
+    profile = measure_profile(config.load_model(), timed=False)
+    return [
+        {
+            "name": layer.name,
+            "forwardS": layer.forward_s,
+            "backwardS": layer.backward_s,
+            "paramBytes": layer.param_bytes,
+            "optimizerBytes": layer.optimizer_bytes,
+            "activationBytes": layer.activation_bytes,
+            "outputBytes": layer.output_bytes,
+        }
+        for layer in profile.layers
+    ]
+
+
+def _manifest(name: str, model_dir: Path, tokens: Path, output: Path, **spec: Any) -> dict[str, Any]:
+    config = hf_job_config(model_dir, tokens, steps=spec.pop("steps"))
+    return {
+        "apiVersion": "resilientjob.io/v1alpha1",
+        "kind": "ResilientJob",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "image": "resilientjob/worker:latest",
+            "command": ["python", "-m", "resilientjob.agent", "--collective-timeout", "5"],
+            "model": f"hf:{model_dir}",
+            "profile": {"inline": _inline_profile(config)},
+            "data": {"path": str(tokens), "format": "tokens", "dtype": "uint16", "seqLen": SEQ, "seed": 3},
+            "training": {
+                **TRAINING.model_dump(mode="json", by_alias=True),
+                "steps": config.steps,
+            },
+            "output": {"path": str(output)},
+            "globalBatchSize": BATCH,
+            "microBatchSize": MICRO,
+            "failSlow": {"enabled": False},  # a noisy shared CPU must not add generations here
+            **spec,
+        },
+    }
+
+
+class _Job:
+    """The job's records: Redis (plan), its TCPStore (losses, samples) and the CR (`rjob local get`)."""
+
+    def __init__(self, stack: Path, name: str) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        self.stack, self.name = stack, name
+        state = json.loads((stack / "state.json").read_text())
+        self.client = redis.Redis.from_url(state["redis_url"])
+        self.keys = JobKeys("default", name)
+        address = until(lambda: self.client.get(store_key(self.keys)), 60, "the store host")
+        host, _, port = address.decode().rpartition(":")
+        self.store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+
+    def committed(self) -> int:
+        return int(self.store.add("committed", 0))
+
+    def published(self) -> PlanAnnouncement:
+        return PlanAnnouncement.model_validate_json(self.client.get(self.keys.plan) or b"")
+
+    def status(self) -> dict[str, Any]:
+        """The CR's status as the API server holds it."""
+        state = json.loads((self.stack / "state.json").read_text())
+        url = f"{state['api_url']}/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/{self.name}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read()).get("status") or {}  # type: ignore[no-any-return]
+
+    def losses(self, steps: int) -> list[float]:
+        return [float(self.store.get(f"loss/{step}").decode().split(":")[1]) for step in range(steps)]
+
+    def samples(self, step: int) -> list[int]:
+        entries = [e.split(":") for e in self.store.get(f"samples/{step}").decode().split(";") if e]
+        newest = max(int(g) for g, _ in entries)  # a step redone under a later generation supersedes
+        return [int(i) for g, text in entries if int(g) == newest for i in text.split(",")]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _kill_at(job: _Job, pod: str, step: int) -> int:
+    """SIGKILL the pod's process as soon as the job has committed `step` steps (a tiny job runs a step in
+    milliseconds: `rjob local chaos kill` alone would land after the end). Returns the step it died at."""
+    until(lambda: job.committed() >= step or None, 90, f"{step} committed steps", interval=0.005)
+    os.kill(int((job.stack / "pods" / pod / "pid").read_text()), signal.SIGKILL)
+    return job.committed()
+
+
+def _finished(job: _Job) -> str | None:
+    phase = job.status().get("phase")
+    return phase if phase in ("Succeeded", "Failed") else None
+
+
+def _check_run(job: _Job, tmp_path: Path, model_dir: Path, tokens: Path, steps: int, output: Path) -> None:
+    # Read the job's store first: its host stops once no worker has heartbeated for a while.
+    got = job.losses(steps)
+    trained_ids = [job.samples(step) for step in range(steps)]
+    status = job.status()
+    expected, trained = plain_pytorch(model_dir, tokens, steps)
+    for step in range(steps):
+        assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, got[step], expected[step])
+    order = SampleOrder((tokens.stat().st_size // 2 - 1) // SEQ, BATCH, seed=3)
+    for step, ids in enumerate(trained_ids):
+        assert sorted(ids) == sorted(order.step_ids(step)), f"step {step}: each sample exactly once"
+    assert status["step"] == steps and status["loss"] == pytest.approx(expected[-1], abs=1e-3)
+    # The export is the runtime's final weights in Hugging Face layout: transformers computes with it what the
+    # runtime's own layers computes with it...
+    exported = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    tokens_in = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    layers = load_model(f"hf:{output}", seq_len=SEQ)
+    with torch.no_grad():
+        hidden = tokens_in
+        for index in range(layers.num_layers):
+            hidden = layers.layer(index)(hidden)
+        torch.testing.assert_close(exported(tokens_in).logits, hidden, atol=1e-5, rtol=0)
+        # ...and it is the trained model: far closer to the plain run's trained model than the start was
+        # (over many AdamW steps, float summation order alone moves weights by ~1e-3, so not bit-equal).
+        initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        want = trained(tokens_in).logits
+        moved = (initial(tokens_in).logits - want).abs().max()
+        assert (exported(tokens_in).logits - want).abs().max() < 0.05 * moved
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_hf_directory_job_survives_a_kill_and_exports_the_model(stack: Path, tmp_path: Path) -> None:
+    steps = 150
+    model_dir, tokens, output = (
+        gpt2_directory(tmp_path / "gpt2"),
+        token_file(tmp_path / "tokens.bin"),
+        tmp_path / "out",
+    )
+    manifest = _manifest("hfjob", model_dir, tokens, output, steps=steps, nodes=4, faultTolerance=1)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    _rjob(stack, "apply", "-f", str(path))
+    job = _Job(stack, "hfjob")
+    until(lambda: job.committed() >= 1, 90, "a first committed step")
+    victim = job.published().plan.pipelines[0].stages[-1].node
+    assert _kill_at(job, f"hfjob-node-{victim}", 20) < steps - 20
+    assert until(lambda: _finished(job), 180, "the job to finish") == "Succeeded", job.status()
+    recovered = job.published()
+    assert recovered.generation >= 1 and victim not in recovered.plan.nodes
+    _check_run(job, tmp_path, model_dir, tokens, steps, output)
+    job.close()
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_path: Path) -> None:
+    steps = 120
+    model_dir, tokens, output = (
+        gpt2_directory(tmp_path / "gpt2"),
+        token_file(tmp_path / "tokens.bin"),
+        tmp_path / "out",
+    )
+    checkpoints = tmp_path / "ckpt"  # shared by every worker: a ReadWriteMany volume on a cluster
+    manifest = _manifest(
+        "beyond",
+        model_dir,
+        tokens,
+        output,
+        steps=steps,
+        nodes=2,
+        faultTolerance=0,
+        microBatchSize=BATCH,  # one micro-batch: one pipeline of two stages, no replica of anything
+        checkpoint={"path": str(checkpoints), "intervalSteps": 10},
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    _rjob(stack, "apply", "-f", str(path))
+    job = _Job(stack, "beyond")
+    assert _kill_at(job, "beyond-node-1", 25) < steps - 20  # after two checkpoints
+    assert until(lambda: _finished(job), 180, "the job to finish") == "Succeeded", job.status()
+    restarted = job.published()
+    assert restarted.policy == "checkpoint" and restarted.plan.nodes == (0,), restarted.layout
+    log = _rjob(stack, "logs", "beyond-node-0")
+    assert "restarted from checkpoint step" in log, log[-2000:]
+    _check_run(job, tmp_path, model_dir, tokens, steps, output)
+    job.close()
