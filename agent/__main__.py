@@ -15,9 +15,13 @@ import signal
 import sys
 
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
 
 from ._redis import JobKeys, connect
 from .telemetry import Telemetry
+
+FINISHED_TTL_S = 30.0
+"""The last heartbeat of an agent whose training finished lives this long: until its pod shows Completed."""
 
 
 async def main(argv: list[str]) -> int:
@@ -29,10 +33,9 @@ async def main(argv: list[str]) -> int:
         print(f"resilientjob.agent: missing or bad environment: {exc}", file=sys.stderr)
         return 2
     # Imported only on its path: the synthetic agent must not pay for torch.
-    from resilientjob.protocol.models import ModelSource, model_source
     from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
 
-    from ._bridge import parse_options
+    from ._bridge import parse_options, wants_training
 
     try:
         workload = (
@@ -41,7 +44,7 @@ async def main(argv: list[str]) -> int:
             # An agent started by hand may name only its model.
             else load_workload(json.dumps({"model": env.get("RJOB_MODEL", "")}))
         )
-        real = model_source(workload.model) is not ModelSource.SYNTHETIC
+        real = wants_training(workload.model)
         options = parse_options(argv) if real else None
     except ValueError as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
@@ -55,21 +58,32 @@ async def main(argv: list[str]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
     heartbeat = asyncio.create_task(telemetry.heartbeat_forever(stopped))
+    code = 1
     try:
         if options is not None:
             from ._bridge import train
 
-            return await train(telemetry, stopped, workload, options)
-        from .synthetic import train as synthetic_train
+            code = await train(telemetry, stopped, workload, options)
+        else:
+            from .synthetic import train as synthetic_train
 
-        await synthetic_train(telemetry, stopped, float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05")))
-        return 0
+            await synthetic_train(telemetry, stopped, float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05")))
+            code = 0
+        return code
     except (ValueError, TimeoutError) as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+        return code
     finally:
+        # Ended on its own (not stopped by a signal): training finished.
+        finished = code == 0 and not stopped.is_set()
         stopped.set()
         await heartbeat
+        if finished:
+            # The process still has to exit and the kubelet to report the pod Completed, which on a loaded
+            # node takes longer than a heartbeat's TTL; a lapse meanwhile would be fenced as a failure.
+            with contextlib.suppress(RedisError, OSError):
+                await telemetry.beat(ttl_s=FINISHED_TTL_S)
         with contextlib.suppress(Exception):
             await client.aclose()
 

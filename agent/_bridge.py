@@ -50,8 +50,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import Workload
 
+from ._model_profile import wait_for_first_plan
 from ._redis import JobKeys, connect
 from .telemetry import Telemetry
 from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
@@ -64,6 +66,12 @@ HOST_IDLE_S = 15.0
 
 GONE_GRACE_S = 5.0
 """The store host stops when the job's plan key or Redis has been gone this long."""
+
+
+def wants_training(model: str) -> bool:
+    """Whether the agent trains `model` with the runtime (every model but `synthetic:<profile>`); ValueError
+    naming `model` when it names nothing (`protocol.models`: no fallback to the synthetic loop)."""
+    return model_source(model) is not ModelSource.SYNTHETIC
 
 
 def store_key(keys: JobKeys) -> str:
@@ -488,11 +496,16 @@ async def train(
 ) -> int:
     """Run this pod's share of a real training job until it ends or `stopped`; returns the exit status."""
     model = workload.model
+    # A job whose profile only a pod can make has no plan yet: wait for it as long as it takes (node 0
+    # makes the profile meanwhile, and reports a model it cannot load rather than die of it here); the
+    # store host registers only once a plan exists.
+    published = await wait_for_first_plan(telemetry, stopped, workload, options.model_options)
+    if published is None:
+        return 0
     # Importing torch takes seconds on a loaded machine: off the event loop, or heartbeats would lapse and
     # the operator would fence this pod as dead before it ever trained.
     layers = await asyncio.to_thread(_prepare, workload, options)
-    published = await telemetry.current_plan()
-    if published is not None and published.plan.num_layers != layers:
+    if published.plan.num_layers != layers:
         raise ValueError(
             f"model: {model} has {layers} layers but the job's profile has {published.plan.num_layers}"
         )

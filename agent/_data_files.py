@@ -4,18 +4,24 @@ A `tokens` file is what `numpy.ndarray.tofile` writes (uint16 or uint32 ids, no 
 Megatron's preprocessing scripts produce. Sample i is tokens [i*L, (i+1)*L + 1) for sequence length L: the
 inputs and, shifted by one, the next-token targets, so consecutive samples share one boundary token and a
 file of n tokens holds (n - 1) // L samples. The file is never read whole: `batch` reads the rows of one
-micro-batch through a strided view of the memory map.
+micro-batch through a strided view of the memory map. The map is advised random access (no read-around:
+with the kernel's default a fault on one 2 KB sample reads up to `read_ahead_kb`, 8 MB on some disks), and
+`batch` asks for all its rows at once (MADV_WILLNEED) before touching them, so a cold micro-batch waits for
+one round of parallel reads of exactly its pages instead of a chain of faults (`bench/bench_data.py`).
 
 A `jsonl` file is tokenized with a local tokenizer directory (`tokenizer.json`, never a hub download),
 documents joined by the tokenizer's end-of-sequence token, streamed into a tokens file in a cache directory
-named by a hash of everything that determines its content; workers of one node that prepare the same file
-at once each write a private temporary file and rename it into place, so nobody reads half a file.
+named by a hash of everything that determines its content (the source's bytes, the tokenizer, the text field
+and the dtype); workers of one node that prepare the same file at once each write a private temporary file
+and rename it into place, so nobody reads half a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -58,6 +64,8 @@ class TokenFileDataset:
     """Token ids must be below this (the model's vocabulary); checked per batch."""
     _tokens: np.memmap[Any, Any] = field(init=False, repr=False, compare=False)
     _rows: np.ndarray[Any, Any] = field(init=False, repr=False, compare=False)
+    _map: mmap.mmap | None = field(init=False, repr=False, compare=False)
+    """The map under `_tokens`, for access advice (None where the platform has no madvise)."""
     num_samples: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,7 +97,18 @@ class TokenFileDataset:
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "_tokens", tokens)
         object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_map", _advised_map(tokens))
         object.__setattr__(self, "num_samples", samples)
+
+    def _will_need(self, start: int, stop: int) -> None:
+        """Start reading tokens [start, stop) into the page cache without waiting (a hint; never fails)."""
+        if self._map is None:
+            return
+        itemsize = self._tokens.itemsize
+        first = start * itemsize
+        aligned = first - first % mmap.PAGESIZE
+        with contextlib.suppress(OSError):
+            self._map.madvise(mmap.MADV_WILLNEED, aligned, min(stop, len(self._tokens)) * itemsize - aligned)
 
     @property
     def tokens(self) -> np.memmap[Any, Any]:
@@ -102,21 +121,24 @@ class TokenFileDataset:
         tokens = self.tokens
         count = len(tokens)
         starts = np.linspace(0, max(0, count - CHECK_CHUNK_TOKENS), num=CHECK_CHUNKS, dtype=np.int64)
-        for start in np.unique(starts):
+        unique = np.unique(starts).tolist()
+        for start in unique:  # all chunks' reads in flight at once, then scanned in order
+            self._will_need(start, start + CHECK_CHUNK_TOKENS)
+        for start in unique:
             chunk = np.asarray(tokens[start : start + CHECK_CHUNK_TOKENS])
-            top = int(chunk.max()) if len(chunk) else 0
-            if top >= vocab:
-                position = int(start) + int(np.argmax(chunk >= vocab))
+            if len(chunk) and int(chunk.max()) >= vocab:
+                offset = int(np.argmax(chunk >= vocab))  # the first bad token, named with its position
                 raise DataError(
                     "spec.data.path",
-                    f"{self.path}: token {top} at position {position} is outside the model's vocabulary "
-                    f"({vocab})",
+                    f"{self.path}: token {int(chunk[offset])} at position {int(start) + offset} is outside "
+                    f"the model's vocabulary ({vocab})",
                 )
 
     def sample(self, sample_id: int) -> torch.Tensor:
         """Tokens of one sample, shape (seq_len + 1,), int64."""
         if not 0 <= sample_id < self.num_samples:
             raise ValueError(f"sample_id: {sample_id} outside [0, {self.num_samples})")
+        self._will_need(sample_id * self.seq_len, (sample_id + 1) * self.seq_len + 1)
         return torch.from_numpy(self._rows[sample_id].astype(np.int64))
 
     def batch(self, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +146,8 @@ class TokenFileDataset:
         ids = np.asarray(sample_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
             raise ValueError(f"sample_ids: outside [0, {self.num_samples})")
+        for sample_id in ids.tolist():  # every row's pages requested before the first fault waits
+            self._will_need(sample_id * self.seq_len, (sample_id + 1) * self.seq_len + 1)
         rows = self._rows[ids].astype(np.int64)  # one gather from the map
         if self.vocab is not None and rows.size and int(rows.max()) >= self.vocab:
             bad = int(np.argmax((rows >= self.vocab).any(axis=1)))
@@ -134,6 +158,18 @@ class TokenFileDataset:
             )
         tensor = torch.from_numpy(rows)
         return tensor[:, :-1], tensor[:, 1:]
+
+
+def _advised_map(tokens: np.memmap[Any, Any]) -> mmap.mmap | None:
+    """The mmap under `tokens`, advised random access; None where that cannot be done (no madvise)."""
+    mapping = getattr(tokens, "_mmap", None)
+    if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_RANDOM"):
+        return None
+    try:
+        mapping.madvise(mmap.MADV_RANDOM)
+    except OSError:
+        return None
+    return mapping
 
 
 def _eos_id(tokenizer: Any, directory: Path) -> int | None:
@@ -153,10 +189,14 @@ def _eos_id(tokenizer: Any, directory: Path) -> int | None:
 
 
 def _cache_name(path: Path, tokenizer_json: Path, text_field: str, dtype: TokenDtype) -> str:
-    stat = path.stat()
+    # The source's bytes, not its size and mtime: a copy that keeps timestamps (cp -p, rsync -t) or two
+    # writes within one clock tick leave those unchanged. Hashing reads the file once per start (GB/s),
+    # far less than tokenizing it.
     digest = hashlib.sha256()
-    for part in (str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), text_field, dtype.value):
+    for part in (text_field, dtype.value):
         digest.update(part.encode() + b"\0")
+    with path.open("rb") as source:
+        digest.update(hashlib.file_digest(source, "sha256").digest())
     digest.update(hashlib.sha256(tokenizer_json.read_bytes()).digest())
     return f"{path.stem}-{digest.hexdigest()[:20]}.{dtype.value}.bin"
 
@@ -182,7 +222,7 @@ def tokenize_jsonl(
     limit = int(np.iinfo(_numpy_dtype(dtype)).max)
     handle, temporary = tempfile.mkstemp(dir=cache_dir, prefix=f".{target.name}.")
     try:
-        with os.fdopen(handle, "wb") as out, path.open(encoding="utf-8") as lines:
+        with os.fdopen(handle, "wb") as out, path.open("rb") as lines:
             texts: list[str] = []
             number = 0
 
@@ -194,9 +234,16 @@ def tokenize_jsonl(
                     np.asarray(ids, dtype=_numpy_dtype(dtype)).tofile(out)
                 texts.clear()
 
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
+            # Bytes, decoded per line: a bad byte is then an error naming its line, not a traceback.
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
                     continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        "spec.data.path", f"{path}: line {number}: not UTF-8 (byte {exc.start})"
+                    ) from None
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:

@@ -87,7 +87,7 @@ class Waiter:
         the operation's own RuntimeError if it failed (a peer's socket closed)."""
         if work is None:  # this rank is not part of the group: nothing to wait for
             return
-        future: Future[bool] = self._pool.submit(work.wait)
+        future: Future[bool] = self._pool.submit(_until_complete, work)
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -107,3 +107,15 @@ class Waiter:
     def close(self) -> None:
         """Stop accepting work; threads stuck on abandoned operations end with their group's timeout."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _until_complete(work: dist.Work) -> bool:
+    """Block this helper thread until `work` has finished on the host's view. An NCCL or HCCL `wait()` only
+    orders the current stream after the operation and returns at once; were the trainer to learn of a dead
+    peer only at its next host synchronisation (a loss read), it would wait for the backend's watchdog, which
+    kills the process, instead of the failure notice. Polling `is_completed` keeps every wait abandonable."""
+    work.wait()
+    completed = getattr(work, "is_completed", None)  # every c10d Work has it; a bare future may not
+    while completed is not None and not completed():
+        time.sleep(0.0002)
+    return True

@@ -334,6 +334,7 @@ class Trainer:
         self._ops = build_ops(plan).get(self.node, [])
         position = {node: index for index, node in enumerate(nodes)}
         self._grads = GradientSync.join(plan, self.node, self.local_rank, k, position, self.model.tied)
+        self._grads.attach(self.layers)
         self.timings = StepTimings(
             rendezvous_s=rendezvous - started,
             copy_s=time.perf_counter() - rendezvous,
@@ -390,13 +391,15 @@ class Trainer:
 
     def _run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
         step, plan = self.step, self._current()
-        for layer in self.layers.values():
-            layer.zero_grad()
+        grads = self._gradient_sync()
+        grads.zero(self.layers)
         shape = self.model.hidden_shape(plan.microbatch_size)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         mailbox: dict[int, torch.Tensor] = {}
         sends: list[dist.Work] = []
-        loss_sum = 0.0
+        # Summed on the device and read once at the commit: one host synchronisation per step, not per
+        # micro-batch.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sample_ids: list[int] = []
         for op in self._ops:
             key = (op.microbatch, op.layers[0])
@@ -409,11 +412,12 @@ class Trainer:
                     inputs = x
                 y = self._forward(op.layers, x)
                 if op.last:
-                    ids, _, targets = self._inputs(step, op.microbatch)
+                    if not op.first:  # a node that ran the first layers already holds the targets
+                        ids, _, targets = self._inputs(step, op.microbatch)
                     with self._autocast():
                         y = lm_loss(y, targets) / plan.global_batch
                     if self.local_rank == 0:  # the k ranks of a stage compute the same loss: count it once
-                        loss_sum += float(y.detach())
+                        loss_sum += y.detach().double()
                         sample_ids.extend(ids)
                 else:
                     sends.extend(self._send(y.detach(), op.send_to, op.send_tag, mailbox))
@@ -431,12 +435,13 @@ class Trainer:
                     sends.extend(self._send(inputs.grad, op.send_to, op.send_tag, mailbox))
         for work in sends:
             self._wait(work, "send")
-        grads = self._gradient_sync()
         grads.sum_replicas(self.layers, self._track, self._wait)
         grads.sum_tied(self.layers, self._track, self._wait, self.comm_device)
         clipping = self.training.grad_clip_norm > 0
         norm_share = grads.norm_share(self.layers, self.local_rank, self.device) if clipping else 0.0
-        loss, switch, total_sq_norm = self._commit(loss_sum, latest_generation > self.generation, norm_share)
+        loss, switch, total_sq_norm = self._commit(
+            float(loss_sum), latest_generation > self.generation, norm_share
+        )
         self.last_grad_norm = total_sq_norm**0.5 if total_sq_norm > 0 else 0.0
         coefficient = clip_coefficient(total_sq_norm, self.training.grad_clip_norm)
         lr = lr_at(self.training, self.step)

@@ -105,12 +105,13 @@ class Telemetry:
         self.generation = -1
         self.step = 0
 
-    async def beat(self) -> None:
+    async def beat(self, ttl_s: float | None = None) -> None:
+        """One heartbeat, alive for `ttl_s` (default `heartbeat_ttl_s`)."""
         message = Heartbeat(
             node=self.node, pod=self.pod, generation=self.generation, step=self.step, sent_at=time.time()
         )
         async with self.client.pipeline(transaction=False) as pipe:
-            queue_beat(pipe, self.keys, self.node, encode(message), self.heartbeat_ttl_s)
+            queue_beat(pipe, self.keys, self.node, encode(message), ttl_s or self.heartbeat_ttl_s)
             await pipe.execute()
         HEARTBEATS.inc()
 

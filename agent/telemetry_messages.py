@@ -11,15 +11,19 @@ from enum import StrEnum
 from typing import TypeVar
 
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from resilientjob.planner.plan import Plan
+from resilientjob.planner.profile import ModelProfile
 
 MAX_MESSAGE_BYTES = 16 * 1024
 """Heartbeats, iterations and reports are tiny; anything larger is dropped unread."""
 
 MAX_PLAN_BYTES = 16 * 2**20
 """A plan for thousands of nodes is a few MiB at most."""
+
+MAX_PROFILE_BYTES = 8 * 2**20
+"""A model profile of thousands of layers (a few hundred bytes each) with its report."""
 
 TELEMETRY_DROPPED = Counter(
     "rjob_telemetry_dropped_total",
@@ -161,6 +165,35 @@ class ValidationResult(_Message):
     slow_links: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
     held_s: float = Field(ge=0, le=3600, allow_inf_nan=False, description="How long training was held.")
     finished_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+class ModelProfileRequest(_Message):
+    """The operator needs the model's per-layer profile before the first plan, and only a pod can make it:
+    an `hf:<dir>` model (its config.json is on a volume of the pods) or `spec.profile.measure`. Node 0's
+    agent answers with a `ModelProfileReport` while it waits for the first plan."""
+
+    model: str = Field(min_length=1, max_length=4096)
+    seq_len: int = Field(ge=1, le=1 << 20, description="Tokens per sample (`spec.data.seqLen`).")
+    microbatch_size: int = Field(ge=1, le=2**20)
+    measure: bool = Field(default=False, description="Time the layers on the device, not from the config.")
+
+
+class ModelProfileReport(_Message):
+    """Node 0's answer: the profile of the model as the runtime builds it, or why there is none."""
+
+    request: ModelProfileRequest = Field(description="The request answered (a stale answer is ignored).")
+    node: int = Field(ge=0, le=1_000_000)
+    num_layers: int = Field(default=0, ge=0, le=100_000, description="Layers of the model the runtime built.")
+    measured: bool = False
+    profile: ModelProfile | None = None
+    error: str = Field(default="", max_length=4096, description="One line naming the field, when failed.")
+    sent_at: float = Field(ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _profile_or_error(self) -> ModelProfileReport:
+        if (self.profile is None) == (not self.error):
+            raise ValueError("a report holds either a profile or an error")
+        return self
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -78,6 +78,24 @@ def plan_configmap_name(job: str) -> str:
     return f"{job}-plan"
 
 
+def profile_configmap_name(job: str) -> str:
+    return f"{job}-profile"
+
+
+PROFILE_KEY = "profile.json"
+"""The key of the profile ConfigMap holding the `ModelProfile` JSON."""
+
+
+def profile_configmap(body: Mapping[str, Any], profile_json: str, source: str) -> dict[str, Any]:
+    """The durable record of a profile that node 0's agent made (owned by the job, gone with it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(body, profile_configmap_name(body["metadata"]["name"])),
+        "data": {PROFILE_KEY: profile_json, "source": source},
+    }
+
+
 def job_labels(job: str) -> dict[str, str]:
     return {LABEL_NAME: "resilientjob", LABEL_MANAGED_BY: MANAGER, LABEL_JOB: job}
 

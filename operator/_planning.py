@@ -14,7 +14,7 @@ from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan, warm_up
 from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
-from resilientjob.protocol.models import profile_name
+from resilientjob.protocol.models import ModelSource, model_source, profile_name
 
 from .api import ResilientJobSpec, inline_profile
 
@@ -29,8 +29,18 @@ class PlannerInputs:
     costs: TransitionCosts
 
 
+def profile_from_pod(spec: ResilientJobSpec) -> bool:
+    """Whether node 0's agent makes the job's profile before the first plan: a Hugging Face model without a
+    given profile (an `hf:<dir>` config.json is on a volume of the pods; an `hf:<family>?k=v` configuration
+    is completed by transformers, as the runtime builds it) or `spec.profile.measure`."""
+    if spec.profile is not None:
+        return spec.profile.measure
+    return model_source(spec.model) in (ModelSource.HF_DIRECTORY, ModelSource.HF_CONFIG)
+
+
 def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> ModelProfile:
-    """The job's layer profile: inline, from a referenced ConfigMap (decoded), or a built-in by model name."""
+    """The job's layer profile: inline, from a referenced ConfigMap (decoded), the one node 0's agent made
+    (`profile_from_pod`: decoded from the job's profile ConfigMap), or a built-in by model name."""
     source = spec.profile
     if source is not None and source.inline is not None:
         return inline_profile(source.inline, spec.model)
@@ -38,18 +48,17 @@ def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None
         if referenced is None:
             raise PlannerError("spec.profile.configMapRef", "the referenced ConfigMap key was not found")
         return ModelProfile.from_mapping(referenced, source="spec.profile.configMapRef")
-    if source is not None and source.measure:
-        raise PlannerError(
-            "spec.profile.measure", "measuring at start is not available yet; give inline or configMapRef"
-        )
+    if profile_from_pod(spec):
+        if referenced is None:
+            raise PlannerError("spec.profile", "node 0's agent has not reported the profile yet")
+        return ModelProfile.from_mapping(referenced, source="profile")
     name = profile_name(spec.model)
     if name is None:
-        hint = (
-            " (`rjob profile hf:<dir> --computed --out profile.json` computes one from its config.json)"
-            if spec.model.startswith("hf:")
-            else " (`rjob profile` measures one)"
+        raise PlannerError(
+            "spec.profile",
+            f"model {spec.model!r} has no built-in profile: give one (`rjob profile` measures one) or set "
+            "measure: true",
         )
-        raise PlannerError("spec.profile", f"model {spec.model!r} has no built-in profile: give one{hint}")
     return ModelProfile.load(name)
 
 

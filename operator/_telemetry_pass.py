@@ -40,9 +40,9 @@ class TelemetryPass:
 
     rates: dict[int, tuple[int, float, int]] = field(default_factory=dict)
     """node -> (generation, seconds, samples) of its latest step."""
-    progress: tuple[int, int, float] | None = None
+    progress: tuple[int, int, float | None] | None = None
     """(generation, committed steps, loss) of the newest step reported: a checkpoint restart goes back in
-    steps but forward in generations, so generation first."""
+    steps but forward in generations, so generation first (the synthetic loop reports no loss)."""
     deferred: _failslow.Mitigation | None = None
     """A mitigation that came while another decision ran; published by the first pass after it."""
     holding: bool = False
@@ -63,9 +63,7 @@ class TelemetryPass:
             if report.node in watched and report.generation <= published.generation:
                 mitigation = tracker.report(report) or mitigation
         for record in await redis.new_iterations():
-            if record.loss is not None and (
-                self.progress is None or (record.generation, record.step) > self.progress[:2]
-            ):
+            if self.progress is None or (record.generation, record.step) > self.progress[:2]:
                 self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)
@@ -142,6 +140,10 @@ class TelemetryPass:
         metrics.ACTIVE_WORKERS.labels(ctl.name).set(alive)
         metrics.SAMPLES_PER_SECOND.labels(ctl.name).set(throughput)
         metrics.STEP_TIME.labels(ctl.name).set(step)
+        if self.progress is not None:
+            metrics.TRAINING_STEP.labels(ctl.name).set(self.progress[1])
+            if self.progress[2] is not None:
+                metrics.TRAINING_LOSS.labels(ctl.name).set(self.progress[2])
         ctl.status = ctl.status.model_copy(
             update={
                 "throughput": round(throughput, 2),
@@ -150,13 +152,14 @@ class TelemetryPass:
                 "workers": f"{alive}/{total}",
                 "slow_nodes": sorted(set(tracker.slow) & current.watched),
                 "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
-                **(
-                    {"step": self.progress[1], "loss": round(self.progress[2], 6)}
-                    if self.progress is not None
-                    else {}
-                ),
+                **(_progress_status(*self.progress) if self.progress is not None else {}),
             }
         )
+
+
+def _progress_status(generation: int, step: int, loss: float | None) -> dict[str, int | float | None]:
+    # Rounded so that noise below the column's precision does not make a status patch of its own.
+    return {"step": step, "loss": None if loss is None else round(loss, 6)}
 
 
 async def restore_failslow(ctl: JobController) -> bool:

@@ -93,6 +93,9 @@ class Reason(StrEnum):
     REPLANNED = "Replanned"
     ALL_HEALTHY = "AllHealthy"
     TRAINING_COMPLETE = "TrainingComplete"
+    WAITING_FOR_PROFILE = "WaitingForProfile"
+    PROFILE_REPORTED = "ProfileReported"
+    PROFILE_FAILED = "ProfileFailed"
 
 
 class LayerSpec(_Api):
@@ -119,7 +122,11 @@ class ProfileSource(_Api):
 
     inline: list[LayerSpec] | None = Field(default=None, min_length=1, max_length=4096)
     config_map_ref: ConfigMapKeyRef | None = None
-    measure: bool = Field(default=False, description="Measure the layers on the first node at start.")
+    measure: bool = Field(
+        default=False,
+        description="Node 0's agent times the layers on its device before the first plan (the result is "
+        "kept in the ConfigMap <job>-profile).",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ProfileSource:
@@ -253,10 +260,18 @@ class ResilientJobSpec(_Api):
         json_schema_extra=_immutable("data"),
     )
     training: TrainingSpec = Field(default_factory=TrainingSpec, json_schema_extra=_immutable("training"))
+    # Immutable like the model: the pods carry these from creation, so a later edit would never reach them.
     output: OutputSpec | None = Field(
-        default=None, description="Where the trained model is written when the job completes."
+        default=None,
+        description="Where the trained model is written when the job completes.",
+        json_schema_extra=_immutable("output"),
     )
-    volumes: list[VolumeSpec] = Field(default_factory=list, max_length=32)
+    volumes: list[VolumeSpec] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Claims mounted into every worker pod (model directories, data, outputs).",
+        json_schema_extra=_immutable("volumes"),
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> ResilientJobSpec:
@@ -280,6 +295,8 @@ class ResilientJobSpec(_Api):
                 f"{synthetic!r} is not a built-in profile ({', '.join(builtin_profiles())}): give "
                 "spec.profile",
             )
+        if source is ModelSource.SYNTHETIC and self.profile is not None and self.profile.measure:
+            raise PlannerError("profile.measure", "a synthetic model has no layers to measure")
         if self.training.precision is Precision.BF16 and self.device_resource is DeviceResource.NONE:
             raise PlannerError(
                 "training.precision", "bf16 needs an accelerator (deviceResource); this job runs on CPU"
@@ -290,7 +307,22 @@ class ResilientJobSpec(_Api):
             ModelSource.FUNCTION,
         ):
             raise PlannerError("output", f"model {self.model} has no Hugging Face layout to export")
+        self._check_volumes()
         return self
+
+    def _check_volumes(self) -> None:
+        names = [volume.name for volume in self.volumes]
+        paths = [volume.mount_path.rstrip("/") for volume in self.volumes]
+        for index, volume in enumerate(self.volumes):
+            if names.index(volume.name) != index:
+                raise PlannerError(f"volumes.{index}.name", f"{volume.name!r} is used twice")
+            if paths.index(paths[index]) != index:
+                raise PlannerError(f"volumes.{index}.mountPath", f"{volume.mount_path} is mounted twice")
+            # The pod's own mounts: the scratch /tmp, the checkpoint directory, the Downward API files.
+            if paths[index] in ("/tmp", self.checkpoint.path.rstrip("/"), "/etc/podinfo"):
+                raise PlannerError(
+                    f"volumes.{index}.mountPath", f"{volume.mount_path} is one of the pod's own mounts"
+                )
 
 
 class Condition(_Api):

@@ -15,6 +15,8 @@ PLAN_GENERATION = Gauge("rjob_plan_generation", "Published plan generation.", [J
 ACTIVE_WORKERS = Gauge("rjob_active_workers", "Workers alive in the current plan.", [JOB_LABEL])
 STEP_TIME = Gauge("rjob_step_time_seconds", "Measured step time (slowest reporting worker).", [JOB_LABEL])
 SAMPLES_PER_SECOND = Gauge("rjob_samples_per_second", "Measured training throughput.", [JOB_LABEL])
+TRAINING_STEP = Gauge("rjob_training_step", "Committed global steps (status.step).", [JOB_LABEL])
+TRAINING_LOSS = Gauge("rjob_training_loss", "Loss of the last committed step (status.loss).", [JOB_LABEL])
 RECONFIGURATIONS = Counter(
     "rjob_reconfigurations_total", "Generations published after the first, by policy.", [JOB_LABEL, "policy"]
 )

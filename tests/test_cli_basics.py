@@ -27,5 +27,27 @@ def test_agent_command_needs_its_pod_identity(
 ) -> None:
     for name in ("RJOB_JOB", "RJOB_NODE", "RJOB_REDIS_URL"):
         monkeypatch.delenv(name, raising=False)
-    assert main(["agent", "--steps", "3"]) == 2
+    assert main(["agent", "--plan-timeout", "3"]) == 2
     assert "RJOB_JOB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("workload", "field"),
+    [
+        ('{"model": "gpt", "training": {"precision": "bf16"}}', "training.precision"),
+        ('{"model": "gpt", "data": {"format": "tokens"}}', "data"),
+        ('{"model": "gpt", "training": {"stepz": 3}}', "training.stepz"),
+        ('{"model": "bert-large"}', "synthetic:bert-large"),
+        ("{not json", "RJOB_WORKLOAD"),
+    ],
+)
+def test_agent_refuses_a_bad_workload_in_one_line_naming_the_field(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, workload: str, field: str
+) -> None:
+    monkeypatch.setenv("RJOB_JOB", "job")
+    monkeypatch.setenv("RJOB_NODE", "0")
+    monkeypatch.setenv("RJOB_REDIS_URL", "redis://127.0.0.1:1")  # never reached: refused before
+    monkeypatch.setenv("RJOB_WORKLOAD", workload)
+    assert main(["agent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and field in err, err

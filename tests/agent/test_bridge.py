@@ -16,7 +16,13 @@ import redis
 import yaml
 from _support import rjob_local, until
 
-from resilientjob.agent._bridge import TrainingOptions, dropped_nodes, parse_options, store_key
+from resilientjob.agent._bridge import (
+    TrainingOptions,
+    dropped_nodes,
+    parse_options,
+    store_key,
+    wants_training,
+)
 from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.models import ModelKind
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
@@ -39,7 +45,11 @@ def test_model_names_say_train_or_simulate_never_a_silent_fallback() -> None:
         "hf:gpt2?n_layer=2",
     ]
     assert all(model_source(model) is not ModelSource.SYNTHETIC for model in trained)
+    assert all(wants_training(model) for model in trained)
     assert model_source("synthetic:bert-large") is ModelSource.SYNTHETIC
+    assert not wants_training("synthetic:bert-large")
+    with pytest.raises(ValueError, match="synthetic:bert-large"):
+        wants_training("bert-large")
     with pytest.raises(ValueError, match="synthetic:bert-large"):
         model_source("bert-large")
     with pytest.raises(ValueError, match="names no model"):

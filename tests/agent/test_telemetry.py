@@ -82,6 +82,37 @@ async def test_heartbeat_key_expires_after_its_ttl(client: aioredis.Redis) -> No
     assert not await client.exists(keys.heartbeat(3))
 
 
+@pytest.mark.parametrize("finishes", [True, False])
+async def test_an_agent_that_finished_training_leaves_a_long_last_heartbeat(
+    client: aioredis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch, finishes: bool
+) -> None:
+    """The agent's exit protocol (the training is stood in for: the pod tests train for real): a pod whose
+    training ended must not look dead to the operator while its process exits and the kubelet reports it
+    Completed; one stopped by a signal (deleted) stops beating at once."""
+    from resilientjob.agent import __main__ as agent_main
+    from resilientjob.agent import _bridge
+
+    async def train(telemetry: Telemetry, stopped: asyncio.Event, *_: object) -> int:
+        await asyncio.sleep(0.3)  # beats meanwhile
+        if not finishes:
+            stopped.set()  # what SIGTERM does
+        return 0
+
+    monkeypatch.setattr(_bridge, "train", train)
+    monkeypatch.setenv("RJOB_JOB", "fin")
+    monkeypatch.setenv("RJOB_NODE", "1")
+    monkeypatch.setenv("RJOB_REDIS_URL", redis_url)
+    monkeypatch.setenv("RJOB_REDIS_PASSWORD", PASSWORD)
+    monkeypatch.setenv("RJOB_WORKLOAD", '{"model": "gpt"}')
+    monkeypatch.delenv("RJOB_AGENT_METRICS_PORT", raising=False)
+    assert await agent_main.main([]) == 0
+    ttl_ms = await client.pttl(JobKeys("default", "fin").heartbeat(1))
+    if finishes:
+        assert ttl_ms > 2000 * 5, ttl_ms
+    else:
+        assert ttl_ms <= 2000, ttl_ms
+
+
 async def test_iterations_go_to_a_capped_stream_and_the_operator_reads_them(client: aioredis.Redis) -> None:
     keys = JobKeys("ns", "job")
     telemetry = Telemetry(client, keys, node=0, pod="p")
@@ -93,6 +124,25 @@ async def test_iterations_go_to_a_capped_stream_and_the_operator_reads_them(clie
     assert [r.step for r in records] == [0, 1, 2, 3, 4]
     assert records[-1].seconds == pytest.approx(0.14)
     assert await reader.new_iterations() == []
+
+
+async def test_the_step_and_its_loss_reach_the_stream_and_the_gauges(client: aioredis.Redis) -> None:
+    from prometheus_client import REGISTRY
+
+    keys = JobKeys("ns", "loss")
+    telemetry = Telemetry(client, keys, node=0, pod="p")
+    reader = JobRedis(client, keys)
+    await reader.new_iterations()
+    await telemetry.record_iteration(0, 7, 0.1, 4, loss=2.5)
+    assert REGISTRY.get_sample_value("rjob_agent_step") == 7
+    assert REGISTRY.get_sample_value("rjob_agent_loss") == 2.5
+    # A diverged step reports no loss (the record refuses a non-finite one) and leaves the gauge alone.
+    await telemetry.record_iteration(0, 8, 0.1, 4, loss=float("nan"))
+    assert REGISTRY.get_sample_value("rjob_agent_step") == 8
+    assert REGISTRY.get_sample_value("rjob_agent_loss") == 2.5
+    assert [(r.step, r.loss) for r in await reader.new_iterations()] == [(7, 2.5), (8, None)]
+    with pytest.raises(ValueError, match="loss"):
+        IterationRecord(node=0, generation=0, step=1, seconds=0.2, samples=4, sent_at=0, loss=float("inf"))
 
 
 async def test_garbage_in_the_streams_is_counted_and_ignored(client: aioredis.Redis) -> None:

@@ -58,7 +58,10 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
         "checkpoint",
     }
     assert spec["properties"]["nodes"]["minimum"] == 1
-    assert spec["properties"]["model"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+    for field in ("model", "data", "training", "output", "volumes"):
+        assert spec["properties"][field]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf", field
+    assert spec["properties"]["checkpoint"]["properties"]["intervalSteps"]["minimum"] == 0
+    assert spec["properties"]["training"]["properties"]["precision"]["enum"] == ["fp32", "bf16"]
     assert {"image", "model", "nodes", "globalBatchSize", "microBatchSize"} <= set(spec["required"])
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Phase",
@@ -91,6 +94,9 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
         ({"data": {"path": "/d", "dtype": "int8"}}, "spec.data.dtype"),
         ({"model": "gpt", "output": {"path": "/out"}}, "spec.output"),
         ({"volumes": [{"name": "Bad_Name", "claimName": "c", "mountPath": "/m"}]}, "spec.volumes"),
+        ({"volumes": [{"name": "a", "claimName": "c", "mountPath": "/m"}] * 2}, "spec.volumes.1.name"),
+        ({"volumes": [{"name": "a", "claimName": "c", "mountPath": "/tmp"}]}, "spec.volumes.0.mountPath"),
+        ({"profile": {"measure": True}, "model": "synthetic:llama2-7b"}, "spec.profile.measure"),
     ],
 )
 def test_parse_spec_names_the_field(change: dict[str, object], field: str) -> None:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import pytest
-from _rjob_stack import Stack, eventually, job_manifest
+from _rjob_stack import Stack, eventually, job_manifest, redis_client
 
 from resilientjob.operator.api import PLURAL
 
@@ -169,3 +169,42 @@ async def test_sigkill_mid_reconfiguration_then_restart_gives_one_generation(sta
     pods = await kube.job_pods("crash")
     assert sorted(p["metadata"]["name"] for p in pods) == ["crash-node-1", "crash-node-2", "crash-node-3"]
     assert {p["metadata"]["annotations"]["resilientjob.io/generation"] for p in pods} == {"1"}
+
+
+async def test_status_shows_the_committed_step_and_its_loss(stack: Stack) -> None:
+    """The agents' real telemetry code reports committed steps with their loss; the status follows the newest
+    (generation first: a restart from a checkpoint goes back to the restored step) and never goes back for a
+    late report of an older generation."""
+    from resilientjob.agent.telemetry import Telemetry
+
+    kube = stack.kube
+    await kube.create_job(job_manifest("progress", failSlow={"enabled": False}))
+
+    async def status_where(check: Any) -> dict[str, Any] | None:
+        status = await kube.job_status("progress")
+        return status if check(status) else None
+
+    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+    client = await redis_client(stack.redis_url)
+    agents = [Telemetry(client, stack.keys("progress"), node, f"progress-node-{node}") for node in range(4)]
+    try:
+        for step in range(1, 6):
+            for agent in agents:
+                await agent.record_iteration(0, step, 0.05, 4, loss=4.0 - step / 2)
+        status = await eventually(
+            lambda: status_where(lambda s: s.get("step") == 5), 10, "status.step 5 from the iterations"
+        )
+        assert status["loss"] == pytest.approx(1.5)
+        # Generation 1 restored step 3 from a checkpoint: the counter follows it back.
+        await agents[0].record_iteration(1, 3, 0.05, 4, loss=2.25)
+        status = await eventually(lambda: status_where(lambda s: s.get("step") == 3), 10, "the restored step")
+        assert status["loss"] == pytest.approx(2.25)
+        # A straggler of generation 0 reporting later changes nothing; generation 1 goes on.
+        await agents[1].record_iteration(0, 6, 0.05, 4, loss=9.0)
+        await agents[0].record_iteration(1, 4, 0.05, 4, loss=2.0)
+        status = await eventually(lambda: status_where(lambda s: s.get("step") == 4), 10, "step 4")
+        assert status["loss"] == pytest.approx(2.0)
+    finally:
+        await client.aclose()
+    row = await kube.get(PLURAL, "progress")
+    assert row is not None and row["status"]["step"] == 4

@@ -19,6 +19,10 @@ BAD = [
     ("policy", {"policy": "teleport"}, "spec.policy"),
     ("negative", {"microBatchSize": -1}, "spec.microBatchSize"),
     ("typo", {"nodez": 3}, "spec.nodez"),
+    ("bf16-cpu", {"training": {"precision": "bf16"}}, "spec.training.precision"),
+    ("encoder", {"model": "bert-large", "profile": None}, "spec.model"),
+    ("no-path", {"data": {"format": "tokens"}}, "spec.data"),
+    ("training-typo", {"training": {"lrr": 0.1}}, "spec.training.lrr"),
 ]
 
 
@@ -42,7 +46,7 @@ async def test_bad_manifests_are_refused_naming_the_field_and_make_no_pods(stack
         assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
         assert valid["message"].startswith(field), valid["message"]
     # Rules that no schema states reach the operator on any server.
-    assert {"f-too-big", "batch"} <= {name for name, _ in by_operator}
+    assert {"f-too-big", "batch", "bf16-cpu", "encoder"} <= {name for name, _ in by_operator}
 
     async def warnings() -> list[dict[str, Any]] | None:
         found = [e for e in await kube.list("events") if e.get("reason") == "InvalidSpec"]

@@ -14,7 +14,7 @@ import yaml
 from _chart import ROOT, crd_schemas, load_script, tool, validate
 
 from resilientjob.operator import api
-from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
+from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs, profile_from_pod
 from resilientjob.planner.profile import ModelProfile
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -75,8 +75,9 @@ def test_examples_are_valid_jobs(path: Path) -> None:
     validate(manifest)  # the CRD's openAPIV3Schema
     spec = api.parse_spec(manifest["spec"])  # and the operator's parser (CEL rules included)
     referenced = None
-    if spec.profile is not None and spec.profile.config_map_ref is not None:
-        # The example's ConfigMap holds the profile of the same architecture (`rjob profile --computed`).
+    if profile_from_pod(spec) or (spec.profile is not None and spec.profile.config_map_ref is not None):
+        # The profile node 0 computes from the example's config.json (or its ConfigMap holds) is the
+        # built-in profile of the same architecture.
         referenced = ModelProfile.load(manifest["metadata"]["name"]).model_dump()
     plan_initial(spec, planner_inputs(spec, referenced))  # and the planner finds a layout for it
 
