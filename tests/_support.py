@@ -74,3 +74,10 @@ def rjob_local(
         timeout=timeout,
         check=False,
     )
+
+
+def rjob_ok(state: Path, *args: str) -> str:
+    """`rjob local ARGS` that must succeed; its standard output."""
+    done = rjob_local(state, *args)
+    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done.stdout

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from _support import rjob_ok
 
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import measure_profile
@@ -36,3 +38,14 @@ def _job_config(**overrides: object) -> JobConfig:
 def job_config() -> Callable[..., JobConfig]:
     """A tiny-GPT job config factory; keyword arguments override fields."""
     return _job_config
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Path]:
+    """`rjob local up` under the test's directory (real API server over HTTP, Redis, operator, kubelet)."""
+    state = tmp_path / "local"
+    rjob_ok(state, "up")
+    try:
+        yield state
+    finally:
+        rjob_ok(state, "down")

@@ -6,7 +6,6 @@ exactly its own global batch (no sample lost or repeated)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from _support import rjob_local, until
+from _support import rjob_ok, until
 
 from resilientjob.agent._bridge import (
     TrainingOptions,
@@ -92,22 +91,6 @@ def test_dropped_nodes_counts_deaths_not_parked_nodes() -> None:
 
 
 # ---- the local stack with real training ------------------------------------------------------------------
-def _rjob(state: Path, *args: str) -> str:
-    done = rjob_local(state, *args)
-    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
-    return done.stdout
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "local"
-    _rjob(state, "up")
-    try:
-        yield state
-    finally:
-        _rjob(state, "down")
-
-
 @pytest.mark.torch
 @pytest.mark.cluster
 @pytest.mark.slow
@@ -123,7 +106,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    _rjob(stack, "apply", "-f", str(path))
+    rjob_ok(stack, "apply", "-f", str(path))
     state = json.loads((stack / "state.json").read_text())
     client = redis.Redis.from_url(state["redis_url"])
     keys = JobKeys("default", "bridge")
@@ -141,7 +124,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     before = published().plan
     share = next(p.microbatches for p in before.pipelines if p.stages[0].node == 2) * before.microbatch_size
     killed_at = committed()
-    _rjob(stack, "chaos", "kill", "bridge-node-2")
+    rjob_ok(stack, "chaos", "kill", "bridge-node-2")
 
     def without_node_2() -> PlanAnnouncement | None:
         current = published()
@@ -196,13 +179,13 @@ def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succe
     manifest["spec"]["training"]["steps"] = 12
     path = tmp_path / "tp.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    _rjob(stack, "apply", "-f", str(path))
+    rjob_ok(stack, "apply", "-f", str(path))
     state = json.loads((stack / "state.json").read_text())
     client = redis.Redis.from_url(state["redis_url"])
     keys = JobKeys("default", "tp")
 
     def phase() -> str | None:
-        rows = [line.split() for line in _rjob(stack, "get").splitlines()]
+        rows = [line.split() for line in rjob_ok(stack, "get").splitlines()]
         row = next((r for r in rows if r and r[0] == "tp"), None)
         return row[1] if row and row[1] in ("Succeeded", "Failed") else None
 
@@ -211,6 +194,6 @@ def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succe
     assert published.generation == 0, "finishing must not look like a failure to the operator"
     assert {len(stage.gpus) for p in published.plan.pipelines for stage in p.stages} == {2}
     node = published.plan.pipelines[-1].stages[-1].node
-    log = _rjob(stack, "logs", f"tp-node-{node}")
+    log = rjob_ok(stack, "logs", f"tp-node-{node}")
     assert "step 12 gen 0" in log, log[-2000:]
     client.close()

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 import redis
 import torch
 import yaml
-from _support import rjob_local, until
+from _support import rjob_ok, until
 from _training_support import (
     BATCH,
     MICRO,
@@ -47,22 +46,6 @@ from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.agent.worker import JobConfig
 
 transformers = pytest.importorskip("transformers")
-
-
-def _rjob(state: Path, *args: str) -> str:
-    done = rjob_local(state, *args)
-    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
-    return done.stdout
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "local"
-    _rjob(state, "up")
-    try:
-        yield state
-    finally:
-        _rjob(state, "down")
 
 
 def _inline_profile(config: JobConfig) -> list[dict[str, Any]]:
@@ -146,6 +129,13 @@ class _Job:
         self.client.close()
 
 
+def _apply(stack: Path, tmp_path: Path, manifest: dict[str, Any]) -> _Job:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    rjob_ok(stack, "apply", "-f", str(path))
+    return _Job(stack, manifest["metadata"]["name"])
+
+
 def _kill_at(job: _Job, pod: str, step: int) -> int:
     """SIGKILL the pod's process as soon as the job has committed `step` steps (a tiny job runs a step in
     milliseconds: `rjob local chaos kill` alone would land after the end). Returns the step it died at."""
@@ -200,10 +190,7 @@ def test_hf_directory_job_survives_a_kill_and_exports_the_model(stack: Path, tmp
         tmp_path / "out",
     )
     manifest = _manifest("hfjob", model_dir, tokens, output, steps=steps, nodes=4, faultTolerance=1)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    _rjob(stack, "apply", "-f", str(path))
-    job = _Job(stack, "hfjob")
+    job = _apply(stack, tmp_path, manifest)
     until(lambda: job.committed() >= 1, 90, "a first committed step")
     victim = job.published().plan.pipelines[0].stages[-1].node
     assert _kill_at(job, f"hfjob-node-{victim}", 20) < steps - 20
@@ -236,15 +223,12 @@ def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_
         microBatchSize=BATCH,  # one micro-batch: one pipeline of two stages, no replica of anything
         checkpoint={"path": str(checkpoints), "intervalSteps": 10},
     )
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    _rjob(stack, "apply", "-f", str(path))
-    job = _Job(stack, "beyond")
+    job = _apply(stack, tmp_path, manifest)
     assert _kill_at(job, "beyond-node-1", 25) < steps - 20  # after two checkpoints
     assert until(lambda: _finished(job), 180, "the job to finish") == "Succeeded", job.status()
     restarted = job.published()
     assert restarted.policy == "checkpoint" and restarted.plan.nodes == (0,), restarted.layout
-    log = _rjob(stack, "logs", "beyond-node-0")
+    log = rjob_ok(stack, "logs", "beyond-node-0")
     assert "restarted from checkpoint step" in log, log[-2000:]
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
     job.close()
