@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from resilientjob.protocol.workload import DataFormat, DataSpec
@@ -55,11 +56,26 @@ def open_dataset(spec: DataSpec, vocab: int, cache_dir: Path) -> TokenDataset:
     cannot feed that model (a token id beyond the vocabulary is checked on a sample now, per batch later)."""
     if spec.format is DataFormat.SYNTHETIC:
         return SyntheticDataset(spec.num_samples, seq_len=spec.seq_len, vocab=vocab, seed=spec.seed)
-    path = Path(spec.path)
-    if spec.format is DataFormat.JSONL:
-        path = tokenize_jsonl(path, Path(spec.tokenizer), spec.text_field, spec.dtype, cache_dir)
-    dataset = TokenFileDataset(path, spec.dtype, spec.seq_len, seed=spec.seed, vocab=vocab)
-    dataset.check_vocab(vocab)
+    if spec.format is DataFormat.TOKENS:
+        dataset = TokenFileDataset(Path(spec.path), spec.dtype, spec.seq_len, seed=spec.seed, vocab=vocab)
+        dataset.check_vocab(vocab)
+        return dataset
+    # JSON lines: the user wrote the source and the tokenizer, not the cache file, so errors name those.
+    tokens = tokenize_jsonl(Path(spec.path), Path(spec.tokenizer), spec.text_field, spec.dtype, cache_dir)
+    count = tokens.stat().st_size // np.dtype(spec.dtype.value).itemsize
+    if count < spec.seq_len + 1:
+        raise DataError(
+            "spec.data.path",
+            f"{spec.path} tokenizes to {count} tokens, fewer than one sample (seqLen {spec.seq_len} + 1)",
+        )
+    dataset = TokenFileDataset(tokens, spec.dtype, spec.seq_len, seed=spec.seed, vocab=vocab)
+    try:
+        dataset.check_vocab(vocab)
+    except DataError as error:
+        raise DataError(
+            "spec.data.tokenizer",
+            f"{spec.tokenizer} makes token ids the model cannot embed, from {spec.path} ({error.message})",
+        ) from None
     return dataset
 
 

@@ -5,15 +5,17 @@ Run: .venv/bin/python bench/bench_data.py [--quick]
 
 A tokens file of random uint16 ids (100M tokens, 200 MB; `--quick`: 20M) is written to a temporary
 directory and read as the runtime reads it: seq_len 1024, micro-batches of 8 samples whose ids come from
-`SampleOrder` (global batch 512, so 64 micro-batches per step). The first pass is cold: the file's pages are
-dropped from the page cache (fsync, then posix_fadvise DONTNEED; mincore shows how much stayed resident), so
-every sample is a page fault served by the disk. Then the whole file is read once and a second, longer pass
-reads warm. The step is one micro-batch's forward + backward (loss included) through a GPT of 4 layers
-(embedding, two blocks of hidden 128 and 4 heads, head to an 8,192-token vocabulary) on one thread, median
-of a few runs. GPT-2's 50,304-token head would make that step about 7x longer (~25 s on the shared
-machine): the smaller step keeps the run near a minute and only makes the ratio harder to meet.
-`SampleOrder.microbatch_ids` is timed on its own for a data set of 100k samples: the first call of an epoch
-(its permutation is drawn) and the rest (cached), over a run that crosses epoch boundaries.
+`SampleOrder` (global batch 512, so 64 micro-batches per step). The file's pages are first dropped from the
+page cache (fsync, then posix_fadvise DONTNEED; mincore shows how much stayed resident); it is opened and
+given the start-up vocabulary check (`check_vocab`: about 1M tokens in 64 chunks spread over the file) as
+`open_dataset` does, then a first pass reads cold: every sample is a page fault served by the disk. Then
+the whole file is read once and a second, longer pass reads warm. The step is one micro-batch's forward +
+backward (loss included) through a GPT of 4 layers (embedding, two blocks of hidden 128 and 4 heads, head to
+an 8,192-token vocabulary) on one thread, median of a few runs. GPT-2's 50,304-token head would make that
+step about 7x longer (~25 s on the shared machine): the smaller step keeps the run short and only makes the
+ratio harder to meet. `SampleOrder.microbatch_ids` is timed on its own for a data set of 100k samples: the
+first call of an epoch (its permutation is drawn) and the rest (cached), over a run that crosses epoch
+boundaries.
 
 The verdict, for the cold and the warm pass: data (batch + order) / step <= 1% for the mean micro-batch,
 the worst global step (sum over its 64 micro-batches, charged one permutation draw) and the worst single
@@ -39,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from resilientjob.agent import _data_files
 from resilientjob.agent import data as data_module
 from resilientjob.agent.data import SampleOrder, TokenFileDataset
 from resilientjob.agent.models import ModelConfig, ModelKind, builtin_model, lm_loss
@@ -50,6 +53,7 @@ GLOBAL_BATCH = 512
 VOCAB = 8192
 ORDER_SAMPLES = 100_000
 GOAL = 0.01
+CHECK_TOKENS = _data_files.CHECK_CHUNKS * _data_files.CHECK_CHUNK_TOKENS
 
 
 def _write_tokens(path: Path, count: int) -> None:
@@ -144,6 +148,10 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f} us"
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="20M tokens, fewer steps")
@@ -167,7 +175,13 @@ def main() -> int:
         shown = "unknown" if resident is None else f"{resident:.1%}"
         print(f"page cache dropped: {'yes' if dropped else 'no'} (resident after the drop: {shown})")
 
+        # As `open_dataset` does at start-up: open, then the sampled vocabulary check, on the cold file.
+        start = time.perf_counter()
         dataset = TokenFileDataset(path, TokenDtype.UINT16, SEQ_LEN, seed=0, vocab=VOCAB)
+        dataset.check_vocab(VOCAB)
+        print(
+            f"open + check_vocab (cold, {CHECK_TOKENS:,} tokens sampled): {_ms(time.perf_counter() - start)}"
+        )
         order = SampleOrder(dataset.num_samples, GLOBAL_BATCH, seed=0)
         print(
             f"data set: {dataset.num_samples:,} samples of {SEQ_LEN}; micro-batch {MICRO}, "

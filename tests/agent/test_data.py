@@ -8,7 +8,9 @@ import ctypes.util
 import json
 import mmap
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -363,27 +365,37 @@ def test_the_tokenized_file_is_reused_until_the_source_changes(tmp_path: Path) -
 
 
 def test_a_same_size_edit_with_the_old_timestamp_is_not_served_from_the_cache(tmp_path: Path) -> None:
-    """Copies that keep timestamps (cp -p, rsync -t) or two writes within one clock tick leave size and mtime
-    as they were: the cache must follow the content."""
+    """Copies that keep timestamps (cp -p, rsync -t) leave size and mtime as they were: the cache must
+    notice the change all the same (the kernel's change time does)."""
     source = _write_jsonl(tmp_path / "docs.jsonl", ["the cat sat", "a dog ran"])
     tokenizer, cache = _tokenizer_dir(tmp_path), tmp_path / "cache"
     first = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
     before = source.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity (a jiffy on ext4)
     _write_jsonl(source, ["the dog sat", "a cat ran"])  # same length
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert source.stat().st_size == before.st_size and source.stat().st_mtime_ns == before.st_mtime_ns
+    assert source.stat().st_ino == before.st_ino
     renewed = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
     assert np.fromfile(renewed, dtype=np.uint16).tolist() == _expected_ids(["the dog sat", "a cat ran"])
     assert renewed != first
+    # A file put in its place (another inode) with the same size and timestamps is a different file too.
+    replacement = _write_jsonl(tmp_path / "other.jsonl", ["a dog sat", "the cat ran"])
+    os.utime(replacement, ns=(before.st_atime_ns, before.st_mtime_ns))
+    replacement.rename(source)
+    replaced = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
+    assert np.fromfile(replaced, dtype=np.uint16).tolist() == _expected_ids(["a dog sat", "the cat ran"])
+    assert replaced not in (first, renewed)
 
 
 @pytest.mark.parametrize(
     ("bad_line", "what"),
     [
         ('{"text": "the cat", ', "not JSON"),
-        ('{"body": "the cat"}', "no 'text' text field"),
-        ('{"text": 7}', "no 'text' text field"),
-        ('["the cat"]', "no 'text' text field"),
+        ('{"body": "the cat"}', 'no "text" field'),
+        ('{"text": 7}', '"text" is int, not a string'),
+        ('{"text": null}', '"text" is null, not a string'),
+        ('["the cat"]', "not a JSON object"),
     ],
 )
 def test_a_bad_line_names_the_path_and_line_number(tmp_path: Path, bad_line: str, what: str) -> None:
@@ -441,6 +453,120 @@ def test_a_missing_tokenizer_names_the_tokenizer_and_a_missing_source_the_path(t
     assert "absent.jsonl" in _one_line_naming(error, "spec.data.path")
 
 
+def _save_tokenizer(directory: Path, tokenizer: Any, config: dict[str, Any] | None = None) -> Path:
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _word_tokenizer(words: list[str], special: list[str]) -> Any:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = Tokenizer(WordLevel({word: index for index, word in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(special)
+    return tokenizer
+
+
+@pytest.mark.parametrize("config_form", ["string", "added-token dict"])
+def test_the_eos_named_by_tokenizer_config_separates_documents(tmp_path: Path, config_form: str) -> None:
+    # "<|stop|>" is no usual EOS name, and "</s>" is in the vocabulary as an ordinary word: only the
+    # config says which one ends a document.
+    words = ["[UNK]", "</s>", "<|stop|>", "the", "cat", "sat"]
+    eos: Any = "<|stop|>" if config_form == "string" else {"content": "<|stop|>", "special": True}
+    directory = _save_tokenizer(tmp_path / "tok", _word_tokenizer(words, ["<|stop|>"]), {"eos_token": eos})
+    source = _write_jsonl(tmp_path / "docs.jsonl", ["the cat", "sat"])
+    tokens = tokenize_jsonl(source, directory, "text", TokenDtype.UINT16, tmp_path / "cache")
+    assert np.fromfile(tokens, dtype=np.uint16).tolist() == [3, 4, 2, 5, 2]
+
+
+def test_without_an_eos_documents_are_joined_as_they_are(tmp_path: Path) -> None:
+    words = ["[UNK]", "the", "cat", "sat"]
+    directory = _save_tokenizer(tmp_path / "tok", _word_tokenizer(words, []))
+    source = _write_jsonl(tmp_path / "docs.jsonl", ["the cat", "sat", "cat"])
+    tokens = tokenize_jsonl(source, directory, "text", TokenDtype.UINT16, tmp_path / "cache")
+    assert np.fromfile(tokens, dtype=np.uint16).tolist() == [1, 2, 3, 2]
+
+
+def test_an_eos_the_tokenizer_already_appends_is_not_doubled(tmp_path: Path) -> None:
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = _word_tokenizer(WORDS, ["</s>"])
+    eos = WORDS.index("</s>")
+    tokenizer.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
+    directory = _save_tokenizer(tmp_path / "tok", tokenizer)
+    assert tokenizer.encode("a dog").ids == [WORDS.index("a"), WORDS.index("dog"), eos]
+    source = _write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    tokens = tokenize_jsonl(source, directory, "text", TokenDtype.UINT16, tmp_path / "cache")
+    assert np.fromfile(tokens, dtype=np.uint16).tolist() == _expected_ids(DOCUMENTS)
+
+
+def test_a_tokenizer_json_that_does_not_parse_names_the_tokenizer(tmp_path: Path) -> None:
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+    source = _write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    with pytest.raises(DataError) as error:
+        tokenize_jsonl(source, directory, "text", TokenDtype.UINT16, tmp_path / "cache")
+    assert "tokenizer.json: not a tokenizer" in _one_line_naming(error, "spec.data.tokenizer")
+    assert os.listdir(tmp_path / "cache") == []
+
+
+_RACER = """
+import sys, time
+from pathlib import Path
+from resilientjob.agent.data import tokenize_jsonl
+from resilientjob.protocol.workload import TokenDtype
+source, tokenizer, cache, ready, go = map(Path, sys.argv[1:])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+path = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
+print(path, path.stat().st_ino)
+"""
+
+
+@pytest.mark.slow
+def test_workers_preparing_the_same_file_at_once_tokenize_it_once(tmp_path: Path) -> None:
+    """Two processes released together: one tokenizes, the other waits and is given that very file (an
+    unlocked second worker would have tokenized too and replaced it: another inode)."""
+    documents = [" ".join(WORDS[2 + (n * 7 + k) % 8] for k in range(40)) for n in range(40_000)]
+    source = _write_jsonl(tmp_path / "docs.jsonl", documents)  # about a second to tokenize
+    tokenizer, cache, go = _tokenizer_dir(tmp_path), tmp_path / "cache", tmp_path / "go"
+    readies = [tmp_path / f"ready{number}" for number in range(2)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, *map(str, [source, tokenizer, cache, ready, go])],
+            stdout=subprocess.PIPE,
+        )
+        for ready in readies
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(ready.exists() for ready in readies):  # both imported and waiting: release them
+            assert time.monotonic() < deadline and all(racer.poll() is None for racer in racers)
+            time.sleep(0.01)
+        go.touch()
+        results = []
+        for racer in racers:
+            out, _ = racer.communicate(timeout=120)
+            assert racer.returncode == 0
+            results.append(out.decode().split())
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+                racer.wait()
+    (path, inode), (other_path, other_inode) = results
+    assert path == other_path and os.listdir(cache) == [Path(path).name]
+    assert inode == other_inode == str(Path(path).stat().st_ino)
+    assert np.fromfile(path, dtype=np.uint16).tolist() == _expected_ids(documents)
+
+
 # --- open_dataset ------------------------------------------------------------------------------------------
 
 
@@ -486,10 +612,21 @@ def test_open_dataset_jsonl(tmp_path: Path) -> None:
     inputs, targets = dataset.batch(list(range(dataset.num_samples)))
     assert inputs.flatten().tolist() == expected[: 4 * dataset.num_samples]
     assert targets.flatten().tolist() == expected[1 : 4 * dataset.num_samples + 1]
-    # A model whose vocabulary is smaller than the tokenizer's is refused at start-up.
+    # A model whose vocabulary is smaller than the tokenizer's is refused at start-up, naming the tokenizer
+    # and the source (the user wrote those, not the cache file).
     with pytest.raises(DataError) as error:
         open_dataset(spec, vocab=5, cache_dir=cache)
-    _one_line_naming(error, "spec.data.path")
+    message = _one_line_naming(error, "spec.data.tokenizer")
+    assert spec.tokenizer in message and str(source) in message and "(5)" in message
+    # A corpus shorter than one sample names the source.
+    with pytest.raises(DataError) as error:
+        open_dataset(spec.model_copy(update={"seq_len": len(expected)}), vocab=len(WORDS), cache_dir=cache)
+    message = _one_line_naming(error, "spec.data.path")
+    assert f"{source} tokenizes to {len(expected)} tokens" in message
+    assert (
+        open_dataset(spec.model_copy(update={"seq_len": len(expected) - 1}), len(WORDS), cache).num_samples
+        == 1
+    )
     # A tokenizer directory without tokenizer.json is named.
     with pytest.raises(DataError) as error:
         open_dataset(spec.model_copy(update={"tokenizer": str(tmp_path)}), vocab=len(WORDS), cache_dir=cache)
