@@ -217,10 +217,11 @@ def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> Non
     # bytes / 1 GB/s); rank 1 waits for the data or inside the collective.
     assert results[0]["link_injected"] == pytest.approx(2 * 6 * 10 * (0.001 + 16 / 1e9))
     assert results[1]["link_injected"] == 0
+    link_injected = results[0]["link_injected"] / 6
     for result in results:
-        # (sleeps overshoot on a loaded host, hence the loose upper bound)
-        assert injected * 0.8 <= result["compute"] - result["healthy"] <= injected * 2 + 0.01
-        assert 0.018 <= result["link"] - result["healthy"] <= 0.02 * 2 + 0.01
+        # (sleeps overshoot on a loaded host, the healthy pass's included, hence the loose bounds on both sides)
+        assert injected * 0.75 <= result["compute"] - result["healthy"] <= injected * 2 + 0.01
+        assert link_injected * 0.75 <= result["link"] - result["healthy"] <= link_injected * 2 + 0.01
 
 
 def _two_groups_loop(rank: int, world: int) -> dict[str, Any]:
