@@ -436,6 +436,39 @@ class HFModel:
                 module.get_parameter(tied[1][1]).copy_(source)
         return module
 
+    def check_checkpoint(self) -> None:
+        """ValueError naming the first tensor of any layer that the directory lacks or holds with another
+        shape, or a shard that cannot be read. Reads only the safetensors headers: node 0 runs it before the
+        job is planned, so a broken checkpoint fails the job before any worker starts."""
+        from safetensors import SafetensorError, safe_open
+
+        if self.directory is None:
+            return
+        wanted: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {}  # file -> name -> (layer, shape)
+        for index in range(self.num_layers):
+            for local, param in self.meta_layer(index).named_parameters():
+                name = self.tied_source(index, local) or self.hf_name(index, local)
+                file = self.files.get(name)
+                if file is None:
+                    raise ValueError(f"model: tensor {name!r} of layer {index} not found in {self.source}")
+                wanted.setdefault(file, {}).setdefault(name, (index, tuple(param.shape)))
+        for file, tensors in wanted.items():
+            path = self.directory / file
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as reader:
+                    present = set(reader.keys())
+                    for name, (index, shape) in tensors.items():
+                        if name not in present:
+                            raise ValueError(f"model: tensor {name!r} of layer {index} not found in {path}")
+                        found = tuple(reader.get_slice(name).get_shape())
+                        if found != shape:
+                            raise ValueError(
+                                f"model: tensor {name!r} in {path} has shape {list(found)}, layer {index} "
+                                f"expects {list(shape)}"
+                            )
+            except (OSError, SafetensorError) as exc:  # a missing or truncated shard
+                raise ValueError(f"model: cannot read {path}: {exc}") from None
+
     def _load(self, index: int, module: nn.Module) -> None:
         """Fill every parameter of layer `index` from its own tensors of the checkpoint, strictly."""
         from safetensors import SafetensorError, safe_open

@@ -1,14 +1,17 @@
-"""The model's per-layer profile when only a pod can make it, and the wait for the first plan.
+"""Node 0's pre-flight before the first plan: the workload checked, and the model's per-layer profile when
+only a pod can make it; and the wait for the first plan.
 
-The planner needs a profile before the first plan. For an `hf:<dir>` model the config lives on a volume of
-the pods, which the operator cannot read; with `spec.profile.measure` the layers must be timed on the job's
-own devices. So the operator creates the pods without a plan and sets a `ModelProfileRequest` in Redis; node
-0's agent, waiting for the first plan, answers with a `ModelProfileReport`: the profile computed from
+The model's checkpoint and the data live on volumes of the pods, which the operator cannot read, so the
+operator creates the pods without a plan and sets a `ModelProfileRequest` in Redis; node 0's agent, waiting
+for the first plan, answers with a `ModelProfileReport`. Node 0 builds the model as the runtime does and
+checks what every worker would otherwise find only at its start: the checkpoint's tensors and shapes (the
+safetensors headers), the data (missing, shorter than one sample, an odd dtype, token ids beyond the
+vocabulary on a sample), bf16 on a GPU without it. When asked, it also makes the profile: computed from
 `<dir>/config.json` or the configuration of `hf:<family>?k=v` (`planner._hf_profile`: FLOPs at the nominal
-device speed, exact bytes) or measured
-(`profiler.measure_profile`), with the layer count of the model as the runtime builds it, or one line naming
-what is wrong (a missing config.json, an unsupported family). The operator validates it, keeps it in a
-ConfigMap of the job, and plans.
+device speed, exact bytes) or measured (`profiler.measure_profile`), with the layer count of the model as the
+runtime builds it. A failure is one line and the spec field it names. The operator validates the report,
+keeps a profile in a ConfigMap of the job, and plans, or fails the job naming the field before any worker
+trains.
 
 Every agent waits here, however long that takes: the store host registers only once a plan exists, so
 asking for the store earlier would time out.
@@ -19,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
-from resilientjob.protocol.workload import Workload
+from resilientjob.protocol.workload import Precision, Workload
 
 from ._redis import JobKeys
 from .telemetry import Telemetry
@@ -37,6 +42,9 @@ from .telemetry_messages import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:
+    from .models import ModelSpec
 
 POLL_S = 0.25
 """How often an agent without a plan looks for the plan (and node 0 for a request)."""
@@ -55,21 +63,62 @@ def report_key(keys: JobKeys) -> str:
     return f"{keys.prefix}model-profile:report"
 
 
+def _check_workload(model: ModelSpec, workload: Workload, cache_dir: Path | None) -> None:
+    """What every worker would find at its start, found once, before any plan: the checkpoint's tensors
+    (headers only), the data (a file shorter than one sample, an odd dtype, token ids beyond the model's
+    vocabulary on a sample), and bf16 where the device has none. Raises ValueError naming the field."""
+    from .data import open_dataset
+
+    if model.hf is not None:
+        model.hf.check_checkpoint()
+    cache = cache_dir if cache_dir is not None else Path(tempfile.gettempdir()) / "rjob-data"
+    open_dataset(workload.data, vocab=model.vocab, cache_dir=cache)
+    if workload.training.precision is Precision.BF16 and workload.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise _FieldError("spec.training.precision", "bf16: this job's GPUs do not support it; use fp32")
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _failed_field(error: Exception) -> str:
+    """The spec field an error is charged to: the one it names (DataError, _FieldError), else the model."""
+    named = getattr(error, "field", None)
+    return named if isinstance(named, str) and named.startswith("spec.") else "spec.model"
+
+
 def make_report(
-    request: ModelProfileRequest, workload: Workload, model_options: dict[str, int | float], node: int
+    request: ModelProfileRequest,
+    workload: Workload,
+    model_options: dict[str, int | float],
+    node: int,
+    cache_dir: Path | None = None,
 ) -> ModelProfileReport:
-    """Build the model as the runtime does and profile it (blocking: run it in a thread)."""
+    """Build the model as the runtime does, check the workload and, when asked, profile the model
+    (blocking: run it in a thread)."""
     from resilientjob.planner._hf_profile import profile_from_hf_config
 
     from .models import load_model
 
     try:
         model = load_model(request.model, **{"seq_len": request.seq_len, **model_options})
-        if request.measure:
+        _check_workload(model, workload, cache_dir)
+        profile = None
+        if not request.profile:
+            pass
+        elif request.measure:
             from .profiler import measure_profile
 
             device = "cpu" if workload.device == "cpu" else f"{workload.device}:0"
-            profile = measure_profile(model, request.microbatch_size, device=device)
+            try:
+                profile = measure_profile(model, request.microbatch_size, device=device)
+            except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
+                raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
         elif model_source(request.model) is ModelSource.HF_DIRECTORY:
             path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
             try:
@@ -87,18 +136,23 @@ def make_report(
             )
         else:
             raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")
-    except (ValueError, OSError, ImportError) as exc:  # PlannerError is a ValueError
+    except (ValueError, OSError, ImportError) as exc:  # PlannerError, DataError are ValueErrors
+        line = " ".join(str(exc).split())
+        field = _failed_field(exc)
+        # Errors of the model say "model: ..."; the operator's line names the spec field once.
+        line = line.removeprefix(f"{field}: ").removeprefix("model: ")
         return ModelProfileReport(
             request=request,
             node=node,
-            error=" ".join(str(exc).split())[:4096] or repr(exc),
+            error=line[:4096] or repr(exc),
+            error_field=field,
             sent_at=time.time(),
         )
     return ModelProfileReport(
         request=request,
         node=node,
         num_layers=model.num_layers,
-        measured=request.measure,
+        measured=request.measure and profile is not None,
         profile=profile,
         sent_at=time.time(),
     )
@@ -128,11 +182,14 @@ class _Answerer:
         report = self.answered
         if report is None or report.request != request:
             what = "measuring" if request.measure else "computing"
-            print(f"profile: {what} the profile of {request.model} for the operator", flush=True)
+            task = f"{what} the profile of" if request.profile else "checking"
+            print(f"pre-flight: {task} {request.model} and the data for the operator", flush=True)
             report = await asyncio.to_thread(
                 make_report, request, self.workload, self.model_options, self.telemetry.node
             )
-            print(f"profile: {report.error or f'{report.num_layers} layers'}", flush=True)
+            failed = f"{report.error_field}: {report.error}"
+            outcome = failed if report.error else f"{report.num_layers} layers, workload checked"
+            print(f"pre-flight: {outcome}", flush=True)
             self.answered = report
         await client.set(report_key(keys), encode(report))
 

@@ -168,18 +168,23 @@ class ValidationResult(_Message):
 
 
 class ModelProfileRequest(_Message):
-    """The operator needs the model's per-layer profile before the first plan, and only a pod can make it:
-    an `hf:<dir>` model (its config.json is on a volume of the pods) or `spec.profile.measure`. Node 0's
-    agent answers with a `ModelProfileReport` while it waits for the first plan."""
+    """What node 0's agent must do before the first plan, while it waits for it: check that the model and the
+    data can train (the model's checkpoint and the data live on volumes of the pods, which the operator
+    cannot read), and make the model's per-layer profile when only a pod can (an `hf:<dir>` model without a
+    given profile, or `spec.profile.measure`). Node 0 answers with a `ModelProfileReport`."""
 
     model: str = Field(min_length=1, max_length=4096)
     seq_len: int = Field(ge=1, le=1 << 20, description="Tokens per sample (`spec.data.seqLen`).")
     microbatch_size: int = Field(ge=1, le=2**20)
     measure: bool = Field(default=False, description="Time the layers on the device, not from the config.")
+    profile: bool = Field(
+        default=True, description="Whether the operator needs the profile (else: check only)."
+    )
 
 
 class ModelProfileReport(_Message):
-    """Node 0's answer: the profile of the model as the runtime builds it, or why there is none."""
+    """Node 0's answer: the model and data checked (and the profile of the model as the runtime builds it,
+    when asked), or why not."""
 
     request: ModelProfileRequest = Field(description="The request answered (a stale answer is ignored).")
     node: int = Field(ge=0, le=1_000_000)
@@ -187,12 +192,20 @@ class ModelProfileReport(_Message):
     measured: bool = False
     profile: ModelProfile | None = None
     error: str = Field(default="", max_length=4096, description="One line naming the field, when failed.")
+    error_field: str = Field(
+        default="", max_length=128, pattern=r"^(spec(\.[A-Za-z]+)+)?$", description="The spec field to fix."
+    )
     sent_at: float = Field(ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _profile_or_error(self) -> ModelProfileReport:
-        if (self.profile is None) == (not self.error):
-            raise ValueError("a report holds either a profile or an error")
+        if self.error:
+            if self.profile is not None or not self.error_field:
+                raise ValueError("a failed report names the field and holds no profile")
+        elif self.error_field:
+            raise ValueError("only a failed report names a field")
+        elif (self.profile is not None) != self.request.profile:
+            raise ValueError("a report holds a profile exactly when one was asked for")
         return self
 
 

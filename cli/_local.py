@@ -181,6 +181,9 @@ def _get() -> int:
             f"{status.get('layout', ''):<24} {status.get('throughput', 0):>10} {status.get('step', 0):>8} "
             f"{_loss(status.get('loss')):>8} {status.get('planGeneration', '')}"
         )
+        why = _failure(status)
+        if why:
+            print(f"  {why}")
     _, pods = _call("GET", "/api/v1/pods")
     print(f"\n{'POD':<28} {'PHASE':<10} GENERATION")
     for pod in (pods or {}).get("items", []):
@@ -190,6 +193,20 @@ def _get() -> int:
             f"{pod['metadata']['name']:<28} {phase:<10} {annotations.get('resilientjob.io/generation', '')}"
         )
     return 0
+
+
+def _failure(status: dict[str, object]) -> str:
+    """For a failed job, the reason and message of the condition that failed it (as `kubectl describe`)."""
+    if status.get("phase") != "Failed":
+        return ""
+    conditions = status.get("conditions")
+    failed = [
+        c
+        for c in (conditions if isinstance(conditions, list) else [])
+        if isinstance(c, dict) and c.get("status") == "False" and c.get("message")
+    ]
+    failed.sort(key=lambda c: c.get("type") != "Valid")  # an invalid spec says it best
+    return f"{failed[0].get('reason', '')}: {failed[0]['message']}" if failed else ""
 
 
 def _loss(value: object) -> str:

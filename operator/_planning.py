@@ -38,6 +38,13 @@ def profile_from_pod(spec: ResilientJobSpec) -> bool:
     return model_source(spec.model) in (ModelSource.HF_DIRECTORY, ModelSource.HF_CONFIG)
 
 
+def checked_by_node0(spec: ResilientJobSpec) -> bool:
+    """Whether node 0's agent checks the workload before the first plan: every job the runtime trains (its
+    model's checkpoint and its data are on volumes of the pods, which the operator cannot read); not the
+    synthetic loop, which reads neither."""
+    return model_source(spec.model) is not ModelSource.SYNTHETIC
+
+
 def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> ModelProfile:
     """The job's layer profile: inline, from a referenced ConfigMap (decoded), the one node 0's agent made
     (`profile_from_pod`: decoded from the job's profile ConfigMap), or a built-in by model name."""

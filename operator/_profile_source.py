@@ -1,17 +1,20 @@
-"""Where a job's layer profile comes from when the operator must read it: a ConfigMap the spec references
-(`spec.profile.configMapRef`), or node 0's agent (`agent/_model_profile.py` is its side).
+"""Node 0's pre-flight before the first plan (`agent/_model_profile.py` is its side), and where a job's
+layer profile comes from when the operator must read it: a ConfigMap the spec references
+(`spec.profile.configMapRef`), or node 0's agent.
 
-Only a pod can make the profile of an `hf:<dir>` model given without one (its config.json is on a volume of
-the pods) and of `spec.profile.measure` (the layers are timed on the job's own devices), so the planner has
-nothing to plan generation 0 with. The controller then creates the job's pods without a plan (generation
-annotation -1, condition `Planned=False` reason `WaitingForProfile`), sets a `ModelProfileRequest` in Redis
-and waits for node 0's `ModelProfileReport`. A report is decoded like every message (size-bounded, validated),
-must answer this job's request, and its profile must have the layer count of the model the runtime built; a
-failed one (node 0 could not read the config, an unsupported family) fails the job naming why
-(`ProfileFailed`). Node 0's pod is re-created if it fails or goes away before it answers, up to
-`NODE0_FAILURES` failures.
+The model's checkpoint and the data of a job the runtime trains live on volumes of the pods, which the
+operator cannot read; so does the config.json of an `hf:<dir>` model given without a profile, and
+`spec.profile.measure` times the layers on the job's own devices. The controller then creates the job's pods
+without a plan (generation annotation -1, condition `Planned=False` reason `CheckingWorkload`, or
+`WaitingForProfile` when it needs the profile), sets a `ModelProfileRequest` in Redis and waits for node 0's
+`ModelProfileReport`. A report is decoded like every message (size-bounded, validated) and must answer this
+job's request. A failed one (a missing model directory, an unsupported family, a tensor missing from the
+checkpoint, data shorter than one sample, a token id beyond the vocabulary) fails the job naming the field
+(`Valid=False`, reason `InvalidWorkload`) and deletes its pods before any worker trains; a profile that does
+not fit the model fails it with `ProfileFailed`. Node 0's pod is re-created if it fails or goes away before it
+answers, up to `NODE0_FAILURES` failures.
 
-The accepted profile is stored in the ConfigMap `<job>-profile`, owned by the job: the durable record, so a
+An accepted profile is stored in the ConfigMap `<job>-profile`, owned by the job: the durable record, so a
 restarted operator or an emptied Redis never needs node 0 again.
 """
 
@@ -39,7 +42,7 @@ from resilientjob.planner.profile import ModelProfile
 
 from . import _decide, _manifests, api
 from ._kube import KubeApi, core_path
-from ._planning import profile_from_pod
+from ._planning import checked_by_node0, profile_from_pod
 
 if TYPE_CHECKING:
     import kopf
@@ -49,29 +52,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilientjob.operator")
 
 
-def profile_request(spec: api.ResilientJobSpec) -> ModelProfileRequest:
-    """What node 0 must profile: the model as the pods build it (their sequence length), per micro-batch."""
+class WorkloadRejected(PlannerError):
+    """Node 0 found the model or the data unusable: the spec names something that cannot train."""
+
+
+def needs_preflight(spec: api.ResilientJobSpec, has_inputs: bool) -> bool:
+    """Whether node 0 must answer before the first plan: it checks every job the runtime trains, and makes
+    the profile only a pod can make (`has_inputs` False)."""
+    return checked_by_node0(spec) or not has_inputs
+
+
+def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfileRequest:
+    """What node 0 must do: check the model as the pods build it (their sequence length) and the data, and
+    profile it per micro-batch when the planner has no profile yet (`has_inputs` False)."""
     return ModelProfileRequest(
         model=spec.model,
         seq_len=_manifests.workload(spec).data.seq_len,
         microbatch_size=spec.micro_batch_size,
-        measure=spec.profile is not None and spec.profile.measure,
+        measure=not has_inputs and spec.profile is not None and spec.profile.measure,
+        profile=not has_inputs and profile_from_pod(spec),
     )
 
 
 def _field(request: ModelProfileRequest) -> str:
-    """The field a failure to make the profile is charged to."""
+    """The field a profile that does not fit is charged to."""
     return "spec.profile.measure" if request.measure else "spec.model"
 
 
-def accepted_profile(report: ModelProfileReport) -> ModelProfile:
-    """The report's profile; PlannerError naming the field when node 0 failed or the profile does not fit."""
-    field = _field(report.request)
+def accepted_profile(report: ModelProfileReport) -> ModelProfile | None:
+    """The report's profile (None when none was asked for). WorkloadRejected naming the field when node 0
+    failed; PlannerError when the profile does not fit the model node 0 built."""
+    if report.error:
+        raise WorkloadRejected(report.error_field, f"{report.error} (found by node {report.node})")
     if report.profile is None:
-        raise PlannerError(field, f"node {report.node} could not make the profile: {report.error}")
+        return None
     if report.profile.num_layers != report.num_layers:
         raise PlannerError(
-            field,
+            _field(report.request),
             f"node {report.node}'s profile has {report.profile.num_layers} layers but the model it built "
             f"has {report.num_layers}",
         )
@@ -124,18 +141,20 @@ async def _store(ctl: JobController, profile: ModelProfile, source: str) -> None
         await ctl.kube.patch(path, {"data": manifest["data"]})
 
 
-async def _announce(ctl: JobController, how: str) -> None:
+async def _announce(ctl: JobController, request: ModelProfileRequest) -> None:
     """The status while the pods run without a plan: valid, not planned (named reason), and an Event."""
-    message = f"waiting for the model's profile: {how}"
+    if request.profile:
+        how = "measures its layers" if request.measure else "computes it from the model's configuration"
+        reason, message = api.Reason.WAITING_FOR_PROFILE, f"waiting for the model's profile: node 0 {how}"
+    else:
+        reason, message = api.Reason.CHECKING_WORKLOAD, "node 0 checks the model and the data"
     conditions = _decide.set_condition(
         ctl.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
     )
-    conditions = _decide.set_condition(
-        conditions, api.ConditionType.PLANNED, False, api.Reason.WAITING_FOR_PROFILE, message
-    )
+    conditions = _decide.set_condition(conditions, api.ConditionType.PLANNED, False, reason, message)
     ctl.status = ctl.status.model_copy(update={"conditions": conditions})
     await ctl.write_status(force=True)
-    ctl.event("Normal", api.Reason.WAITING_FOR_PROFILE, message)
+    ctl.event("Normal", reason, message)
 
 
 NODE0_FAILURES = 3
@@ -178,14 +197,14 @@ async def _exchange(ctl: JobController, request: ModelProfileRequest) -> ModelPr
     return report if report is not None and report.request == request else None
 
 
-async def wait_for_profile(ctl: JobController, stopped: kopf.DaemonStopped) -> dict[str, Any] | None:
-    """Pods up without a plan until node 0 reports the profile; the profile (decoded, stored), or None when
-    the job stopped first. Raises PlannerError naming the field when node 0 could not make it."""
+async def preflight(ctl: JobController, stopped: kopf.DaemonStopped) -> ModelProfileReport | None:
+    """Pods up without a plan until node 0 reports; its report (accepted, its profile stored), or None when
+    the job stopped first. Raises WorkloadRejected or PlannerError naming the field when node 0 found the
+    workload unusable or its profile does not fit."""
     spec = ctl.require_spec()
-    request = profile_request(spec)
-    how = "measures its layers" if request.measure else "computes it from the model's config.json"
+    request = profile_request(spec, has_inputs=ctl.inputs is not None)
     await ctl.create_pods(range(spec.nodes), generation=-1, layout="")
-    await _announce(ctl, f"node 0 {how}")
+    await _announce(ctl, request)
     failed_pods: set[str] = set()
     while not stopped:
         try:
@@ -195,6 +214,17 @@ async def wait_for_profile(ctl: JobController, stopped: kopf.DaemonStopped) -> d
             report = None
         if report is not None:
             profile = accepted_profile(report)
+            given = ctl.inputs.profile.num_layers if ctl.inputs is not None else report.num_layers
+            if given != report.num_layers:
+                raise WorkloadRejected(
+                    "spec.profile" if spec.profile is not None else "spec.model",
+                    f"the profile has {given} layers but node {report.node} built {spec.model} with "
+                    f"{report.num_layers}",
+                )
+            if profile is None:
+                checked = f"node {report.node} checked the model and the data"
+                ctl.event("Normal", api.Reason.SPEC_VALID, checked)
+                return report
             source = "measured" if report.measured else "computed"
             await _store(ctl, profile, source)
             ctl.event(
@@ -203,8 +233,8 @@ async def wait_for_profile(ctl: JobController, stopped: kopf.DaemonStopped) -> d
                 f"node {report.node} {source} the profile: {profile.num_layers} layers; kept in ConfigMap "
                 f"{_manifests.profile_configmap_name(ctl.name)}",
             )
-            return profile.model_dump(mode="json")
-        await _keep_node0(ctl, failed_pods, _field(request))
+            return report
+        await _keep_node0(ctl, failed_pods, "spec.profile.measure" if request.measure else "spec.model")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ctl.wakeup.wait(), ctl.settings.poll_interval_s)
         ctl.wakeup.clear()

@@ -96,6 +96,8 @@ class Reason(StrEnum):
     WAITING_FOR_PROFILE = "WaitingForProfile"
     PROFILE_REPORTED = "ProfileReported"
     PROFILE_FAILED = "ProfileFailed"
+    CHECKING_WORKLOAD = "CheckingWorkload"
+    INVALID_WORKLOAD = "InvalidWorkload"
 
 
 class LayerSpec(_Api):

@@ -179,14 +179,37 @@ class JobController:
             raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
         return base64.b64decode(value).decode()
 
-    async def _reject(self, error: PlannerError) -> None:
+    async def _reject(self, error: PlannerError, reason: api.Reason = api.Reason.INVALID_SPEC) -> None:
         metrics.INVALID_JOBS.inc()
         conditions = _decide.set_condition(
-            self.status.conditions, api.ConditionType.VALID, False, api.Reason.INVALID_SPEC, str(error)
+            self.status.conditions, api.ConditionType.VALID, False, reason, str(error)
         )
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
-        self.event("Warning", api.Reason.INVALID_SPEC, str(error))
+        self.event("Warning", reason, str(error))
+
+    async def _before_first_plan(self) -> bool:
+        """Whether node 0 must answer before generation 0: the job has no plan yet (in its status or in
+        Redis) and either trains through the runtime (node 0 checks the workload) or has no profile yet."""
+        spec = self.require_spec()
+        if self.status.plan_generation >= 0:
+            return False
+        if not _profile_source.needs_preflight(spec, has_inputs=self.inputs is not None):
+            return False
+        if self.inputs is None or self.redis is None:
+            return True
+        try:
+            return await self.redis.published() is None
+        except (RedisError, OSError):
+            return True  # the pre-flight itself waits for Redis
+
+    async def _delete_pods(self) -> None:
+        """Every pod of a job that failed before its first plan: they never trained and hold devices."""
+        pods = await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.name))
+        await asyncio.gather(
+            *(self.kube.delete(core_path(self.namespace, "pods", p["metadata"]["name"])) for p in pods)
+        )
+        self.pods.clear()
 
     # ---- initial generation --------------------------------------------------------------------------
     async def ensure_started(self) -> PlanAnnouncement:
@@ -337,15 +360,32 @@ class JobController:
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         """Reconcile until the job is deleted or the operator stops."""
-        if self.inputs is None:
+        if await self._before_first_plan():
             try:
-                profile = await _profile_source.wait_for_profile(self, stopped)
-                if profile is None:
-                    return
-                self._use_inputs(planner_inputs(self.require_spec(), profile))
+                report = await _profile_source.preflight(self, stopped)
+            except _profile_source.WorkloadRejected as exc:
+                self.status = self.status.model_copy(
+                    update={
+                        "conditions": _decide.set_condition(
+                            self.status.conditions,
+                            api.ConditionType.PLANNED,
+                            False,
+                            api.Reason.INVALID_WORKLOAD,
+                            "nothing to plan: the workload cannot train",
+                        )
+                    }
+                )
+                await self._reject(exc, api.Reason.INVALID_WORKLOAD)
+                await self._delete_pods()
+                raise InvalidJob(str(exc)) from None
             except PlannerError as exc:
                 await self._infeasible(exc, api.Reason.PROFILE_FAILED)
+                await self._delete_pods()
                 raise InvalidJob(str(exc)) from None
+            if report is None:
+                return
+            if report.profile is not None:
+                self._use_inputs(planner_inputs(self.require_spec(), report.profile.model_dump(mode="json")))
         published = await self.ensure_started()
         if self.status.plan_generation < published.generation:
             await self.apply(published)

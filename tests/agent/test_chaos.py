@@ -219,7 +219,7 @@ def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> Non
     assert results[1]["link_injected"] == 0
     link_injected = results[0]["link_injected"] / 6
     for result in results:
-        # (sleeps overshoot on a loaded host, the healthy pass's included, hence the loose bounds on both sides)
+        # (sleeps overshoot on a loaded host, the healthy pass too, hence the loose bounds on both sides)
         assert injected * 0.75 <= result["compute"] - result["healthy"] <= injected * 2 + 0.01
         assert link_injected * 0.75 <= result["link"] - result["healthy"] <= link_injected * 2 + 0.01
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from _rjob_stack import Stack, emulator_only, eventually, job_manifest, redis_client
@@ -70,10 +71,10 @@ async def _pod_workload(stack: Stack, name: str) -> Workload:
     return load_workload(env[WORKLOAD_ENV])
 
 
-async def _waiting(stack: Stack, name: str) -> dict[str, Any]:
+async def _waiting(stack: Stack, name: str, reason: str = "WaitingForProfile") -> dict[str, Any]:
     def check(status: dict[str, Any]) -> bool:
         planned = [c for c in status.get("conditions", []) if c["type"] == "Planned"]
-        return bool(planned) and planned[0]["reason"] == "WaitingForProfile"
+        return bool(planned) and planned[0]["reason"] == reason
 
     return await eventually(lambda: _status_where(stack, name, check), 20, f"{name} waiting for its profile")
 
@@ -98,7 +99,7 @@ async def test_node_0_computes_the_profile_the_operator_keeps_it_and_plans(
     await kube.create_job(job_manifest(name, model=f"hf:{model_dir}", profile=None))
     status = await _waiting(stack, name)
     assert status["planGeneration"] == -1 and status.get("phase", "Pending") == "Pending"
-    assert "config.json" in _condition(status, "Planned")["message"]
+    assert "configuration" in _condition(status, "Planned")["message"]
     pods = await eventually(lambda: _pods_at(stack, name, "-1", 4), 20, "4 pods without a plan")
     assert len(pods) == 4
 
@@ -162,10 +163,44 @@ async def test_a_model_node_0_cannot_read_fails_the_job_naming_it(stack: Stack, 
     finally:
         stopped.set()
         assert await asyncio.wait_for(node0, 10) is None  # no plan ever came: it stopped waiting
-    planned = _condition(status, "Planned")
-    assert planned["reason"] == "ProfileFailed" and planned["message"].startswith("spec.model")
-    assert str(missing) in planned["message"]
+    valid = _condition(status, "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidWorkload", valid
+    assert valid["message"].startswith("spec.model: ") and str(missing) in valid["message"]
     assert await stack.kube.get("configmaps", "hfmissing-profile") is None
+    assert await eventually(lambda: _no_pods(stack, "hfmissing"), 10, "the pods deleted")
+
+
+async def _no_pods(stack: Stack, name: str) -> bool:
+    return not await stack.kube.job_pods(name)
+
+
+async def test_data_node_0_finds_unusable_fails_the_job_before_any_plan(stack: Stack, tmp_path: Path) -> None:
+    """A model with a profile (no profile to make) is still checked with its data: a token file shorter than
+    one sample fails the job naming `spec.data.path`, nothing is planned and the pods go away."""
+    name, short = "shortdata", tmp_path / "short.bin"
+    np.arange(5, dtype=np.uint16).tofile(short)
+    data = {"path": str(short), "format": "tokens", "dtype": "uint16", "seqLen": 16}
+    await stack.kube.create_job(job_manifest(name, model="gpt", data=data))
+    await eventually(lambda: _pods_at(stack, name, "-1", 4), 20, "4 pods without a plan")
+    await _waiting(stack, name, "CheckingWorkload")
+    stopped = asyncio.Event()
+    node0 = asyncio.create_task(_node0(stack, name, stopped))
+    try:
+        status = await _failed(stack, name)
+    finally:
+        stopped.set()
+        assert await asyncio.wait_for(node0, 10) is None
+    valid = _condition(status, "Valid")
+    assert valid["reason"] == "InvalidWorkload" and valid["message"].startswith("spec.data.path: "), valid
+    assert "short.bin" in valid["message"] and "\n" not in valid["message"]
+    assert status["planGeneration"] == -1
+    client = await redis_client(stack.redis_url)
+    try:
+        assert await client.get(stack.keys(name).plan) is None
+    finally:
+        await client.aclose()
+    assert await eventually(lambda: _no_pods(stack, name), 10, "the pods deleted")
+    assert "InvalidWorkload" in {e.get("reason") for e in await stack.kube.events_of(name)}
 
 
 async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(

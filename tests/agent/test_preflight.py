@@ -1,0 +1,136 @@
+"""Node 0's pre-flight (`agent/_model_profile.make_report`): everything a worker would find unusable at its
+start is found once, before any plan, as one line and the spec field to fix; a usable workload is reported
+with the layer count of the model the runtime builds (and the profile, when the operator asks for one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from resilientjob.agent._model_profile import make_report
+from resilientjob.agent.telemetry_messages import ModelProfileReport, ModelProfileRequest
+from resilientjob.protocol.workload import DataFormat, DataSpec, TokenDtype, Workload
+
+pytestmark = pytest.mark.torch
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+SEQ_LEN = 8
+VOCAB = 64
+
+
+def _gpt2(directory: Path) -> Path:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ_LEN, bos_token_id=0, eos_token_id=0
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def _tokens(path: Path, count: int, high: int = VOCAB, dtype: Any = np.uint16) -> Path:
+    np.random.default_rng(0).integers(0, high, count).astype(dtype).tofile(path)
+    return path
+
+
+def _report(model: str, data: DataSpec, *, profile: bool = True) -> ModelProfileReport:
+    request = ModelProfileRequest(model=model, seq_len=data.seq_len, microbatch_size=1, profile=profile)
+    workload = Workload(model=model, data=data)
+    return make_report(request, workload, {}, node=0, cache_dir=None)
+
+
+def _token_data(path: Path, dtype: TokenDtype = TokenDtype.UINT16) -> DataSpec:
+    return DataSpec(path=str(path), format=DataFormat.TOKENS, dtype=dtype, seq_len=SEQ_LEN)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return _gpt2(tmp_path / "gpt2")
+
+
+@pytest.fixture
+def good_data(tmp_path: Path) -> DataSpec:
+    return _token_data(_tokens(tmp_path / "train.bin", 10 * SEQ_LEN + 1))
+
+
+def _failed(report: ModelProfileReport, field: str, *words: str) -> None:
+    assert report.profile is None and report.error_field == field, report
+    assert "\n" not in report.error and not report.error.startswith(field), report.error
+    for word in words:
+        assert word in report.error, report.error
+
+
+def test_a_usable_workload_is_checked_and_profiled_on_request(model_dir: Path, good_data: DataSpec) -> None:
+    checked = _report(f"hf:{model_dir}", good_data, profile=False)
+    assert not checked.error and checked.profile is None and checked.num_layers == 4
+    profiled = _report(f"hf:{model_dir}", good_data)
+    assert not profiled.error and profiled.profile is not None and profiled.profile.num_layers == 4
+
+
+def test_a_missing_model_directory_names_the_model(tmp_path: Path, good_data: DataSpec) -> None:
+    _failed(_report(f"hf:{tmp_path / 'nowhere'}", good_data), "spec.model", "nowhere", "not a directory")
+
+
+def test_an_unsupported_family_names_the_model(tmp_path: Path, good_data: DataSpec) -> None:
+    directory = tmp_path / "bert"
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2)
+    config.save_pretrained(directory)
+    _failed(_report(f"hf:{directory}", good_data, profile=False), "spec.model", "'bert'", "not supported")
+
+
+def test_a_tensor_missing_from_the_checkpoint_names_it(model_dir: Path, good_data: DataSpec) -> None:
+    weights = model_dir / "model.safetensors"
+    tensors = safetensors_torch.load_file(weights)
+    del tensors["transformer.h.1.mlp.c_fc.weight"]
+    safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
+    report = _report(f"hf:{model_dir}", good_data, profile=False)
+    _failed(report, "spec.model", "transformer.h.1.mlp.c_fc.weight", "layer 2")
+
+
+def test_a_tensor_of_another_shape_names_it_and_both_shapes(model_dir: Path, good_data: DataSpec) -> None:
+    weights = model_dir / "model.safetensors"
+    tensors = safetensors_torch.load_file(weights)
+    tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"][:8].clone()
+    safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
+    report = _report(f"hf:{model_dir}", good_data, profile=False)
+    _failed(report, "spec.model", "transformer.ln_f.weight", "[8]", "[16]")
+
+
+def test_a_truncated_shard_names_the_file(model_dir: Path, good_data: DataSpec) -> None:
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    _failed(_report(f"hf:{model_dir}", good_data, profile=False), "spec.model", "model.safetensors")
+
+
+def test_data_shorter_than_one_sample_names_the_path(model_dir: Path, tmp_path: Path) -> None:
+    short = _tokens(tmp_path / "short.bin", SEQ_LEN)  # one sample needs seqLen + 1 tokens
+    _failed(_report(f"hf:{model_dir}", _token_data(short), profile=False), "spec.data.path", "short.bin")
+
+
+def test_a_missing_data_file_names_the_path(model_dir: Path, tmp_path: Path) -> None:
+    data = _token_data(tmp_path / "absent.bin")
+    _failed(_report(f"hf:{model_dir}", data, profile=False), "spec.data.path", "absent.bin", "no such file")
+
+
+def test_a_size_that_does_not_fit_the_dtype_names_the_dtype(model_dir: Path, tmp_path: Path) -> None:
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00" * (10 * SEQ_LEN + 1))  # uint16 ids read as uint32: not a whole number
+    report = _report(f"hf:{model_dir}", _token_data(odd, TokenDtype.UINT32), profile=False)
+    _failed(report, "spec.data.dtype", "uint32")
+
+
+def test_a_token_beyond_the_vocabulary_names_the_data_and_the_token(model_dir: Path, tmp_path: Path) -> None:
+    tokens = _tokens(tmp_path / "wide.bin", 10 * SEQ_LEN + 1)
+    wide = np.fromfile(tokens, dtype=np.uint16)
+    wide[5] = VOCAB + 3
+    wide.tofile(tokens)
+    report = _report(f"hf:{model_dir}", _token_data(tokens), profile=False)
+    _failed(report, "spec.data.path", str(VOCAB + 3), f"vocabulary ({VOCAB})")
+
+
+def test_a_toy_model_on_bad_data_is_refused_too(tmp_path: Path) -> None:
+    """Not only Hugging Face models: every model the runtime trains is checked against its data."""
+    data = _token_data(_tokens(tmp_path / "t.bin", 3))
+    _failed(_report("gpt", data, profile=False), "spec.data.path", "t.bin")
