@@ -6,7 +6,8 @@ server over HTTP, a real redis-server, agents' messages written with the agents'
 
 Parts:
 1. Detection and decision latency on small jobs (4 nodes), `--trials` times per path:
-   - pod path: a pod is deleted; time to the operator's fence and to generation g+1 committed in Redis;
+   - pod path: a pod is deleted; time from the deletion to the operator's fence (its first action: it
+     deletes the node's heartbeat key, which nothing else touches) and to generation g+1 committed in Redis;
    - heartbeat path: a node stops beating (TTL 2 s); time from its last beat to the fence and the commit.
    The planner's own time (`status.lastDecision.planningS`) is the decision latency.
 2. Load: one job of `--agents` nodes; a load generator (a separate process) writes every agent's heartbeat
@@ -104,8 +105,16 @@ async def latency_trials(emulator: Any, redis_url: str, trials: int) -> dict[str
                 beating = asyncio.create_task(_beat(client, keys, [0, 1, 2, 3], stop))
                 await asyncio.sleep(1.2)  # the operator has seen every heartbeat
                 if path == "pod":
+                    # Node 2's heartbeat stays valid (60 s TTL) and nobody rewrites it: the only thing that
+                    # removes it is the operator's fence, its first action on the deletion.
+                    stop.set()
+                    await beating
+                    await client.set(keys.heartbeat(2), b"{}", px=60_000)
+                    stop = asyncio.Event()
+                    beating = asyncio.create_task(_beat(client, keys, [0, 1, 3], stop))
                     started = time.monotonic()
                     await emulator.delete(f"{PODS}/{name}-node-2")
+                    fenced = await _until(lambda k=keys: _key_gone(client, k.heartbeat(2)), 10)
                 else:
                     stop.set()
                     await beating
@@ -118,9 +127,6 @@ async def latency_trials(emulator: Any, redis_url: str, trials: int) -> dict[str
                 committed = await _until(lambda k=keys: _generation_is(client, k, 1), 10)
                 status = await _until_status(emulator, name)
                 planning = float(status["lastDecision"]["planningS"])
-                if path == "pod":
-                    # The deletion is the failure: the operator's reaction is the commit less the planner.
-                    fenced = committed - planning
                 stop.set()
                 await beating
                 results[path].append(
@@ -148,6 +154,10 @@ async def _until_status(emulator: Any, name: str) -> dict[str, Any]:
 
 async def _generation_is(client: aioredis.Redis, keys: JobKeys, generation: int) -> bool:
     return await _generation(client, keys) >= generation
+
+
+async def _key_gone(client: aioredis.Redis, key: str) -> bool:
+    return not await client.exists(key)
 
 
 async def _gone(emulator: Any, pod: str) -> bool:
