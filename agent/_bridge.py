@@ -54,7 +54,7 @@ from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import Workload
 
 from ._model_profile import wait_for_first_plan
-from ._redis import JobKeys, connect
+from ._redis import REDIS_DOWN, JobKeys, Outage, connect
 from .telemetry import Telemetry
 from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
@@ -65,7 +65,10 @@ HOST_IDLE_S = 15.0
 """The store host stops after this long without a heartbeat from any worker of the job."""
 
 GONE_GRACE_S = 5.0
-"""The store host stops when the job's plan key or Redis has been gone this long."""
+"""The store host stops when the job's plan key and every heartbeat have been gone this long with Redis up."""
+
+REGISTER_EVERY_S = 1.0
+"""The store host checks its address key this often (and rewrites it into a Redis that came back empty)."""
 
 
 def wants_training(model: str) -> bool:
@@ -164,6 +167,7 @@ class StoreHost:
         self.parked: list[int] = []
         self.announced = 0
         self.validation = ValidationRelay(client, keys, self.store)
+        self.outage = Outage("store host")
 
     async def _published(self) -> PlanAnnouncement | None:
         return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
@@ -190,35 +194,45 @@ class StoreHost:
         return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
 
     async def run(self, stopped: asyncio.Event) -> None:
-        """Mirror generations until `stopped`, the job's keys go away, or every worker is gone."""
+        """Mirror generations until `stopped`, the job's keys go away, or every worker is gone. Redis away
+        stops nothing: the host keeps serving the store (training goes on without Redis), retries with
+        backoff, and once Redis is back re-registers its address if the key is gone (Redis came back
+        empty); time without Redis counts neither as the job's keys gone nor as workers gone."""
         gone_since: float | None = None
         alive_at = time.monotonic()
-        registered = False
+        registered_at = 0.0
         while not stopped.is_set():
+            wait_s = self.poll_s
             try:
                 current = await self._published()
                 if current is not None and (self.plan is None or current.generation > self.plan.generation):
                     self.mirror(current)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
-                if self.plan is not None and not registered:
+                if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
                     # The address appears only once a plan is in the store: workers read it at once.
-                    await self.client.set(store_key(self.keys), self.address)
-                    registered = True
-                if await self._anyone_alive():
-                    alive_at = time.monotonic()
-                missing = current is None and self.plan is not None
-            except (RedisError, OSError):
-                missing = True
-            now = time.monotonic()
-            gone_since = (gone_since or now) if missing else None
-            if gone_since is not None and now - gone_since > GONE_GRACE_S:
-                print("store host: the job's keys or Redis are gone; stopping", flush=True)
-                return
-            if now - alive_at > HOST_IDLE_S:
-                print(f"store host: no worker heartbeat for {HOST_IDLE_S} s; stopping", flush=True)
-                return
+                    if await self.client.get(store_key(self.keys)) != self.address.encode():
+                        await self.client.set(store_key(self.keys), self.address)
+                    registered_at = time.monotonic()
+                alive = await self._anyone_alive()
+                self.outage.ok()
+            except REDIS_DOWN as exc:
+                wait_s = self.outage.failed(exc)
+                alive_at = time.monotonic()
+                gone_since = None
+            else:
+                now = time.monotonic()
+                if alive:
+                    alive_at = now
+                gone = current is None and self.plan is not None and not alive
+                gone_since = (gone_since or now) if gone else None
+                if gone_since is not None and now - gone_since > GONE_GRACE_S:
+                    print("store host: the job's keys are gone; stopping", flush=True)
+                    return
+                if now - alive_at > HOST_IDLE_S:
+                    print(f"store host: no worker heartbeat for {HOST_IDLE_S} s; stopping", flush=True)
+                    return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), self.poll_s)
+                await asyncio.wait_for(stopped.wait(), wait_s)
 
 
 async def host_main() -> int:
@@ -256,11 +270,18 @@ async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout
     if os.environ.get("RJOB_STORE_ADDR"):
         return os.environ["RJOB_STORE_ADDR"]
     deadline = time.monotonic() + timeout_s
+    outage = Outage(f"agent {pod}")
     while time.monotonic() < deadline:
-        raw = await client.get(store_key(keys))
+        try:
+            raw = await client.get(store_key(keys))
+            locked = not raw and await client.set(store_lock_key(keys), pod, nx=True, ex=int(timeout_s))
+            outage.ok()
+        except REDIS_DOWN as exc:
+            await asyncio.sleep(outage.failed(exc))
+            continue
         if raw:
             return raw.decode() if isinstance(raw, bytes) else str(raw)
-        if await client.set(store_lock_key(keys), pod, nx=True, ex=int(timeout_s)):
+        if locked:
             with _host_log(keys).open("ab") as log:
                 subprocess.Popen(
                     [sys.executable, "-m", "resilientjob.agent._bridge", "host"],

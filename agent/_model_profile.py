@@ -27,12 +27,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from redis.exceptions import RedisError
-
 from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
 from resilientjob.protocol.workload import Precision, Workload
 
-from ._redis import JobKeys
+from ._redis import REDIS_DOWN, JobKeys
 from .telemetry import Telemetry
 from .telemetry_messages import (
     MAX_PROFILE_BYTES,
@@ -205,7 +203,8 @@ async def wait_for_first_plan(
     answerer = _Answerer(telemetry, workload, model_options) if telemetry.node == PROFILE_NODE else None
     announced = False
     while not stopped.is_set():
-        with contextlib.suppress(RedisError, OSError):  # Redis away: keep waiting, as the heartbeats do
+        wait_s = POLL_S
+        try:
             published = await telemetry.current_plan()
             if published is not None:
                 return published
@@ -214,6 +213,8 @@ async def wait_for_first_plan(
                 announced = True
             if answerer is not None:
                 await answerer.poll()
+        except REDIS_DOWN as exc:  # Redis away: keep waiting with backoff, as the heartbeats do
+            wait_s = max(POLL_S, telemetry.outage.failed(exc))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopped.wait(), POLL_S)
+            await asyncio.wait_for(stopped.wait(), wait_s)
     return None

@@ -4,19 +4,75 @@ Every key of a job lives under `rjob:{namespace/job}:` so that one Redis can ser
 can confine each job's agents to their own prefix. The braces are a Redis Cluster hash tag: only
 `namespace/job` is hashed, so all of a job's keys sit in one slot and the operator's Lua scan (which builds
 heartbeat keys from the prefix) and its MULTI/EXEC commit may touch them together.
+
+`REDIS_DOWN` and `Outage` are how every agent-side loop rides out Redis going away (killed, restarted,
+failed over, still loading its data): it retries with capped exponential backoff and jitter, logs one line
+when the outage starts and one when it ends (no traceback, no line per retry), and keeps training meanwhile.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 HEARTBEAT_TTL_S = 2.0
 """A heartbeat key lives this long; agents renew it every 0.5 s, so three missed beats mean dead."""
 
 STREAM_MAXLEN = 10_000
 """Iteration and report streams are capped (approximately) at this many entries."""
+
+
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, OSError)
+"""What a Redis call raises while the server is away or not ready (ConnectionError, TimeoutError,
+BusyLoadingError and an emptied server's refusals are all RedisError): retried, never fatal."""
+
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+
+class Outage:
+    """One Redis user's view of an outage: the backoff before its next try, one log line at the start of an
+    outage and one at its end. `failed` on every error, `ok` after every success."""
+
+    def __init__(self, what: str, *, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
+        if not 0 < base_s <= cap_s:
+            raise ValueError(f"backoff: expected 0 < base_s <= cap_s, got {base_s} and {cap_s}")
+        self.what = what
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.failures = 0
+        self.since: float | None = None
+        self.outages = 0
+        """Outages seen so far (an outage counts once however many retries it took)."""
+
+    @property
+    def down(self) -> bool:
+        return self.since is not None
+
+    def failed(self, exc: BaseException) -> float:
+        """Note one failed call; returns how long to wait before the next try (capped exponential backoff
+        with full jitter, so that a job's agents do not all reconnect in the same instant)."""
+        if self.since is None:
+            self.since = time.monotonic()
+            self.outages += 1
+            reason = str(exc).splitlines()[0][:200] if str(exc) else ""
+            print(f"{self.what}: Redis unreachable ({type(exc).__name__}: {reason}); retrying", flush=True)
+        self.failures += 1
+        ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 30))
+        return random.uniform(self.base_s / 2, ceiling)
+
+    def ok(self) -> bool:
+        """Note a success; True when it ends an outage."""
+        self.failures = 0
+        if self.since is None:
+            return False
+        print(f"{self.what}: Redis is back after {time.monotonic() - self.since:.1f} s", flush=True)
+        self.since = None
+        return True
 
 
 @dataclass(frozen=True, slots=True)

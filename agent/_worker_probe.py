@@ -173,7 +173,10 @@ def chaos_client(environ: Mapping[str, str] | None = None) -> redis.Redis | None
     url = env.get("RJOB_REDIS_URL")
     if not url:
         return None
-    return redis.Redis.from_url(url, password=env.get("RJOB_REDIS_PASSWORD") or None)
+    # Bounded waits: a poll against an unreachable Redis must not hang the watcher (it keeps the last order).
+    return redis.Redis.from_url(
+        url, password=env.get("RJOB_REDIS_PASSWORD") or None, socket_connect_timeout=2.0, socket_timeout=2.0
+    )
 
 
 class WorkerProbe:

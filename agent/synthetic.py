@@ -1,6 +1,7 @@
 """A synthetic training loop for the local stack until the real training runtime runs in the pods: it
 follows the published plan (this node's share of the layout, the plan's estimated step time scaled down),
-honours injected slowdowns, and reports real measured iteration times through the telemetry.
+honours injected slowdowns, and reports real measured iteration times through the telemetry. It keeps
+stepping while Redis is away (the telemetry rides the outage out).
 
 A node the plan does not use (parked by fail-slow mitigation S4, or joined and waiting) keeps timing probe
 steps and reports them with zero samples: that is how the operator learns that a parked node recovered
@@ -14,13 +15,21 @@ import json
 import time
 from collections.abc import Hashable
 
+from ._redis import REDIS_DOWN
 from .telemetry import Telemetry
 from .telemetry_messages import PlanAnnouncement
 
 
 async def slowdown(telemetry: Telemetry) -> float:
-    """The chaos factor injected for this node (`rjob local chaos slow`), 1.0 when none or expired."""
-    raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
+    """The chaos factor injected for this node (`rjob local chaos slow`), 1.0 when none, expired or while
+    Redis is away (the telemetry's outage: the heartbeat loop finds out when it is back)."""
+    if telemetry.outage.down:
+        return 1.0
+    try:
+        raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
+    except REDIS_DOWN as exc:
+        telemetry.outage.failed(exc)
+        return 1.0
     if raw is None:
         return 1.0
     with contextlib.suppress(ValueError, TypeError, KeyError):

@@ -3,6 +3,11 @@ Redis stream, per-worker change-point detection (the planner's BOCD + verificati
 `planner.failslow.ChangeDetector`) with slow and recovery reports to the operator, and the plan it must run
 (current generation by key, new generations by pub/sub). Everything read back is validated and bad input is
 dropped and counted; nothing here raises on hostile data.
+
+Nothing here raises when Redis goes away either (`_redis.Outage`): heartbeats retry with capped backoff
+and rewrite their key and bit when Redis is back (also when it came back empty), iteration records and
+profiles made meanwhile are dropped (the operator reads fresh ones once Redis is back), slow reports wait
+in a small outbox until they can be sent, and the plan follower resubscribes and re-reads the plan key.
 """
 
 from __future__ import annotations
@@ -12,16 +17,16 @@ import contextlib
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
-from redis.exceptions import RedisError
 
 from resilientjob.planner.failslow import ChangeDetector, ChangeEvent, ChangeKind, DetectorConfig
 
-from ._redis import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
+from ._redis import HEARTBEAT_TTL_S, REDIS_DOWN, STREAM_MAXLEN, JobKeys, Outage
 from .telemetry_messages import (
     MAX_PLAN_BYTES,
     Heartbeat,
@@ -58,6 +63,15 @@ LOSS = Gauge("rjob_agent_loss", "The job's training loss at the last committed s
 HEARTBEATS = Counter("rjob_agent_heartbeats_total", "Heartbeats written.")
 HEARTBEAT_ERRORS = Counter("rjob_agent_heartbeat_errors_total", "Heartbeats that failed to reach Redis.")
 SLOW_REPORTS = Counter("rjob_agent_slow_reports_total", "Fail-slow change points reported.", ["kind"])
+TELEMETRY_DROPPED = Counter(
+    "rjob_agent_telemetry_dropped_total", "Iteration records and profiles not sent because Redis was away."
+)
+
+PLAN_RECHECK_S = 2.0
+"""The plan follower re-reads the plan key this often besides listening on the channel."""
+
+OUTBOX_SIZE = 64
+"""Slow reports kept while Redis is away (the oldest go first past this)."""
 
 
 def queue_beat(pipe: Any, keys: JobKeys, node: int, message: bytes, ttl_s: float = HEARTBEAT_TTL_S) -> None:
@@ -104,6 +118,11 @@ class Telemetry:
         self._role: Hashable = None
         self.generation = -1
         self.step = 0
+        self.outage = Outage(f"agent node {node}", cap_s=heartbeat_interval_s)
+        """Shared by everything this agent sends or reads: one log line per outage; the heartbeat loop is
+        the one that notices Redis is back (it tries every interval), the other writes skip meanwhile."""
+        self.outbox: deque[tuple[str, bytes]] = deque(maxlen=OUTBOX_SIZE)
+        """Slow reports made while Redis was away, sent before the next write once it is back."""
 
     async def beat(self, ttl_s: float | None = None) -> None:
         """One heartbeat, alive for `ttl_s` (default `heartbeat_ttl_s`)."""
@@ -116,14 +135,43 @@ class Telemetry:
         HEARTBEATS.inc()
 
     async def heartbeat_forever(self, stopped: asyncio.Event) -> None:
-        """Beat until `stopped`; a Redis hiccup is counted and retried at the next beat, never fatal."""
+        """Beat until `stopped`. Redis away is never fatal: the beat is retried with capped backoff (at most
+        the beat interval apart, so beats resume within one interval of Redis coming back), and each beat
+        rewrites the key and the node's `beaten` bit, which re-registers the node in a Redis that came back
+        empty. The slow reports that waited meanwhile go out after the first beat that gets through."""
         while not stopped.is_set():
+            wait_s = self.heartbeat_interval_s
             try:
                 await self.beat()
-            except (RedisError, OSError):
+                self.outage.ok()
+                await self._flush()
+            except REDIS_DOWN as exc:
                 HEARTBEAT_ERRORS.inc()
+                wait_s = self.outage.failed(exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), self.heartbeat_interval_s)
+                await asyncio.wait_for(stopped.wait(), wait_s)
+
+    async def _flush(self) -> None:
+        while self.outbox:
+            stream, message = self.outbox[0]
+            await self.client.xadd(stream, {"m": message}, maxlen=STREAM_MAXLEN, approximate=True)
+            self.outbox.popleft()
+
+    async def _send(self, stream: str, message: bytes, *, keep: bool) -> bool:
+        """Append `message` to `stream`; False when Redis is away. A `keep` message (a slow report) waits
+        in the outbox meanwhile; the others are dropped and counted (they are superseded within seconds)."""
+        if not self.outage.down:
+            try:
+                await self._flush()
+                await self.client.xadd(stream, {"m": message}, maxlen=STREAM_MAXLEN, approximate=True)
+                return True
+            except REDIS_DOWN as exc:
+                self.outage.failed(exc)
+        if keep:
+            self.outbox.append((stream, message))
+        else:
+            TELEMETRY_DROPPED.inc()
+        return False
 
     def _restart_detection(self, step: int, key: Hashable) -> None:
         self.detector = ChangeDetector(self.detector_config)
@@ -183,9 +231,7 @@ class Telemetry:
             communication_s=communication_s,
             loss=loss,
         )
-        await self.client.xadd(
-            self.keys.iterations, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True
-        )
+        await self._send(self.keys.iterations, encode(record), keep=False)
         if self._skipped < self.warmup:
             self._skipped += 1
             return None
@@ -226,9 +272,7 @@ class Telemetry:
             recovered=event.kind is ChangeKind.RECOVERY,
             detected_at=time.time(),
         )
-        await self.client.xadd(
-            self.keys.reports, {"m": encode(report)}, maxlen=STREAM_MAXLEN, approximate=True
-        )
+        await self._send(self.keys.reports, encode(report), keep=True)
         SLOW_REPORTS.labels(report.kind).inc()
         return report
 
@@ -255,9 +299,7 @@ class Telemetry:
             groups=groups,
             sent_at=time.time(),
         )
-        await self.client.xadd(
-            self.keys.profiles, {"m": encode(record)}, maxlen=STREAM_MAXLEN, approximate=True
-        )
+        await self._send(self.keys.profiles, encode(record), keep=False)
         return record
 
     async def current_plan(self) -> PlanAnnouncement | None:
@@ -265,23 +307,42 @@ class Telemetry:
         return decode(PlanAnnouncement, raw, "agent.plan", MAX_PLAN_BYTES)
 
     async def plan_updates(self, stopped: asyncio.Event) -> AsyncIterator[PlanAnnouncement]:
-        """New generations as the operator publishes them (pub/sub fast path), in increasing order; after a
-        reconnect the current key is re-read so that no generation is skipped silently."""
+        """New generations as the operator publishes them (pub/sub fast path), in increasing order. Redis
+        away ends no iteration: the subscription is made anew with backoff and the current key re-read, so
+        that no generation published meanwhile is skipped silently."""
         last = self.generation
-        pubsub = self.client.pubsub()
-        await pubsub.subscribe(self.keys.plan_channel)
-        try:
-            current = await self.current_plan()
-            if current is not None and current.generation > last:
-                last = current.generation
-                yield current
-            while not stopped.is_set():
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
-                if message is None:
-                    continue
-                announcement = decode(PlanAnnouncement, message.get("data"), "agent.plan", MAX_PLAN_BYTES)
-                if announcement is not None and announcement.generation > last:
-                    last = announcement.generation
-                    yield announcement
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+        while not stopped.is_set():
+            pubsub = self.client.pubsub()
+            found: list[PlanAnnouncement] = []
+            try:
+                await pubsub.subscribe(self.keys.plan_channel)
+                current = await self.current_plan()
+                if current is not None and current.generation > last:
+                    found.append(current)
+                checked = time.monotonic()
+                while not stopped.is_set():
+                    if time.monotonic() - checked > PLAN_RECHECK_S:
+                        # A subscription the client re-made by itself after a blip misses what was
+                        # published meanwhile: the key says.
+                        checked = time.monotonic()
+                        current = await self.current_plan()
+                        if current is not None and current.generation > last:
+                            found.append(current)
+                    for announcement in found:
+                        if announcement.generation > last:  # the key and the channel may both say it
+                            last = announcement.generation
+                            yield announcement
+                    found.clear()
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                    if message is None:
+                        continue
+                    announcement = decode(PlanAnnouncement, message.get("data"), "agent.plan", MAX_PLAN_BYTES)
+                    if announcement is not None and announcement.generation > last:
+                        found.append(announcement)
+            except REDIS_DOWN as exc:
+                wait_s = self.outage.failed(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopped.wait(), wait_s)
+            finally:
+                with contextlib.suppress(*REDIS_DOWN):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -25,24 +25,56 @@ def free_port() -> int:
         return port
 
 
+class RedisProcess:
+    """A real redis-server on loopback that a test may kill and start again on the same port (empty: no
+    persistence), as a Redis blip or a failover does to the agents and the operator."""
+
+    def __init__(self, password: str | None = None) -> None:
+        self.port = free_port()
+        self.password = password
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Its URL (without the password)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        command += ["--save", "", "--appendonly", "no"]
+        if self.password:
+            command += ["--requirepass", self.password]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5
+        address = ("127.0.0.1", self.port)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(address, timeout=0.2):
+                return
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, as the issue's blip did: no goodbye to the clients."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(5)
+            self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(5)
+            self.process = None
+
+
 @contextlib.contextmanager
 def redis_server(password: str | None = None) -> Iterator[str]:
     """A throwaway redis-server on loopback; yields its URL (without the password)."""
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    if password:
-        command += ["--requirepass", password]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisProcess(password)
+    server.start()
     try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(5)
+        server.stop()
 
 
 def until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:

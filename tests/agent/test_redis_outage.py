@@ -1,0 +1,128 @@
+"""Agents ride out a Redis blip (issue #14): a real redis-server is killed and a new, empty one started on
+the same port about a second later. The synthetic training loop keeps stepping, the heartbeat comes back
+(key and `beaten` bit rewritten into the empty Redis), the plan follower picks up the plan the operator
+publishes again, the store host keeps serving and re-registers its address; nothing raises and each of
+them logs the outage once, not once per retry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from _support import RedisProcess
+
+from resilientjob.agent import synthetic
+from resilientjob.agent._bridge import StoreHost, store_key
+from resilientjob.agent._redis import JobKeys, Outage, connect
+from resilientjob.agent.telemetry import Telemetry
+from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+
+PASSWORD = "blip-password"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisProcess]:
+    process = RedisProcess(PASSWORD)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def plan(generation: int) -> Plan:
+    stages = (StagePlan(layers=(0, 2), node=0), StagePlan(layers=(2, 4), node=1))
+    return Plan(
+        policy=Policy.DYNAMIC,
+        generation=generation,
+        microbatch_size=1,
+        pipelines=(PipelinePlan(stages=stages, microbatches=4),),
+        step_time_s=0.4,
+    )
+
+
+async def wait_for(probe, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await probe()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_backoff_is_capped_jittered_and_logs_once_per_outage(capsys: pytest.CaptureFixture[str]) -> None:
+    outage = Outage("unit", base_s=0.1, cap_s=1.0)
+    waits = [outage.failed(ConnectionError("refused")) for _ in range(12)]
+    assert all(0.05 <= wait <= 1.0 for wait in waits)
+    assert max(waits[6:]) > 0.5  # grew towards the cap
+    assert outage.ok() and not outage.ok()
+    outage.failed(TimeoutError("slow"))
+    outage.ok()
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if "Redis unreachable" in line]) == 2, lines
+    assert len([line for line in lines if "Redis is back" in line]) == 2, lines
+    assert outage.outages == 2
+    with pytest.raises(ValueError, match="backoff"):
+        Outage("bad", base_s=2.0, cap_s=1.0)
+
+
+async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_empty(
+    server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = JobKeys("ns", "blip")
+    operator = connect(server.url, PASSWORD)
+    agent_client = connect(server.url, PASSWORD)
+    host_client = connect(server.url, PASSWORD)
+    assert await JobRedis(operator, keys).commit(announcement(plan(0)), None) is not None
+    telemetry = Telemetry(agent_client, keys, node=0, pod="blip-node-0")
+    host = StoreHost(host_client, keys, "127.0.0.1", poll_s=0.05)
+    stopped = asyncio.Event()
+    tasks = [
+        asyncio.create_task(telemetry.heartbeat_forever(stopped)),
+        asyncio.create_task(synthetic.train(telemetry, stopped, time_scale=0.1)),
+        asyncio.create_task(host.run(stopped)),
+    ]
+    try:
+        await wait_for(lambda: operator.xlen(keys.iterations), 10, "the first steps")
+        await wait_for(lambda: operator.get(store_key(keys)), 10, "the store host's address")
+
+        server.kill()
+        await asyncio.sleep(1.0)
+        steps_during = telemetry.step
+        await asyncio.sleep(0.5)
+        assert telemetry.step > steps_during, "training stopped while Redis was away"
+        server.start()  # the same port, empty
+        await operator.aclose()  # the test's own client: its pooled connection died with the server
+        operator = connect(server.url, PASSWORD)
+        assert not await operator.exists(keys.heartbeat(0), keys.plan)
+
+        await wait_for(lambda: operator.exists(keys.heartbeat(0)), 5, "the heartbeat in the new Redis")
+        assert await operator.getbit(keys.beaten, 0) == 1
+        # The operator publishes the plan again (from its durable state): the follower and the host get it.
+        assert await JobRedis(operator, keys).commit(announcement(plan(1)), None) is not None
+        await wait_for(lambda: operator.get(store_key(keys)), 5, "the store address re-registered")
+        assert (await operator.get(store_key(keys))).decode() == host.address
+        await wait_for(lambda: _at_generation(telemetry, 1), 10, "steps under the re-published plan")
+        assert await operator.xlen(keys.iterations) > 0
+        assert host.plan is not None and host.plan.generation == 1
+        assert host.store.get("generation") == b"1"
+        assert not any(task.done() for task in tasks), [t.exception() for t in tasks if t.done()]
+    finally:
+        stopped.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        for client in (operator, agent_client, host_client):
+            await client.aclose()
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    out = capsys.readouterr().out
+    assert "Traceback" not in out
+    for who in ("agent node 0", "store host"):
+        assert out.count(f"{who}: Redis unreachable") == 1, out
+        assert out.count(f"{who}: Redis is back") == 1, out
+
+
+async def _at_generation(telemetry: Telemetry, generation: int) -> bool:
+    return telemetry.generation == generation
