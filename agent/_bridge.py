@@ -1,29 +1,19 @@
 """The bridge from the control plane to the training runtime: what an agent pod runs when its job trains a
 real model (`spec.model` is a runtime model such as `gpt`, `llama`, `sleep` or `module:function`).
 
-Three parts:
-- The job's **store host** (`python -m resilientjob.agent._bridge host`, environment as in a pod): hosts the
-  job's one `TCPStore` (rendezvous, plans, failure counter, commits), mirrors every generation the operator
-  commits in Redis into it (`worker.publish_plan`), and announces the nodes a generation drops without
-  parking them as failures (`worker.announce_failures`) before publishing it, so survivors blocked behind a
-  dead peer abandon their step at once. Its address is the Redis key `<job prefix>store`.
-  Where it runs: the first agent to take the Redis lock `<job prefix>store:lock` starts it as a detached
-  process in its own session, so in the local stack it outlives the pod that started it (killing any pod,
-  node 0 included, leaves the store up). It stops when the job's Redis keys are deleted, when Redis is gone,
-  or when no worker has heartbeated for `HOST_IDLE_S`. In a cluster a process dies with its container, so
-  there the store host should run as its own small Deployment (the same command) behind a Service, with
-  `RJOB_STORE_ADDR=<service>:29500` in the worker pods; without it the host lives in the pod that won the
-  lock, reachable as `<pod>.<job>-workers` through the job's headless Service, and losing that pod loses the
-  job's store (as losing torch elastic's c10d rendezvous host does).
+Two parts:
+- The **store**: the job's one `TCPStore` (rendezvous, plans, failure counter, commit votes) lives in the
+  job's store pod (`store_host`), not in any worker pod, so that no worker pod is special: killing any of
+  them, node 0 included, leaves the store up. The agent reads its address from `RJOB_STORE_ADDR` or the
+  Redis key the store pod registers (`store_address`).
 - The **worker** (`TrainingAgent`): one process per device started with torch elastic's `start_processes`
   (as `launcher.NodeAgent` does), running `worker.run_from_plan`, with `_worker_probe` inside it: the
   `torch.distributed` tracer, chaos orders (`agent.chaos`, when the job allows chaos: a duty-cycle delay
   of compute or a delay of sends to one peer), each committed step's wall, compute and communication time
   split from the trace, a per-group profile every few steps, and validation passes at an agreed iteration
   boundary. The agent tails what the worker writes into `Telemetry.record_iteration` (the compute
-  detector blames the slow node, not its waiting peers) and `Telemetry.record_profile`.
-- The store host also relays validation (`_validation_relay`): it mirrors the operator's request into the
-  store with a boundary step every worker will reach, and forwards world rank 0's result to Redis once.
+  detector blames the slow node, not its waiting peers) and `Telemetry.record_profile`. The worker
+  processes die with the agent (`_die_with_parent`), as a container's processes die together.
 """
 
 from __future__ import annotations
@@ -36,8 +26,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,36 +42,18 @@ from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import Workload
 
 from ._model_profile import wait_for_first_plan
-from ._redis import REDIS_DOWN, JobKeys, Outage, connect
+from ._redis import REDIS_DOWN, JobKeys, Outage
+from .store_host import store_key
 from .telemetry import Telemetry
-from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
 if TYPE_CHECKING:
     from .runtime import Trainer
-
-HOST_IDLE_S = 15.0
-"""The store host stops after this long without a heartbeat from any worker of the job."""
-
-GONE_GRACE_S = 5.0
-"""The store host stops when the job's plan key and every heartbeat have been gone this long with Redis up."""
-
-REGISTER_EVERY_S = 1.0
-"""The store host checks its address key this often (and rewrites it into a Redis that came back empty)."""
 
 
 def wants_training(model: str) -> bool:
     """Whether the agent trains `model` with the runtime (every model but `synthetic:<profile>`); ValueError
     naming `model` when it names nothing (`protocol.models`: no fallback to the synthetic loop)."""
     return model_source(model) is not ModelSource.SYNTHETIC
-
-
-def store_key(keys: JobKeys) -> str:
-    """Redis key holding `host:port` of the job's TCPStore."""
-    return f"{keys.prefix}store"
-
-
-def store_lock_key(keys: JobKeys) -> str:
-    return f"{keys.prefix}store:lock"
 
 
 # ---- options -----------------------------------------------------------------------------------------------
@@ -139,134 +109,10 @@ def parse_options(argv: list[str]) -> TrainingOptions:
     )
 
 
-# ---- the store host --------------------------------------------------------------------------------------
-def dropped_nodes(previous: Plan | None, announcement: PlanAnnouncement) -> set[int]:
-    """Nodes the new generation drops that are not parked by fail-slow mitigation: they died (a parked
-    node is alive and leaves its world cleanly at the next commit, so it is no failure)."""
-    if previous is None:
-        return set()
-    return set(previous.nodes) - set(announcement.plan.nodes) - set(announcement.parked)
-
-
-class StoreHost:
-    """Hosts the job's TCPStore and mirrors the operator's generations into it."""
-
-    def __init__(self, client: aioredis.Redis, keys: JobKeys, advertise: str, poll_s: float = 0.05) -> None:
-        from torch._C._distributed_c10d import TCPStore
-
-        from ._validation_relay import ValidationRelay
-
-        self.client = client
-        self.keys = keys
-        self.poll_s = poll_s
-        self.store = TCPStore(
-            advertise, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
-        self.address = f"{advertise}:{self.store.port}"
-        self.plan: Plan | None = None
-        self.parked: list[int] = []
-        self.announced = 0
-        self.validation = ValidationRelay(client, keys, self.store)
-        self.outage = Outage("store host")
-
-    async def _published(self) -> PlanAnnouncement | None:
-        return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
-
-    def mirror(self, announcement: PlanAnnouncement) -> None:
-        """Announce the generation's dead nodes, then publish its plan (in that order: see module doc)."""
-        from .worker import announce_failures, publish_plan
-
-        dead = dropped_nodes(self.plan, announcement)
-        if dead:
-            self.announced = announce_failures(self.store, len(dead))
-        publish_plan(self.store, announcement.plan, self.announced)
-        self.plan, self.parked = announcement.plan, list(announcement.parked)
-        print(
-            f"store host: generation {announcement.generation} {announcement.layout} "
-            f"({announcement.trigger or 'initial'}; dead {sorted(dead)})",
-            flush=True,
-        )
-
-    async def _anyone_alive(self) -> bool:
-        nodes = set(self.plan.nodes if self.plan else ()) | set(self.parked)
-        if not nodes:
-            return True
-        return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
-
-    async def run(self, stopped: asyncio.Event) -> None:
-        """Mirror generations until `stopped`, the job's keys go away, or every worker is gone. Redis away
-        stops nothing: the host keeps serving the store (training goes on without Redis), retries with
-        backoff, and once Redis is back re-registers its address if the key is gone (Redis came back
-        empty); time without Redis counts neither as the job's keys gone nor as workers gone."""
-        gone_since: float | None = None
-        alive_at = time.monotonic()
-        registered_at = 0.0
-        while not stopped.is_set():
-            wait_s = self.poll_s
-            try:
-                current = await self._published()
-                if current is not None and (self.plan is None or current.generation > self.plan.generation):
-                    self.mirror(current)
-                await self.validation.poll(self.plan.generation if self.plan is not None else None)
-                if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
-                    # The address appears only once a plan is in the store: workers read it at once.
-                    if await self.client.get(store_key(self.keys)) != self.address.encode():
-                        await self.client.set(store_key(self.keys), self.address)
-                    registered_at = time.monotonic()
-                alive = await self._anyone_alive()
-                self.outage.ok()
-            except REDIS_DOWN as exc:
-                wait_s = self.outage.failed(exc)
-                alive_at = time.monotonic()
-                gone_since = None
-            else:
-                now = time.monotonic()
-                if alive:
-                    alive_at = now
-                gone = current is None and self.plan is not None and not alive
-                gone_since = (gone_since or now) if gone else None
-                if gone_since is not None and now - gone_since > GONE_GRACE_S:
-                    print("store host: the job's keys are gone; stopping", flush=True)
-                    return
-                if now - alive_at > HOST_IDLE_S:
-                    print(f"store host: no worker heartbeat for {HOST_IDLE_S} s; stopping", flush=True)
-                    return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), wait_s)
-
-
-async def host_main() -> int:
-    env = os.environ
-    keys = JobKeys(env.get("RJOB_NAMESPACE", "default"), env["RJOB_JOB"])
-    client = connect(env["RJOB_REDIS_URL"], env.get("RJOB_REDIS_PASSWORD"))
-    stopped = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopped.set)
-    host = StoreHost(client, keys, env.get("POD_IP") or "127.0.0.1")
-    try:
-        await host.run(stopped)
-    finally:
-        with contextlib.suppress(RedisError, OSError):
-            # Only our own address: a newer host of a re-created job must not lose its key.
-            if await client.get(store_key(keys)) == host.address.encode():
-                await client.delete(store_key(keys), store_lock_key(keys))
-        with contextlib.suppress(Exception):
-            await client.aclose()
-    return 0
-
-
-def _host_log(keys: JobKeys) -> Path:
-    """Next to the pod's files in the local stack; the temporary directory in a container."""
-    podinfo = os.environ.get("RJOB_PODINFO_DIR")
-    directory = Path(podinfo).parent if podinfo else Path(tempfile.gettempdir())
-    if not os.access(directory, os.W_OK):
-        directory = Path(tempfile.gettempdir())
-    return directory / f"store-host-{keys.job}.log"
-
-
-async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout_s: float = 60.0) -> str:
-    """The job's store `host:port`: `RJOB_STORE_ADDR`, the registered host, or a host this agent starts."""
+# ---- the store's address ---------------------------------------------------------------------------------
+async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout_s: float = 120.0) -> str:
+    """The job's store `host:port`: `RJOB_STORE_ADDR`, or the address the job's store pod registered in
+    Redis (`store_host`), waited for (with backoff while Redis is away) up to `timeout_s`."""
     if os.environ.get("RJOB_STORE_ADDR"):
         return os.environ["RJOB_STORE_ADDR"]
     deadline = time.monotonic() + timeout_s
@@ -274,23 +120,14 @@ async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout
     while time.monotonic() < deadline:
         try:
             raw = await client.get(store_key(keys))
-            locked = not raw and await client.set(store_lock_key(keys), pod, nx=True, ex=int(timeout_s))
             outage.ok()
         except REDIS_DOWN as exc:
             await asyncio.sleep(outage.failed(exc))
             continue
         if raw:
             return raw.decode() if isinstance(raw, bytes) else str(raw)
-        if locked:
-            with _host_log(keys).open("ab") as log:
-                subprocess.Popen(
-                    [sys.executable, "-m", "resilientjob.agent._bridge", "host"],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # outlives this pod's process in the local stack (module doc)
-                )
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"store: no store host registered for job {keys.job} within {timeout_s} s")
+    raise TimeoutError(f"store: the store pod of job {keys.job} registered no address within {timeout_s} s")
 
 
 # ---- the worker process ----------------------------------------------------------------------------------
@@ -549,10 +386,3 @@ async def train(
         done.set()
         await asyncio.gather(*helpers, return_exceptions=True)
         agent.stop()
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["host"]:
-        print("usage: python -m resilientjob.agent._bridge host", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(asyncio.run(host_main()))

@@ -109,7 +109,7 @@ class Probe:
 
     def _store(self) -> Any:
         if self.store is None:
-            from resilientjob.agent._bridge import store_key
+            from resilientjob.agent.store_host import store_key
 
             raw: Any = self.client.get(store_key(self.keys))
             if raw:

@@ -218,7 +218,9 @@ def _kill(pod: str) -> int:
     if not pid_file.exists():
         raise CliError(f"pod: {pod!r} is not running locally")
     try:
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        # The pod's whole process group (the kubelet starts each pod as a group leader), as a container
+        # crash takes every process of the container.
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
     except ProcessLookupError:
         raise CliError(f"pod: {pod!r} has already exited") from None
     print(f"pod/{pod} killed")

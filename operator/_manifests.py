@@ -1,5 +1,6 @@
 """The Kubernetes objects the operator creates for a job, as plain dicts (pure functions, no I/O): a headless
-Service, the plan ConfigMap and one Pod per node, all owned by the ResilientJob so that deleting the job
+Service, the plan ConfigMap, one Pod per node and, for a job that trains through the runtime, the store pod
+that hosts the job's TCPStore (`agent.store_host`), all owned by the ResilientJob so that deleting the job
 deletes them."""
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_JOB = "resilientjob.io/job"
 LABEL_NODE = "resilientjob.io/node"
+LABEL_ROLE = "resilientjob.io/role"
+"""`store` on the job's store pod (which has no node label: fencing and planning never see it)."""
+ROLE_STORE = "store"
+STORE_COMMAND = ["python", "-m", "resilientjob.agent.store_host"]
+STORE_PORT = 29500
+"""The port of the job's TCPStore in the store pod (the headless Service's `rendezvous` port)."""
 ANNOTATION_GENERATION = "resilientjob.io/generation"
 ANNOTATION_LAYOUT = "resilientjob.io/layout"
 MANAGER = "resilientjob-operator"
@@ -72,6 +79,10 @@ def pod_name(job: str, node: int) -> str:
 
 def service_name(job: str) -> str:
     return f"{job}-workers"
+
+
+def store_pod_name(job: str) -> str:
+    return f"{job}-store"
 
 
 def plan_configmap_name(job: str) -> str:
@@ -216,14 +227,7 @@ def pod_manifest(
     ]
     if spec.chaos.enabled:
         env.append({"name": "RJOB_ALLOW_CHAOS", "value": "1"})  # agent.chaos.ALLOW_ENV
-    secret = spec.redis.password_secret_ref
-    if secret is not None:
-        env.append(
-            {
-                "name": "RJOB_REDIS_PASSWORD",
-                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
-            }
-        )
+    env.extend(_password_env(spec))
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image,
@@ -287,6 +291,54 @@ def pod_manifest(
             "securityContext": copy.deepcopy(WORKER_POD_SECURITY_CONTEXT),
             "containers": [container],
             "volumes": volumes,
+        },
+    }
+
+
+def _password_env(spec: api.ResilientJobSpec) -> list[dict[str, Any]]:
+    secret = spec.redis.password_secret_ref
+    if secret is None:
+        return []
+    ref = {"secretKeyRef": {"name": secret.name, "key": secret.key}}
+    return [{"name": "RJOB_REDIS_PASSWORD", "valueFrom": ref}]
+
+
+def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redis_url: str) -> dict[str, Any]:
+    """The job's store pod: one small process hosting the job's TCPStore and relaying the committed plan from
+    Redis into it (`agent.store_host`). No device, no checkpoint volume, no node label. `OnFailure`: a
+    kubelet restarts a crashed host in place (same pod IP); the operator re-creates a pod that is gone."""
+    job = body["metadata"]["name"]
+    env: list[dict[str, Any]] = [
+        {"name": "RJOB_JOB", "value": job},
+        {"name": "RJOB_NAMESPACE", "value": body["metadata"]["namespace"]},
+        {"name": "RJOB_REDIS_URL", "value": redis_url},
+        {"name": "RJOB_STORE_PORT", "value": str(STORE_PORT)},  # agent.store_host.STORE_PORT_ENV
+        {"name": WORKLOAD_ENV, "value": workload(spec).model_dump_json(by_alias=True)},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *({"name": name, "value": value} for name, value in SCRATCH_ENV.items()),
+        *_password_env(spec),
+    ]
+    container: dict[str, Any] = {
+        "name": "store",
+        "image": spec.image,
+        "command": list(STORE_COMMAND),
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": STORE_PORT, "protocol": "TCP"}],
+        "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(body, store_pod_name(job), {LABEL_ROLE: ROLE_STORE}),
+        "spec": {
+            "hostname": store_pod_name(job),
+            "subdomain": service_name(job),
+            "restartPolicy": "OnFailure",
+            "securityContext": copy.deepcopy(WORKER_POD_SECURITY_CONTEXT),
+            "containers": [container],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
         },
     }
 

@@ -2,10 +2,16 @@
 
 Pod phase follows the process (Running while it lives, Succeeded/Failed by exit code), annotations and
 labels are written to files the way the downward API does, `fieldRef`/`secretKeyRef` environment variables
-are resolved, and a deleted pod's process is stopped. It talks to the API over HTTP like any kubelet.
+are resolved, and a deleted pod's processes are stopped. It talks to the API over HTTP like any kubelet.
+
+Every process a pod started dies with the pod, as a container's do: each pod runs in its own session (and
+process group), a deleted pod's whole group is stopped, and when a pod's main process exits (killed or not)
+whatever it left running in its group is killed. Nothing outlives its pod here that would not outlive it on
+a cluster.
 
 All pods share this host's network, so a port a pod's spec fixes (the agent's metrics port, the same in every
-worker pod) is replaced by a free one per pod, written to `pods/<name>/metrics-port`.
+worker pod; the store pod's TCPStore port) is replaced by a free one per pod, written to
+`pods/<name>/metrics-port` for the metrics port.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any
 from ._kube import KubeApi, core_path
 from ._manifests import AGENT_METRICS_ENV, LABEL_MANAGED_BY, MANAGER, downward_annotations_text
 
+STORE_PORT_ENV = "RJOB_STORE_PORT"  # agent.store_host.STORE_PORT_ENV (the operator does not import the agent)
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
@@ -44,6 +52,8 @@ class RunningPod:
     annotations: dict[str, str]
     reported: str = ""
     metrics_port: int | None = None
+    ended: bool = False
+    """Its main process exited and what it left in its group was killed: the group id may be reused now."""
 
 
 class ProcessKubelet:
@@ -74,8 +84,7 @@ class ProcessKubelet:
                 before_stop()
             running = list(self.pods.values())
             for pod in running:
-                if pod.process.poll() is None:
-                    pod.process.terminate()
+                _signal_group(pod, signal.SIGTERM)
             for pod in running:
                 self._stop(pod)
 
@@ -139,6 +148,8 @@ class ProcessKubelet:
         if env.get(AGENT_METRICS_ENV):
             # One host for every pod: the spec's port (the same in every worker) would clash.
             env[AGENT_METRICS_ENV] = str(free_port())
+        if env.get(STORE_PORT_ENV):
+            env[STORE_PORT_ENV] = "0"  # the store host binds a free port and registers it in Redis
         return env
 
     async def _start(self, body: dict[str, Any]) -> RunningPod:
@@ -170,6 +181,9 @@ class ProcessKubelet:
 
     async def _report(self, pod: RunningPod) -> None:
         code = pod.process.poll()
+        if code is not None and not pod.ended:
+            _signal_group(pod, signal.SIGKILL)  # the container is gone: so is all it started
+            pod.ended = True
         if code is None:
             phase, status = (
                 "Running",
@@ -192,19 +206,29 @@ class ProcessKubelet:
             pod.reported = phase
 
     def kill(self, pod_name: str, signum: int = signal.SIGKILL) -> bool:
-        """Chaos: signal a pod's process (its phase then follows from the exit)."""
+        """Chaos: signal a pod's processes (its phase then follows from the main process's exit)."""
         for pod in self.pods.values():
             if pod.name == pod_name and pod.process.poll() is None:
-                pod.process.send_signal(signum)
+                _signal_group(pod, signum)
                 return True
         return False
 
     @staticmethod
     def _stop(pod: RunningPod) -> None:
+        """SIGTERM to the pod's process group, SIGKILL to what is left after the grace period."""
         if pod.process.poll() is None:
-            pod.process.terminate()
-            try:
+            _signal_group(pod, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 pod.process.wait(3)
-            except subprocess.TimeoutExpired:
-                pod.process.kill()
-                pod.process.wait(3)
+        _signal_group(pod, signal.SIGKILL)
+        pod.ended = True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pod.process.wait(3)
+
+
+def _signal_group(pod: RunningPod, signum: int) -> None:
+    """Signal every process of the pod: its main process leads its own group (`start_new_session`), and the
+    group outlives the leader while anything in it runs (never once `ended`: the id may be reused)."""
+    if not pod.ended:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pod.process.pid, signum)

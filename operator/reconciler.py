@@ -40,6 +40,7 @@ from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
+from ._store import StoreKeeper
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
 from .settings import OperatorSettings
@@ -110,6 +111,7 @@ class JobController:
         self._deciding: asyncio.Task[None] | None = None
         self._telemetry = TelemetryPass()
         self._failslow_restored = False
+        self.store = StoreKeeper(kube, namespace, name)
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -125,6 +127,9 @@ class JobController:
 
     # ---- pod events (from the kopf pod watch) -----------------------------------------------------------
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
+        if self.store.observe(pod, deleted):
+            self.wakeup.set()  # a store pod gone or Failed is created again (`reconcile_once`)
+            return
         view = _decide.pod_view(pod, self.name)
         if view is None:
             return
@@ -238,6 +243,7 @@ class JobController:
         """The Service and these nodes' pods (idempotent: existing ones are left as they are)."""
         spec = self.require_spec()
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
+        await self.ensure_store()
         limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
 
         async def create(node: int) -> None:
@@ -254,6 +260,12 @@ class JobController:
             core_path(self.namespace, "pods"), _manifests.job_selector(self.name)
         ):
             self.observe_pod(pod, deleted=False)
+
+    async def ensure_store(self) -> None:
+        """The job's store pod, created (again) when missing (`_store`)."""
+        await self.store.ensure(
+            self.body, self.require_spec(), self._redis_url(), self.settings.worker_defaults
+        )
 
     def _redis_url(self) -> str:
         return self.require_spec().redis.url or self.settings.redis_url
@@ -427,6 +439,7 @@ class JobController:
 
     async def reconcile_once(self) -> None:
         spec = self.require()[0]
+        await self.ensure_store()
         deciding = self._deciding is not None and not self._deciding.done()
         if self._deciding is not None and self._deciding.done():
             task, self._deciding = self._deciding, None

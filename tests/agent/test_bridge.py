@@ -1,11 +1,16 @@
 """The bridge from the control plane to the training runtime: the pure parts (options, which nodes a
 generation drops, which models train for real), and the local stack running a real 4-node GPT job through a
 pod kill: training goes on under the new generation, the loss keeps falling, and every step processes
-exactly its own global batch (no sample lost or repeated)."""
+exactly its own global batch (no sample lost or repeated).
+
+The pod killed is node 0's, the one that hosted the job's store before the store had a pod of its own
+(issue #14): the store lives in the job's store pod, the kill takes every process of the killed pod (as a
+container crash does), and the job neither loses its store nor stops."""
 
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,15 +20,10 @@ import redis
 import yaml
 from _support import rjob_ok, until
 
-from resilientjob.agent._bridge import (
-    TrainingOptions,
-    dropped_nodes,
-    parse_options,
-    store_key,
-    wants_training,
-)
+from resilientjob.agent._bridge import TrainingOptions, parse_options, wants_training
 from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.models import ModelKind
+from resilientjob.agent.store_host import dropped_nodes, store_key
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.models import TOY_MODELS, ModelSource, model_source
@@ -111,6 +111,9 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     client = redis.Redis.from_url(state["redis_url"])
     keys = JobKeys("default", "bridge")
     address = until(lambda: client.get(store_key(keys)), 30, "the store host")
+    # The store is served by the store pod's process, which registered the address it serves.
+    store_log = (stack / "pods" / "bridge-store" / "log").read_text()
+    assert f"store at {address.decode()}" in store_log, store_log
     host, _, port = address.decode().rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
 
@@ -122,16 +125,19 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
 
     until(lambda: committed() >= 20, 40, "20 committed steps on 4 workers")
     before = published().plan
-    share = next(p.microbatches for p in before.pipelines if p.stages[0].node == 2) * before.microbatch_size
+    share = next(p.microbatches for p in before.pipelines if p.stages[0].node == 0) * before.microbatch_size
     killed_at = committed()
-    rjob_ok(stack, "chaos", "kill", "bridge-node-2")
+    pod_pid = int((stack / "pods" / "bridge-node-0" / "pid").read_text())
+    assert len(_group(pod_pid)) > 1, "the agent runs its workers in its pod's process group"
+    rjob_ok(stack, "chaos", "kill", "bridge-node-0")
+    until(lambda: not _group(pod_pid), 10, "every process of the killed pod gone")
 
-    def without_node_2() -> PlanAnnouncement | None:
+    def without_node_0() -> PlanAnnouncement | None:
         current = published()
-        return current if current.generation >= 1 and 2 not in current.plan.nodes else None
+        return current if current.generation >= 1 and 0 not in current.plan.nodes else None
 
-    recovered = until(without_node_2, 20, "a generation without node 2")
-    assert recovered.trigger == "NodeFailed" and recovered.nodes == [2]
+    recovered = until(without_node_0, 20, "a generation without node 0")
+    assert recovered.trigger == "NodeFailed" and recovered.nodes == [0]
     assert committed() >= killed_at
     replanned_at = committed()
     until(lambda: committed() >= replanned_at + 30, 30, "30 steps after the new generation")
@@ -197,3 +203,18 @@ def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succe
     log = rjob_ok(stack, "logs", f"tp-node-{node}")
     assert "step 12 gen 0" in log, log[-2000:]
     client.close()
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of the process group `pgid` (zombies count as gone)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry))
+    return found

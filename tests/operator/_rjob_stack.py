@@ -116,11 +116,13 @@ class Kube:
         return status
 
     async def job_pods(self, job: str) -> list[dict[str, Any]]:
-        """The job's pods that are not being deleted (a real API server keeps them a moment longer)."""
+        """The job's worker pods (not its store pod) that are not being deleted (a real API server keeps them
+        a moment longer)."""
         return [
             pod
             for pod in await self.list("pods", f"resilientjob.io/job={job}")
             if not pod["metadata"].get("deletionTimestamp")
+            and "resilientjob.io/node" in (pod["metadata"].get("labels") or {})
         ]
 
     async def events_of(self, name: str) -> list[dict[str, Any]]:

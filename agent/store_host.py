@@ -1,0 +1,192 @@
+"""The job's store host: `python -m resilientjob.agent.store_host`, the one process of the job's store pod
+(`<job>-store`, which the operator creates next to the worker pods of a job that trains through the
+runtime; `operator/_store.py`).
+
+It hosts the job's one `TCPStore` (rendezvous, plans, failure counter, commit votes), mirrors every
+generation the operator commits in Redis into it (`worker.publish_plan`), announces the nodes a generation
+drops without parking them as failures (`worker.announce_failures`) before publishing it, so survivors
+blocked behind a dead peer abandon their step at once, and relays validation (`_validation_relay`). Its
+address (`$POD_IP:$RJOB_STORE_PORT`, port 29500 in a cluster, a free one in the local stack) is the Redis
+key `<job prefix>store`, which the worker pods read (`RJOB_STORE_ADDR` overrides it).
+
+Why a pod of its own: hosted inside a worker pod, the store died with that pod and took the whole job with
+it. No worker pod is special now; the store pod holds no training state and runs no collectives, so it fails
+far more rarely than a worker, and the operator re-creates it when it does (a new store starts from the
+committed plan in Redis).
+
+It keeps running while Redis is away (training goes on; the host retries with backoff and re-registers its
+address in a Redis that came back empty) and stops on SIGTERM (the job's deletion deletes the pod), or
+once the job trained all its steps and no worker has heartbeated for `DONE_IDLE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import redis.asyncio as aioredis
+
+from resilientjob.planner.plan import Plan
+
+from ._redis import REDIS_DOWN, JobKeys, Outage, connect
+from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
+
+STORE_PORT_ENV = "RJOB_STORE_PORT"
+"""The port the store listens on (0 or unset: any free port)."""
+
+DONE_IDLE_S = 10.0
+"""After the last step, the host stops once no worker has heartbeated for this long."""
+
+REGISTER_EVERY_S = 1.0
+"""The host checks its address key this often (and rewrites it into a Redis that came back empty)."""
+
+
+def store_key(keys: JobKeys) -> str:
+    """Redis key holding `host:port` of the job's TCPStore."""
+    return f"{keys.prefix}store"
+
+
+def dropped_nodes(previous: Plan | None, announcement: PlanAnnouncement) -> set[int]:
+    """Nodes the new generation drops that are not parked by fail-slow mitigation: they died (a parked
+    node is alive and leaves its world cleanly at the next commit, so it is no failure)."""
+    if previous is None:
+        return set()
+    return set(previous.nodes) - set(announcement.plan.nodes) - set(announcement.parked)
+
+
+class StoreHost:
+    """Hosts the job's TCPStore and mirrors the operator's generations into it."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: JobKeys,
+        advertise: str,
+        *,
+        port: int = 0,
+        steps: int | None = None,
+        poll_s: float = 0.05,
+    ) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        from ._validation_relay import ValidationRelay
+
+        self.client = client
+        self.keys = keys
+        self.poll_s = poll_s
+        self.steps = steps
+        """The job's last step (`spec.training.steps`); None: run until stopped."""
+        self.store = TCPStore(
+            advertise, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.address = f"{advertise}:{self.store.port}"
+        self.plan: Plan | None = None
+        self.parked: list[int] = []
+        self.announced = 0
+        self.validation = ValidationRelay(client, keys, self.store)
+        self.outage = Outage("store host")
+
+    async def _published(self) -> PlanAnnouncement | None:
+        return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
+
+    def mirror(self, announcement: PlanAnnouncement) -> None:
+        """Announce the generation's dead nodes, then publish its plan (in that order: see module doc)."""
+        from .worker import announce_failures, publish_plan
+
+        dead = dropped_nodes(self.plan, announcement)
+        if dead:
+            self.announced = announce_failures(self.store, len(dead))
+        publish_plan(self.store, announcement.plan, self.announced)
+        self.plan, self.parked = announcement.plan, list(announcement.parked)
+        print(
+            f"store host: generation {announcement.generation} {announcement.layout} "
+            f"({announcement.trigger or 'initial'}; dead {sorted(dead)})",
+            flush=True,
+        )
+
+    async def _anyone_alive(self) -> bool:
+        nodes = set(self.plan.nodes if self.plan else ()) | set(self.parked)
+        if not nodes:
+            return True
+        return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
+
+    def _trained(self) -> bool:
+        if self.steps is None or not self.store.check(["committed"]):
+            return False
+        return int(self.store.get("committed")) >= self.steps
+
+    async def run(self, stopped: asyncio.Event) -> None:
+        """Mirror generations until `stopped` or the job is done (see the module doc). Redis away stops
+        nothing: the host keeps serving the store, retries with backoff, and once Redis is back re-registers
+        its address if the key is gone; time without Redis does not count as workers gone."""
+        alive_at = time.monotonic()
+        registered_at = 0.0
+        while not stopped.is_set():
+            wait_s = self.poll_s
+            try:
+                current = await self._published()
+                if current is not None and (self.plan is None or current.generation > self.plan.generation):
+                    self.mirror(current)
+                await self.validation.poll(self.plan.generation if self.plan is not None else None)
+                if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
+                    # The address appears only once a plan is in the store: workers read it at once.
+                    if await self.client.get(store_key(self.keys)) != self.address.encode():
+                        await self.client.set(store_key(self.keys), self.address)
+                    registered_at = time.monotonic()
+                alive = await self._anyone_alive()
+                self.outage.ok()
+            except REDIS_DOWN as exc:
+                wait_s = self.outage.failed(exc)
+                alive_at = time.monotonic()
+            else:
+                if alive or not self._trained():
+                    alive_at = time.monotonic()
+                elif time.monotonic() - alive_at > DONE_IDLE_S:
+                    print(f"store host: trained to step {self.steps}, no worker left; stopping", flush=True)
+                    return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), wait_s)
+
+
+def _steps(env: dict[str, str]) -> int | None:
+    from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
+
+    return load_workload(env[WORKLOAD_ENV]).training.steps if env.get(WORKLOAD_ENV) else None
+
+
+async def host_main() -> int:
+    env = dict(os.environ)
+    try:
+        keys = JobKeys(env.get("RJOB_NAMESPACE", "default"), env["RJOB_JOB"])
+        url = env["RJOB_REDIS_URL"]
+        port = int(env.get(STORE_PORT_ENV) or 0)
+        steps = _steps(env)
+    except (KeyError, ValueError) as exc:
+        print(f"resilientjob.agent.store_host: missing or bad environment: {exc}", file=sys.stderr)
+        return 2
+    client = connect(url, env.get("RJOB_REDIS_PASSWORD"))
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopped.set)
+    host = StoreHost(client, keys, env.get("POD_IP") or "127.0.0.1", port=port, steps=steps)
+    print(f"store host: job {keys.namespace}/{keys.job} store at {host.address}", flush=True)
+    try:
+        await host.run(stopped)
+    finally:
+        with contextlib.suppress(*REDIS_DOWN):
+            # Only our own address: the host that replaces this one must not lose its key.
+            if await client.get(store_key(keys)) == host.address.encode():
+                await client.delete(store_key(keys))
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(host_main()))

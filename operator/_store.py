@@ -1,0 +1,85 @@
+"""Keeps a job's store pod (`<job>-store`, `_manifests.store_pod_manifest`) in existence while the job runs.
+
+A job that trains through the runtime keeps its TCPStore in a pod of its own, so that no worker pod is
+special (issue #14: a store inside a worker pod died with that pod and took the job with it). The operator
+creates the store pod with the worker pods and creates it again when it is gone or Failed; the new host
+republishes the committed plan from Redis. A synthetic job has no store and gets no store pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resilientjob.protocol.models import ModelSource, model_source
+
+from . import _manifests, api
+from ._kube import KubeApi, core_path
+from ._worker_defaults import load_worker_defaults
+
+
+def needs_store(spec: api.ResilientJobSpec) -> bool:
+    """Whether the job trains through the runtime (which rendezvous through the store)."""
+    try:
+        return model_source(spec.model) is not ModelSource.SYNTHETIC
+    except ValueError:
+        return False  # an unknown model is rejected elsewhere, naming the field
+
+
+def is_store_pod(pod: Mapping[str, Any], job: str) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    role = labels.get(_manifests.LABEL_ROLE)
+    return labels.get(_manifests.LABEL_JOB) == job and role == _manifests.ROLE_STORE
+
+
+class StoreKeeper:
+    """One job's store pod: `observe` its pod events, `ensure` it exists (cheap unless an event or the first
+    call said it may be gone)."""
+
+    def __init__(self, kube: KubeApi, namespace: str, job: str) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.job = job
+        self.check_due = True
+        self.created = 0
+        """Store pods this keeper created (the first one included)."""
+
+    @property
+    def path(self) -> str:
+        return core_path(self.namespace, "pods", _manifests.store_pod_name(self.job))
+
+    def observe(self, pod: Mapping[str, Any], deleted: bool) -> bool:
+        """Note an event of any pod; True when it was the job's store pod (the caller wakes its loop)."""
+        if not is_store_pod(pod, self.job):
+            return False
+        phase = (pod.get("status") or {}).get("phase")
+        if deleted or phase == "Failed" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            self.check_due = True
+        return True
+
+    async def ensure(
+        self,
+        body: Mapping[str, Any],
+        spec: api.ResilientJobSpec,
+        redis_url: str,
+        worker_defaults: str | None = None,
+    ) -> None:
+        """Create the store pod if it is missing; delete a Failed one (its replacement follows once it is
+        gone). A Succeeded one stays: its host stops only after the job's last step."""
+        if not self.check_due or not needs_store(spec):
+            return
+        existing = await self.kube.get(self.path)
+        if existing is not None:
+            failed = (existing.get("status") or {}).get("phase") == "Failed"
+            deleting = bool((existing.get("metadata") or {}).get("deletionTimestamp"))
+            if failed and not deleting:
+                await self.kube.delete(self.path)
+            self.check_due = failed or deleting
+            return
+        manifest = _manifests.store_pod_manifest(body, spec, redis_url)
+        if worker_defaults:
+            # The chart's scheduling and pull settings: the store pod runs the workers' image.
+            manifest = load_worker_defaults(worker_defaults).apply(manifest)
+        if await self.kube.create(core_path(self.namespace, "pods"), manifest):
+            self.created += 1
+        self.check_due = False
