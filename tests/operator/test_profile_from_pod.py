@@ -126,6 +126,21 @@ async def test_node_0_computes_the_profile_the_operator_keeps_it_and_plans(
     for pod in await eventually(lambda: _pods_at(stack, name, "0", 4), 20, "pods on generation 0"):
         assert pod["metadata"]["annotations"]["resilientjob.io/layout"] == status["layout"]
 
+    # The job's store runs in a pod of its own (no worker pod is special), owned by the job, never seen as
+    # a node; gone, it is created again.
+    store = await kube.get("pods", f"{name}-store")
+    assert store is not None and store["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert store["metadata"]["labels"]["resilientjob.io/role"] == "store"
+    assert "resilientjob.io/node" not in store["metadata"]["labels"]
+    assert store["spec"]["containers"][0]["command"][-1] == "resilientjob.agent.store_host"
+    await kube.delete("pods", f"{name}-store")
+
+    async def recreated() -> dict[str, Any] | None:
+        pod = await kube.get("pods", f"{name}-store")
+        return pod if pod is not None and pod["metadata"]["uid"] != store["metadata"]["uid"] else None
+
+    await eventually(recreated, 20, "the store pod created again")
+
     # A restarted operator and an emptied Redis: generation 0 again from the ConfigMap, nobody asked.
     stack.operator.kill()
     client = await redis_client(stack.redis_url)
