@@ -197,6 +197,7 @@ def worker_entry(
     stages span k devices runs k of them, `local_rank` 0..k-1. Every one is instrumented (all take part in
     validation passes and obey chaos), but only local rank 0's sink reaches the telemetry: the others see
     the same steps, and counting them would report each step k times."""
+    from ._store_client import ReconnectingStore, address_from_pod_env
     from .worker import run_from_plan
 
     if local_rank:
@@ -208,7 +209,10 @@ def worker_entry(
         signal.signal(signum, signal.SIG_DFL)
     job = os.environ.get("RJOB_JOB")
     _instrument(node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None)
-    return run_from_plan(node, config, host, port, local_rank)
+    # The store pod may be replaced while the job trains: the worker follows it to its new address.
+    timeout = timedelta(seconds=config.plan_timeout_s)
+    store = ReconnectingStore(f"{host}:{port}", address_from_pod_env(), timeout, config.plan_timeout_s)
+    return run_from_plan(node, config, host, port, local_rank, store=store)
 
 
 # ---- the agent's side ------------------------------------------------------------------------------------

@@ -51,6 +51,12 @@ def store_key(keys: JobKeys) -> str:
     return f"{keys.prefix}store"
 
 
+def failures_key(keys: JobKeys) -> str:
+    """Redis key holding the failures the job's store host announced so far: a new host (its pod was
+    replaced) starts its store's failure counter there, so that the workers' failure notices stay right."""
+    return f"{keys.prefix}store:failures"
+
+
 def dropped_nodes(previous: Plan | None, announcement: PlanAnnouncement) -> set[int]:
     """Nodes the new generation drops that are not parked by fail-slow mitigation: they died (a parked
     node is alive and leaves its world cleanly at the next commit, so it is no failure)."""
@@ -88,6 +94,8 @@ class StoreHost:
         self.plan: Plan | None = None
         self.parked: list[int] = []
         self.announced = 0
+        self.seeded = False
+        """Whether the failure counter was taken over from an earlier host (`failures_key`)."""
         self.validation = ValidationRelay(client, keys, self.store)
         self.outage = Outage("store host")
 
@@ -109,6 +117,17 @@ class StoreHost:
             flush=True,
         )
 
+    async def _seed(self) -> None:
+        """Take the failure count over from the host this one replaces (none: a new job, count 0)."""
+        from .worker import announce_failures
+
+        raw = await self.client.get(failures_key(self.keys))
+        count = int(raw) if raw is not None and bytes(raw).isdigit() else 0
+        if count:
+            self.announced = announce_failures(self.store, count)
+            print(f"store host: taking over from an earlier host ({count} failures announced)", flush=True)
+        self.seeded = True
+
     async def _anyone_alive(self) -> bool:
         nodes = set(self.plan.nodes if self.plan else ()) | set(self.parked)
         if not nodes:
@@ -129,13 +148,21 @@ class StoreHost:
         while not stopped.is_set():
             wait_s = self.poll_s
             try:
+                if not self.seeded:
+                    await self._seed()
                 current = await self._published()
                 if current is not None and (self.plan is None or current.generation > self.plan.generation):
+                    before = self.announced
                     self.mirror(current)
+                    if self.announced != before:
+                        await self.client.set(failures_key(self.keys), self.announced)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
-                    # The address appears only once a plan is in the store: workers read it at once.
+                    # The address appears only once a plan is in the store: workers read it at once (and
+                    # workers of a replaced host reconnect only once the plan is back). Rewritten into a
+                    # Redis that came back empty, with the failure count.
                     if await self.client.get(store_key(self.keys)) != self.address.encode():
+                        await self.client.set(failures_key(self.keys), self.announced)
                         await self.client.set(store_key(self.keys), self.address)
                     registered_at = time.monotonic()
                 alive = await self._anyone_alive()

@@ -269,14 +269,17 @@ def worker_main(
     fail_at: int | None,
     restore: bool,
     local_rank: int = 0,
+    store: Store | None = None,
 ) -> dict[str, object]:
     """Entry point of one worker process (started by the launcher through torch elastic): device
-    `local_rank` of `node` (the plan's stages span as many devices as the node runs workers)."""
+    `local_rank` of `node` (the plan's stages span as many devices as the node runs workers). `store`: the
+    job's store at `host:port` as the caller connected it (a pod's worker reconnects: `_store_client`)."""
     torch.set_num_threads(1)
     # Each layer is checkpointed by one process (`no_dist=True` on purpose); DCP says so at every save, from
     # its writer thread, which would fill the pod's log.
     warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+    if store is None:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
     workload = config.workload
     device = worker_device(workload.device, local_rank)
     model = config.load_model()
@@ -397,7 +400,7 @@ def _export(trainer: Trainer, directory: Path) -> None:
 
 
 def run_from_plan(
-    node: int, config: JobConfig, host: str, port: int, local_rank: int = 0
+    node: int, config: JobConfig, host: str, port: int, local_rank: int = 0, store: Store | None = None
 ) -> dict[str, object]:
     """Train this node's share of the job's newest plan to `steps` committed steps, following every plan
     published after it; the entry point for a pod agent (one call per device, in its own process:
@@ -406,12 +409,15 @@ def run_from_plan(
     The job's store at `host:port` must hold a plan (`publish_plan`). A plan of policy `checkpoint` after
     generation 0 means the job restarted: the worker loads the last complete checkpoint first.
     """
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
+    if store is None:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
     plan = read_plan(store, read_generation(store))
     restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0
     if restore and not config.checkpoint_dir:
         raise ValueError("checkpoint: the newest plan restarts from a checkpoint but none is configured")
-    return worker_main(node, config, host, port, fail_at=None, restore=restore, local_rank=local_rank)
+    return worker_main(
+        node, config, host, port, fail_at=None, restore=restore, local_rank=local_rank, store=store
+    )
 
 
 def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:

@@ -3,7 +3,12 @@
 A job that trains through the runtime keeps its TCPStore in a pod of its own, so that no worker pod is
 special (issue #14: a store inside a worker pod died with that pod and took the job with it). The operator
 creates the store pod with the worker pods and creates it again when it is gone or Failed; the new host
-republishes the committed plan from Redis. A synthetic job has no store and gets no store pod.
+republishes the committed plan from Redis and the workers reconnect to it (`agent._store_client`). A store
+outage longer than the collective timeout makes the workers abandon the step they were in, waiting for a
+newer generation, so once a store pod was replaced (or its container restarted in place) the operator
+commits the same layout again as the next generation (`rendezvous_again`): every worker re-rendezvouses on
+the new store through the ordinary reconfiguration path, copying nothing and losing no committed step.
+A synthetic job has no store and gets no store pod.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.planner.plan import Policy
 from resilientjob.protocol.models import ModelSource, model_source
 
 from . import _manifests, api
 from ._kube import KubeApi, core_path
+from ._redis_state import announcement
 from ._worker_defaults import load_worker_defaults
 
 
@@ -32,6 +40,24 @@ def is_store_pod(pod: Mapping[str, Any], job: str) -> bool:
     return labels.get(_manifests.LABEL_JOB) == job and role == _manifests.ROLE_STORE
 
 
+def rendezvous_again(current: PlanAnnouncement) -> PlanAnnouncement:
+    """The committed layout again as the next generation, for workers whose store was replaced. `dynamic`:
+    every node keeps its layers (a `checkpoint` plan would reload the last checkpoint for nothing)."""
+    plan = current.plan.model_copy(update={"generation": current.generation + 1, "policy": Policy.DYNAMIC})
+    return announcement(
+        plan,
+        trigger=api.Reason.REPLANNED,
+        reason="the job's store pod was replaced: the workers rendezvous again on the new store",
+        parked=current.parked,
+        restore=current.restore,
+    )
+
+
+def _restarts(pod: Mapping[str, Any]) -> int:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return sum(int(s.get("restartCount") or 0) for s in statuses if isinstance(s, Mapping))
+
+
 class StoreKeeper:
     """One job's store pod: `observe` its pod events, `ensure` it exists (cheap unless an event or the first
     call said it may be gone)."""
@@ -43,6 +69,10 @@ class StoreKeeper:
         self.check_due = True
         self.created = 0
         """Store pods this keeper created (the first one included)."""
+        self.replaced = False
+        """A store pod was replaced or restarted since the last `rendezvous_again` (the caller clears it)."""
+        self._restarts: dict[str, int] = {}
+        self._had_one = False
 
     @property
     def path(self) -> str:
@@ -55,6 +85,10 @@ class StoreKeeper:
         phase = (pod.get("status") or {}).get("phase")
         if deleted or phase == "Failed" or (pod.get("metadata") or {}).get("deletionTimestamp"):
             self.check_due = True
+        uid, restarts = str((pod.get("metadata") or {}).get("uid") or ""), _restarts(pod)
+        if uid in self._restarts and restarts > self._restarts[uid]:
+            self.replaced = True  # its container restarted in place: a new, empty store at the same address
+        self._restarts = {uid: restarts}
         return True
 
     async def ensure(
@@ -70,6 +104,7 @@ class StoreKeeper:
             return
         existing = await self.kube.get(self.path)
         if existing is not None:
+            self._had_one = True
             failed = (existing.get("status") or {}).get("phase") == "Failed"
             deleting = bool((existing.get("metadata") or {}).get("deletionTimestamp"))
             if failed and not deleting:
@@ -82,4 +117,6 @@ class StoreKeeper:
             manifest = load_worker_defaults(worker_defaults).apply(manifest)
         if await self.kube.create(core_path(self.namespace, "pods"), manifest):
             self.created += 1
+            self.replaced = self.replaced or self._had_one
+            self._had_one = True
         self.check_due = False

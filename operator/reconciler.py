@@ -40,7 +40,7 @@ from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
-from ._store import StoreKeeper
+from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
 from .settings import OperatorSettings
@@ -448,6 +448,10 @@ class JobController:
         published = current.message
         if not deciding and self.status.plan_generation < published.generation:
             await self.apply(published)
+        if not deciding and self.store.replaced:
+            self.store.replaced = False
+            self._start(lambda: self._commit_and_apply(rendezvous_again(published), published))
+            deciding = True
         plan = published.plan
         self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
         expired = self._expired_heartbeats(scan)

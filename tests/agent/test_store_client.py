@@ -1,0 +1,142 @@
+"""A worker's store connection survives the store pod being replaced (issue #14): a real `TCPStore` server in
+a process that is killed, a new one elsewhere, and the worker's `ReconnectingStore` following it to the
+address the new host registers; what a new store host takes over from Redis (the plan, the failure count)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from _support import redis_server
+from torch._C._distributed_c10d import PrefixStore
+from torch.distributed import DistNetworkError
+
+from resilientjob.agent._redis import JobKeys, connect
+from resilientjob.agent._runtime_wait import FAILURES_KEY, accounted_key
+from resilientjob.agent._store_client import ReconnectingStore
+from resilientjob.agent.store_host import StoreHost, failures_key, store_key
+from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+
+SERVER = """
+import time
+from datetime import timedelta
+from torch._C._distributed_c10d import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+class Server:
+    """A store server in its own process, as the store pod's host is."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        self.address = f"127.0.0.1:{int(self.process.stdout.readline())}"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.kill()
+
+
+def test_a_lost_store_is_followed_to_its_new_address_and_timeouts_stay_timeouts(
+    servers: list[Server], capsys: pytest.CaptureFixture[str]
+) -> None:
+    servers.append(Server())
+    registered = [servers[0].address]
+    store = ReconnectingStore(registered[0], lambda: registered[-1], timedelta(seconds=5), give_up_s=20)
+    store.set("generation", "3")
+    assert store.add("failures", 1) == 1
+
+    servers[0].kill()
+    servers.append(Server())
+    registered.append(servers[1].address)  # the new host registers its address
+    # The call that found the old store gone goes to the new one (which the new host fills).
+    assert store.add("failures", 0) == 0
+    assert store.reconnects == 1 and store.address == servers[1].address
+    assert bytes(store.compare_set("commit/3/0/0", "", "1.0")) == b"1.0"
+    store.append("samples/0", "3:1,2;")
+    assert store.get("samples/0") == b"3:1,2;" and store.check(["commit/3/0/0"])
+    # Gloo rendezvous through a prefix of it, as the runtime builds its groups.
+    group = dist.ProcessGroupGloo(PrefixStore("g3", store), 0, 1, timedelta(seconds=5))
+    tensor = torch.ones(2)
+    group.allreduce([tensor]).wait()
+    assert tensor.tolist() == [1.0, 1.0]
+
+    # A key that never comes is a timeout, not a lost store: raised as before, no reconnect.
+    store.set_timeout(timedelta(milliseconds=300))
+    with pytest.raises(RuntimeError) as raised:
+        store.get("never")
+    assert not isinstance(raised.value, DistNetworkError)
+    assert store.reconnects == 1
+    out = capsys.readouterr().out
+    assert out.count("store: lost the job's store") == 1 and out.count("store: reconnected") == 1, out
+
+
+def test_a_store_that_never_comes_back_fails_the_call_after_give_up(servers: list[Server]) -> None:
+    servers.append(Server())
+    address = servers[0].address
+    store = ReconnectingStore(address, lambda: address, timedelta(seconds=5), give_up_s=1.0)
+    servers[0].kill()
+    started = time.monotonic()
+    with pytest.raises(DistNetworkError):
+        store.add("failures", 0)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="give_up_s"):
+        ReconnectingStore(address, lambda: None, timedelta(seconds=1), give_up_s=0)
+
+
+def _plan(generation: int) -> Plan:
+    stages = (StagePlan(layers=(0, 2), node=0), StagePlan(layers=(2, 4), node=1))
+    return Plan(
+        policy=Policy.DYNAMIC,
+        generation=generation,
+        microbatch_size=1,
+        pipelines=(PipelinePlan(stages=stages, microbatches=4),),
+        step_time_s=0.1,
+    )
+
+
+async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> None:
+    keys = JobKeys("ns", "takeover")
+    with redis_server() as url:
+        client = connect(url)
+        try:
+            assert await JobRedis(client, keys).commit(announcement(_plan(0)), None) is not None
+            # An earlier host announced two failures and died.
+            await client.set(failures_key(keys), 2)
+            await client.set(store_key(keys), "127.0.0.1:1")
+            host = StoreHost(client, keys, "127.0.0.1", poll_s=0.02)
+            stopped = asyncio.Event()
+            running = asyncio.create_task(host.run(stopped))
+            deadline = time.monotonic() + 10
+            while (await client.get(store_key(keys))) != host.address.encode():
+                assert time.monotonic() < deadline, "the new host never registered"
+                await asyncio.sleep(0.02)
+            # Registered only with the plan and the count in its store: a reconnecting worker finds both.
+            assert host.store.get("generation") == b"0"
+            assert int(host.store.add(FAILURES_KEY, 0)) == 2
+            assert host.store.get(accounted_key(0)) == b"2"
+            stopped.set()
+            await asyncio.wait_for(running, 5)
+        finally:
+            await client.aclose()
