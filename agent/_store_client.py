@@ -64,7 +64,9 @@ def address_from_pod_env(environ: dict[str, str] | None = None) -> Callable[[], 
             raw = client.get(key)
         except (RedisError, OSError):
             return None
-        return bytes(raw).decode() if raw else None
+        if not raw:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
 
     return resolve
 

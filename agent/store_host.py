@@ -122,7 +122,8 @@ class StoreHost:
         from .worker import announce_failures
 
         raw = await self.client.get(failures_key(self.keys))
-        count = int(raw) if raw is not None and bytes(raw).isdigit() else 0
+        text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+        count = int(text) if text.isdigit() else 0
         if count:
             self.announced = announce_failures(self.store, count)
             print(f"store host: taking over from an earlier host ({count} failures announced)", flush=True)

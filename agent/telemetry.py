@@ -336,9 +336,9 @@ class Telemetry:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if message is None:
                         continue
-                    announcement = decode(PlanAnnouncement, message.get("data"), "agent.plan", MAX_PLAN_BYTES)
-                    if announcement is not None and announcement.generation > last:
-                        found.append(announcement)
+                    heard = decode(PlanAnnouncement, message.get("data"), "agent.plan", MAX_PLAN_BYTES)
+                    if heard is not None and heard.generation > last:
+                        found.append(heard)
             except REDIS_DOWN as exc:
                 wait_s = self.outage.failed(exc)
                 with contextlib.suppress(TimeoutError):
