@@ -36,7 +36,11 @@ BACKOFF_CAP_S = 2.0
 
 class Outage:
     """One Redis user's view of an outage: the backoff before its next try, one log line at the start of an
-    outage and one at its end. `failed` on every error, `ok` after every success."""
+    outage and one at its end. `failed` on every error, `ok` after every success.
+
+    One failure alone is no outage: after a restart every pooled connection fails once with "connection
+    closed" while the server is already back, and a retry on a new connection succeeds. An outage starts at
+    the second failure in a row (about `base_s` later); its time counts from the first."""
 
     def __init__(self, what: str, *, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
         if not 0 < base_s <= cap_s:
@@ -45,34 +49,35 @@ class Outage:
         self.base_s = base_s
         self.cap_s = cap_s
         self.failures = 0
-        self.since: float | None = None
+        """Failures in a row."""
+        self.first_failed_at = 0.0
         self.outages = 0
         """Outages seen so far (an outage counts once however many retries it took)."""
 
     @property
     def down(self) -> bool:
-        return self.since is not None
+        return self.failures >= 2
 
     def failed(self, exc: BaseException) -> float:
         """Note one failed call; returns how long to wait before the next try (capped exponential backoff
         with full jitter, so that a job's agents do not all reconnect in the same instant)."""
-        if self.since is None:
-            self.since = time.monotonic()
+        self.failures += 1
+        if self.failures == 1:
+            self.first_failed_at = time.monotonic()
+        elif self.failures == 2:
             self.outages += 1
             reason = str(exc).splitlines()[0][:200] if str(exc) else ""
             print(f"{self.what}: Redis unreachable ({type(exc).__name__}: {reason}); retrying", flush=True)
-        self.failures += 1
         ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 30))
         return random.uniform(self.base_s / 2, ceiling)
 
     def ok(self) -> bool:
         """Note a success; True when it ends an outage."""
-        self.failures = 0
-        if self.since is None:
-            return False
-        print(f"{self.what}: Redis is back after {time.monotonic() - self.since:.1f} s", flush=True)
-        self.since = None
-        return True
+        was_down, self.failures = self.down, 0
+        if was_down:
+            elapsed = time.monotonic() - self.first_failed_at
+            print(f"{self.what}: Redis is back after {elapsed:.1f} s", flush=True)
+        return was_down
 
 
 @dataclass(frozen=True, slots=True)
