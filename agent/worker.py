@@ -12,6 +12,7 @@ Store layout (the launcher hosts the store; in a cluster the agent mirrors the o
   received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
+  started/<g>           workers that reached the first rendezvous of a fresh job (`await_peers`)
 
 `publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
 which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
@@ -191,6 +192,25 @@ def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan
     raise TimeoutError(f"plan_timeout_s: no plan after generation {generation} within {timeout_s} s")
 
 
+def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: float) -> bool:
+    """At a job's fresh start (nothing committed yet), check in and wait for every worker of the first plan
+    before its rendezvous, whose timeout is the collective timeout (seconds): workers start minutes apart on a
+    loaded machine or a slow image pull, and node 0, which ran the pre-flight, starts with its model already
+    loaded. Stops waiting when a newer plan appears (a peer died meanwhile) or after `timeout_s`; then the
+    rendezvous decides as before. False when it gave up."""
+    if int(store.add("committed", 0)) > 0 or node not in plan.nodes:
+        return True
+    key = f"started/{plan.generation}"
+    expected = len(plan.nodes) * degree
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if int(store.add(key, 0)) >= expected or read_generation(store) > plan.generation:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _restore(trainer: Trainer, checkpointer: Checkpointer | None, plan: Plan) -> None:
     """A plan of policy `checkpoint` after generation 0: the job restarts from the last complete
     checkpoint (weights, optimizer state; the schedule and the data position follow from the step), in
@@ -310,6 +330,7 @@ def worker_main(
             for layer in trainer.layers.values():
                 checkpointer.load(restored, layer)
         trainer.step = restored or 0  # nothing complete yet: start over from the initial weights
+    await_peers(store, plan, node, degree, config.plan_timeout_s)
     if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer):
         return {"node": node, "step": trainer.step, "left": True}
     _load_shards(trainer, checkpointer, restored)

@@ -140,3 +140,28 @@ async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> N
             await asyncio.wait_for(running, 5)
         finally:
             await client.aclose()
+
+
+def test_a_fresh_job_waits_for_every_worker_before_its_first_rendezvous() -> None:
+    """The store pod is up before any worker: a worker that starts early (node 0 ran the pre-flight, its model
+    is loaded) must not enter a rendezvous whose timeout is the collective timeout long before its peers."""
+    from torch._C._distributed_c10d import HashStore
+
+    from resilientjob.agent.worker import await_peers, publish_plan
+
+    store = HashStore()
+    plan = _plan(0)
+    publish_plan(store, plan, 0)
+    started = time.monotonic()
+    assert not await_peers(store, plan, node=0, degree=1, timeout_s=0.3)  # alone: gives up, bounded
+    assert 0.3 <= time.monotonic() - started < 3
+    assert await_peers(store, plan, node=1, degree=1, timeout_s=5)  # the last one in: everyone goes
+    assert not await_peers(store, plan, node=0, degree=2, timeout_s=0.1)  # two workers per node: 4 expected
+    publish_plan(store, _plan(1), 0)  # a peer died meanwhile: the newer plan decides, nobody waits for it
+    started = time.monotonic()
+    assert await_peers(store, plan, node=0, degree=3, timeout_s=5)  # 4 of 6 in, but g1 is out
+    assert time.monotonic() - started < 2
+    fresh = HashStore()
+    fresh.set("committed", "7")  # a job that trained already (a replacement pod joining): no wait
+    assert await_peers(fresh, plan, node=0, degree=1, timeout_s=5)
+    assert await_peers(fresh, plan, node=5, degree=1, timeout_s=5)  # not in the plan: nothing to wait for
