@@ -74,10 +74,6 @@ class StoreKeeper:
         self._restarts: dict[str, int] = {}
         self._had_one = False
 
-    @property
-    def path(self) -> str:
-        return core_path(self.namespace, "pods", _manifests.store_pod_name(self.job))
-
     def observe(self, pod: Mapping[str, Any], deleted: bool) -> bool:
         """Note an event of any pod; True when it was the job's store pod (the caller wakes its loop)."""
         if not is_store_pod(pod, self.job):
@@ -102,13 +98,13 @@ class StoreKeeper:
         gone). A Succeeded one stays: its host stops only after the job's last step."""
         if not self.check_due or not needs_store(spec):
             return
-        existing = await self.kube.get(self.path)
+        existing = await self.kube.get(core_path(self.namespace, "pods", _manifests.store_pod_name(self.job)))
         if existing is not None:
             self._had_one = True
             failed = (existing.get("status") or {}).get("phase") == "Failed"
             deleting = bool((existing.get("metadata") or {}).get("deletionTimestamp"))
             if failed and not deleting:
-                await self.kube.delete(self.path)
+                await self.kube.delete(core_path(self.namespace, "pods", _manifests.store_pod_name(self.job)))
             self.check_due = failed or deleting
             return
         manifest = _manifests.store_pod_manifest(body, spec, redis_url)
