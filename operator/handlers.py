@@ -111,7 +111,9 @@ async def run_job(
 def pod_event(event: kopf.RawEvent, **_: Any) -> None:
     pod = event["object"]
     meta = pod.get("metadata") or {}
-    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    # The owner names the job (the job label holds a hashed form of a name longer than a label value).
+    owners = [ref.get("name") for ref in meta.get("ownerReferences") or () if ref.get("kind") == api.KIND]
+    job = owners[0] if owners else (meta.get("labels") or {}).get(LABEL_JOB)
     controller = CONTROLLERS.get((str(meta.get("namespace")), job)) if job else None
     if controller is not None:
         controller.observe_pod(pod, deleted=event.get("type") == "DELETED")
