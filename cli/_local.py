@@ -1,5 +1,5 @@
 """`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
-operator, a process kubelet). `up`, `apply -f FILE`, `get`, `logs POD`, `chaos kill POD`,
+operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs POD`, `chaos kill POD`,
 `chaos slow POD --factor F --for 60s [--link PEER]`, `down`."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     apply = commands.add_parser("apply", help="create or update objects from a YAML file")
     apply.add_argument("-f", "--filename", required=True)
     commands.add_parser("get", help="list jobs and their pods")
+    commands.add_parser("kubeconfig", help="print the path of the kubeconfig for kubectl and other clients")
     logs = commands.add_parser("logs", help="print a pod's output")
     logs.add_argument("pod")
     chaos = commands.add_parser("chaos", help="inject faults").add_subparsers(
@@ -83,6 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         return _apply(Path(args.filename))
     if command == "get":
         return _get()
+    if command == "kubeconfig":
+        print(_state()["kubeconfig"])
+        return 0
     if command == "logs":
         log = _state_dir() / "pods" / args.pod / "log"
         if not log.exists():
@@ -114,6 +118,7 @@ def _up() -> int:
         time.sleep(0.1)
     state = _state()
     print(f"API server {state['api_url']}\nRedis      {state['redis_url']}\nstate      {directory}")
+    print(f"export KUBECONFIG={state['kubeconfig']}")
     return 0
 
 

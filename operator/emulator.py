@@ -360,7 +360,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
     def _answer(self, obj: dict[str, Any], status: int, warnings: list[str]) -> aiohttp.web.Response:
         response = aiohttp.web.json_response(obj, status=status)
         for warning in warnings:
-            response.headers.add("Warning", f'299 - "{warning}"')
+            escaped = warning.replace("\\", "\\\\").replace('"', '\\"')
+            response.headers.add("Warning", f'299 - "{escaped}"')  # RFC 7234 warn-text, quotes escaped
         return response
 
     async def _create(self, request: rendering.Request, kind: Kind) -> aiohttp.web.Response:
