@@ -4,7 +4,8 @@ shows the CRD's `additionalPrinterColumns` and `kubectl get pods` a pod's readin
 
 Reproduces kube-apiserver's table convertors trimmed to what kubectl prints: a CRD's columns are its
 printer columns after Name (simple `.a.b` JSON paths; `date` columns shown as an age), built-in kinds get
-Name and Age, pods Name, Ready, Status, Restarts and Age. Each row carries the object's metadata
+Name and Age, pods Name, Ready, Status, Restarts and Age, events their time, type, reason, object and
+message. Each row carries the object's metadata
 (`includeObject=Metadata`, the default) or the object itself (`includeObject=Object`).
 """
 
@@ -55,11 +56,22 @@ def _path(obj: Mapping[str, Any], path: str) -> Any:
     return value
 
 
+_EVENT_COLUMNS = (
+    {"name": "Last Seen", "type": "date", "jsonPath": ".lastTimestamp"},
+    {"name": "Type", "type": "string", "jsonPath": ".type"},
+    {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+    {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
+    {"name": "Message", "type": "string", "jsonPath": ".message"},
+)
+
+
 def _columns(kind: Kind) -> tuple[dict[str, Any], ...]:
     if kind.printer_columns:
         return tuple(kind.printer_columns)
     if kind.kind == "Pod":
         return _POD_COLUMNS
+    if kind.kind == "Event":
+        return _EVENT_COLUMNS
     return (_AGE,)
 
 
