@@ -16,7 +16,8 @@ What kmock leaves out and this adds, each reproducing the real server's behaviou
   (`_local_api_store`); watches from a resourceVersion with 410 Gone once it is too old
   (`_local_api_watch`); label and field selectors (`_local_api_select`);
 - discovery, OpenAPI v2/v3 documents (`_local_api_discovery`) and server-side printing to Tables
-  (`_local_api_tables`) for kubectl, and `pods/NAME/log` from the process kubelet's output files.
+  (`_local_api_tables`) for kubectl, and `pods/NAME/log` from the process kubelet's output files;
+- optionally, bearer-token authentication with a token that can rotate (401 with a stale one).
 
 kmock records every request and routes each one by filtering that record, and answers by scanning every
 stored object (creating N pods cost O(N^2): 1,024 pods took 437 s); here a request is forgotten once answered
@@ -86,6 +87,10 @@ class LocalApiServer(kmock.KubernetesEmulator):
     pod_logs: Path | None = None
     """Where the process kubelet writes pods' output (`<pod_logs>/<pod>/log`), served as `pods/NAME/log`."""
 
+    token_file: Path | None = None
+    """When set, every request must carry `Authorization: Bearer <the file's content>` (401 otherwise), read
+    at each request: rewriting the file rotates the credentials, as a service-account token rotates."""
+
     _revisions: Revisions = attrs.field(factory=Revisions, init=False)
     _kinds: dict[tuple[str, str, str], Kind] = attrs.field(factory=dict, init=False)
     _store: Store = attrs.field(default=None, init=False)
@@ -130,12 +135,20 @@ class LocalApiServer(kmock.KubernetesEmulator):
     # ---- routing ------------------------------------------------------------------------------------
     async def _handle(self, request: rendering.Request) -> Any:
         try:
+            self._authenticate(request)
             return await self._route(request)
         except KubernetesError as exc:
             # Answered here: kmock would also keep the error and raise it when the server stops.
             return await self._render_error(exc)
         finally:
             self._forget(request)
+
+    def _authenticate(self, request: rendering.Request) -> None:
+        if self.token_file is None:
+            return
+        expected = f"Bearer {self.token_file.read_text().strip()}"
+        if request.headers.get("Authorization", "") != expected:
+            raise refuse(401, "Unauthorized", "Unauthorized")
 
     async def _route(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path.rstrip("/")

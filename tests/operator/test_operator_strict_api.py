@@ -1,0 +1,100 @@
+"""The operator against an API server that behaves as a real one where it changes outcomes: a manifest the
+CRD's CEL rules refuse never reaches the operator; a default the CRD's schema fills in is what the operator
+handles; a deleted job's pods go (the operator's finalizer, then garbage collection by owner); and after the
+server expires every watch (410 Gone, as after an etcd compaction) the operator lists again and still
+handles a failure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+from _rjob_stack import NAMESPACE, Kube, Operator, Stack, api_server, emulator_only, eventually, job_manifest
+
+from resilientjob.operator.api import PLURAL
+from resilientjob.operator.emulator import LocalApiServer
+
+pytestmark = pytest.mark.cluster
+LAST_HANDLED = "resilientjob.io/last-handled-configuration"  # kopf's diff-base (operator/handlers.py)
+
+
+async def generation(kube: Kube, job: str, number: int) -> dict[str, Any] | None:
+    status = await kube.job_status(job)
+    return status if status.get("planGeneration") == number else None
+
+
+async def test_a_manifest_the_cel_rules_refuse_never_reaches_the_operator(stack: Stack) -> None:
+    kube = stack.kube
+    error = await kube.create_job(job_manifest("refused", faultTolerance=4))
+    assert error is not None and error.status == 422 and "spec.faultTolerance" in str(error)
+    # A valid job is handled meanwhile, so the operator was watching when the refused one was sent.
+    assert await kube.create_job(job_manifest("accepted")) is None
+    await eventually(lambda: generation(kube, "accepted", 0), 20, "the valid job planned")
+    assert await kube.get(PLURAL, "refused") is None
+    assert await kube.events_of("refused") == [] and await kube.job_pods("refused") == []
+
+
+async def test_the_operator_sees_the_schemas_defaults(stack: Stack) -> None:
+    kube = stack.kube
+    manifest = job_manifest("defaulted", faultTolerance=None, failSlow={})
+    assert await kube.create_job(manifest) is None
+    await eventually(lambda: generation(kube, "defaulted", 0), 20, "generation 0")
+    body = await kube.get(PLURAL, "defaulted")
+    assert body is not None
+    # kopf records the spec it handled: the server's defaults are in it, though the manifest had none.
+    handled = json.loads(body["metadata"]["annotations"][LAST_HANDLED])["spec"]
+    assert handled["faultTolerance"] == 1 and handled["policy"] == "auto"
+    assert handled["failSlow"]["slowdownThreshold"] == 1.1 and handled["failSlow"]["enabled"] is True
+
+
+async def test_a_deleted_jobs_pods_disappear(stack: Stack) -> None:
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("gone")) is None
+    await eventually(lambda: generation(kube, "gone", 0), 20, "generation 0")
+    assert len(await kube.job_pods("gone")) == 4
+    assert await kube.delete(PLURAL, "gone")
+
+    async def collected() -> bool:
+        return await kube.get(PLURAL, "gone") is None and not await kube.list(
+            "pods", "resilientjob.io/job=gone"
+        )
+
+    await eventually(collected, 20, "the job and its pods gone")
+    assert (
+        await kube.get("services", "gone-workers") is None
+        and await kube.get("configmaps", "gone-plan") is None
+    )
+
+
+@pytest.fixture
+async def expiring(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[LocalApiServer, Kube, Operator]]:
+    async with api_server() as (emulator, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        operator = Operator(url, redis_url, tmp_path / "operator.log")
+        operator.start()
+        try:
+            yield emulator, kube, operator
+        finally:
+            operator.stop()
+            await kube.close()
+
+
+@emulator_only("expiring every watch on demand is the local API server's test hook")
+async def test_the_operator_copes_with_expired_watches(
+    expiring: tuple[LocalApiServer, Kube, Operator],
+) -> None:
+    emulator, kube, operator = expiring
+    assert await kube.create_job(job_manifest("expiry")) is None
+    await eventually(lambda: generation(kube, "expiry", 0), 20, "generation 0")
+    await emulator.expire_watches()
+    # Events the operator can only see through watches started anew after the 410.
+    await kube.delete("pods", "expiry-node-2")
+    status = await eventually(lambda: generation(kube, "expiry", 1), 20, "generation 1 after the expiry")
+    assert status["failedNodes"] == [2]
+    assert await kube.create_job(job_manifest("after")) is None
+    await eventually(lambda: generation(kube, "after", 0), 20, "a job created after the expiry planned")
+    assert operator.process is not None and operator.process.poll() is None
