@@ -75,7 +75,21 @@ class Store:
         self._objects._objects[key] = k8s_dicts.Object(obj)
         self._index(key, obj)
         await self.buses[key[0]].publish(event, obj)
+        if event == "ADDED":
+            await self._adopt(key, obj)
         return obj
+
+    async def _adopt(self, key: Key, obj: dict[str, Any]) -> None:
+        """The garbage collector's view of a new object: one whose owners are all gone is deleted, one whose
+        owner is being deleted in the foreground is deleted with it (the owner waits for it)."""
+        owners = _owner_uids(obj)
+        if not owners:
+            return
+        present = [self.get(self._by_uid[uid]) for uid in owners if uid in self._by_uid]
+        if not any(present):
+            await self.delete(key, "Background")
+        elif any(FOREGROUND in (owner or {}).get("metadata", {}).get("finalizers", ()) for owner in present):
+            await self.delete(key, "Foreground")
 
     def _index(self, key: Key, obj: dict[str, Any]) -> None:
         self._by_uid[str(obj["metadata"]["uid"])] = key

@@ -101,8 +101,19 @@ class LocalApiServer(kmock.KubernetesEmulator):
         self._store = Store(self._objects, self._buses, self._revisions)  # type: ignore[arg-type]
         for group, version, plural, kind, namespaced in CORE_RESOURCES:
             subresources = ("status",) if kind == "Pod" else ()
+            # `kubectl get all` lists the kinds of the `all` category (pods and services, as a real server).
+            categories = ("all",) if plural in ("pods", "services") else ()
             self._register(
-                Kind(group, version, plural, kind, namespaced, _SHORT_NAMES.get(plural, ()), (), subresources)
+                Kind(
+                    group,
+                    version,
+                    plural,
+                    kind,
+                    namespaced,
+                    _SHORT_NAMES.get(plural, ()),
+                    categories,
+                    subresources,
+                )
             )
         from .crd import crd_manifest
 

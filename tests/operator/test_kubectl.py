@@ -147,7 +147,7 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         started = time.monotonic()
         assert (
             'resilientjob.resilientjob.io "local-cpu" deleted'
-            in kubectl("delete", "rjob", "local-cpu").stdout
+            in kubectl("delete", "rjob", "local-cpu", "--cascade=foreground").stdout
         )
         assert time.monotonic() - started < 30
         until(

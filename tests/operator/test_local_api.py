@@ -141,6 +141,9 @@ async def test_deletion_collects_dependents_by_policy(server: Any) -> None:
         assert bool(left) == kept, policy
         if kept:
             assert all(not p["metadata"]["ownerReferences"] for p in left.values())
+    # An object created for an owner that is gone is collected at once (the collector's dangling owner).
+    status, _ = await call(client, "POST", PODS, pod("late", owner))
+    assert status == 201 and (await call(client, "GET", f"{PODS}/late"))[0] == 404
 
 
 async def test_finalizers_hold_an_object_and_foreground_waits_for_dependents(server: Any) -> None:
