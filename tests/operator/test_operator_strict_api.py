@@ -15,6 +15,8 @@ import kopf
 import pytest
 from _rjob_stack import NAMESPACE, Kube, Operator, Stack, api_server, emulator_only, eventually, job_manifest
 
+from resilientjob.operator._manifests import job_label, pod_name, service_name
+from resilientjob.operator._names import dns1035_errors, label_errors, subdomain_errors
 from resilientjob.operator.api import PLURAL
 from resilientjob.operator.emulator import LocalApiServer
 
@@ -98,3 +100,25 @@ async def test_the_operator_copes_with_expired_watches(
     assert await kube.create_job(job_manifest("after")) is None
     await eventually(lambda: generation(kube, "after", 0), 20, "a job created after the expiry planned")
     assert operator.process is not None and operator.process.poll() is None
+
+
+async def test_a_valid_long_job_name_gives_valid_child_names(stack: Stack) -> None:
+    """The longest names a job may have (253 characters, dots allowed) still give valid pods (a pod's name is
+    its hostname: a DNS label), a valid Service (DNS-1035) and valid label values: the server refuses
+    nothing the operator creates, and the job is handled through them."""
+    kube = stack.kube
+    name = ("x" + "-long" * 60)[:249] + ".j-1"
+    assert len(name) == 253 and not subdomain_errors(name)
+    assert await kube.create_job(job_manifest(name)) is None
+    await eventually(lambda: generation(kube, name, 0), 30, "generation 0 of the long-named job")
+    pods = await kube.list("pods", f"resilientjob.io/job={job_label(name)}")
+    assert len(pods) == 4
+    for pod in pods:
+        assert (
+            not label_errors(pod["metadata"]["name"]) and pod["spec"]["hostname"] == pod["metadata"]["name"]
+        )
+        assert not dns1035_errors(pod["spec"]["subdomain"])
+    assert await kube.get("services", service_name(name)) is not None
+    await kube.delete("pods", pod_name(name, 1))
+    status = await eventually(lambda: generation(kube, name, 1), 20, "generation 1 after a pod deletion")
+    assert status["failedNodes"] == [1]
