@@ -31,6 +31,22 @@ class Document:
         return f"{self.path} document {self.index} ({kind}/{name})"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as kubectl reads it (sigs.k8s.io/yaml, strict): a key given twice in one mapping is an error,
+    not silently the last value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _syntax_error(path: Path, exc: yaml.YAMLError) -> CliError:
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -62,7 +78,7 @@ def load_documents(path: Path) -> list[Document]:
     except OSError as exc:
         raise CliError(f"filename: cannot read {str(path)!r}: {exc.strerror or exc}") from None
     try:
-        raw = list(yaml.safe_load_all(text))
+        raw = list(yaml.load_all(text, Loader=_StrictLoader))
     except yaml.YAMLError as exc:
         raise _syntax_error(path, exc) from None
     documents = []

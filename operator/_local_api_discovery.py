@@ -140,11 +140,8 @@ def _operations(kind: Kind, ref: str, v3: bool) -> dict[str, Any]:
     `fieldValidation`."""
     param: dict[str, Any] = {"name": "fieldValidation", "in": "query"}
     param.update({"schema": {"type": "string"}} if v3 else {"type": "string"})
-    body = (
-        {"requestBody": {"content": {"application/json": {"schema": {"$ref": ref}}}}}
-        if v3
-        else {"parameters": [param, {"name": "body", "in": "body", "schema": {"$ref": ref}}]}
-    )
+    body: dict[str, Any] = {"requestBody": {"content": {"application/json": {"schema": {"$ref": ref}}}}}
+    v2_parameters = [param, {"name": "body", "in": "body", "schema": {"$ref": ref}}]
 
     def operation(verb: str, action: str, params: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -156,7 +153,7 @@ def _operations(kind: Kind, ref: str, v3: bool) -> dict[str, Any]:
             **(body if verb in ("create", "replace", "patch") and v3 else {}),
         }
 
-    write = [param] if v3 else body["parameters"]
+    write = [param] if v3 else v2_parameters
     namespace = "/namespaces/{namespace}" if kind.namespaced else ""
     base = f"/apis/{kind.group}/{kind.version}" if kind.group else f"/api/{kind.version}"
     return {

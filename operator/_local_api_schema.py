@@ -12,6 +12,7 @@ a client's message names the field. Kinds and formats the CRD does not use (`x-k
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import json
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import celpy
+from celpy.adapter import json_to_cel
+from celpy.evaluation import CELEvalError
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),
@@ -188,13 +191,13 @@ class _Walk:
             transition = _uses_old_self(expression)
             if transition and not has_old:
                 continue  # a transition rule runs on updates only
-            bindings = {"self": celpy.json_to_cel(value)}
+            bindings = {"self": json_to_cel(value)}
             if transition:
-                bindings["oldSelf"] = celpy.json_to_cel(old)
+                bindings["oldSelf"] = json_to_cel(old)
             try:
                 passed = bool(_program(expression).evaluate(bindings))
                 failure = rule.get("message") or f"failed rule: {expression}"
-            except celpy.CELEvalError as exc:
+            except CELEvalError as exc:
                 passed, failure = False, f"failed rule: {expression}: {exc.args[0] if exc.args else exc}"
             if not passed:
                 where = path or "<nil>"
@@ -216,3 +219,28 @@ def admit(obj: Mapping[str, Any], schema: Mapping[str, Any], old: Mapping[str, A
         walk.rules = True
         walk.check(stored, schema, "", old, old is not None)
     return Outcome(stored, walk.unknown, walk.errors)
+
+
+def decoding_error(kind: str, obj: Mapping[str, Any]) -> str | None:
+    """What kube-apiserver's decoder says of a ConfigMap or Secret whose data have the wrong types (it
+    decodes built-in kinds into Go structs: a ConfigMap's data are strings, a Secret's data base64)."""
+    prefix = f'{kind} in version "v1" cannot be handled as a {kind}: '
+    fields = {"ConfigMap": ("data",), "Secret": ("data", "stringData")}.get(kind, ())
+    for field in fields:
+        values = obj.get(field)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            found = _GO_TYPE.get(type(values), "value")
+            return f"{prefix}json: cannot unmarshal {found} into Go struct field {kind}.{field} of type map"
+        for key, value in values.items():
+            if not isinstance(value, str):
+                found = _GO_TYPE.get(type(value), "value")
+                where = f"{kind}.{field}.{key}"
+                return f"{prefix}json: cannot unmarshal {found} into Go struct field {where} of type string"
+            if kind == "Secret" and field == "data":
+                try:
+                    base64.b64decode(value, validate=True)
+                except ValueError:
+                    return f"{prefix}illegal base64 data in {field}.{key}"
+    return None

@@ -32,11 +32,15 @@ def _split(selector: str) -> list[str]:
     return [part.strip() for part in parts if part.strip()]
 
 
-def _label_term(term: str) -> Predicate:
+def _equality(key: str, value: str, negate: bool) -> Callable[[Mapping[str, str]], bool]:
+    return lambda labels: (labels.get(key) == value) != negate
+
+
+def _label_term(term: str) -> Callable[[Mapping[str, str]], bool]:
     for operator, negate in (("!=", True), ("==", False), ("=", False)):
         if operator in term:
             key, value = (side.strip() for side in term.split(operator, 1))
-            return lambda labels, k=key, v=value, n=negate: (labels.get(k) == v) != n
+            return _equality(key, value, negate)
     match = _SET.match(term)
     if match is None:
         raise ValueError(f"unable to parse requirement: {term!r}")
@@ -61,13 +65,17 @@ def _field(obj: Mapping[str, Any], path: str) -> str:
     return "" if value is None else str(value)
 
 
+def _field_term(path: str, value: str, negate: bool) -> Predicate:
+    return lambda obj: (_field(obj, path) == value) != negate
+
+
 def fields(selector: str) -> Predicate:
     """A predicate on objects from a field selector (empty: everything)."""
     terms: list[Predicate] = []
     for term in _split(selector):
         negate = "!=" in term
         path, value = (side.strip() for side in re.split(r"!=|==|=", term, maxsplit=1))
-        terms.append(lambda obj, p=path, v=value, n=negate: (_field(obj, p) == v) != n)
+        terms.append(_field_term(path, value, negate))
     return lambda obj: all(term(obj) for term in terms)
 
 

@@ -12,7 +12,7 @@ message. Each row carries the object's metadata
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._local_api_discovery import Kind
@@ -113,7 +113,7 @@ def _row(kind: Kind, obj: Mapping[str, Any], include: str) -> dict[str, Any]:
 
 
 def table(
-    kind: Kind, objects: list[Mapping[str, Any]], resource_version: str, include: str = "Metadata"
+    kind: Kind, objects: Sequence[Mapping[str, Any]], resource_version: str, include: str = "Metadata"
 ) -> dict[str, Any]:
     definitions = [_NAME]
     for column in _columns(kind):

@@ -39,7 +39,7 @@ import aiohttp.web
 import attrs
 import kmock
 import yaml
-from kmock._internal import dicts, references, rendering
+from kmock._internal import dicts, enums, parsing, references, rendering
 from kmock._internal.k8s import KubernetesError
 
 from . import _local_api_discovery as discovery
@@ -94,11 +94,18 @@ class LocalApiServer(kmock.KubernetesEmulator):
     _revisions: Revisions = attrs.field(factory=Revisions, init=False)
     _kinds: dict[tuple[str, str, str], Kind] = attrs.field(factory=dict, init=False)
     _store: Store = attrs.field(default=None, init=False)
+    _watch_buses: collections.defaultdict[references.resource, RecordingBus] = attrs.field(
+        default=None, init=False
+    )
+    _namespaces: references.resource = attrs.field(
+        factory=lambda: references.resource("", "v1", "namespaces"), init=False
+    )
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._buses = collections.defaultdict(lambda: RecordingBus(revisions=self._revisions))
-        self._store = Store(self._objects, self._buses, self._revisions)  # type: ignore[arg-type]
+        self._watch_buses = collections.defaultdict(lambda: RecordingBus(revisions=self._revisions))
+        self._buses = self._watch_buses  # type: ignore[assignment]  # kmock's field, the same buses
+        self._store = Store(self._objects, self._watch_buses, self._revisions)
         for group, version, plural, kind, namespaced in CORE_RESOURCES:
             subresources = ("status",) if kind == "Pod" else ()
             # `kubectl get all` lists the kinds of the `all` category (pods and services, as a real server).
@@ -118,8 +125,14 @@ class LocalApiServer(kmock.KubernetesEmulator):
         from .crd import crd_manifest
 
         crd = crd_manifest()
-        for kind in discovery.kinds_of_crd(crd):
-            self._register(kind)
+        for served in discovery.kinds_of_crd(crd):
+            self._register(served)
+        # The namespaces a new cluster has; an object of any other namespace is refused until it is created.
+        namespace_kind = self._kinds["", "v1", "namespaces"]
+        for namespace in ("default", "kube-system", "kube-public", "kube-node-lease"):
+            body = self._stamp(namespace_kind, {"metadata": {"name": namespace}}, None)
+            body["status"] = {"phase": "Active"}
+            self._store.seed((self._namespaces, None, namespace), body)
         crd_kind = self._kinds["apiextensions.k8s.io", "v1", _CRDS]
         stored = self._stamp(crd_kind, crd, None)
         stored["status"] = {"conditions": [{"type": "Established", "status": "True"}]}
@@ -144,6 +157,40 @@ class LocalApiServer(kmock.KubernetesEmulator):
         return kind
 
     # ---- routing ------------------------------------------------------------------------------------
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """kmock reads `namespaces` in a path as the start of `namespaces/NS/...`, so it cannot parse the
+        paths of the namespaces resource itself (`/api/v1/namespaces[/NAME[/status]]`): those are parsed
+        here, everything else by kmock."""
+        parts = raw_request.path.strip("/").split("/")
+        if parts[:3] != ["api", "v1", "namespaces"] or (
+            len(parts) > 4 and parts[4] not in ("status", "finalize")
+        ):
+            return await super().__call__(raw_request)
+        body = await raw_request.read()
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            data = None
+        name = parts[3] if len(parts) > 3 else None
+        path = parsing.ParsedPath(group="", version="v1", plural="namespaces", name=name)
+        request = rendering.Request(
+            raw_request=raw_request,
+            url=raw_request.url,
+            method=raw_request.method,
+            params=dict(raw_request.query),
+            headers=dict(raw_request.headers),
+            data=data,
+            body=body,
+            text=body.decode(errors="replace"),
+            action=parsing.guess_k8s(path, enums.method(raw_request.method), dict(raw_request.query)),
+            resource=self._namespaces,
+            name=name,
+            subresource=parts[4] if len(parts) > 4 else None,
+        )
+        self._requests.append(request)
+        response: aiohttp.web.StreamResponse = await self._handle(request)
+        return response
+
     async def _handle(self, request: rendering.Request) -> Any:
         try:
             self._authenticate(request)
@@ -180,7 +227,9 @@ class LocalApiServer(kmock.KubernetesEmulator):
         if not resource.plural:
             if not any((k.group, k.version) == (resource.group, resource.version) for k in kinds):
                 raise refuse(404, "NotFound", "the server could not find the requested resource")
-            return aiohttp.web.json_response(discovery.resource_list(kinds, resource.group, resource.version))
+            return aiohttp.web.json_response(
+                discovery.resource_list(kinds, resource.group or "", resource.version)
+            )
         kind = self.kind_of(resource)
         key: Key = (resource, request.namespace if kind.namespaced else None, request.name or "")
         method = request.method.value.upper()
@@ -252,7 +301,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
     async def _watch(self, request: rendering.Request, kind: Kind, key: Key) -> aiohttp.web.StreamResponse:
         """A watch stream: from `resourceVersion` (the events after it, or 410 when they are no longer
         known), or, without one, every current object as ADDED first; ends after `timeoutSeconds`."""
-        bus = self._buses[key[0]]
+        bus = self._watch_buses[key[0]]
         params = dict(request.params)
         if request.name:  # a watch of one object (`.../pods/NAME?watch=true`, kubectl's wait for deletion)
             params["fieldSelector"] = ",".join(
@@ -303,7 +352,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
     async def expire_watches(self) -> None:
         """Behave as after an etcd compaction: end every open watch with 410 Gone and forget the history,
         so that clients must list again (kopf and kubectl do)."""
-        for bus in list(self._buses.values()):
+        for bus in list(self._watch_buses.values()):
             await bus.expire()
 
     # ---- writes -------------------------------------------------------------------------------------
@@ -360,6 +409,9 @@ class LocalApiServer(kmock.KubernetesEmulator):
         if errors:
             raise self._invalid(kind, name, errors)
         if kind.schema is discovery.OPEN_SCHEMA:
+            decoding = schema.decoding_error(kind.kind, obj)
+            if decoding:
+                raise refuse(400, "BadRequest", decoding)
             return obj, []
         outcome = schema.admit(obj, kind.schema, old)
         if outcome.errors:
@@ -367,10 +419,22 @@ class LocalApiServer(kmock.KubernetesEmulator):
         unknown = [f'unknown field "{field}"' for field in outcome.unknown]
         directive = request.params.get("fieldValidation", "")
         if unknown and directive == "Strict":
-            raise refuse(400, "BadRequest", f"strict decoding error: {', '.join(unknown)}")
+            raise refuse(
+                400,
+                "BadRequest",
+                f'{kind.kind} in version "{kind.version}" cannot be handled as a {kind.kind}: '
+                f"strict decoding error: {', '.join(unknown)}",
+            )
         return outcome.obj, unknown if directive != "Ignore" else []
 
     def _body(self, request: rendering.Request) -> Any:
+        if "protobuf" in request.headers.get("Content-Type", ""):
+            # kubectl's typed commands (`create namespace`, `run`) send protobuf; `kubectl apply` sends JSON.
+            raise refuse(
+                415,
+                "UnsupportedMediaType",
+                "the local API server reads JSON and YAML bodies only (not protobuf): use `kubectl apply -f`",
+            )
         data = request.data
         if data is None and request.text:
             try:
@@ -407,6 +471,9 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 "the namespace of the provided object does not match the namespace sent on the request",
             )
         obj = self._stamp(kind, copy.deepcopy(data), request.namespace)
+        space = obj["metadata"].get("namespace")
+        if kind.namespaced and self._store.get((self._namespaces, None, space)) is None:
+            raise refuse(404, "NotFound", f'namespaces "{space}" not found', name=space, kind="namespaces")
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
         obj, warnings = self._admit(request, kind, obj, None)

@@ -132,7 +132,8 @@ def pod_event(event: kopf.RawEvent, **_: Any) -> None:
     pod = event["object"]
     meta = pod.get("metadata") or {}
     # The owner names the job (the job label holds a hashed form of a name longer than a label value).
-    owners = [ref.get("name") for ref in meta.get("ownerReferences") or () if ref.get("kind") == api.KIND]
+    refs = meta.get("ownerReferences")
+    owners = [r.get("name") for r in refs if r.get("kind") == api.KIND] if isinstance(refs, list) else []
     job = owners[0] if owners else (meta.get("labels") or {}).get(LABEL_JOB)
     controller = CONTROLLERS.get((str(meta.get("namespace")), job)) if job else None
     if controller is not None:

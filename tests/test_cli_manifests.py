@@ -39,6 +39,11 @@ CASES = [
         ["document 1 (resilientjob/a)", "apiVersion: 'resilientjob.io/v9' is not served"],
     ),
     ("empty.yaml", "---\n", ["no objects in the file"]),
+    (
+        "twice.yaml",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\nkind: Secret\n",
+        ["invalid YAML at line 4, column 1", "key 'kind' is given twice"],
+    ),
 ]
 
 

@@ -209,3 +209,20 @@ async def test_kubectl_documents_tables_and_logs(server: Any, tmp_path: Any) -> 
     await call(client, "POST", PODS, pod("lp"))
     assert await call(client, "GET", f"{PODS}/lp/log") == (200, "hello from the pod\n")
     await asyncio.sleep(0)
+
+
+async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any) -> None:
+    _, client, _ = server
+    configmaps, secrets_ = "/api/v1/namespaces/default/configmaps", "/api/v1/namespaces/default/secrets"
+    status, body = await call(client, "POST", configmaps, {"metadata": {"name": "c"}, "data": {"a": 1}})
+    assert status == 400 and "ConfigMap.data.a of type string" in body["message"]
+    status, body = await call(client, "POST", secrets_, {"metadata": {"name": "s"}, "data": {"a": "no!"}})
+    assert status == 400 and "illegal base64 data in data.a" in body["message"]
+    status, body = await call(
+        client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}
+    )
+    assert status == 404 and body["message"] == 'namespaces "nope" not found'
+    assert (await call(client, "POST", "/api/v1/namespaces", {"metadata": {"name": "nope"}}))[0] == 201
+    assert (await call(client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}))[
+        0
+    ] == 201
