@@ -259,7 +259,10 @@ def _worker_labels(pod: str, field: str) -> dict[str, str]:
     labels = ((body or {}).get("metadata") or {}).get("labels") or {}
     if "resilientjob.io/node" not in labels:
         raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
-    return dict(labels)
+    # The owner names the job: the label holds a hashed form of a name longer than a label value may be.
+    refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+    owners = [ref.get("name") for ref in refs if ref.get("kind") == "ResilientJob"]
+    return {**labels, "resilientjob.io/job": owners[0]} if owners else dict(labels)
 
 
 def _slow(

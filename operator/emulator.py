@@ -31,24 +31,22 @@ import collections
 import contextlib
 import copy
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
 import aiohttp.web
 import attrs
 import kmock
-import yaml
 from kmock._internal import dicts, enums, parsing, references, rendering
 from kmock._internal.k8s import KubernetesError
 
+from . import _local_api_admission as admission
 from . import _local_api_discovery as discovery
-from . import _local_api_schema as schema
 from . import _local_api_select as select
 from . import _local_api_tables as tables
-from . import _names
+from ._local_api_admission import refuse
 from ._local_api_discovery import Kind
-from ._local_api_store import Key, Store, now
+from ._local_api_store import Key, Store
 from ._local_api_watch import RecordingBus, Revisions, WatchExpired, expired_event
 
 # (group, version, plural, kind, namespaced)
@@ -73,11 +71,6 @@ _SHORT_NAMES = {
     "events": ("ev",),
     _CRDS: ("crd", "crds"),
 }
-
-
-def refuse(code: int, reason: str, message: str, **details: Any) -> KubernetesError:
-    """An API error with the Status body a real server sends."""
-    return KubernetesError(status=code, reason=reason, message=message, details=details or {})
 
 
 @attrs.define(kw_only=True)
@@ -130,11 +123,11 @@ class LocalApiServer(kmock.KubernetesEmulator):
         # The namespaces a new cluster has; an object of any other namespace is refused until it is created.
         namespace_kind = self._kinds["", "v1", "namespaces"]
         for namespace in ("default", "kube-system", "kube-public", "kube-node-lease"):
-            body = self._stamp(namespace_kind, {"metadata": {"name": namespace}}, None)
+            body = admission.stamp(namespace_kind, {"metadata": {"name": namespace}}, None)
             body["status"] = {"phase": "Active"}
             self._store.seed((self._namespaces, None, namespace), body)
         crd_kind = self._kinds["apiextensions.k8s.io", "v1", _CRDS]
-        stored = self._stamp(crd_kind, crd, None)
+        stored = admission.stamp(crd_kind, crd, None)
         stored["status"] = {"conditions": [{"type": "Established", "status": "True"}]}
         self._store.seed(
             (references.resource(crd_kind.group, "v1", _CRDS), None, crd["metadata"]["name"]), stored
@@ -356,95 +349,6 @@ class LocalApiServer(kmock.KubernetesEmulator):
             await bus.expire()
 
     # ---- writes -------------------------------------------------------------------------------------
-    def _stamp(self, kind: Kind, obj: dict[str, Any], namespace: str | None) -> dict[str, Any]:
-        """A new object's server-owned fields, as the API server sets them on create."""
-        obj = {**obj, "kind": kind.kind, "apiVersion": kind.api_version}
-        meta = obj["metadata"] = dict(obj.get("metadata") or {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
-        if kind.namespaced:
-            meta["namespace"] = namespace or meta.get("namespace") or "default"
-        meta["uid"] = str(uuid.uuid4())
-        meta["creationTimestamp"] = now()
-        meta["generation"] = 1
-        meta["resourceVersion"] = "0"
-        for server_only in ("deletionTimestamp", "deletionGracePeriodSeconds"):
-            meta.pop(server_only, None)
-        return obj
-
-    def _invalid(self, kind: Kind, name: str, errors: list[str]) -> KubernetesError:
-        joined = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
-        causes = [{"field": e.split(":", 1)[0], "message": e.split(": ", 1)[-1]} for e in errors]
-        group = f".{kind.group}" if kind.group else ""
-        return refuse(
-            422,
-            "Invalid",
-            f'{kind.kind}{group} "{name}" is invalid: {joined}',
-            name=name,
-            group=kind.group,
-            kind=kind.kind,
-            causes=causes,
-        )
-
-    def _admit(
-        self, request: rendering.Request, kind: Kind, obj: dict[str, Any], old: dict[str, Any] | None
-    ) -> tuple[dict[str, Any], list[str]]:
-        """Validate a new state of an object; the state to store and the warnings to send."""
-        name = obj["metadata"].get("name", "")
-        errors = []
-        if old is None:
-            check = (
-                _names.dns1035_errors
-                if kind.kind == "Service"
-                else (_names.label_errors if kind.kind == "Namespace" else _names.subdomain_errors)
-            )
-            errors = [f'metadata.name: Invalid value: "{name}": {e}' for e in check(name)]
-            if not name:
-                errors = ["metadata.name: Required value: name or generateName is required"]
-        for value in (obj["metadata"].get("labels") or {}).values():
-            errors += [
-                f'metadata.labels: Invalid value: "{value}": {e}'
-                for e in _names.label_value_errors(str(value))
-            ]
-        if errors:
-            raise self._invalid(kind, name, errors)
-        if kind.schema is discovery.OPEN_SCHEMA:
-            decoding = schema.decoding_error(kind.kind, obj)
-            if decoding:
-                raise refuse(400, "BadRequest", decoding)
-            return obj, []
-        outcome = schema.admit(obj, kind.schema, old)
-        if outcome.errors:
-            raise self._invalid(kind, name, outcome.errors)
-        unknown = [f'unknown field "{field}"' for field in outcome.unknown]
-        directive = request.params.get("fieldValidation", "")
-        if unknown and directive == "Strict":
-            raise refuse(
-                400,
-                "BadRequest",
-                f'{kind.kind} in version "{kind.version}" cannot be handled as a {kind.kind}: '
-                f"strict decoding error: {', '.join(unknown)}",
-            )
-        return outcome.obj, unknown if directive != "Ignore" else []
-
-    def _body(self, request: rendering.Request) -> Any:
-        if "protobuf" in request.headers.get("Content-Type", ""):
-            # kubectl's typed commands (`create namespace`, `run`) send protobuf; `kubectl apply` sends JSON.
-            raise refuse(
-                415,
-                "UnsupportedMediaType",
-                "the local API server reads JSON and YAML bodies only (not protobuf): use `kubectl apply -f`",
-            )
-        data = request.data
-        if data is None and request.text:
-            try:
-                data = yaml.safe_load(request.text)
-            except yaml.YAMLError as exc:
-                raise refuse(
-                    400, "BadRequest", f"the body of the request was in an unknown format: {exc}"
-                ) from None
-        return data
-
     def _answer(self, obj: dict[str, Any], status: int, warnings: list[str]) -> aiohttp.web.Response:
         response = aiohttp.web.json_response(obj, status=status)
         for warning in warnings:
@@ -453,7 +357,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         return response
 
     async def _create(self, request: rendering.Request, kind: Kind) -> aiohttp.web.Response:
-        data = self._body(request)
+        data = admission.body(request)
         if not isinstance(data, dict):
             raise refuse(400, "BadRequest", "the body of the request must be a JSON object")
         if data.get("apiVersion", kind.api_version) != kind.api_version:
@@ -470,13 +374,13 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 "BadRequest",
                 "the namespace of the provided object does not match the namespace sent on the request",
             )
-        obj = self._stamp(kind, copy.deepcopy(data), request.namespace)
+        obj = admission.stamp(kind, copy.deepcopy(data), request.namespace)
         space = obj["metadata"].get("namespace")
         if kind.namespaced and self._store.get((self._namespaces, None, space)) is None:
             raise refuse(404, "NotFound", f'namespaces "{space}" not found', name=space, kind="namespaces")
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
-        obj, warnings = self._admit(request, kind, obj, None)
+        obj, warnings = admission.admit(request.params, kind, obj, None)
         key: Key = (request.resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])  # type: ignore[assignment]
         if self._store.get(key) is not None:
             raise refuse(
@@ -496,7 +400,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         return self._answer(obj, 201, warnings)
 
     async def _update(self, request: rendering.Request, kind: Kind, key: Key) -> aiohttp.web.Response:
-        data = self._body(request)
+        data = admission.body(request)
         content_type = request.headers.get("Content-Type", "").split(";")[0]
         old = self._store.get(key)
         if old is None:
@@ -526,53 +430,17 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 group=kind.group,
                 kind=kind.plural,
             )
-        new = self._owned_parts(kind, request.subresource, old, new)
+        new = admission.owned_parts(kind, request.subresource, old, new)
         if new == old:
             return self._answer(self._stamp_kind(kind, old), 200, [])
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = int(old["metadata"].get("generation", 1)) + 1
-        new, warnings = self._admit(request, kind, new, old)
+        new, warnings = admission.admit(request.params, kind, new, old)
         if request.params.get("dryRun") == "All":
             return self._answer(new, 200, warnings)
         if await self._store.released(key, new):
             return self._answer(new, 200, warnings)
         return self._answer(await self._store.put(key, new, "MODIFIED"), 200, warnings)
-
-    @staticmethod
-    def _owned_parts(
-        kind: Kind, subresource: str | None, old: dict[str, Any], new: dict[str, Any]
-    ) -> dict[str, Any]:
-        """What a write may change: the server keeps the identity fields, and with a status subresource a
-        write to the object leaves its status alone while one to `/status` changes nothing else (a pod's
-        status is kept as kmock kept it: writable both ways, as the process kubelet writes it)."""
-        meta = new.setdefault("metadata", {})
-        for field in (
-            "name",
-            "namespace",
-            "uid",
-            "creationTimestamp",
-            "generation",
-            "resourceVersion",
-            "deletionTimestamp",
-            "deletionGracePeriodSeconds",
-        ):
-            if field in old["metadata"]:
-                meta[field] = old["metadata"][field]
-            else:
-                meta.pop(field, None)
-        new["kind"], new["apiVersion"] = kind.kind, kind.api_version
-        if "status" in kind.subresources and kind.kind != "Pod":
-            if subresource == "status":
-                return (
-                    {**old, "status": new.get("status")}
-                    if new.get("status") is not None
-                    else {k: v for k, v in old.items() if k != "status"}
-                )
-            if "status" in old:
-                new["status"] = old["status"]
-            else:
-                new.pop("status", None)
-        return new
 
     async def _delete(self, request: rendering.Request, kind: Kind, key: Key) -> aiohttp.web.Response:
         options = request.data if isinstance(request.data, dict) else {}
