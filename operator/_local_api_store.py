@@ -55,6 +55,11 @@ class Store:
             return None
         return copy.deepcopy(stored.last.raw)
 
+    def peek(self, key: Key) -> dict[str, Any] | None:
+        """The stored object itself, to read only (no copy: reads are most requests)."""
+        stored = self._objects._objects.get(key)
+        return None if stored is None or stored.deleted else stored.last.raw
+
     def items(self, resource: references.resource, namespace: str | None) -> Iterator[dict[str, Any]]:
         for (kind, space, _), stored in list(self._objects._objects.items()):
             if kind == resource and (namespace is None or space == namespace) and not stored.deleted:

@@ -266,7 +266,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(body)
 
     def _existing(self, kind: Kind, key: Key) -> dict[str, Any]:
-        obj = self._store.get(key)
+        obj = self._store.peek(key)
         if obj is None:
             raise refuse(
                 404,
@@ -376,13 +376,13 @@ class LocalApiServer(kmock.KubernetesEmulator):
             )
         obj = admission.stamp(kind, copy.deepcopy(data), request.namespace)
         space = obj["metadata"].get("namespace")
-        if kind.namespaced and self._store.get((self._namespaces, None, space)) is None:
+        if kind.namespaced and self._store.peek((self._namespaces, None, space)) is None:
             raise refuse(404, "NotFound", f'namespaces "{space}" not found', name=space, kind="namespaces")
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
         obj, warnings = admission.admit(request.params, kind, obj, None)
         key: Key = (request.resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])  # type: ignore[assignment]
-        if self._store.get(key) is not None:
+        if self._store.peek(key) is not None:
             raise refuse(
                 409,
                 "AlreadyExists",
@@ -416,7 +416,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
             except Exception as exc:  # jsonpatch's errors: a test that failed, a path that is not there
                 raise refuse(422, "Invalid", f"the JSON patch could not be applied: {exc}") from None
         elif isinstance(data, dict):
-            new = dict(dicts.patch_dict(copy.deepcopy(old), data))
+            new = dict(dicts.patch_dict(old, data))  # copy-on-write over our own copy
         else:
             raise refuse(400, "BadRequest", "the body of the request must be a JSON object")
         wanted = (data.get("metadata") or {}).get("resourceVersion") if isinstance(data, dict) else None
