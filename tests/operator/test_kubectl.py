@@ -7,6 +7,7 @@ pods gone. One stack for every step."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -89,7 +90,10 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             [str(binary), "--kubeconfig", kubeconfig, "get", "rjob", "-w"], stdout=subprocess.PIPE, text=True
         ) as watch:
             assert watch.stdout is not None
+            stop = threading.Timer(20, watch.kill)  # a watch that shows nothing must not hang the test
+            stop.start()
             lines = [watch.stdout.readline() for _ in range(3)]  # the header, the row, a change
+            stop.cancel()
             watch.terminate()
         assert lines[0].split()[:2] == ["NAME", "PHASE"] and all(
             line.startswith("local-cpu ") for line in lines[1:]
