@@ -18,17 +18,23 @@ import time
 import aiohttp
 import kmock
 
-from resilientjob.operator.emulator import CORE_RESOURCES, VERBS, LocalApiServer
+from resilientjob.operator._local_api_discovery import VERBS
+from resilientjob.operator.emulator import CORE_RESOURCES, LocalApiServer
 
 MERGE_PATCH = {"content-type": "application/merge-patch+json"}
 
 
 def _plain() -> kmock.KubernetesEmulator:
     emulator = kmock.KubernetesEmulator()
-    for resource, kind, namespaced in CORE_RESOURCES:
+    for group, version, plural, kind, namespaced in CORE_RESOURCES:
         subresources = {"status"} if kind == "Pod" else set()
+        resource = f"{group}/{version}/{plural}" if group else f"{version}/{plural}"
         emulator.resources[resource] = kmock.ResourceInfo(
-            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=VERBS, subresources=subresources
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            verbs=set(VERBS),
+            subresources=subresources,
         )
     return emulator
 

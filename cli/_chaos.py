@@ -121,8 +121,14 @@ def _worker(pod: dict[str, Any], name: str) -> tuple[str, int]:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     if LABEL_JOB not in labels or LABEL_NODE not in labels:
         raise CliError(f"pod: {name!r} is not a ResilientJob worker (no {LABEL_JOB}/{LABEL_NODE} labels)")
+    # The owner names the job: the label holds a hashed form of a name longer than a label value may be.
+    owners = [
+        r.get("name")
+        for r in (pod.get("metadata") or {}).get("ownerReferences") or ()
+        if r.get("kind") == "ResilientJob"
+    ]
     try:
-        return str(labels[LABEL_JOB]), int(labels[LABEL_NODE])
+        return str(owners[0] if owners else labels[LABEL_JOB]), int(labels[LABEL_NODE])
     except ValueError:
         raise CliError(f"pod: {name!r} has a malformed {LABEL_NODE} label") from None
 

@@ -21,9 +21,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ._common import CliError, guarded
+from ._manifest_files import load_documents
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 SLOW_FACTOR = 2.0
@@ -357,11 +356,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.duration < 20:
         raise CliError(f"duration: at least 20 seconds, got {args.duration:g}")
     manifest = Path(args.filename)
+    document = next((d for d in load_documents(manifest) if d.body["kind"] == "ResilientJob"), None)
+    if document is None:
+        raise CliError(f"{manifest}: no ResilientJob in the file")
+    job = str(document.body["metadata"]["name"])
     try:
-        document = yaml.safe_load(manifest.read_text())
-        job, nodes = str(document["metadata"]["name"]), int(document["spec"]["nodes"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
-        raise CliError(f"filename: cannot read a ResilientJob from {str(manifest)!r}: {exc}") from None
+        nodes = int((document.body.get("spec") or {})["nodes"])
+    except (KeyError, TypeError, ValueError):
+        raise CliError(f"{document.where}: spec.nodes: required (an integer)") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["RJOB_LOCAL_DIR"] = str((out / "stack").resolve())

@@ -1,5 +1,5 @@
 """`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
-operator, a process kubelet). `up`, `apply -f FILE`, `get`, `logs POD`, `chaos kill POD`,
+operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs POD`, `chaos kill POD`,
 `chaos slow POD --factor F --for 60s [--link PEER]`, `down`."""
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ._common import CliError, guarded
+from ._manifest_files import Document, load_documents
 
 GROUP, VERSION, PLURAL = "resilientjob.io", "v1alpha1", "resilientjobs"
 
@@ -56,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     apply = commands.add_parser("apply", help="create or update objects from a YAML file")
     apply.add_argument("-f", "--filename", required=True)
     commands.add_parser("get", help="list jobs and their pods")
+    commands.add_parser("kubeconfig", help="print the path of the kubeconfig for kubectl and other clients")
     logs = commands.add_parser("logs", help="print a pod's output")
     logs.add_argument("pod")
     chaos = commands.add_parser("chaos", help="inject faults").add_subparsers(
@@ -84,6 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         return _apply(Path(args.filename))
     if command == "get":
         return _get()
+    if command == "kubeconfig":
+        print(_state()["kubeconfig"])
+        return 0
     if command == "logs":
         log = _state_dir() / "pods" / args.pod / "log"
         if not log.exists():
@@ -115,6 +118,7 @@ def _up() -> int:
         time.sleep(0.1)
     state = _state()
     print(f"API server {state['api_url']}\nRedis      {state['redis_url']}\nstate      {directory}")
+    print(f"export KUBECONFIG={state['kubeconfig']}")
     return 0
 
 
@@ -136,35 +140,52 @@ def _down() -> int:
     return 0
 
 
-def _resource_path(document: dict[str, Any]) -> str:
-    namespace = (document.get("metadata") or {}).get("namespace") or "default"
-    api_version, kind = document.get("apiVersion", ""), document.get("kind", "")
-    plural = {"ResilientJob": PLURAL, "ConfigMap": "configmaps", "Secret": "secrets"}.get(kind)
-    if plural is None:
-        raise CliError(f"kind: {kind!r} is not supported by the local stack")
+# The kinds `rjob local apply` creates, by kind: the served apiVersion and the plural.
+_KINDS = {
+    "ResilientJob": (f"{GROUP}/{VERSION}", PLURAL),
+    "ConfigMap": ("v1", "configmaps"),
+    "Secret": ("v1", "secrets"),
+}
+
+
+def _resource_path(document: Document) -> str:
+    body = document.body
+    namespace = body["metadata"].get("namespace") or "default"
+    api_version, kind = body["apiVersion"], body["kind"]
+    if kind not in _KINDS:
+        raise CliError(
+            f"{document.where}: kind: {kind!r} is not supported by the local stack ({', '.join(_KINDS)})"
+        )
+    served, plural = _KINDS[kind]
+    if api_version != served:
+        raise CliError(
+            f"{document.where}: apiVersion: {api_version!r} is not served for kind {kind} (use {served!r})"
+        )
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{base}/namespaces/{namespace}/{plural}"
 
 
+def _refusal(payload: Any) -> str:
+    return str(payload.get("message") if isinstance(payload, dict) else payload).splitlines()[0]
+
+
 def _apply(path: Path) -> int:
-    try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    except (OSError, yaml.YAMLError) as exc:
-        raise CliError(f"filename: cannot read {str(path)!r}: {exc}") from None
-    for document in documents:
-        collection = _resource_path(document)
-        name = document["metadata"]["name"]
-        status, payload = _call("POST", collection, document)
+    documents = load_documents(path)
+    # Every document is checked before any is sent: a bad second document leaves the first unapplied.
+    targets = [(document, _resource_path(document)) for document in documents]
+    for document, collection in targets:
+        body, name = document.body, document.body["metadata"]["name"]
+        status, payload = _call("POST", collection, body)
         if status == 409:
             status, payload = _call(
                 "PATCH",
                 f"{collection}/{name}",
-                {"spec": document.get("spec"), "data": document.get("data")},
+                {"spec": body.get("spec"), "data": body.get("data")},
                 "application/merge-patch+json",
             )
         if status >= 400:
-            raise CliError(f"{name}: {payload.get('message') if isinstance(payload, dict) else payload}")
-        print(f"{document['kind'].lower()}/{name} applied")
+            raise CliError(f"{document.where}: {_refusal(payload)}")
+        print(f"{body['kind'].lower()}/{name} applied")
     return 0
 
 
@@ -240,7 +261,10 @@ def _worker_labels(pod: str, field: str) -> dict[str, str]:
     labels = ((body or {}).get("metadata") or {}).get("labels") or {}
     if "resilientjob.io/node" not in labels:
         raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
-    return dict(labels)
+    # The owner names the job: the label holds a hashed form of a name longer than a label value may be.
+    refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+    owners = [ref.get("name") for ref in refs if ref.get("kind") == "ResilientJob"]
+    return {**labels, "resilientjob.io/job": owners[0]} if owners else dict(labels)
 
 
 def _slow(

@@ -11,7 +11,7 @@ from typing import Any
 from resilientjob.planner.plan import Plan
 
 from . import api
-from ._manifests import ANNOTATION_GENERATION, LABEL_JOB, LABEL_NODE
+from ._manifests import ANNOTATION_GENERATION, LABEL_JOB, LABEL_NODE, job_label
 
 # Pod-level signals that the node under a pod is gone, as the node lifecycle controller reports them.
 NODE_LOST_REASONS = frozenset(
@@ -58,7 +58,7 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
     """The view of a pod of `job`, or None for any other pod (or one without a valid node label)."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
-    if labels.get(LABEL_JOB) != job:
+    if labels.get(LABEL_JOB) != job_label(job):
         return None
     try:
         node = int(labels.get(LABEL_NODE, ""))

@@ -3,8 +3,9 @@ operator makes itself: create/get/list/patch/delete of pods, services, config ma
 patches. kopf handles watching, events and its own bookkeeping; this adapter sits behind `KubeApi` so the
 reconciler never touches HTTP directly.
 
-Server errors and connection failures become `kopf.TemporaryError` so that kopf retries with backoff;
-client errors (4xx other than 404/409) are bugs or invalid objects and raise `KubeError`.
+Server errors and connection failures become `kopf.TemporaryError` so that kopf retries with backoff; a 401
+leads to a fresh login and one retry (credentials rotate); other client errors (4xx other than 404/409) are
+bugs or invalid objects and raise `KubeError`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import base64
 import ssl
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -60,22 +61,38 @@ def custom_path(group: str, version: str, namespace: str, plural: str, name: str
     return f"{base}/{name}" if name else base
 
 
-class KubeApi:
-    """The operator's own API calls. One aiohttp session, created lazily inside the running loop."""
+def _authorization(info: kopf.ConnectionInfo) -> dict[str, str]:
+    if info.token:
+        return {"Authorization": f"{info.scheme or 'Bearer'} {info.token}"}
+    if info.username and info.password:
+        raw = f"{info.username}:{info.password}".encode()
+        return {"Authorization": f"Basic {base64.b64encode(raw).decode()}"}
+    return {}
 
-    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 10.0) -> None:
+
+class KubeApi:
+    """The operator's own API calls. One aiohttp session, created lazily inside the running loop.
+
+    Credentials can rotate (a service-account token file the kubelet rewrites, a refreshed kubeconfig
+    token): a 401 makes the client log in again with `relogin` (which reads them anew) and retry the
+    request once; kopf's re-login hands its new credentials over with `use`."""
+
+    def __init__(
+        self,
+        info: kopf.ConnectionInfo,
+        timeout_s: float = 10.0,
+        relogin: Callable[[], kopf.ConnectionInfo] | None = None,
+    ) -> None:
         self.server = info.server.rstrip("/")
-        self._headers: dict[str, str] = {"Accept": "application/json"}
-        if info.scheme and info.token:
-            self._headers["Authorization"] = f"{info.scheme} {info.token}"
-        elif info.token:
-            self._headers["Authorization"] = f"Bearer {info.token}"
-        elif info.username and info.password:
-            raw = f"{info.username}:{info.password}".encode()
-            self._headers["Authorization"] = f"Basic {base64.b64encode(raw).decode()}"
+        self._auth = _authorization(info)
         self._ssl = _ssl_context(info)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._relogin = relogin
+
+    def use(self, info: kopf.ConnectionInfo) -> None:
+        """Send these credentials from now on (the server and TLS settings stay)."""
+        self._auth = _authorization(info)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -91,23 +108,33 @@ class KubeApi:
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> tuple[int, Any]:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
-        headers = {"Content-Type": content_type} if body is not None else {}
-        try:
-            async with self._session.request(
-                method, self.server + path, json=body, params=params, headers=headers, ssl=self._ssl
-            ) as response:
-                payload = await response.json(content_type=None) if response.content_length != 0 else None
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise kopf.TemporaryError(f"{method} {path}: {exc!r}", delay=1.0) from exc
+        status, payload = await self._send(method, path, body, params, content_type)
+        if status == 401 and self._relogin is not None:
+            self.use(self._relogin())
+            status, payload = await self._send(method, path, body, params, content_type)
         if status >= 500 or status == 429:
             raise kopf.TemporaryError(f"{method} {path}: HTTP {status}", delay=1.0)
         if status >= 400 and status not in (404, 409):
             message = payload.get("message", "") if isinstance(payload, dict) else str(payload)
             raise KubeError(status, f"{method} {path}: {message}")
         return status, payload
+
+    async def _send(
+        self, method: str, path: str, body: Any, params: Mapping[str, str] | None, content_type: str
+    ) -> tuple[int, Any]:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers={"Accept": "application/json"}, timeout=self._timeout
+            )
+        headers = {**self._auth, **({"Content-Type": content_type} if body is not None else {})}
+        try:
+            async with self._session.request(
+                method, self.server + path, json=body, params=params, headers=headers, ssl=self._ssl
+            ) as response:
+                payload = await response.json(content_type=None) if response.content_length != 0 else None
+                return response.status, payload
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise kopf.TemporaryError(f"{method} {path}: {exc!r}", delay=1.0) from exc
 
     async def create(self, path: str, body: Mapping[str, Any]) -> bool:
         """Create an object; False when it already exists (creation is idempotent for the reconciler)."""

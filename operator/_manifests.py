@@ -20,6 +20,7 @@ from resilientjob.protocol.workload import (
 )
 
 from . import api
+from ._names import SUBDOMAIN_MAX, fit
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -73,24 +74,31 @@ SCRATCH_ENV = {
 }
 
 
+# A job's name is a DNS-1123 subdomain of up to 253 characters; the names derived from it stay valid (see
+# `_names.fit`): a pod's name is also its hostname (a DNS label), a Service's name is a DNS-1035 label.
 def pod_name(job: str, node: int) -> str:
-    return f"{job}-node-{node}"
+    return fit(job, f"-node-{node}", dns_label=True)
 
 
 def service_name(job: str) -> str:
-    return f"{job}-workers"
+    return fit(job, "-workers", dns1035=True)
 
 
 def store_pod_name(job: str) -> str:
-    return f"{job}-store"
+    return fit(job, "-store", dns_label=True)
 
 
 def plan_configmap_name(job: str) -> str:
-    return f"{job}-plan"
+    return fit(job, "-plan", SUBDOMAIN_MAX)
 
 
 def profile_configmap_name(job: str) -> str:
-    return f"{job}-profile"
+    return fit(job, "-profile", SUBDOMAIN_MAX)
+
+
+def job_label(job: str) -> str:
+    """The value of the job label of a job's objects (a label value has at most 63 characters)."""
+    return fit(job)
 
 
 PROFILE_KEY = "profile.json"
@@ -108,11 +116,11 @@ def profile_configmap(body: Mapping[str, Any], profile_json: str, source: str) -
 
 
 def job_labels(job: str) -> dict[str, str]:
-    return {LABEL_NAME: "resilientjob", LABEL_MANAGED_BY: MANAGER, LABEL_JOB: job}
+    return {LABEL_NAME: "resilientjob", LABEL_MANAGED_BY: MANAGER, LABEL_JOB: job_label(job)}
 
 
 def job_selector(job: str) -> str:
-    return f"{LABEL_JOB}={job}"
+    return f"{LABEL_JOB}={job_label(job)}"
 
 
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,7 +156,7 @@ def service_manifest(body: Mapping[str, Any]) -> dict[str, Any]:
         "metadata": _metadata(body, service_name(job)),
         "spec": {
             "clusterIP": "None",
-            "selector": {LABEL_JOB: job},
+            "selector": {LABEL_JOB: job_label(job)},
             "publishNotReadyAddresses": True,
             "ports": [{"name": "rendezvous", "port": 29500}, {"name": "transfer", "port": 29600}],
         },

@@ -220,10 +220,16 @@ class ResilientJobSpec(_Api):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {"rule": "self.faultTolerance < self.nodes", "message": "faultTolerance must be < nodes"},
+                # fieldPath: the API server's refusal names the field (`spec.faultTolerance: ...`).
+                {
+                    "rule": "self.faultTolerance < self.nodes",
+                    "message": "faultTolerance must be < nodes",
+                    "fieldPath": ".faultTolerance",
+                },
                 {
                     "rule": "self.globalBatchSize % self.microBatchSize == 0",
                     "message": "globalBatchSize must be a multiple of microBatchSize",
+                    "fieldPath": ".globalBatchSize",
                 },
             ]
         }

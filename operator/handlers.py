@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -30,7 +31,21 @@ _API: dict[str, KubeApi] = {}
 
 def _connection(settings: kopf.OperatorSettings, logger: kopf.Logger) -> kopf.ConnectionInfo:
     if SETTINGS.api_url:
-        return kopf.ConnectionInfo(server=SETTINGS.api_url, insecure=True, default_namespace="default")
+        token = None
+        if SETTINGS.api_token_file:
+            try:
+                token = Path(SETTINGS.api_token_file).read_text().strip()
+            except OSError as exc:
+                raise kopf.LoginError(
+                    f"api_token_file: cannot read {SETTINGS.api_token_file!r}: {exc}"
+                ) from None
+        return kopf.ConnectionInfo(
+            server=SETTINGS.api_url,
+            insecure=True,
+            default_namespace="default",
+            scheme="Bearer" if token else None,
+            token=token,
+        )
     if SETTINGS.kubeconfig:
         import os
 
@@ -45,8 +60,13 @@ def _connection(settings: kopf.OperatorSettings, logger: kopf.Logger) -> kopf.Co
 
 @kopf.on.login()
 def login(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> kopf.ConnectionInfo:
+    # kopf calls this again when one of its requests gets 401 (credentials rotated); the operator's own
+    # client then takes the new credentials in place, as it does itself on a 401 (`KubeApi.relogin`).
     info = _connection(settings, logger)
-    _API["api"] = KubeApi(info)
+    if "api" in _API:
+        _API["api"].use(info)
+    else:
+        _API["api"] = KubeApi(info, relogin=lambda: _connection(settings, logger))
     return info
 
 
@@ -111,7 +131,10 @@ async def run_job(
 def pod_event(event: kopf.RawEvent, **_: Any) -> None:
     pod = event["object"]
     meta = pod.get("metadata") or {}
-    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    # The owner names the job (the job label holds a hashed form of a name longer than a label value).
+    refs = meta.get("ownerReferences")
+    owners = [r.get("name") for r in refs if r.get("kind") == api.KIND] if isinstance(refs, list) else []
+    job = owners[0] if owners else (meta.get("labels") or {}).get(LABEL_JOB)
     controller = CONTROLLERS.get((str(meta.get("namespace")), job)) if job else None
     if controller is not None:
         controller.observe_pod(pod, deleted=event.get("type") == "DELETED")

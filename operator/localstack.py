@@ -60,8 +60,9 @@ async def serve(state_dir: Path) -> None:
     try:
         _wait_for_port(redis_port)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        async with LocalApiServer() as emulator, kmock.Server(emulator) as server:
+        async with LocalApiServer(pod_logs=state_dir / "pods") as emulator, kmock.Server(emulator) as server:
             api_url = str(server.url).rstrip("/")
+            kubeconfig = write_kubeconfig(state_dir / "kubeconfig", api_url)
             health_port = free_port()
             env = {
                 **os.environ,
@@ -85,6 +86,8 @@ async def serve(state_dir: Path) -> None:
                 "operator_pid": operator.pid,
                 # kopf's liveness endpoint, as the chart's probes ask it in a cluster.
                 "health_url": f"http://127.0.0.1:{health_port}/healthz",
+                # For kubectl and any client that reads a kubeconfig (`rjob local kubeconfig` prints it).
+                "kubeconfig": str(kubeconfig),
             }
             (state_dir / "state.json").write_text(json.dumps(state))
             try:
@@ -98,6 +101,26 @@ async def serve(state_dir: Path) -> None:
         _stop(redis)
         with contextlib.suppress(FileNotFoundError):
             (state_dir / "state.json").unlink()
+
+
+def write_kubeconfig(path: Path, api_url: str) -> Path:
+    """A kubeconfig naming the local API server (plain HTTP, no credentials), its context current."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "rjob-local", "cluster": {"server": api_url}}],
+        "users": [{"name": "rjob-local", "user": {}}],
+        "contexts": [
+            {
+                "name": "rjob-local",
+                "context": {"cluster": "rjob-local", "user": "rjob-local", "namespace": "default"},
+            }
+        ],
+        "current-context": "rjob-local",
+    }
+    path.write_text(json.dumps(config, indent=2))
+    path.chmod(0o600)
+    return path
 
 
 def _stop(process: subprocess.Popen[bytes] | None) -> None:

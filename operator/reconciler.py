@@ -48,6 +48,8 @@ from .settings import OperatorSettings
 log = logging.getLogger("resilientjob.operator")
 
 _PATCH_CONCURRENCY = 32
+POD_RESYNC_S = 5.0
+"""How often a job's pods are listed again to catch deletions a watch gap hid (see `resync_pods`)."""
 
 
 class InvalidJob(Exception):
@@ -112,6 +114,7 @@ class JobController:
         self._telemetry = TelemetryPass()
         self._failslow_restored = False
         self.store = StoreKeeper(kube, namespace, name)
+        self._pods_listed_at = time.monotonic()
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -126,6 +129,20 @@ class JobController:
         return core_path(self.namespace, "pods", _manifests.pod_name(self.name, node))
 
     # ---- pod events (from the kopf pod watch) -----------------------------------------------------------
+    async def resync_pods(self) -> None:
+        """Forget pods that are gone without a DELETED event, as an informer's periodic relist does: when
+        a watch expires (410 Gone) kopf lists again and resumes from there, so a pod deleted in the gap
+        only shows as missing from the list. Pods seen after the list started are kept (our own new ones
+        may be newer than the list)."""
+        started = time.monotonic()
+        self._pods_listed_at = started
+        listed = await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.name))
+        present = {str(pod["metadata"].get("uid")) for pod in listed}
+        for node, view in list(self.pods.items()):
+            if view.uid not in present and self.pod_seen_at.get(node, 0.0) < started:
+                del self.pods[node]
+                self.wakeup.set()
+
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
         if self.store.observe(pod, deleted):
             self.wakeup.set()  # a store pod gone or Failed is created again (`reconcile_once`)
@@ -444,6 +461,8 @@ class JobController:
         if self._deciding is not None and self._deciding.done():
             task, self._deciding = self._deciding, None
             task.result()  # InvalidJob (infeasible) and bugs surface here, in the daemon
+        if time.monotonic() - self._pods_listed_at >= POD_RESYNC_S:
+            await self.resync_pods()
         current, scan = await self._current()
         published = current.message
         if not deciding and self.status.plan_generation < published.generation:

@@ -11,6 +11,10 @@ class OperatorSettings:
     api_url: str | None = None
     """Kubernetes API server URL without credentials (the local emulator). None: in-cluster or kubeconfig."""
 
+    api_token_file: str | None = None
+    """With `api_url`: a file holding the bearer token to send, read again at every login (a service-account
+    token the kubelet rotates is such a file); None: no credentials."""
+
     kubeconfig: str | None = None
     """Path of a kubeconfig to log in with (a real cluster, e.g. kind); None: kopf's default login."""
 
@@ -53,6 +57,7 @@ class OperatorSettings:
         given: dict[str, object] = {}
         for name, variable, kind in (
             ("api_url", "RJOB_API_URL", str),
+            ("api_token_file", "RJOB_API_TOKEN_FILE", str),
             ("kubeconfig", "RJOB_KUBECONFIG", str),
             ("redis_url", "RJOB_REDIS_URL", str),
             ("namespace", "RJOB_NAMESPACE", str),
@@ -83,6 +88,7 @@ class OperatorSettings:
         }
         for key, value in (
             ("RJOB_API_URL", self.api_url),
+            ("RJOB_API_TOKEN_FILE", self.api_token_file),
             ("RJOB_KUBECONFIG", self.kubeconfig),
             ("RJOB_NAMESPACE", self.namespace),
             ("RJOB_WORKER_DEFAULTS", self.worker_defaults),

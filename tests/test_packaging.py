@@ -68,3 +68,12 @@ def test_every_third_party_import_is_a_runtime_dependency() -> None:
         if not distributions & runtime:
             missing.append(f"{module} ({where}) from {sorted(distributions)}")
     assert missing == [], "imported by shipped code but only in extras or undeclared: " + "; ".join(missing)
+
+
+def test_every_runtime_dependency_is_imported() -> None:
+    """The other way round: a declared runtime dependency that no shipped module imports is weight in every
+    install (the `kubernetes` client once was: kopf and the operator talk to the API over aiohttp)."""
+    runtime, _ = _declared()
+    providers = packages_distributions()
+    imported = {_normal(name) for module in _imported_modules() for name in providers.get(module, [])}
+    assert sorted(runtime - imported) == []

@@ -155,8 +155,8 @@ class Kube:
 
 
 @contextlib.asynccontextmanager
-async def api_server() -> AsyncIterator[tuple[LocalApiServer, str]]:
-    async with LocalApiServer() as emulator, kmock.Server(emulator) as server:
+async def api_server(**options: Any) -> AsyncIterator[tuple[LocalApiServer, str]]:
+    async with LocalApiServer(**options) as emulator, kmock.Server(emulator) as server:
         yield emulator, str(server.url).rstrip("/")
 
 

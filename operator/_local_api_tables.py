@@ -1,0 +1,130 @@
+"""Server-side printing: the `meta.k8s.io/v1` Table a real API server answers when a client asks for it
+(`Accept: application/json;as=Table;v=v1;g=meta.k8s.io`, as `kubectl get` does), so `kubectl get rjob`
+shows the CRD's `additionalPrinterColumns` and `kubectl get pods` a pod's readiness and phase.
+
+Reproduces kube-apiserver's table convertors trimmed to what kubectl prints: a CRD's columns are its
+printer columns after Name (simple `.a.b` JSON paths; `date` columns shown as an age), built-in kinds get
+Name and Age, pods Name, Ready, Status, Restarts and Age, events their time, type, reason, object and
+message. Each row carries the object's metadata
+(`includeObject=Metadata`, the default) or the object itself (`includeObject=Object`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._local_api_discovery import Kind
+
+_NAME = {"name": "Name", "type": "string", "format": "name", "description": "Name of the object"}
+_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+_POD_COLUMNS = (
+    {"name": "Ready", "type": "string"},
+    {"name": "Status", "type": "string"},
+    {"name": "Restarts", "type": "integer"},
+    _AGE,
+)
+
+
+def wants_table(accept: str) -> bool:
+    """Whether an Accept header asks for a Table (kubectl lists it first and JSON as a fallback)."""
+    first = accept.split(",", maxsplit=1)[0]
+    return "as=Table" in first
+
+
+def _age(timestamp: Any) -> str:
+    if not isinstance(timestamp, str) or not timestamp:
+        return "<unknown>"
+    try:
+        then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    except ValueError:
+        return "<invalid>"
+    seconds = int((datetime.datetime.now(tz=datetime.UTC) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def _path(obj: Mapping[str, Any], path: str) -> Any:
+    value: Any = obj
+    for part in path.strip(".").split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
+_EVENT_COLUMNS = (
+    {"name": "Last Seen", "type": "date", "jsonPath": ".lastTimestamp"},
+    {"name": "Type", "type": "string", "jsonPath": ".type"},
+    {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+    {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
+    {"name": "Message", "type": "string", "jsonPath": ".message"},
+)
+
+
+def _columns(kind: Kind) -> tuple[dict[str, Any], ...]:
+    if kind.printer_columns:
+        return tuple(kind.printer_columns)
+    if kind.kind == "Pod":
+        return _POD_COLUMNS
+    if kind.kind == "Event":
+        return _EVENT_COLUMNS
+    return (_AGE,)
+
+
+def _pod_cells(pod: Mapping[str, Any]) -> list[Any]:
+    status = pod.get("status") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    statuses = status.get("containerStatuses") or []
+    restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
+    phase = "Terminating" if (pod.get("metadata") or {}).get("deletionTimestamp") else status.get("phase")
+    return [f"{len(containers) if ready else 0}/{len(containers)}", phase or "Pending", restarts]
+
+
+def _cells(kind: Kind, obj: Mapping[str, Any]) -> list[Any]:
+    cells: list[Any] = [(obj.get("metadata") or {}).get("name", "")]
+    if kind.kind == "Pod" and not kind.printer_columns:
+        cells.extend(_pod_cells(obj))
+        return [*cells, _age(_path(obj, ".metadata.creationTimestamp"))]
+    for column in _columns(kind):
+        value = _path(obj, column["jsonPath"])
+        cells.append(_age(value) if column.get("type") == "date" else value)
+    return cells
+
+
+def _row(kind: Kind, obj: Mapping[str, Any], include: str) -> dict[str, Any]:
+    if include == "Object":
+        embedded: Any = obj
+    elif include == "None":
+        embedded = None
+    else:
+        embedded = {
+            "kind": "PartialObjectMetadata",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": obj.get("metadata") or {},
+        }
+    return {"cells": _cells(kind, obj), "object": embedded}
+
+
+def table(
+    kind: Kind, objects: Sequence[Mapping[str, Any]], resource_version: str, include: str = "Metadata"
+) -> dict[str, Any]:
+    definitions = [_NAME]
+    for column in _columns(kind):
+        definition = {key: column[key] for key in ("name", "type", "description") if key in column}
+        definitions.append(
+            {"format": "", "description": "", "priority": column.get("priority", 0)} | definition
+        )
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": resource_version},
+        "columnDefinitions": [{"priority": 0, **d} for d in definitions],
+        "rows": [_row(kind, obj, include) for obj in objects],
+    }

@@ -1,0 +1,228 @@
+"""The local API server answers as kube-apiserver does where that changes an outcome: names, unknown
+resources, the CRD's schema (defaults, pruning, types, CEL rules), resourceVersion conflicts, deletion with
+finalizers and propagation policies, garbage collection by owner, watches from a version and 410 Gone,
+selectors, Tables and the discovery and OpenAPI documents kubectl reads. Plain HTTP, no operator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from _rjob_stack import api_server, emulator_only, job_manifest, rjob_path
+
+from resilientjob.operator.emulator import LocalApiServer
+
+pytestmark = emulator_only("these test the local API server itself")
+PODS = "/api/v1/namespaces/default/pods"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[LocalApiServer, aiohttp.ClientSession, str]]:
+    async with api_server() as (emulator, url), aiohttp.ClientSession(url) as client:
+        yield emulator, client, url
+
+
+async def call(
+    client: aiohttp.ClientSession, method: str, path: str, body: Any = None, **kwargs: Any
+) -> tuple[int, Any]:
+    async with client.request(method, path, json=body, **kwargs) as response:
+        text = await response.text()
+        return response.status, json.loads(text) if text.startswith(("{", "[")) else text
+
+
+def pod(name: str, owner: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
+    refs = (
+        [
+            {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"],
+            }
+        ]
+        if owner
+        else []
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "ownerReferences": refs, **meta},
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
+
+
+async def test_names_versions_and_schema_are_checked_as_the_api_server_does(server: Any) -> None:
+    _, client, _ = server
+    status, body = await call(client, "POST", rjob_path(), job_manifest("Bad_Name!"))
+    assert status == 422 and 'metadata.name: Invalid value: "Bad_Name!"' in body["message"]
+    status, body = await call(
+        client, "POST", "/apis/resilientjob.io/v9/namespaces/default/resilientjobs", job_manifest("v9")
+    )
+    assert status == 404 and body["message"] == "the server could not find the requested resource"
+    status, body = await call(client, "POST", rjob_path(), job_manifest("cel", faultTolerance=4))
+    assert status == 422
+    assert body["message"] == (
+        'ResilientJob.resilientjob.io "cel" is invalid: spec.faultTolerance: Invalid '
+        'value: "object": faultTolerance must be < nodes'
+    )
+    status, body = await call(
+        client, "POST", rjob_path(), job_manifest("enum", policy="teleport", nodes=None)
+    )
+    assert status == 422 and "spec.nodes: Required value" in body["message"]
+    assert 'spec.policy: Unsupported value: "teleport"' in body["message"]
+    status, body = await call(
+        client, "POST", rjob_path(), job_manifest("typo", nodez=3), params={"fieldValidation": "Strict"}
+    )
+    assert status == 400 and 'unknown field "spec.nodez"' in body["message"]
+    # Without Strict an unknown field is pruned with a warning, and the schema's defaults are applied.
+    manifest = job_manifest("ok", nodez=3, faultTolerance=None)
+    async with client.post(rjob_path(), json=manifest) as response:
+        assert response.status == 201 and 'unknown field \\"spec.nodez\\"' in response.headers["Warning"]
+        stored = await response.json()
+    assert "nodez" not in stored["spec"] and stored["spec"]["faultTolerance"] == 1
+    assert stored["spec"]["policy"] == "auto" and stored["metadata"]["resourceVersion"].isdigit()
+    # Transition rules run on updates: an immutable field cannot change.
+    status, body = await call(
+        client,
+        "PATCH",
+        rjob_path("ok"),
+        {"spec": {"model": "synthetic:uniform-4"}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert status == 422 and 'spec.model: Invalid value: "string": model is immutable' in body["message"]
+
+
+async def test_a_stale_resource_version_is_a_conflict(server: Any) -> None:
+    _, client, _ = server
+    _, created = await call(client, "POST", PODS, pod("p"))
+    version = created["metadata"]["resourceVersion"]
+    merge = {"Content-Type": "application/merge-patch+json"}
+    status, patched = await call(
+        client,
+        "PATCH",
+        f"{PODS}/p",
+        {"metadata": {"labels": {"a": "1"}, "resourceVersion": version}},
+        headers=merge,
+    )
+    assert status == 200 and int(patched["metadata"]["resourceVersion"]) > int(version)
+    status, body = await call(
+        client,
+        "PATCH",
+        f"{PODS}/p",
+        {"metadata": {"labels": {"a": "2"}, "resourceVersion": version}},
+        headers=merge,
+    )
+    assert status == 409 and body["reason"] == "Conflict" and "has been modified" in body["message"]
+    status, body = await call(client, "POST", PODS, pod("p"))
+    assert status == 409 and body["reason"] == "AlreadyExists"
+
+
+async def test_deletion_collects_dependents_by_policy(server: Any) -> None:
+    _, client, _ = server
+    for policy, kept in (("Background", False), ("Foreground", False), ("Orphan", True)):
+        name = f"owner-{policy.lower()}"
+        _, owner = await call(client, "POST", rjob_path(), job_manifest(name))
+        for n in range(2):
+            assert (await call(client, "POST", PODS, pod(f"{name}-{n}", owner)))[0] == 201
+        status, _ = await call(
+            client,
+            "DELETE",
+            rjob_path(name),
+            {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": policy},
+        )
+        assert status == 200
+        assert (await call(client, "GET", rjob_path(name)))[0] == 404
+        _, pods = await call(client, "GET", PODS)
+        left = {p["metadata"]["name"]: p for p in pods["items"] if p["metadata"]["name"].startswith(name)}
+        assert bool(left) == kept, policy
+        if kept:
+            assert all(not p["metadata"]["ownerReferences"] for p in left.values())
+    # An object created for an owner that is gone is collected at once (the collector's dangling owner).
+    status, _ = await call(client, "POST", PODS, pod("late", owner))
+    assert status == 201 and (await call(client, "GET", f"{PODS}/late"))[0] == 404
+
+
+async def test_finalizers_hold_an_object_and_foreground_waits_for_dependents(server: Any) -> None:
+    _, client, _ = server
+    _, owner = await call(client, "POST", rjob_path(), job_manifest("held"))
+    await call(client, "POST", PODS, pod("held-0", owner, finalizers=["test/hold"]))
+    status, body = await call(client, "DELETE", rjob_path("held"), {"propagationPolicy": "Foreground"})
+    assert status == 200 and body["metadata"]["deletionTimestamp"]
+    # The dependent is held by its finalizer, so the owner waits with foregroundDeletion.
+    _, job = await call(client, "GET", rjob_path("held"))
+    assert job["metadata"]["finalizers"] == ["foregroundDeletion"]
+    _, held = await call(client, "GET", f"{PODS}/held-0")
+    assert held["metadata"]["deletionTimestamp"]
+    merge = {"Content-Type": "application/merge-patch+json"}
+    await call(client, "PATCH", f"{PODS}/held-0", {"metadata": {"finalizers": None}}, headers=merge)
+    assert (await call(client, "GET", f"{PODS}/held-0"))[0] == 404
+    assert (await call(client, "GET", rjob_path("held")))[0] == 404
+
+
+async def test_watch_from_a_version_then_410_after_expiry(server: Any) -> None:
+    emulator, client, _ = server
+    _, listing = await call(client, "GET", PODS)
+    since = listing["metadata"]["resourceVersion"]
+    await call(client, "POST", PODS, pod("w-0", labels={"app": "x"}))
+    await call(client, "POST", PODS, pod("w-1", labels={"app": "y"}))
+    params = {"watch": "true", "resourceVersion": since, "labelSelector": "app=x", "timeoutSeconds": "5"}
+    async with client.get(PODS, params=params) as response:
+        first = json.loads(await response.content.readline())
+        assert first["type"] == "ADDED" and first["object"]["metadata"]["name"] == "w-0"
+        await emulator.expire_watches()
+        expired = json.loads(await response.content.readline())
+    assert expired["type"] == "ERROR" and expired["object"]["code"] == 410
+    params = {"watch": "true", "resourceVersion": since, "timeoutSeconds": "5"}
+    async with client.get(PODS, params=params) as response:
+        assert json.loads(await response.content.readline())["object"]["code"] == 410
+
+
+async def test_kubectl_documents_tables_and_logs(server: Any, tmp_path: Any) -> None:
+    emulator, client, _ = server
+    _, discovery = await call(client, "GET", "/apis/resilientjob.io/v1alpha1")
+    by_name = {r["name"]: r for r in discovery["resources"]}
+    assert (
+        by_name["resilientjobs"]["shortNames"] == ["rjob"]
+        and "shortNames" not in by_name["resilientjobs/status"]
+    )
+    _, root = await call(client, "GET", "/openapi/v3")
+    _, document = await call(
+        client, "GET", root["paths"]["apis/resilientjob.io/v1alpha1"]["serverRelativeURL"]
+    )
+    patch = document["paths"]["/apis/resilientjob.io/v1alpha1/namespaces/{namespace}/resilientjobs/{name}"]
+    assert "fieldValidation" in [p["name"] for p in patch["patch"]["parameters"]]
+    assert (await call(client, "GET", "/openapi/v2"))[1]["swagger"] == "2.0"
+    await call(client, "POST", rjob_path(), job_manifest("tab"))
+    table_accept = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
+    _, table = await call(client, "GET", rjob_path(), headers=table_accept)
+    assert [c["name"] for c in table["columnDefinitions"]][:3] == ["Name", "Phase", "Workers"]
+    assert table["rows"][0]["cells"][0] == "tab"
+    _, listing = await call(client, "GET", rjob_path())
+    assert listing["kind"] == "ResilientJobList" and listing["items"][0]["kind"] == "ResilientJob"
+    emulator.pod_logs = tmp_path
+    (tmp_path / "lp").mkdir()
+    (tmp_path / "lp" / "log").write_text("hello from the pod\n")
+    await call(client, "POST", PODS, pod("lp"))
+    assert await call(client, "GET", f"{PODS}/lp/log") == (200, "hello from the pod\n")
+    await asyncio.sleep(0)
+
+
+async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any) -> None:
+    _, client, _ = server
+    configmaps, secrets_ = "/api/v1/namespaces/default/configmaps", "/api/v1/namespaces/default/secrets"
+    status, body = await call(client, "POST", configmaps, {"metadata": {"name": "c"}, "data": {"a": 1}})
+    assert status == 400 and "ConfigMap.data.a of type string" in body["message"]
+    status, body = await call(client, "POST", secrets_, {"metadata": {"name": "s"}, "data": {"a": "no!"}})
+    assert status == 400 and "illegal base64 data in data.a" in body["message"]
+    status, body = await call(
+        client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}
+    )
+    assert status == 404 and body["message"] == 'namespaces "nope" not found'
+    assert (await call(client, "POST", "/api/v1/namespaces", {"metadata": {"name": "nope"}}))[0] == 201
+    assert (await call(client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}))[
+        0
+    ] == 201

@@ -1,0 +1,131 @@
+"""The operator against an API server that behaves as a real one where it changes outcomes: a manifest the
+CRD's CEL rules refuse never reaches the operator; a default the CRD's schema fills in is what the operator
+handles; a deleted job's pods go (the operator's finalizer, then garbage collection by owner); and after the
+server expires every watch (410 Gone, as after an etcd compaction) the operator lists again and still
+handles a failure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+from _rjob_stack import NAMESPACE, Kube, Operator, Stack, api_server, emulator_only, eventually, job_manifest
+
+from resilientjob.operator._manifests import job_label, pod_name, service_name
+from resilientjob.operator._names import dns1035_errors, label_errors, subdomain_errors
+from resilientjob.operator.api import PLURAL
+from resilientjob.operator.emulator import LocalApiServer
+
+pytestmark = pytest.mark.cluster
+LAST_HANDLED = "resilientjob.io/last-handled-configuration"  # kopf's diff-base (operator/handlers.py)
+
+
+async def generation(kube: Kube, job: str, number: int) -> dict[str, Any] | None:
+    status = await kube.job_status(job)
+    return status if status.get("planGeneration") == number else None
+
+
+async def test_a_manifest_the_cel_rules_refuse_never_reaches_the_operator(stack: Stack) -> None:
+    kube = stack.kube
+    error = await kube.create_job(job_manifest("refused", faultTolerance=4))
+    assert error is not None and error.status == 422 and "spec.faultTolerance" in str(error)
+    # A valid job is handled meanwhile, so the operator was watching when the refused one was sent.
+    assert await kube.create_job(job_manifest("accepted")) is None
+    await eventually(lambda: generation(kube, "accepted", 0), 20, "the valid job planned")
+    assert await kube.get(PLURAL, "refused") is None
+    assert await kube.events_of("refused") == [] and await kube.job_pods("refused") == []
+
+
+async def test_the_operator_sees_the_schemas_defaults(stack: Stack) -> None:
+    kube = stack.kube
+    manifest = job_manifest("defaulted", faultTolerance=None, failSlow={})
+    assert await kube.create_job(manifest) is None
+    await eventually(lambda: generation(kube, "defaulted", 0), 20, "generation 0")
+    body = await kube.get(PLURAL, "defaulted")
+    assert body is not None
+    # kopf records the spec it handled: the server's defaults are in it, though the manifest had none.
+    handled = json.loads(body["metadata"]["annotations"][LAST_HANDLED])["spec"]
+    assert handled["faultTolerance"] == 1 and handled["policy"] == "auto"
+    assert handled["failSlow"]["slowdownThreshold"] == 1.1 and handled["failSlow"]["enabled"] is True
+
+
+async def test_a_deleted_jobs_pods_disappear(stack: Stack) -> None:
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("gone")) is None
+    await eventually(lambda: generation(kube, "gone", 0), 20, "generation 0")
+    assert len(await kube.job_pods("gone")) == 4
+    assert await kube.delete(PLURAL, "gone")
+
+    async def remaining() -> str | None:
+        job = await kube.get(PLURAL, "gone")
+        pods = [p["metadata"]["name"] for p in await kube.list("pods", "resilientjob.io/job=gone")]
+        return f"job: {(job or {}).get('metadata')}, pods: {pods}" if job or pods else None
+
+    async def collected() -> str | None:
+        return "gone" if await remaining() is None else None
+
+    # Generous: on a loaded machine kopf takes a while to stop the job's daemon before it lets the job go.
+    try:
+        await eventually(collected, 60, "the job and its pods gone")
+    except AssertionError:
+        raise AssertionError(f"still there after 60 s: {await remaining()}") from None
+    assert (
+        await kube.get("services", "gone-workers") is None
+        and await kube.get("configmaps", "gone-plan") is None
+    )
+
+
+@pytest.fixture
+async def expiring(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[LocalApiServer, Kube, Operator]]:
+    async with api_server() as (emulator, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        operator = Operator(url, redis_url, tmp_path / "operator.log")
+        operator.start()
+        try:
+            yield emulator, kube, operator
+        finally:
+            operator.stop()
+            await kube.close()
+
+
+@emulator_only("expiring every watch on demand is the local API server's test hook")
+async def test_the_operator_copes_with_expired_watches(
+    expiring: tuple[LocalApiServer, Kube, Operator],
+) -> None:
+    emulator, kube, operator = expiring
+    assert await kube.create_job(job_manifest("expiry")) is None
+    await eventually(lambda: generation(kube, "expiry", 0), 20, "generation 0")
+    await emulator.expire_watches()
+    # Events the operator can only see through watches started anew after the 410.
+    await kube.delete("pods", "expiry-node-2")
+    status = await eventually(lambda: generation(kube, "expiry", 1), 20, "generation 1 after the expiry")
+    assert status["failedNodes"] == [2]
+    assert await kube.create_job(job_manifest("after")) is None
+    await eventually(lambda: generation(kube, "after", 0), 20, "a job created after the expiry planned")
+    assert operator.process is not None and operator.process.poll() is None
+
+
+async def test_a_valid_long_job_name_gives_valid_child_names(stack: Stack) -> None:
+    """The longest names a job may have (253 characters, dots allowed) still give valid pods (a pod's name is
+    its hostname: a DNS label), a valid Service (DNS-1035) and valid label values: the server refuses
+    nothing the operator creates, and the job is handled through them."""
+    kube = stack.kube
+    name = ("x" + "-long" * 60)[:249] + ".j-1"
+    assert len(name) == 253 and not subdomain_errors(name)
+    assert await kube.create_job(job_manifest(name)) is None
+    await eventually(lambda: generation(kube, name, 0), 30, "generation 0 of the long-named job")
+    pods = await kube.list("pods", f"resilientjob.io/job={job_label(name)}")
+    assert len(pods) == 4
+    for pod in pods:
+        assert (
+            not label_errors(pod["metadata"]["name"]) and pod["spec"]["hostname"] == pod["metadata"]["name"]
+        )
+        assert not dns1035_errors(pod["spec"]["subdomain"])
+    assert await kube.get("services", service_name(name)) is not None
+    await kube.delete("pods", pod_name(name, 1))
+    status = await eventually(lambda: generation(kube, name, 1), 20, "generation 1 after a pod deletion")
+    assert status["failedNodes"] == [1]
