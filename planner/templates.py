@@ -24,7 +24,7 @@ from ._time_curve import TimeCurve, balance_curves, makespan_of
 from .estimator import allreduce_time, estimate_pipeline, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy, StagePlan
 from .profile import ModelProfile
-from .restorer import allreduce_rounds
+from .restorer import allreduce_rounds, allreduce_rounds_from_bounds
 from .spec import ClusterSpec, JobSpec
 
 __all__ = [
@@ -334,6 +334,8 @@ class _TimeCache:
         self.curves: dict[int, TimeCurve] = {}
         self.bottleneck: dict[int, float] = {}
         self.offset: dict[int, float] = {}
+        self.heaviest: dict[int, float] = {}  # the largest stage's parameter bytes
+        self._rounds: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
 
     def curve(self, size: int) -> TimeCurve:
         if size not in self.curves:
@@ -346,7 +348,22 @@ class _TimeCache:
             self.bottleneck[size] = bottleneck
             # Rounded down a hair so the bound stays below t even where the sums round differently.
             self.offset[size] = float(np.min(head - bottleneck * np.arange(1, len(head) + 1))) * (1 - 1e-12)
+            param = self.profile.prefix("param")
+            self.heaviest[size] = max(float(param[s.layers[1]] - param[s.layers[0]]) for s in template.stages)
         return self.curves[size]
+
+    def sync(self, groups: Sequence[tuple[int, int]]) -> float:
+        """Gradient all-reduce time of pipelines built from these (template size, count) groups."""
+        replicas = sum(many for _, many in groups)
+        if replicas <= 1:
+            return 0.0
+        key = tuple(size for size, _ in groups)
+        if key not in self._rounds:
+            shapes = [
+                [0, *(stage.layers[1] for stage in self.templates.for_nodes(size).stages)] for size in key
+            ]
+            self._rounds[key] = allreduce_rounds_from_bounds(shapes)
+        return allreduce_time(self.profile, self.cluster, self._rounds[key], replicas)
 
     def __call__(self, size: int, microbatches: int) -> float:
         return self.curve(size).at(microbatches)
@@ -414,13 +431,18 @@ def assemble(
 
 
 def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: int) -> tuple[int, ...]:
-    """The combination with the smallest exact min-max step time (the first in `combos` order among equals).
+    """The combination with the smallest step time: the min-max 1F1B makespan plus the gradient all-reduce
+    across its pipelines (rounds of the colouring, as `assemble` charges them); the first in `combos` order
+    among equals. Ranking by the makespan alone picks data-parallel-heavy layouts whose sync costs more than
+    their pipelines save.
 
     Combinations are taken in order of a lower bound: a pipeline's bottleneck stage runs every micro-batch's
     forward and backward, so t(m) >= offset + m x bottleneck (offset: the least t(m) - m x bottleneck, over
     the head; beyond it the slope is at least the bottleneck's), and a pipeline finishing by T runs at most
     (T - offset) / bottleneck micro-batches: T >= (total + sum offset / bottleneck) / sum(1 / bottleneck).
-    Once that bound exceeds the best makespan, no later combination can win."""
+    The all-reduce is at least one stage's parameters reduced over the pipelines (a stage reduces its
+    layers' segments one round after another). Once the bound exceeds the best step, no later combination
+    can win."""
     for size, present in zip(sizes, combos.any(axis=0), strict=True):
         if present:
             cache.curve(size)
@@ -428,6 +450,17 @@ def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: in
     offsets = np.asarray([cache.offset.get(size, 0.0) for size in sizes]) * rates
     matrix = np.asarray(combos, dtype=np.float64)
     bounds = (total + matrix @ offsets) / (matrix @ rates)
+    replicas = matrix.sum(axis=1)
+    heaviest = np.asarray([cache.heaviest.get(size, 0.0) for size in sizes])
+    present = np.where(combos > 0, heaviest[None, :], 0.0).max(axis=1)
+    cluster = cache.cluster
+    sync_floor = np.where(
+        replicas > 1,
+        present * 2 * (replicas - 1) / replicas / cluster.inter_node_bandwidth
+        + 2 * (replicas - 1) * cluster.message_latency_s,
+        0.0,
+    )
+    bounds = bounds + sync_floor
     fits = matrix.sum(axis=1) <= total
     best: tuple[float, int] | None = None
     for index in np.lexsort((np.arange(len(combos)), bounds)):
@@ -438,6 +471,7 @@ def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: in
         combo = combos[index]
         groups = [(size, int(many)) for size, many in zip(sizes, combo, strict=True) if many]
         value = makespan_of([cache.curve(size) for size, _ in groups], [many for _, many in groups], total)
+        value += cache.sync(groups)
         # Equal makespans (to rounding) keep the earlier combination, as a scan in enumeration order would.
         if (
             best is None
