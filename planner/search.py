@@ -16,10 +16,10 @@ candidate when none was and the job writes none; half an interval when no state 
 expected loss) and scores it by eq. 8: throughput x effective-time ratio, where the time between failures is
 `1 / (failure rate per node-hour x alive nodes)` and the ratio is the share of it left after the transition.
 
-`auto` takes the best score among reroute, dynamic and checkpoint (templates are Oobleck's baseline, used
-when named). Fault tolerance is a constraint of every `auto` candidate: each keeps f + 1 replicas of every
-layer while the alive nodes can hold f + 1 pipelines (a reroute that leaves fewer is infeasible, the
-checkpoint layout has at least f + 1 pipelines), and otherwise as many as fit, saying why in its reason.
+`auto` takes the best score among reroute, dynamic, templates and checkpoint. Fault tolerance is a
+constraint of every `auto` candidate: each keeps f + 1 replicas of every layer while the alive nodes can
+hold f + 1 pipelines (a reroute or template plan that leaves fewer is infeasible, the checkpoint layout has
+at least f + 1 pipelines), and otherwise as many as fit, saying why in its reason.
 The dynamic candidate also weighs the checkpoint candidate's symmetric layouts (which may idle nodes), and on
 up to `EXHAUSTIVE_NODES` alive nodes every partition, so its layout is never slower than another
 candidate's on the same nodes. A named policy is used as asked (its reason notes replicas it gives up). When
@@ -52,9 +52,9 @@ REPLAN_SPREAD = 2  # pipeline depths within a replanned layout differ by at most
 INITIAL_SPREAD = 1  # the initial layout tries every DP degree, so it keeps pipelines nearly equal
 EXHAUSTIVE_NODES = 16  # up to this many alive nodes a replan tries every partition (p(16) = 231 of them)
 INITIAL_ALTERNATIVES = 5  # runner-up layouts listed as candidates of an initial plan
-# What `auto` weighs: Odyssey's two recoveries and the checkpoint restart. Oobleck's templates are a
-# baseline chosen by name.
-AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.CHECKPOINT)
+# What `auto` weighs: Odyssey's two recoveries, Oobleck's template (re-)instantiation and the checkpoint
+# restart. Templates are generated once per job (`warm_up` does it ahead of failures).
+AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.TEMPLATES, Policy.CHECKPOINT)
 
 
 # ---- templates (Oobleck), generated once per (profile, cluster, f) -----------------------------------------
@@ -358,6 +358,8 @@ class _Replanner:
             if policy is not Policy.CHECKPOINT and self.change.lost:
                 raise PlannerError("failed", _lost_reason(self.change.lost))
             plan, fixed, reason = builders[policy]()
+            if policy is Policy.TEMPLATES:
+                reason = self._check_replicas(plan, reason)
         except PlannerError as exc:
             return _Option(policy, None, time.perf_counter() - started, 0.0, exc.message)
         except ImportError:
@@ -365,6 +367,21 @@ class _Replanner:
         search_s = time.perf_counter() - started
         transition = search_s + self.costs.detection_s + fixed
         return _Option(policy, plan, search_s, transition, reason)
+
+    def _check_replicas(self, plan: Plan, reason: str) -> str:
+        """`reason`, noting replicas given up; under `auto`, PlannerError when the plan keeps fewer replicas
+        of some layer than the alive nodes can hold (f + 1, or as many pipelines as fit)."""
+        kept, thin = replicas(plan, self.profile.num_layers)
+        target, why = self.replica_target()
+        if kept < target and self.strict:
+            raise PlannerError(
+                "fault_tolerance",
+                f"keeps {kept} replica(s) of layers {_span(thin)}; the {len(self.change.alive)} alive nodes "
+                f"can hold {target}",
+            )
+        if kept < target:
+            reason += f"; keeps {kept} replica(s) of layers {_span(thin)} where {target} fit"
+        return reason + (f"; {why}" if why else "")
 
     def _moved(self, plan: Plan) -> float:
         return self.costs.restart_s + transfer_time(plan.transfers, self.cluster.inter_node_bandwidth)
@@ -374,19 +391,7 @@ class _Replanner:
         dead = self.change.failed_all | set(self.change.joined)
         plan = reroute(self.current, dead, self.profile, self.cluster)
         plan = plan.model_copy(update={"failed_nodes": tuple(sorted(self.change.failed_all))})
-        kept, thin = replicas(plan, self.profile.num_layers)
-        target, why = self.replica_target()
-        if kept < target and self.strict:
-            raise PlannerError(
-                "fault_tolerance",
-                f"keeps {kept} replica(s) of layers {_span(thin)}; the {len(self.change.alive)} alive nodes "
-                f"can hold {target}",
-            )
-        reason = "no restart, no weight transfer"
-        if kept < target:
-            reason += f"; keeps {kept} replica(s) of layers {_span(thin)} where {target} fit"
-        if why:
-            reason += f"; {why}"
+        reason = self._check_replicas(plan, "no restart, no weight transfer")
         if self.change.joined:
             reason += "; joined nodes idle until the next reconfiguration"
         return plan, 0.0, reason
@@ -530,7 +535,9 @@ def warm_up(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> int:
     restart costs what later ones do (Odyssey IV-C: the search can be done in advance). Safe to run in a
     thread beside `replan`: both fill the same cache with the same values. Returns the feasible depths."""
     search = DynamicSearch(profile, cluster, job, cluster.nodes)
-    return sum(search.allowed(depth) for depth in range(1, min(cluster.nodes, profile.num_layers) + 1))
+    feasible = sum(search.allowed(depth) for depth in range(1, min(cluster.nodes, profile.num_layers) + 1))
+    prepare_templates(profile, cluster, job)  # the `templates` candidate's set, with its time curves
+    return feasible
 
 
 def replan(

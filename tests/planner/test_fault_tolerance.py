@@ -66,7 +66,7 @@ def test_issue_reproducer_keeps_f_plus_1_and_no_checkpoint_restart() -> None:
     assert len(start.pipelines) == 3
     nothing = CheckpointState(configured=False, step=500)
     plan = replan(start, profile, cluster, job, failed=[1], checkpoint=nothing)
-    assert plan.policy is Policy.DYNAMIC
+    assert plan.policy in (Policy.DYNAMIC, Policy.TEMPLATES)
     assert replicas(plan, profile.num_layers)[0] >= 3
     reroute = _candidate(plan, Policy.REROUTE)
     assert not reroute.feasible and "keeps 2 replica(s)" in reroute.reason and "can hold 3" in reroute.reason
