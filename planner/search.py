@@ -55,6 +55,9 @@ INITIAL_ALTERNATIVES = 5  # runner-up layouts listed as candidates of an initial
 # What `auto` weighs: Odyssey's two recoveries, Oobleck's template (re-)instantiation and the checkpoint
 # restart. Templates are generated once per job (`warm_up` does it ahead of failures).
 AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.TEMPLATES, Policy.CHECKPOINT)
+# Above this many nodes `auto` does not generate templates at failure time (with their time curves that
+# takes about a minute at 1,024 nodes): the candidate waits for `warm_up` to have made them.
+TEMPLATES_ON_DEMAND_NODES = 128
 
 
 # ---- templates (Oobleck), generated once per (profile, cluster, f) -----------------------------------------
@@ -450,6 +453,11 @@ class _Replanner:
     def _templates(self) -> tuple[Plan, float, str]:
         from .templates import instantiate, reinstantiate
 
+        key = (self.profile.model_dump_json(), self.cluster.model_dump_json(), self.job.fault_tolerance)
+        if self.strict and self.cluster.nodes > TEMPLATES_ON_DEMAND_NODES and key not in _TEMPLATE_CACHE:
+            raise PlannerError(
+                "templates", "not generated yet: the planner's warm-up makes them ahead of failures"
+            )
         templates = _template_set(self.profile, self.cluster, self.job.fault_tolerance)
         if self.current.policy is Policy.TEMPLATES:
             plan = reinstantiate(

@@ -470,8 +470,11 @@ def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: in
             break
         combo = combos[index]
         groups = [(size, int(many)) for size, many in zip(sizes, combo, strict=True) if many]
+        sync = cache.sync(groups)
+        if best is not None and bounds[index] - sync_floor[index] + sync > best[0] * (1 + _TIE):
+            continue  # its exact all-reduce already rules it out; the makespan is not needed
         value = makespan_of([cache.curve(size) for size, _ in groups], [many for _, many in groups], total)
-        value += cache.sync(groups)
+        value += sync
         # Equal makespans (to rounding) keep the earlier combination, as a scan in enumeration order would.
         if (
             best is None
