@@ -224,6 +224,8 @@ def initial_plan(
     # node or two fewer, or a checkpoint layout of any depth) finds them ready.
     for depth in range(1, min(nodes, profile.num_layers) + 1):
         search.table.split(depth)
+    if policy is Policy.AUTO and nodes <= TEMPLATES_ON_DEMAND_NODES:
+        prepare_templates(profile, cluster, job)  # Oobleck plans offline: `auto`'s templates candidate
     alternatives = [chosen, *(layout for layout in layouts if layout is not chosen)][:INITIAL_ALTERNATIVES]
     candidates = tuple(
         Candidate(
