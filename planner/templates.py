@@ -291,7 +291,8 @@ def _instantiation_rows(sizes: Sequence[int], nodes: int, min_pipelines: int) ->
                 bumped[:, index] += 1
                 table[total] = np.concatenate([table[total], bumped])
     rows = table[nodes]
-    return rows[rows.sum(axis=1) >= min_pipelines]
+    kept: np.ndarray = rows[rows.sum(axis=1) >= min_pipelines]
+    return kept
 
 
 def _count_instantiations(sizes: Sequence[int], nodes: int) -> int:
@@ -443,8 +444,9 @@ def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: in
     The all-reduce is at least one stage's parameters reduced over the pipelines (a stage reduces its
     layers' segments one round after another). Once the bound exceeds the best step, no later combination
     can win."""
-    for size, present in zip(sizes, combos.any(axis=0), strict=True):
-        if present:
+    present = np.asarray(combos.any(axis=0)).tolist()
+    for size, used in zip(sizes, present, strict=True):
+        if used:
             cache.curve(size)
     rates = np.asarray([1.0 / cache.bottleneck[size] if size in cache.bottleneck else 0.0 for size in sizes])
     offsets = np.asarray([cache.offset.get(size, 0.0) for size in sizes]) * rates

@@ -213,3 +213,18 @@ def test_every_auto_candidate_keeps_f_plus_1_when_it_can(
         assert best >= dynamic_candidate.score
     if can and not change.lost:
         assert replicas(chosen, profile.num_layers)[0] >= f + 1
+
+
+def test_auto_uses_templates_above_128_nodes_only_once_warmed() -> None:
+    from resilientjob.planner import uniform_profile
+    from resilientjob.planner.search import TEMPLATES_ON_DEMAND_NODES, prepare_templates
+
+    profile = uniform_profile(4, param_bytes=2**20)
+    cluster = ClusterSpec(nodes=TEMPLATES_ON_DEMAND_NODES + 2)
+    job = JobSpec(global_batch=264, microbatch_size=1, fault_tolerance=1)
+    start = initial_plan(profile, cluster, job)
+    cold = replan(start, profile, cluster, job, failed=[5])
+    assert "not generated yet" in _candidate(cold, Policy.TEMPLATES).reason
+    assert prepare_templates(profile, cluster, job)
+    warm = replan(start, profile, cluster, job, failed=[5])
+    assert _candidate(warm, Policy.TEMPLATES).feasible
