@@ -3,10 +3,10 @@ at most 100 ms with 32 nodes and at most 2 s with 1,024 nodes.
 
 Each case builds the initial plan (made before training starts, so not held to the target), then fails
 nodes from that plan (five single failures and one double) and times `replan` with policy auto, which
-builds the reroute, dynamic and checkpoint candidates and scores them. This is the failure-time cost: the
-planner's per-depth tables were filled by the initial plan in the same process. The cold column empties
-every cache first (an operator restarted since the initial plan). Prints the times next to the targets and
-their ratio.
+builds the reroute, dynamic, templates and checkpoint candidates and scores them. This is the failure-time
+cost: the planner's per-depth tables were filled by the initial plan in the same process. The cold column
+empties every cache first (an operator restarted since the initial plan). Prints the times next to the
+targets and their ratio.
 
     .venv/bin/python bench/bench_replan.py [--repeats 5]
 """

@@ -3,6 +3,13 @@ our own stage-count DP and a straightforward memoised implementation of Oobleck'
 objective, same optimum).
 
 Run: .venv/bin/python bench/bench_templates.py [--quick]
+     .venv/bin/python bench/bench_templates.py --instantiate [--quick]
+
+`--instantiate` times what happens at failure time instead (issue #16): `instantiate` and `reinstantiate`
+(failed=[3]) of the 96-layer GPT profile of `bench/bench_replan.py`, f = 1, micro-batch 1, global batch
+8,192, best of three, with `generate_templates` (offline: it also makes each template's time curve) once,
+and the largest relative error of the time curves against the exact 1F1B tables up to 8,192 micro-batches
+(on the 32-node cells; `--quick` leaves out 1,024 nodes).
 
 Each grid cell plans ONE template of n nodes x G GPUs for an L-layer model (GPT-3 2.7B blocks, 80 GiB
 devices), as Table 3 does ("a single pipeline template"): that is the column compared with the paper.
@@ -27,12 +34,23 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse
 import sys
 import time
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
+
+import numpy as np
 
 from resilientjob.planner._stage_mapping import StageMapper
+from resilientjob.planner.estimator import OneFOneB, pipeline_arrays
 from resilientjob.planner.profile import ModelProfile
-from resilientjob.planner.spec import ClusterSpec
-from resilientjob.planner.templates import generate_templates
+from resilientjob.planner.spec import ClusterSpec, JobSpec
+from resilientjob.planner.templates import (
+    TemplateSet,
+    generate_templates,
+    instantiate,
+    pipeline_plan,
+    reinstantiate,
+    template_curve,
+)
 
 GiB = 2**30
 # Oobleck Table 3 (seconds): (nodes, GPUs per node) -> times for 24, 32, 64, 96 layers.
@@ -143,10 +161,74 @@ def divide_and_conquer(profile: ModelProfile, nodes: int, gpus: int) -> float:
     return best
 
 
+INSTANTIATE_CASES = ((32, 1, 0.020), (32, 8, 0.020), (1024, 1, 0.5))  # nodes, GPUs per node, target s
+INSTANTIATE_BATCH = 8192
+
+
+def _best_of(repeats: int, run: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def curve_error(profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet, upto: int) -> float:
+    """Largest relative error of the stored time curves against the exact 1F1B tables up to `upto`."""
+    worst = 0.0
+    for template in templates.templates:
+        arrays = pipeline_arrays(
+            profile, cluster, pipeline_plan(profile, template, list(range(template.nodes)), 1)
+        )
+        exact = np.maximum.accumulate(OneFOneB(*arrays).times(upto))
+        curve = template_curve(profile, cluster, template)
+        line = np.array([curve.at(m) for m in range(1, upto + 1)])
+        worst = max(worst, float(np.max(np.abs(line - exact) / exact)))
+    return worst
+
+
+def instantiation(quick: bool) -> int:
+    from bench_replan import gpt_96
+
+    profile = gpt_96()
+    print(f"## Instantiation at failure time: {profile.name}, f = 1, global batch {INSTANTIATE_BATCH}\n")
+    print(
+        "| nodes x GPUs | templates | generate (s) | instantiate (ms) | target (ms) | met | layout "
+        "| reinstantiate (ms) | curve error |"
+    )
+    print("|---|---:|---:|---:|---:|:---:|---|---:|---:|")
+    missed = 0
+    for nodes, gpus, target in INSTANTIATE_CASES:
+        if quick and nodes > 32:
+            continue
+        cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus)
+        job = JobSpec(global_batch=INSTANTIATE_BATCH, microbatch_size=1, fault_tolerance=1)
+        began = time.perf_counter()
+        templates = generate_templates(profile, cluster, 1)
+        generate_s = time.perf_counter() - began
+        alive = list(range(nodes))
+        plan = instantiate(templates, alive, profile, cluster, job)
+        seconds = _best_of(3, partial(instantiate, templates, alive, profile, cluster, job))
+        again = _best_of(3, partial(reinstantiate, templates, plan, [3], profile, cluster, job))
+        error = f"{curve_error(profile, cluster, templates, INSTANTIATE_BATCH):.2e}" if nodes <= 32 else "-"
+        met = seconds <= target
+        missed += not met
+        print(
+            f"| {nodes} x {gpus} | {len(templates.templates)} | {generate_s:.2f} | {seconds * 1e3:.1f} | "
+            f"{target * 1e3:.0f} | {'yes' if met else 'no'} | {plan.layout} | {again * 1e3:.1f} | {error} |",
+            flush=True,
+        )
+    return 1 if missed else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the 24- and 32-layer columns")
+    parser.add_argument("--instantiate", action="store_true", help="time instantiation at failure time")
     args = parser.parse_args()
+    if args.instantiate:
+        return instantiation(args.quick)
     layer_set = LAYERS[:2] if args.quick else LAYERS
     print("## Table 3 grid: one template, exact search vs Oobleck's reported planning time\n")
     print(

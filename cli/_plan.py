@@ -11,7 +11,7 @@ from resilientjob.planner import PlannerError
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan
-from resilientjob.planner.spec import ClusterSpec, JobSpec
+from resilientjob.planner.spec import CheckpointState, ClusterSpec, JobSpec
 
 from ._common import emit, guarded, int_list
 
@@ -36,6 +36,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--failure-rate", type=float, default=0.01, help="expected failures per node-hour (default 0.01)"
     )
+    parser.add_argument(
+        "--step", type=int, default=0, help="global steps done when the nodes fail (default 0)"
+    )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="the job writes checkpoints (a restart can read them)"
+    )
+    parser.add_argument(
+        "--last-checkpoint-step",
+        type=int,
+        default=None,
+        help="step of the last checkpoint written (default: none; a restart then redoes every step)",
+    )
     parser.add_argument("--device-memory", type=int, default=None, help="bytes of memory per accelerator")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=guarded(_run))
@@ -49,6 +61,15 @@ def _job(args: argparse.Namespace) -> JobSpec:
             f"{batch} is not a multiple of microbatch_size {size}; try {batch - batch % size or size}",
         )
     return JobSpec(global_batch=batch, microbatch_size=size, fault_tolerance=args.ft)
+
+
+def _checkpoint(args: argparse.Namespace) -> CheckpointState:
+    if args.step < 0:
+        raise PlannerError("step", f"must be >= 0, got {args.step}")
+    last = args.last_checkpoint_step
+    if last is not None and not 0 <= last <= args.step:
+        raise PlannerError("last_checkpoint_step", f"must be in 0..step ({args.step}), got {last}")
+    return CheckpointState(configured=args.checkpointing, step=args.step, last_step=last)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,7 +90,14 @@ def _run(args: argparse.Namespace) -> int:
     plan = initial_plan(profile, cluster, job, policy=policy)
     if failed:
         plan = replan(
-            plan, profile, cluster, job, failed=failed, policy=policy, failure_rate_per_node_hour=rate
+            plan,
+            profile,
+            cluster,
+            job,
+            failed=failed,
+            policy=policy,
+            failure_rate_per_node_hour=rate,
+            checkpoint=_checkpoint(args),
         )
     emit(payload(plan), args.json, _human)
     return 0

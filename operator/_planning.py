@@ -13,7 +13,7 @@ from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan, warm_up
-from resilientjob.planner.spec import ClusterSpec, JobSpec, TransitionCosts
+from resilientjob.planner.spec import CheckpointState, ClusterSpec, JobSpec, TransitionCosts
 from resilientjob.protocol.models import ModelSource, model_source, profile_name
 
 from .api import ResilientJobSpec, inline_profile
@@ -103,6 +103,22 @@ def plan_initial(spec: ResilientJobSpec, inputs: PlannerInputs) -> Plan:
     return updated
 
 
+def checkpoint_state(spec: ResilientJobSpec, current: Plan, step: int | None) -> CheckpointState | None:
+    """What a checkpoint restart could start from at global step `step`. The agents write checkpoints into
+    `spec.checkpoint.path` (the claim `spec.checkpoint.volume`, else a directory of the pod) on their
+    schedule: every `interval_steps`, or for a time interval every `interval_s / step time` steps as the
+    current plan estimates it; the last one due is taken as written. None when the step is unknown: the
+    planner then charges half an interval, the expected loss. (`checkpoint.path` is required, so every job
+    the operator runs writes checkpoints.)"""
+    if step is None:
+        return None
+    every = spec.checkpoint.interval_steps
+    if not every and current.step_time_s > 0:
+        every = max(1, int(spec.checkpoint.interval_s / current.step_time_s))
+    last = step - step % every if every else 0
+    return CheckpointState(configured=True, step=step, last_step=last or None)
+
+
 def plan_next(
     spec: ResilientJobSpec,
     inputs: PlannerInputs,
@@ -110,8 +126,10 @@ def plan_next(
     *,
     failed: Collection[int] = (),
     joined: Collection[int] = (),
+    step: int | None = None,
 ) -> Plan:
-    """Generation current+1 for the given changes; PlannerError when no plan can run the job."""
+    """Generation current+1 for the given changes at global step `step` (None: unknown); PlannerError when
+    no plan can run the job."""
     started = time.perf_counter()
     plan: Plan = replan(
         current,
@@ -122,6 +140,7 @@ def plan_next(
         joined=sorted(joined),
         policy=spec.policy,
         costs=inputs.costs,
+        checkpoint=checkpoint_state(spec, current, step),
     )
     updated: Plan = plan.model_copy(update={"planning_s": time.perf_counter() - started})
     return updated

@@ -582,7 +582,13 @@ class JobController:
             # In a worker thread: a replan of thousands of nodes takes long, and meanwhile this loop must
             # keep answering pod events and other jobs' heartbeats.
             plan = await asyncio.to_thread(
-                plan_next, spec, inputs, current.plan, failed=list(failures), joined=joins
+                plan_next,
+                spec,
+                inputs,
+                current.plan,
+                failed=list(failures),
+                joined=joins,
+                step=self.status.step,
             )
         except PlannerError as exc:
             await self._infeasible(exc)

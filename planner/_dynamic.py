@@ -319,13 +319,24 @@ class DynamicSearch:
         degrees = {self.nodes // depth for depth in range(1, min(self.nodes, self.profile.num_layers) + 1)}
         return sorted(dp for dp in degrees if max(low, minimum) <= dp <= high)
 
-    def symmetric(self, keep: int = 1) -> list[Layout]:
-        """Varuna-style layouts: identical pipelines, per depth as many as fit (some nodes may idle)."""
+    def most_pipelines(self) -> int:
+        """The most pipelines that fit (each at least the shallowest depth that fits in memory); 0 if none."""
+        low, high = self.job.dp_range or (1, self.nodes)
+        most = 0
+        for depth in range(1, min(self.nodes, self.profile.num_layers) + 1):
+            if self.allowed(depth):
+                dp = min(self.nodes // depth, high, self.job.num_microbatches)
+                most = max(most, dp if dp >= low else 0)
+        return most
+
+    def symmetric(self, keep: int = 1, minimum: int = 1) -> list[Layout]:
+        """Varuna-style layouts: identical pipelines, per depth as many as fit (some nodes may idle), at
+        least `minimum` of them (f + 1 keeps a replica of every layer through f more failures)."""
         low, high = self.job.dp_range or (1, self.nodes)
         shapes = []
         for depth in range(1, min(self.nodes, self.profile.num_layers) + 1):
             dp = min(self.nodes // depth, high, self.job.num_microbatches)
-            if dp >= low and self.allowed(depth):
+            if dp >= max(low, minimum) and self.allowed(depth):
                 shapes.append(((depth, dp),))
         return self._best(shapes, keep)
 

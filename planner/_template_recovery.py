@@ -15,15 +15,14 @@ import itertools
 import time
 from collections.abc import Collection, Sequence
 
-import numpy as np
-
 from ._errors import PlannerError
-from .estimator import OneFOneB, allreduce_time, pipeline_arrays, stage_peak_memory
+from ._time_curve import TimeCurve, balance_curves
+from .estimator import allreduce_time, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy
 from .profile import ModelProfile
 from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list
 from .spec import ClusterSpec, JobSpec
-from .templates import TemplateSet, balance_tables, instantiate, pipeline_plan
+from .templates import TemplateSet, instantiate, pipeline_plan
 
 
 class _Group:
@@ -144,21 +143,21 @@ def balanced_plan(
             f"{total} micro-batches cannot feed {len(pipelines)} pipelines; the nearest global batch that "
             f"can be split is {len(pipelines) * job.microbatch_size}",
         )
-    # One exact time table per distinct pipeline shape (`OneFOneB.times`): pipelines rebuilt from the same
+    # One time curve per distinct pipeline shape (`_time_curve`): pipelines rebuilt from the same
     # template share it, and the split is a search over the tables rather than a simulation per unit.
     limit = total - len(pipelines) + 1
     shapes: dict[tuple[object, ...], int] = {}
-    tables: list[np.ndarray] = []
+    tables: list[TimeCurve] = []
     group_of: list[int] = []
     for pipeline in pipelines:
         key = _signature(pipeline)
         if key not in shapes:
             shapes[key] = len(tables)
             forward, backward, sends = pipeline_arrays(profile, cluster, pipeline)
-            tables.append(np.maximum.accumulate(OneFOneB(forward, backward, sends).times(limit)))
+            tables.append(TimeCurve.of_pipeline(forward, backward, sends, limit))
         group_of.append(shapes[key])
     copies = [group_of.count(group) for group in range(len(tables))]
-    _, grouped = balance_tables(tables, copies, total)
+    _, grouped = balance_curves(tables, copies, total)
     queues: list[list[int]] = []
     offset = 0
     for many in copies:
@@ -167,7 +166,7 @@ def balanced_plan(
     counts = [queues[group].pop(0) for group in group_of]
 
     def cost(index: int, count: int) -> float:
-        return float(tables[group_of[index]][count - 1])
+        return tables[group_of[index]].at(count)
 
     plans = tuple(
         pipeline_plan_with(pipeline, count, profile)

@@ -14,7 +14,7 @@ LAYOUT_LISTED = 16
 class Policy(StrEnum):
     """Recovery policies, named the same in the planner, the CRD, the CLI and the simulator."""
 
-    AUTO = "auto"  # Odyssey: pick reroute or dynamic by throughput x effective-time ratio
+    AUTO = "auto"  # Odyssey eq. 8 over reroute, dynamic, templates and checkpoint, keeping f + 1 replicas
     REROUTE = "reroute"  # ReCycle: failed stages' micro-batches run on their data-parallel peers
     DYNAMIC = "dynamic"  # new (possibly asymmetric) DP x PP layout over all alive nodes
     TEMPLATES = "templates"  # Oobleck: instantiate precomputed pipeline templates

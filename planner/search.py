@@ -10,11 +10,19 @@ way Odyssey does (section III, IV-A): it builds one candidate per recovery polic
 - `checkpoint` (Varuna): a symmetric layout restarted from the last checkpoint;
 
 estimates each one's step time and transition time (measured search time + detection + weight transfer
-bounded by the busiest sender or receiver + restart; reroute restarts nothing; checkpoint reloads and loses
-half a checkpoint interval of work on average) and scores it by eq. 8: throughput x effective-time ratio,
-where the time between failures is `1 / (failure rate per node-hour x alive nodes)` and the ratio is the
-share of it left after the transition. `auto` takes the best score among reroute, dynamic and checkpoint
-(templates are Oobleck's baseline, used when named); a named policy is used as asked. When
+bounded by the busiest sender or receiver + restart; reroute restarts nothing; checkpoint reloads and redoes
+the work since the last checkpoint written, given as a `CheckpointState`: all the work when none was, no
+candidate when none was and the job writes none; half an interval when no state is given, the simulator's
+expected loss) and scores it by eq. 8: throughput x effective-time ratio, where the time between failures is
+`1 / (failure rate per node-hour x alive nodes)` and the ratio is the share of it left after the transition.
+
+`auto` takes the best score among reroute, dynamic, templates and checkpoint. Fault tolerance is a
+constraint of every `auto` candidate: each keeps f + 1 replicas of every layer while the alive nodes can
+hold f + 1 pipelines (a reroute or template plan that leaves fewer is infeasible, the checkpoint layout has
+at least f + 1 pipelines), and otherwise as many as fit, saying why in its reason.
+The dynamic candidate also weighs the checkpoint candidate's symmetric layouts (which may idle nodes), and on
+up to `EXHAUSTIVE_NODES` alive nodes every partition, so its layout is never slower than another
+candidate's on the same nodes. A named policy is used as asked (its reason notes replicas it gives up). When
 the asked policy cannot run (above all when some layer lost every replica) the plan falls back to
 `checkpoint` and the candidates say why.
 """
@@ -34,7 +42,7 @@ from ._reroute import lost_layers, reroute
 from .plan import Candidate, Plan, Policy
 from .profile import ModelProfile
 from .restorer import place_plan, relabel, transfer_time
-from .spec import ClusterSpec, JobSpec, TransitionCosts
+from .spec import CheckpointState, ClusterSpec, JobSpec, TransitionCosts
 
 if TYPE_CHECKING:
     from .templates import TemplateSet
@@ -42,10 +50,14 @@ if TYPE_CHECKING:
 DP_WINDOW = 1  # Odyssey: the new DP degree rarely differs from the current one by more than one
 REPLAN_SPREAD = 2  # pipeline depths within a replanned layout differ by at most this
 INITIAL_SPREAD = 1  # the initial layout tries every DP degree, so it keeps pipelines nearly equal
+EXHAUSTIVE_NODES = 16  # up to this many alive nodes a replan tries every partition (p(16) = 231 of them)
 INITIAL_ALTERNATIVES = 5  # runner-up layouts listed as candidates of an initial plan
-# What `auto` weighs: Odyssey's two recoveries and the checkpoint restart. Oobleck's templates are a
-# baseline chosen by name: instantiating them takes seconds at scale, too slow for failure time.
-AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.CHECKPOINT)
+# What `auto` weighs: Odyssey's two recoveries, Oobleck's template (re-)instantiation and the checkpoint
+# restart. Templates are generated once per job (`warm_up` does it ahead of failures).
+AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.TEMPLATES, Policy.CHECKPOINT)
+# Above this many nodes `auto` does not generate templates at failure time (with their time curves that
+# takes about a minute at 1,024 nodes): the candidate waits for `warm_up` to have made them.
+TEMPLATES_ON_DEMAND_NODES = 128
 
 
 # ---- templates (Oobleck), generated once per (profile, cluster, f) -----------------------------------------
@@ -212,6 +224,8 @@ def initial_plan(
     # node or two fewer, or a checkpoint layout of any depth) finds them ready.
     for depth in range(1, min(nodes, profile.num_layers) + 1):
         search.table.split(depth)
+    if policy is Policy.AUTO and nodes <= TEMPLATES_ON_DEMAND_NODES:
+        prepare_templates(profile, cluster, job)  # Oobleck plans offline: `auto`'s templates candidate
     alternatives = [chosen, *(layout for layout in layouts if layout is not chosen)][:INITIAL_ALTERNATIVES]
     candidates = tuple(
         Candidate(
@@ -317,6 +331,8 @@ class _Replanner:
         job: JobSpec,
         change: _Change,
         costs: TransitionCosts,
+        checkpoint: CheckpointState | None = None,
+        strict: bool = True,
     ) -> None:
         self.current = current
         self.profile = profile
@@ -324,7 +340,10 @@ class _Replanner:
         self.job = job
         self.change = change
         self.costs = costs
+        self.checkpoint = checkpoint
+        self.strict = strict  # `auto`: a candidate that keeps fewer replicas than it could is infeasible
         self._search: DynamicSearch | None = None
+        self._found: tuple[Layout, str] | None = None
 
     @property
     def search(self) -> DynamicSearch:
@@ -344,6 +363,8 @@ class _Replanner:
             if policy is not Policy.CHECKPOINT and self.change.lost:
                 raise PlannerError("failed", _lost_reason(self.change.lost))
             plan, fixed, reason = builders[policy]()
+            if policy is Policy.TEMPLATES:
+                reason = self._check_replicas(plan, reason)
         except PlannerError as exc:
             return _Option(policy, None, time.perf_counter() - started, 0.0, exc.message)
         except ImportError:
@@ -351,6 +372,21 @@ class _Replanner:
         search_s = time.perf_counter() - started
         transition = search_s + self.costs.detection_s + fixed
         return _Option(policy, plan, search_s, transition, reason)
+
+    def _check_replicas(self, plan: Plan, reason: str) -> str:
+        """`reason`, noting replicas given up; under `auto`, PlannerError when the plan keeps fewer replicas
+        of some layer than the alive nodes can hold (f + 1, or as many pipelines as fit)."""
+        kept, thin = replicas(plan, self.profile.num_layers)
+        target, why = self.replica_target()
+        if kept < target and self.strict:
+            raise PlannerError(
+                "fault_tolerance",
+                f"keeps {kept} replica(s) of layers {_span(thin)}; the {len(self.change.alive)} alive nodes "
+                f"can hold {target}",
+            )
+        if kept < target:
+            reason += f"; keeps {kept} replica(s) of layers {_span(thin)} where {target} fit"
+        return reason + (f"; {why}" if why else "")
 
     def _moved(self, plan: Plan) -> float:
         return self.costs.restart_s + transfer_time(plan.transfers, self.cluster.inter_node_bandwidth)
@@ -360,37 +396,70 @@ class _Replanner:
         dead = self.change.failed_all | set(self.change.joined)
         plan = reroute(self.current, dead, self.profile, self.cluster)
         plan = plan.model_copy(update={"failed_nodes": tuple(sorted(self.change.failed_all))})
-        reason = "no restart, no weight transfer"
+        reason = self._check_replicas(plan, "no restart, no weight transfer")
         if self.change.joined:
             reason += "; joined nodes idle until the next reconfiguration"
         return plan, 0.0, reason
 
-    def _layout(self) -> Layout:
+    def _layout(self) -> tuple[Layout, str]:
+        """The best layout of the alive nodes with at least f + 1 pipelines, and "" ; or, when no such layout
+        fits, the best with fewer and the reason. Symmetric layouts that leave nodes idle are searched too, so
+        the dynamic candidate is never slower than the checkpoint candidate's layout."""
+        if self._found is not None:
+            return self._found
         nodes = len(self.change.alive)
         minimum = self.job.fault_tolerance + 1
         window = degree_window(len(self.current.pipelines), nodes, self.job, DP_WINDOW, minimum)
         attempts: list[list[tuple[Sequence[int], int]]] = [
             [(window, REPLAN_SPREAD), (self.search.depth_degrees(minimum), INITIAL_SPREAD)],
             [(all_degrees(nodes, self.job, minimum), INITIAL_SPREAD)],
-            [(all_degrees(nodes, self.job), INITIAL_SPREAD)],  # fewer than f + 1 pipelines, if it must be
         ]
+        if nodes <= EXHAUSTIVE_NODES:
+            # Small enough to try every layout: the window is a speed heuristic, not a rule.
+            attempts = [[(all_degrees(nodes, self.job, minimum), nodes)]]
         for groups in attempts:
             found = self.search.search_groups(groups, keep=1)
             if found:
-                return found[0]
-        raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
+                self._found = (_fastest([*found, *self.search.symmetric(minimum=minimum)]), "")
+                return self._found
+        # Fewer than f + 1 pipelines fit: as many as do, and the candidates say why.
+        most = self.search.most_pipelines()
+        if most < 1:
+            raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
+        fewer = self.search.search_groups([(all_degrees(nodes, self.job, most), INITIAL_SPREAD)], keep=1)
+        why = (
+            f"the {nodes} alive nodes cannot hold f + 1 = {minimum} pipelines that each fit in memory "
+            f"(at most {most})"
+        )
+        self._found = (_fastest([*fewer, *self.search.symmetric(minimum=most)]), why)
+        return self._found
+
+    def replica_target(self) -> tuple[int, str]:
+        """Replicas of every layer a plan must keep: f + 1 while the alive nodes can hold that many pipelines,
+        else as many as they can (with the reason)."""
+        layout, why = self._layout()
+        return (self.job.fault_tolerance + 1, "") if not why else (layout.dp, why)
 
     def _dynamic(self) -> tuple[Plan, float, str]:
-        layout = self._layout()
+        layout, why = self._layout()
         slots = layout.to_plan(self.profile, self.cluster, self.job, Policy.DYNAMIC)
         placed, transfers = place_plan(slots, self.change.holdings, self.profile)
         plan = placed.model_copy(update={"transfers": tuple(transfers)})
         moved = sum(t.bytes for t in transfers)
-        return plan, self._moved(plan), f"{len(transfers)} layer copies, {moved} bytes"
+        reason = f"{len(transfers)} layer copies, {moved} bytes"
+        idle = len(self.change.alive) - layout.nodes
+        if idle:
+            reason += f"; {idle} node(s) idle"
+        return plan, self._moved(plan), reason + (f"; {why}" if why else "")
 
     def _templates(self) -> tuple[Plan, float, str]:
         from .templates import instantiate, reinstantiate
 
+        key = (self.profile.model_dump_json(), self.cluster.model_dump_json(), self.job.fault_tolerance)
+        if self.strict and self.cluster.nodes > TEMPLATES_ON_DEMAND_NODES and key not in _TEMPLATE_CACHE:
+            raise PlannerError(
+                "templates", "not generated yet: the planner's warm-up makes them ahead of failures"
+            )
         templates = _template_set(self.profile, self.cluster, self.job.fault_tolerance)
         if self.current.policy is Policy.TEMPLATES:
             plan = reinstantiate(
@@ -411,19 +480,64 @@ class _Replanner:
             how = "instantiated"
         return plan, self._moved(plan), f"templates {how}; {len(plan.transfers)} layer copies"
 
+    def _lost_work(self) -> tuple[float, str]:
+        """Seconds of training a restart redoes, and how it was found."""
+        state = self.checkpoint
+        if state is None:
+            # No job state given (the simulator's periodic-checkpoint model): half an interval on average.
+            return (
+                self.costs.checkpoint_interval_s / 2,
+                "from the last checkpoint, losing half an interval of work on average",
+            )
+        lost = state.lost_steps()
+        if lost is None:
+            raise PlannerError(
+                "checkpoint", "no checkpoint was written and the job writes none; nothing to restart from"
+            )
+        seconds = lost * self.current.step_time_s
+        if state.last_step is None:
+            return seconds, f"no checkpoint written yet: all {lost} steps so far redone ({seconds:.0f} s)"
+        return (
+            seconds,
+            f"from the checkpoint of step {state.last_step}, {lost} steps redone ({seconds:.0f} s)",
+        )
+
     def _checkpoint(self) -> tuple[Plan, float, str]:
-        layouts = self.search.symmetric()
+        lost_s, how = self._lost_work()
+        nodes = len(self.change.alive)
+        target, why = self.replica_target()
+        layouts = self.search.symmetric(minimum=target)
         if not layouts:
-            raise _no_layout(self.search, len(self.change.alive), f"the {len(self.change.alive)} alive nodes")
+            raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
         layout = layouts[0]
         slots = layout.to_plan(self.profile, self.cluster, self.job, Policy.CHECKPOINT)
         plan = relabel(slots, self.change.alive[: layout.nodes])
-        fixed = self.costs.checkpoint_load_s + self.costs.checkpoint_interval_s / 2
-        idle = len(self.change.alive) - layout.nodes
-        reason = "restart from the last checkpoint, losing half an interval of work on average"
+        fixed = self.costs.checkpoint_load_s + lost_s
+        idle = nodes - layout.nodes
+        reason = f"restart {how}"
         if idle:
             reason += f"; {idle} node(s) idle"
-        return plan, fixed, reason
+        return plan, fixed, reason + (f"; {why}" if why else "")
+
+
+def replicas(plan: Plan, num_layers: int) -> tuple[int, list[int]]:
+    """The fewest nodes holding any one layer in `plan` (rerouted stages hold nothing: their node is gone),
+    and the layers held that thinly."""
+    holders = [0] * num_layers
+    for layers in plan.layers_by_node().values():
+        for layer in layers:
+            holders[layer] += 1
+    fewest = min(holders, default=0)
+    return fewest, [layer for layer, count in enumerate(holders) if count == fewest]
+
+
+def _span(layers: Sequence[int]) -> str:
+    return _ranges(layers) if layers else "none"
+
+
+def _fastest(layouts: Sequence[Layout]) -> Layout:
+    """Lowest step time; ties to more nodes used (idle nodes help no one), then to the earlier layout."""
+    return min(layouts, key=lambda layout: (layout.step_time_s, -layout.nodes))
 
 
 def warm_up(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> int:
@@ -431,7 +545,9 @@ def warm_up(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> int:
     restart costs what later ones do (Odyssey IV-C: the search can be done in advance). Safe to run in a
     thread beside `replan`: both fill the same cache with the same values. Returns the feasible depths."""
     search = DynamicSearch(profile, cluster, job, cluster.nodes)
-    return sum(search.allowed(depth) for depth in range(1, min(cluster.nodes, profile.num_layers) + 1))
+    feasible = sum(search.allowed(depth) for depth in range(1, min(cluster.nodes, profile.num_layers) + 1))
+    prepare_templates(profile, cluster, job)  # the `templates` candidate's set, with its time curves
+    return feasible
 
 
 def replan(
@@ -445,6 +561,7 @@ def replan(
     policy: Policy = Policy.AUTO,
     costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
     failure_rate_per_node_hour: float = 0.01,
+    checkpoint: CheckpointState | None = None,
 ) -> Plan:
     """The plan after `failed` nodes stopped and `joined` nodes arrived; generation current + 1.
 
@@ -460,7 +577,7 @@ def replan(
         raise PlannerError("failure_rate_per_node_hour", f"must be a finite number >= 0, got {rate}")
     change = _change(current, profile, cluster, failed, joined)
     between = mean_time_between_failures(rate, len(change.alive))
-    replanner = _Replanner(current, profile, cluster, job, change, costs)
+    replanner = _Replanner(current, profile, cluster, job, change, costs, checkpoint, policy is Policy.AUTO)
     order = AUTO_POLICIES if policy is Policy.AUTO else (policy,)
     options = [replanner.option(name) for name in order]
     if all(option.plan is None for option in options) and policy is not Policy.CHECKPOINT:

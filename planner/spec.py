@@ -79,3 +79,28 @@ class TransitionCosts(BaseModel):
     checkpoint_save_s: float = Field(default=30.0, ge=0, description="Writing one checkpoint.")
     checkpoint_interval_s: float = Field(default=1800.0, gt=0, description="Time between checkpoints.")
     detection_s: float = Field(default=2.0, ge=0, description="From a failure to the operator knowing it.")
+
+
+class CheckpointState(BaseModel):
+    """What the job has saved, which decides what a checkpoint restart costs: the work since the last
+    checkpoint actually written, all of it when none was, and no restart at all when the job writes none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    configured: bool = Field(description="The job writes checkpoints somewhere a restart can read them.")
+    step: int = Field(default=0, ge=0, description="Global steps committed so far.")
+    last_step: int | None = Field(
+        default=None, ge=0, description="Step of the last checkpoint written; None = none written yet."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointState:
+        if self.last_step is not None and self.last_step > self.step:
+            raise ValueError(f"last_step {self.last_step} is after the current step {self.step}")
+        return self
+
+    def lost_steps(self) -> int | None:
+        """Steps a restart redoes; None when there is nothing to restart from and nothing will be written."""
+        if self.last_step is not None:
+            return self.step - self.last_step
+        return self.step if self.configured else None

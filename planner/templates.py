@@ -12,7 +12,6 @@ batch distribution and reinstantiation after failures.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Sequence
 
@@ -21,10 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._errors import PlannerError
 from ._stage_mapping import Mapping, StageMapper
-from .estimator import OneFOneB, allreduce_time, estimate_pipeline, pipeline_arrays, stage_peak_memory
+from ._time_curve import TimeCurve, balance_curves, makespan_of
+from .estimator import allreduce_time, estimate_pipeline, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy, StagePlan
 from .profile import ModelProfile
-from .restorer import allreduce_rounds
+from .restorer import allreduce_rounds, allreduce_rounds_from_bounds
 from .spec import ClusterSpec, JobSpec
 
 __all__ = [
@@ -77,6 +77,10 @@ class PipelineTemplate(BaseModel):
     stages: tuple[TemplateStage, ...] = Field(min_length=1)
     iteration_s: float = Field(ge=0, description="Exact 1F1B time at 4 x stages micro-batches.")
     objective_s: float = Field(default=0.0, ge=0, description="sum t + (4S - 1) max t, what was minimised.")
+    curve_s: tuple[float, ...] = Field(
+        default=(), description="Exact 1F1B times for 1..K micro-batches (`_time_curve`); () = not computed."
+    )
+    slope_s: float = Field(default=0.0, ge=0, description="Seconds per micro-batch beyond the curve's head.")
 
     @model_validator(mode="after")
     def _check(self) -> PipelineTemplate:
@@ -190,8 +194,23 @@ def _template(profile: ModelProfile, cluster: ClusterSpec, mapping: Mapping) -> 
     template = PipelineTemplate(
         nodes=mapping.nodes, stages=stages, iteration_s=0.0, objective_s=mapping.objective
     )
-    iteration = template_step_time(profile, cluster, template, 4 * template.num_stages)
-    return template.model_copy(update={"iteration_s": iteration})
+    # The time curve is part of the template, made offline with it: instantiation then never simulates.
+    curve = template_curve(profile, cluster, template)
+    return template.model_copy(
+        update={
+            "iteration_s": curve.at(4 * template.num_stages),
+            "curve_s": tuple(float(x) for x in curve.head),
+            "slope_s": curve.slope,
+        }
+    )
+
+
+def template_curve(profile: ModelProfile, cluster: ClusterSpec, template: PipelineTemplate) -> TimeCurve:
+    """The template's 1F1B time curve: stored at generation, computed here for hand-made templates."""
+    if template.curve_s:
+        return TimeCurve(head=np.asarray(template.curve_s, dtype=np.float64), slope=template.slope_s)
+    plan = pipeline_plan(profile, template, list(range(template.nodes)), 1)
+    return TimeCurve.of_pipeline(*pipeline_arrays(profile, cluster, plan))
 
 
 def generate_templates(profile: ModelProfile, cluster: ClusterSpec, fault_tolerance: int) -> TemplateSet:
@@ -249,19 +268,31 @@ def enumerate_instantiations(sizes: Sequence[int], nodes: int, min_pipelines: in
 
     Oobleck eq. 5: X(p', N') = X(p' - 1, N') ++ theta(X(p', N' - n_p'), p'), filled bottom-up over N'.
     """
+    return [tuple(int(x) for x in row) for row in _instantiation_rows(sizes, nodes, min_pipelines)]
+
+
+def _instantiation_rows(sizes: Sequence[int], nodes: int, min_pipelines: int) -> np.ndarray:
+    """`enumerate_instantiations` as an integer matrix, one combination per row."""
     if nodes < 0:
         raise PlannerError("nodes", f"must be >= 0, got {nodes}")
     if any(size < 1 for size in sizes):
         raise PlannerError("sizes", f"template sizes must be positive, got {list(sizes)}")
     count = len(sizes)
-    # table[n]: combinations over the templates seen so far that use exactly n nodes.
-    table: list[list[tuple[int, ...]]] = [[] for _ in range(nodes + 1)]
-    table[0] = [(0,) * count]
+    # table[n]: combinations over the templates seen so far that use exactly n nodes, one row each (numpy
+    # rows, so that the thousands of partitions of a few dozen nodes take milliseconds).
+    kind = np.int16 if nodes < 2**15 else np.int64  # narrow rows: the copies below are the whole cost
+    table: list[np.ndarray] = [np.zeros((0, count), dtype=kind) for _ in range(nodes + 1)]
+    table[0] = np.zeros((1, count), dtype=kind)
     for index, size in enumerate(sizes):
         for total in range(size, nodes + 1):
-            bumped = [(*x[:index], x[index] + 1, *x[index + 1 :]) for x in table[total - size]]
-            table[total] = table[total] + bumped
-    return [x for x in table[nodes] if sum(x) >= min_pipelines]
+            previous = table[total - size]
+            if len(previous):
+                bumped = previous.copy()
+                bumped[:, index] += 1
+                table[total] = np.concatenate([table[total], bumped])
+    rows = table[nodes]
+    kept: np.ndarray = rows[rows.sum(axis=1) >= min_pipelines]
+    return kept
 
 
 def _count_instantiations(sizes: Sequence[int], nodes: int) -> int:
@@ -272,9 +303,9 @@ def _count_instantiations(sizes: Sequence[int], nodes: int) -> int:
     return ways[nodes]
 
 
-def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> list[tuple[int, ...]]:
+def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> np.ndarray:
     if _count_instantiations(sizes, nodes) <= _MAX_COMBINATIONS:
-        return enumerate_instantiations(sizes, nodes, min_pipelines)
+        return _instantiation_rows(sizes, nodes, min_pipelines)
     # Too many partitions to rank one by one: keep those mixing at most two template sizes.
     found: list[tuple[int, ...]] = []
     for i, first in enumerate(sizes):
@@ -292,67 +323,51 @@ def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> list[
                     counts = [0] * len(sizes)
                     counts[i], counts[j] = many, rest // second
                     found.append(tuple(counts))
-    return sorted({x for x in found if sum(x) >= min_pipelines})
+    kept = sorted({x for x in found if sum(x) >= min_pipelines})
+    return np.asarray(kept, dtype=np.int64).reshape(len(kept), len(sizes))
 
 
 class _TimeCache:
-    """Exact 1F1B times of each template for every micro-batch count up to `limit`, one array per template
-    (`OneFOneB.times`), shared by every combination ranked."""
+    """Each template's time curve (`template_curve`), shared by every combination ranked."""
 
-    def __init__(
-        self, profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet, limit: int = 1
-    ) -> None:
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, templates: TemplateSet) -> None:
         self.profile, self.cluster, self.templates = profile, cluster, templates
-        self.limit = max(1, limit)
-        self.tables: dict[int, np.ndarray] = {}
+        self.curves: dict[int, TimeCurve] = {}
         self.bottleneck: dict[int, float] = {}
+        self.offset: dict[int, float] = {}
+        self.heaviest: dict[int, float] = {}  # the largest stage's parameter bytes
+        self._rounds: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
 
-    def table(self, size: int) -> np.ndarray:
-        if size not in self.tables:
-            plan = pipeline_plan(self.profile, self.templates.for_nodes(size), list(range(size)), 1)
-            forward, backward, sends = pipeline_arrays(self.profile, self.cluster, plan)
-            # Non-decreasing by construction of the schedule; the running maximum guards rounding.
-            self.tables[size] = np.maximum.accumulate(OneFOneB(forward, backward, sends).times(self.limit))
-            self.bottleneck[size] = max(f + b for f, b in zip(forward, backward, strict=True))
-        return self.tables[size]
+    def curve(self, size: int) -> TimeCurve:
+        if size not in self.curves:
+            template = self.templates.for_nodes(size)
+            self.curves[size] = template_curve(self.profile, self.cluster, template)
+            bottleneck = max(
+                sum(self.profile.stage_times(*stage.layers, len(stage.gpus))) for stage in template.stages
+            )
+            head = self.curves[size].head
+            self.bottleneck[size] = bottleneck
+            # Rounded down a hair so the bound stays below t even where the sums round differently.
+            self.offset[size] = float(np.min(head - bottleneck * np.arange(1, len(head) + 1))) * (1 - 1e-12)
+            param = self.profile.prefix("param")
+            self.heaviest[size] = max(float(param[s.layers[1]] - param[s.layers[0]]) for s in template.stages)
+        return self.curves[size]
+
+    def sync(self, groups: Sequence[tuple[int, int]]) -> float:
+        """Gradient all-reduce time of pipelines built from these (template size, count) groups."""
+        replicas = sum(many for _, many in groups)
+        if replicas <= 1:
+            return 0.0
+        key = tuple(size for size, _ in groups)
+        if key not in self._rounds:
+            shapes = [
+                [0, *(stage.layers[1] for stage in self.templates.for_nodes(size).stages)] for size in key
+            ]
+            self._rounds[key] = allreduce_rounds_from_bounds(shapes)
+        return allreduce_time(self.profile, self.cluster, self._rounds[key], replicas)
 
     def __call__(self, size: int, microbatches: int) -> float:
-        if microbatches > self.limit:
-            template = self.templates.for_nodes(size)
-            return template_step_time(self.profile, self.cluster, template, microbatches)
-        return float(self.table(size)[microbatches - 1])
-
-
-def _makespan(tables: Sequence[np.ndarray], copies: Sequence[int], total: int) -> float:
-    """The smallest table value T at which the pipelines absorb `total` micro-batches when each takes the
-    most it can finish by T (the exact min-max optimum for non-decreasing times)."""
-
-    floor = max(float(table[0]) for table in tables)  # every pipeline runs at least one micro-batch
-
-    def capacity(makespan: float) -> int:
-        if makespan < floor:
-            return -1
-        return sum(
-            many * int(np.searchsorted(table, makespan, side="right"))
-            for table, many in zip(tables, copies, strict=True)
-        )
-
-    best = float("inf")
-    for table in tables:
-        # The optimum is some table's value: the first entry of this table at which everything fits.
-        low, high = 0, min(len(table), total) - 1
-        if capacity(float(table[high])) < total:
-            continue
-        while low < high:
-            middle = (low + high) // 2
-            if capacity(float(table[middle])) >= total:
-                high = middle
-            else:
-                low = middle + 1
-        best = min(best, float(table[low]))
-    if best == float("inf"):
-        raise PlannerError("microbatches", f"the time tables are too short for {total} micro-batches")
-    return best
+        return self.curve(size).at(microbatches)
 
 
 def balance_tables(
@@ -360,40 +375,14 @@ def balance_tables(
 ) -> tuple[float, list[int]]:
     """Min-max split of `total` micro-batches over groups of identical pipelines: `copies[g]` pipelines whose
     time for m micro-batches is `tables[g][m - 1]` (non-decreasing). Returns the optimal makespan and the
-    count per pipeline of each group (a list per group flattened in group order).
-
-    O(groups^2 log^2 total) searches instead of a greedy step per micro-batch."""
-    pipelines = sum(copies)
-    if total < pipelines:
-        raise PlannerError("microbatches", f"{total} micro-batches cannot feed {pipelines} pipelines")
-
-    makespan = _makespan(tables, copies, total)
-    counts = [
-        [min(int(np.searchsorted(table, makespan, side="right")), total)] * many
-        for table, many in zip(tables, copies, strict=True)
-    ]
-    # Every pipeline finishes by the makespan with these counts; hand back the surplus from the pipelines
-    # whose last unit is slowest, never below one micro-batch, which keeps the maximum at the makespan.
-    surplus = sum(sum(row) for row in counts) - total
-    heap = [(-float(tables[g][counts[g][i] - 1]), g, i) for g in range(len(tables)) for i in range(copies[g])]
-    heapq.heapify(heap)
-    while surplus > 0:
-        _, g, i = heapq.heappop(heap)
-        if counts[g][i] <= 1:
-            continue
-        counts[g][i] -= 1
-        surplus -= 1
-        heapq.heappush(heap, (-float(tables[g][counts[g][i] - 1]), g, i))
-    return makespan, [count for row in counts for count in row]
+    count per pipeline of each group (a list per group flattened in group order)."""
+    return balance_curves([TimeCurve.exact(table) for table in tables], copies, total)
 
 
 def distribute(times: _TimeCache, sizes: Sequence[int], total: int) -> list[int]:
-    """Micro-batches per pipeline (in the order of `sizes`) minimising the slowest exact 1F1B time."""
+    """Micro-batches per pipeline (in the order of `sizes`) minimising the slowest pipeline's time."""
     distinct = sorted(set(sizes))
-    times.limit = max(times.limit, total - len(sizes) + 1)
-    if any(len(table) < times.limit for table in times.tables.values()):
-        times.tables.clear()
-    _, counts = balance_tables([times.table(s) for s in distinct], [sizes.count(s) for s in distinct], total)
+    _, counts = balance_curves([times.curve(s) for s in distinct], [sizes.count(s) for s in distinct], total)
     # Hand the per-group counts back in the callers' pipeline order.
     queues: dict[int, list[int]] = {}
     offset = 0
@@ -442,20 +431,38 @@ def assemble(
     )
 
 
-def _rank(
-    cache: _TimeCache, sizes: Sequence[int], combos: Sequence[tuple[int, ...]], total: int
-) -> tuple[int, ...]:
-    """The combination with the smallest exact min-max step time (the first in `combos` order among equals).
+def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: int) -> tuple[int, ...]:
+    """The combination with the smallest step time: the min-max 1F1B makespan plus the gradient all-reduce
+    across its pipelines (rounds of the colouring, as `assemble` charges them); the first in `combos` order
+    among equals. Ranking by the makespan alone picks data-parallel-heavy layouts whose sync costs more than
+    their pipelines save.
 
     Combinations are taken in order of a lower bound: a pipeline's bottleneck stage runs every micro-batch's
-    forward and backward, so t(m) >= m x bottleneck and the makespan is at least total / sum(1/bottleneck).
-    Once that bound exceeds the best exact makespan, no later combination can win."""
-    used = sorted({size for combo in combos for size, many in zip(sizes, combo, strict=True) if many})
-    for size in used:
-        cache.table(size)
+    forward and backward, so t(m) >= offset + m x bottleneck (offset: the least t(m) - m x bottleneck, over
+    the head; beyond it the slope is at least the bottleneck's), and a pipeline finishing by T runs at most
+    (T - offset) / bottleneck micro-batches: T >= (total + sum offset / bottleneck) / sum(1 / bottleneck).
+    The all-reduce is at least one stage's parameters reduced over the pipelines (a stage reduces its
+    layers' segments one round after another). Once the bound exceeds the best step, no later combination
+    can win."""
+    present = np.asarray(combos.any(axis=0)).tolist()
+    for size, used in zip(sizes, present, strict=True):
+        if used:
+            cache.curve(size)
     rates = np.asarray([1.0 / cache.bottleneck[size] if size in cache.bottleneck else 0.0 for size in sizes])
+    offsets = np.asarray([cache.offset.get(size, 0.0) for size in sizes]) * rates
     matrix = np.asarray(combos, dtype=np.float64)
-    bounds = total / (matrix @ rates)
+    bounds = (total + matrix @ offsets) / (matrix @ rates)
+    replicas = matrix.sum(axis=1)
+    heaviest = np.asarray([cache.heaviest.get(size, 0.0) for size in sizes])
+    present = np.where(combos > 0, heaviest[None, :], 0.0).max(axis=1)
+    cluster = cache.cluster
+    sync_floor = np.where(
+        replicas > 1,
+        present * 2 * (replicas - 1) / replicas / cluster.inter_node_bandwidth
+        + 2 * (replicas - 1) * cluster.message_latency_s,
+        0.0,
+    )
+    bounds = bounds + sync_floor
     fits = matrix.sum(axis=1) <= total
     best: tuple[float, int] | None = None
     for index in np.lexsort((np.arange(len(combos)), bounds)):
@@ -464,8 +471,12 @@ def _rank(
         if best is not None and bounds[index] > best[0] * (1 + _TIE):
             break
         combo = combos[index]
-        groups = [(size, many) for size, many in zip(sizes, combo, strict=True) if many]
-        value = _makespan([cache.table(size) for size, _ in groups], [many for _, many in groups], total)
+        groups = [(size, int(many)) for size, many in zip(sizes, combo, strict=True) if many]
+        sync = cache.sync(groups)
+        if best is not None and bounds[index] - sync_floor[index] + sync > best[0] * (1 + _TIE):
+            continue  # its exact all-reduce already rules it out; the makespan is not needed
+        value = makespan_of([cache.curve(size) for size, _ in groups], [many for _, many in groups], total)
+        value += sync
         # Equal makespans (to rounding) keep the earlier combination, as a scan in enumeration order would.
         if (
             best is None
@@ -475,7 +486,7 @@ def _rank(
             best = (value, int(index))
     if best is None:  # unreachable: the combination with the fewest pipelines always fits
         raise PlannerError("global_batch", f"no combination fits {total} micro-batches")
-    return combos[best[1]]
+    return tuple(int(x) for x in combos[best[1]])
 
 
 def instantiate(
@@ -500,9 +511,9 @@ def instantiate(
             f"{len(nodes)} nodes cannot hold {minimum} pipelines of at least {templates.n0} nodes",
         )
     combos = _combinations(templates.sizes, len(nodes), minimum)
-    if not combos:
+    if not len(combos):
         raise PlannerError("nodes", f"no combination of template sizes {templates.sizes} uses {len(nodes)}")
-    fewest = min(sum(combo) for combo in combos)
+    fewest = int(combos.sum(axis=1).min())
     if job.num_microbatches < fewest:
         raise PlannerError(
             "global_batch",
@@ -510,7 +521,7 @@ def instantiate(
             f"pipelines needed; the nearest global batch that can be split is {fewest * job.microbatch_size}",
         )
     total = job.num_microbatches
-    cache = _TimeCache(profile, cluster, templates, total - minimum + 1)
+    cache = _TimeCache(profile, cluster, templates)
     best = _rank(cache, templates.sizes, combos, total)
     chosen = sorted(
         (size for size, many in zip(templates.sizes, best, strict=True) for _ in range(many)),

@@ -126,12 +126,12 @@ def test_auto_lists_every_candidate_and_the_rate_changes_the_choice(
     rare = _plan(capsys, *args, "--failure-rate", "0.0001")
     frequent = _plan(capsys, *args, "--failure-rate", "100")
     for data in (rare, frequent):
-        assert [c["policy"] for c in data["candidates"]] == ["reroute", "dynamic", "checkpoint"]
+        assert [c["policy"] for c in data["candidates"]] == ["reroute", "dynamic", "templates", "checkpoint"]
         for candidate in data["candidates"]:
             assert {"layout", "step_time_s", "transition_s", "score", "feasible", "reason"} <= set(candidate)
         best = max((c for c in data["candidates"] if c["feasible"]), key=lambda c: c["score"])
         assert data["policy"] == best["policy"]
-    assert rare["policy"] == "dynamic"
+    assert rare["policy"] in ("dynamic", "templates")
     assert frequent["policy"] == "reroute"
     rerouted = [s for p in frequent["pipelines"] for s in p["stages"] if "rerouted_from" in s]
     assert [s["rerouted_from"] for s in rerouted] == [5]
@@ -234,3 +234,31 @@ def test_the_installed_command_never_prints_a_traceback(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "fault_tolerance" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_issue_14_reproducer_keeps_the_fault_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--profile", "bert-large", "--nodes", "6", "--global-batch", "24", "--microbatch-size", "1"]
+    data = _plan(capsys, *base, "--ft", "2", "--failed", "1")
+    assert data["policy"] in ("dynamic", "templates") and len(data["pipelines"]) >= 3
+    by_policy = {c["policy"]: c for c in data["candidates"]}
+    assert not by_policy["reroute"]["feasible"] and "can hold 3" in by_policy["reroute"]["reason"]
+    assert not by_policy["checkpoint"]["feasible"]
+    saved = _plan(
+        capsys,
+        *base,
+        "--ft",
+        "2",
+        "--failed",
+        "1",
+        "--checkpointing",
+        "--step",
+        "100",
+        "--last-checkpoint-step",
+        "90",
+    )
+    checkpoint = next(c for c in saved["candidates"] if c["policy"] == "checkpoint")
+    assert checkpoint["feasible"] and "step 90, 10 steps redone" in checkpoint["reason"]
+    assert (
+        main(["plan", *base, "--ft", "2", "--failed", "1", "--step", "5", "--last-checkpoint-step", "9"]) == 2
+    )
+    assert "last_checkpoint_step" in capsys.readouterr().err

@@ -198,7 +198,9 @@ def test_runtime_planner_is_the_planner_search() -> None:
     rerouted = planner.recover(plan, [1], Policy.REROUTE)
     assert [s.rerouted_to for s in rerouted.pipelines[0].stages if s.node == 1] == [(5,)]
     dynamic = planner.recover(plan, [1], Policy.DYNAMIC)
-    assert 1 not in dynamic.nodes and len(dynamic.nodes) == 7
+    # Every alive node, or a symmetric layout that idles one when the estimate says it is faster (the
+    # dynamic search weighs the checkpoint candidate's layouts too, issue #14).
+    assert 1 not in dynamic.nodes and len(dynamic.nodes) >= 6
     assert dynamic.transfer_bytes() > 0 and dynamic.global_batch == plan.global_batch
     lost = planner.recover(plan, [1, 5])  # both replicas of layers 2..3: only a checkpoint restores them
     assert lost.policy == Policy.CHECKPOINT and not {1, 5} & set(lost.nodes)

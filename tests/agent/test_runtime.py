@@ -94,7 +94,10 @@ def test_kill_one_of_eight_continues_on_seven(
     # `auto`: the planner scored every policy and chose the new layout over rerouting.
     recovered = result.plans[1]
     assert recovered.policy == max(recovered.candidates, key=lambda c: c.score).policy == Policy.DYNAMIC
-    assert [p.layout for p in result.plans] == ["DP2 PP[4,4]", "DP2 PP[4,3]"]
+    # Over the seven alive nodes, or six of them when the symmetric layout is estimated faster (the dynamic
+    # search weighs the checkpoint candidate's layouts too, issue #14).
+    assert result.plans[0].layout == "DP2 PP[4,4]"
+    assert result.plans[1].layout in ("DP2 PP[4,3]", "DP2 PP[3,3]")
     assert result.recoveries[0].failed == (5,) and not result.recoveries[0].restarted
     assert result.recoveries[0].committed_before == 3
     _assert_matches_reference(result, reference, steps)

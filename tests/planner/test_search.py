@@ -184,8 +184,13 @@ def test_stage_that_lost_every_replica_goes_to_checkpoint() -> None:
     # Two failures (more than f = 1), both on stage 0: layers 0..3 are gone everywhere.
     plan = replan(current, profile, cluster, job, failed=[0, 2])
     assert plan.policy is Policy.CHECKPOINT
-    assert [c.policy for c in plan.candidates] == [Policy.REROUTE, Policy.DYNAMIC, Policy.CHECKPOINT]
-    for policy in (Policy.REROUTE, Policy.DYNAMIC):
+    assert [c.policy for c in plan.candidates] == [
+        Policy.REROUTE,
+        Policy.DYNAMIC,
+        Policy.TEMPLATES,
+        Policy.CHECKPOINT,
+    ]
+    for policy in (Policy.REROUTE, Policy.DYNAMIC, Policy.TEMPLATES):
         candidate = _candidate(plan, policy)
         assert not candidate.feasible
         assert "no surviving replica" in candidate.reason

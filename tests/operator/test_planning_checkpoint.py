@@ -1,0 +1,59 @@
+"""The checkpoint state the operator hands the planner: the last checkpoint the agents' schedule wrote, so a
+checkpoint restart costs the steps since then (issue #14), not half an interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilientjob.operator._planning import checkpoint_state, plan_initial, plan_next, planner_inputs
+from resilientjob.operator.api import parse_spec
+from resilientjob.planner import Policy
+
+
+def _spec(checkpoint: dict[str, int]):  # type: ignore[no-untyped-def]
+    return parse_spec(
+        {
+            "image": "rjob:test",
+            "model": "synthetic:bert-large",
+            "nodes": 4,
+            "globalBatchSize": 16,
+            "microBatchSize": 1,
+            "faultTolerance": 1,
+            "checkpoint": checkpoint,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "step", "last"),
+    [
+        ({"intervalSteps": 10}, 25, 20),
+        ({"intervalSteps": 10}, 7, None),  # none written yet: a restart redoes every step
+        ({"intervalS": 60}, 1000, None),  # replaced below by the plan's step time
+    ],
+)
+def test_last_checkpoint_follows_the_schedule(
+    checkpoint: dict[str, int], step: int, last: int | None
+) -> None:
+    spec = _spec(checkpoint)
+    inputs = planner_inputs(spec)
+    current = plan_initial(spec, inputs)
+    state = checkpoint_state(spec, current, step)
+    assert state is not None and state.configured and state.step == step
+    if "intervalS" in checkpoint:
+        every = int(60 / current.step_time_s)
+        last = step - step % every or None
+    assert state.last_step == last
+    assert checkpoint_state(spec, current, None) is None
+
+
+def test_replan_beyond_f_charges_the_steps_since_the_checkpoint() -> None:
+    spec = _spec({"intervalSteps": 10})
+    inputs = planner_inputs(spec)
+    current = plan_initial(spec, inputs)
+    # Every replica of some layer gone: only the checkpoint can run.
+    stage0 = [pipeline.stages[0].node for pipeline in current.pipelines]
+    plan = plan_next(spec, inputs, current, failed=stage0, step=25)
+    assert plan.policy is Policy.CHECKPOINT
+    candidate = next(c for c in plan.candidates if c.policy is Policy.CHECKPOINT)
+    assert "step 20, 5 steps redone" in candidate.reason
