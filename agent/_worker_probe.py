@@ -202,6 +202,8 @@ class WorkerProbe:
         if client is None or not chaos.allowed():
             return
         self.watcher = chaos.start(self.tracer, client, keys, self.node, rank_of=self.ranks.get)
+        if self.watcher is not None:
+            self.watcher.injector.per_step = True  # stretched in `end_step`, by the compute it reports
 
     def on_plan(self, plan: Plan) -> None:
         """A new plan renumbers the ranks: chaos link targets and profile labels follow (one dict, updated
@@ -223,6 +225,10 @@ class WorkerProbe:
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
         communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
+        if self.watcher is not None and self.watcher.injector.stretch_step(wall - communication) > 0:
+            # A slow device: the step's compute took F times as long (the sleep is compute, not a call).
+            ended = time.perf_counter()
+            wall = max(1e-6, ended - self._step_began)
         line: dict[str, Any] = {
             "kind": "step",
             "generation": generation,
