@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from ._common import CliError, guarded
+from ._demo_failslow import FailSlowWatch
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 SLOW_FACTOR = 2.0
@@ -79,6 +80,7 @@ class Observed:
     copies: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Generation -> (layers to copy peer to peer, their bytes), as the plan lists its transfers."""
     training_since: float | None = None
+    failslow: FailSlowWatch = field(default_factory=FailSlowWatch)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -141,6 +143,7 @@ class Probe:
             why = plan.trigger or "Planned"
             what = f"{plan.strategy} mitigation" if plan.strategy else f"policy {plan.policy}"
             moved = f", {len(transfers)} layer copies" if transfers else ""
+            seen.failslow.mitigated(plan.strategy, seen.elapsed())
             new.append(
                 seen.event(
                     f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what}{moved})"
@@ -184,6 +187,11 @@ class Probe:
             job_status = body.get("status") or {}
             seen.phase = job_status.get("phase", "")
             seen.recoveries = list(job_status.get("recoveries") or [])
+            slow = seen.failslow.detected(
+                list(job_status.get("slowNodes") or []), seen.elapsed(), seen.committed
+            )
+            if slow is not None:
+                new.append(seen.event(slow))
         return new
 
     def transfers(self, generation: int) -> tuple[float, float, int]:
@@ -285,7 +293,9 @@ def _plot(seen: Observed, path: Path) -> None:
     bottom.set_xlabel("seconds since start")
     bottom.set_ylim(bottom=0)
     for at, text in seen.events:
-        if text.startswith(("kill", "slow", "generation")) and not text.startswith("generation 0"):
+        if text.startswith(("kill", "slow", "generation", "fail-slow")) and not text.startswith(
+            "generation 0"
+        ):
             for axis in (top, bottom):
                 axis.axvline(
                     at, color="tab:red" if text.startswith(("kill", "slow")) else "grey", ls="--", lw=0.8
@@ -349,6 +359,7 @@ class Chaos:
             with _quiet():
                 _slow(f"{self.job}-node-{node}", SLOW_FACTOR, f"{remaining:.0f}s")
             self.slowed = True
+            seen.failslow.slowed(node, now, seen.committed)
             return [seen.event(f"slow: worker {node} x{SLOW_FACTOR:g} for {remaining:.0f}s")]
         return []
 
@@ -445,6 +456,7 @@ def _report(seen: Observed, out: Path, console: Any) -> int:
     console.print(f"peer-to-peer: {layers} layer copies planned, {copied} bytes copied by the workers")
     if seen.first_loss is not None and seen.loss is not None:
         console.print(f"loss {seen.first_loss:.4f} at step 0 -> {seen.loss:.4f} at step {seen.committed - 1}")
+    console.print(seen.failslow.summary(seen.timeline, seen.elapsed()))
     path = out / "demo.png"
     _plot(seen, path)
     console.print(f"wrote {path}")
