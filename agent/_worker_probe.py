@@ -194,6 +194,7 @@ class WorkerProbe:
         """Id of the newest validation request handled (run or skipped)."""
         self._step_began = 0.0
         self._step_cursor = 0
+        self._step_injected = 0.0
         self._window_cursor = 0
         self._window_steps = 0
 
@@ -202,8 +203,6 @@ class WorkerProbe:
         if client is None or not chaos.allowed():
             return
         self.watcher = chaos.start(self.tracer, client, keys, self.node, rank_of=self.ranks.get)
-        if self.watcher is not None:
-            self.watcher.injector.per_step = True  # stretched in `end_step`, by the compute it reports
 
     def on_plan(self, plan: Plan) -> None:
         """A new plan renumbers the ranks: chaos link targets and profile labels follow (one dict, updated
@@ -218,6 +217,7 @@ class WorkerProbe:
     def begin_step(self) -> None:
         self._step_began = time.perf_counter()
         self._step_cursor = self.tracer.ring.head
+        self._step_injected = self.watcher.injector.injected_s if self.watcher is not None else 0.0
 
     def end_step(self, generation: int, step: int, samples: int, loss: float, role: str) -> dict[str, Any]:
         """The committed step's line: wall time, and its compute and communication split from the trace."""
@@ -225,7 +225,10 @@ class WorkerProbe:
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
         communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
-        if self.watcher is not None and self.watcher.injector.stretch_step(wall - communication) > 0:
+        injector = self.watcher.injector if self.watcher is not None else None
+        if injector is not None and injector.stretch_step(
+            wall - communication, injector.injected_s - self._step_injected
+        ):
             # A slow device: the step's compute took F times as long (the sleep is compute, not a call).
             ended = time.perf_counter()
             wall = max(1e-6, ended - self._step_began)

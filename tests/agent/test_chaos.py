@@ -402,7 +402,7 @@ def test_a_compute_order_slows_the_reported_step_compute_by_the_factor(
     client: redis.Redis, monkeypatch: pytest.MonkeyPatch, factor: float
 ) -> None:
     """The runtime's path (`_worker_probe`): the worker's own reported compute grows by the ordered factor
-    (within 10%), whatever the calls' gaps looked like."""
+    (within 10%), whatever the calls' gaps caught of it."""
     import io
     import statistics
 
@@ -412,13 +412,18 @@ def test_a_compute_order_slows_the_reported_step_compute_by_the_factor(
     probe = WorkerProbe(3, io.StringIO())
     try:
         probe.start_chaos(KEYS, client)
-        assert probe.watcher is not None and probe.watcher.injector.per_step
+        assert probe.watcher is not None
 
         def steps(count: int) -> list[float]:
             reported = []
             for step in range(count):
                 probe.begin_step()
-                time.sleep(0.03)  # the step's compute (no traced call inside)
+                # The step's compute, 30 ms, in two halves around the hook (as before a traced call): the
+                # hook's own stretch of the first half counts towards the factor, not on top of it.
+                time.sleep(0.015)
+                assert probe.watcher is not None
+                probe.watcher.injector("all_reduce", -1, 16, 0.015, ())
+                time.sleep(0.015)
                 reported.append(probe.end_step(1, step, 8, 0.0, "")["compute_s"])
             return reported
 
