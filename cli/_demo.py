@@ -1,6 +1,6 @@
 """`rjob demo`: the whole system on this machine in one command. Brings up the local stack (`rjob local`),
 applies `examples/demo.yaml` (a small GPT trained for real by 8 one-CPU workers), kills a worker, slows
-another (chaos, factor 2), and shows a live table of the workers, the plan generation and layout, the step,
+another (chaos, factor 4), and shows a live table of the workers, the plan generation and layout, the step,
 loss and throughput, and the events. At the end it prints the recovery summary (each decision: trigger,
 policy or mitigation strategy, detect / plan / transfer time), writes a PNG of throughput and active workers
 over time, and tears everything down, also on Ctrl-C or SIGTERM. `--no-live` prints log lines instead."""
@@ -27,7 +27,9 @@ from ._common import CliError, guarded
 from ._demo_failslow import FailSlowWatch
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
-SLOW_FACTOR = 2.0
+SLOW_FACTOR = 4.0
+"""A sleep-based slow device is partly absorbed on a CPU-oversubscribed host (the others run faster while
+it sleeps): x2 cost the demo job less than its 1.5x threshold, x4 costs it more."""
 SAMPLE_S = 0.5
 WINDOW_S = 2.0
 """Throughput is the samples reported in the last WINDOW_S seconds, divided by it."""
