@@ -111,8 +111,8 @@ def judgement_cost(nodes: int) -> float:
 
 def main() -> None:
     trials = 50 if "--quick" in sys.argv else 200
-    header = ("noise", "straggler", "episodes", "report-only", "false/found", "delay steps")
-    print("{:>6} {:>9} {:>9} {:>11} {:>11} {:>11}".format(*header))
+    header = ("noise", "straggler", "episodes", "report-only (on 5)", "false/found", "delay steps")
+    print("{:>6} {:>9} {:>9} {:>18} {:>11} {:>11}".format(*header))
     for noise in (0.05, 0.15, 0.25):
         for straggler in (None, 1.2, 1.5):
             both = [trial(seed, noise, straggler) for seed in range(trials)]
@@ -120,10 +120,14 @@ def main() -> None:
             opened = sum(o is not None for o in outcomes)
             found = [o for o in outcomes if o is not None and o >= 0] if straggler is not None else []
             old = sum(o is not None for _, o in both)  # the report-only rule, same traces and reports
+            old_right = sum(o is not None and o >= 0 for _, o in both)
             label = "-" if straggler is None else f"{straggler}x"
             delay = f"{statistics.median(found):.0f}" if found else "-"
             counted = f"{opened}/{trials} false" if straggler is None else f"{len(found)}/{trials}"
-            print(f"{noise:>6} {label:>9} {opened:>5}/{trials} {old:>7}/{trials} {counted:>11} {delay:>11}")
+            print(
+                f"{noise:>6} {label:>9} {opened:>5}/{trials} {old:>11}/{trials} ({old_right:>3}) "
+                f"{counted:>11} {delay:>11}"
+            )
     for nodes in (512, 4096):
         print(f"one judgement pass, {nodes} nodes all reporting: {judgement_cost(nodes) * 1000:.1f} ms")
 
