@@ -54,7 +54,7 @@ def test_a_job_slowdown_opens_an_episode_for_the_node_whose_compute_explains_it(
     # grows by the same 0.05s (1.5x), which is the threshold.
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.5))
     rng = np.random.default_rng(1)
-    assert _run(tracker, range(0, 60), rng) is None
+    assert _run(tracker, range(60), rng) is None
     found = _run(tracker, range(60, 200), rng, wall=WALL_S * 1.5, compute={7: COMPUTE_S * 2})
     assert found is not None and found - 60 <= 15  # min_duration_s is 4 steps of 0.15s; BOCD needs ~5
     assert set(tracker.slow) == {7} and tracker.active
@@ -66,7 +66,7 @@ def test_per_worker_figures_that_do_not_explain_the_job_slowdown_go_to_validatio
     # The issue's figures: worker 7's compute 1.3x (0.015s more), the job's step 1.5x (0.05s more).
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.5))
     rng = np.random.default_rng(6)
-    _run(tracker, range(0, 60), rng)
+    _run(tracker, range(60), rng)
     found = _run(tracker, range(60, 200), rng, wall=WALL_S * 1.5, compute={7: COMPUTE_S * 1.3})
     assert found is not None and found - 60 <= 15 and not tracker.slow
     assert [c.report.kind for c in tracker.candidates.values()] == [SlowKind.COMMUNICATION]
@@ -77,7 +77,7 @@ def test_per_worker_figures_that_do_not_explain_the_job_slowdown_go_to_validatio
 def test_a_job_slowdown_no_compute_explains_asks_for_validation() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.0))
     rng = np.random.default_rng(2)
-    _run(tracker, range(0, 60), rng)
+    _run(tracker, range(60), rng)
     found = _run(tracker, range(60, 200), rng, wall=WALL_S * 2)
     assert found is not None and not tracker.slow
     (candidate,) = tracker.candidates.values()
@@ -88,8 +88,8 @@ def test_a_job_slowdown_no_compute_explains_asks_for_validation() -> None:
 def test_a_machine_wide_slowdown_is_dismissed() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.0))
     rng = np.random.default_rng(3)
-    _run(tracker, range(0, 60), rng)
-    everyone = {node: COMPUTE_S * 2.5 for node in range(NODES)}
+    _run(tracker, range(60), rng)
+    everyone = dict.fromkeys(range(NODES), COMPUTE_S * 2.5)
     assert _run(tracker, range(60, 200), rng, wall=WALL_S * 2, compute=everyone) is None
     assert any(
         f.kind is FindingKind.DISMISSED and "machine-wide" in f.message for f in tracker.drain_findings()
@@ -99,11 +99,11 @@ def test_a_machine_wide_slowdown_is_dismissed() -> None:
 def test_a_smaller_job_slowdown_or_a_spike_opens_nothing() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.5))
     rng = np.random.default_rng(4)
-    _run(tracker, range(0, 60), rng)
+    _run(tracker, range(60), rng)
     assert _run(tracker, range(60, 160), rng, wall=WALL_S * 1.3, compute={7: COMPUTE_S * 1.6}) is None
     # a 3-step burst at 3x: too short for min_duration_s
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=2.0))
-    _run(tracker, range(0, 60), rng)
+    _run(tracker, range(60), rng)
     assert _run(tracker, range(60, 63), rng, wall=WALL_S * 3, compute={7: COMPUTE_S * 5}) is None
     assert _run(tracker, range(63, 200), rng) is None
 
