@@ -197,6 +197,7 @@ class WorkerProbe:
         """Id of the newest validation request handled (run or skipped)."""
         self._step_began = 0.0
         self._step_cursor = 0
+        self._step_injected = 0.0
         self._window_cursor = 0
         self._window_steps = 0
 
@@ -219,6 +220,7 @@ class WorkerProbe:
     def begin_step(self) -> None:
         self._step_began = time.perf_counter()
         self._step_cursor = self.tracer.ring.head
+        self._step_injected = self.watcher.injector.injected_s if self.watcher is not None else 0.0
 
     def end_step(self, generation: int, step: int, samples: int, loss: float, role: str) -> dict[str, Any]:
         """The committed step's line: wall time, and its compute and communication split from the trace."""
@@ -226,6 +228,13 @@ class WorkerProbe:
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
         communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
+        injector = self.watcher.injector if self.watcher is not None else None
+        if injector is not None and injector.stretch_step(
+            wall - communication, injector.injected_s - self._step_injected
+        ):
+            # A slow device: the step's compute took F times as long (the sleep is compute, not a call).
+            ended = time.perf_counter()
+            wall = max(1e-6, ended - self._step_began)
         line: dict[str, Any] = {
             "kind": "step",
             "generation": generation,

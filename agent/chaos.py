@@ -7,6 +7,12 @@ The order lives at `JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`)
 format the synthetic loop of the local stack already reads. Without `link` the worker's compute slows down:
 after every compute interval (the time between two traced `torch.distributed` calls, or a span the runtime
 passes to `after_compute`), the worker sleeps (F - 1) x that interval, so compute takes F times as long.
+A worker that reports committed steps (the runtime's, through `_worker_probe`) is topped up per step as
+well (`stretch_step`): at the end of each step it sleeps what is missing for the step's compute, as its
+own trace measures it (wall time less the time held by communication), to be F times the compute without
+the injected delay, so the factor the worker reports is the factor ordered. Stretching the gaps between
+calls alone undershoots there: waits that return on helper threads move the "previous call ended" mark
+into the middle of the compute, and the demo's x2 order measured only ~1.3x.
 With `link`, the link between this node and the peer node is congested: every call that moves data over it
 is preceded by a delay of (F - 1) x (latency_s + bytes / bandwidth_bps), as behind a link whose nominal
 latency and bandwidth the order names (1 ms and 1 GB/s unless given). Such calls are the point-to-point sends
@@ -185,6 +191,19 @@ class ChaosInjector:
         order = self._current()
         if order is not None and order.link is None:
             self._delay((order.factor - 1.0) * min(max(seconds, 0.0), MAX_GAP_S))
+
+    def stretch_step(self, compute_s: float, injected_s: float = 0.0) -> float:
+        """End of a committed step whose compute (wall less communication, from the trace) was `compute_s`,
+        `injected_s` of it delays this injector already slept in the step: under a compute order, sleep what
+        is missing for the step's compute to be F x (compute_s - injected_s). Returns the seconds slept.
+        At most `MAX_GAP_S` of compute per step is stretched."""
+        order = self._current()
+        if order is None or order.link is not None:
+            return 0.0
+        own = min(max(compute_s - injected_s, 0.0), MAX_GAP_S)
+        seconds = max(0.0, (order.factor - 1.0) * own - injected_s)
+        self._delay(seconds)
+        return seconds
 
 
 class ChaosWatcher:

@@ -51,6 +51,7 @@ from resilientjob.planner.failslow import (
     Strategy,
 )
 
+from ._failslow_job import JobStepTrigger
 from ._failslow_plans import (
     link_plan,
     microbatch_plan,
@@ -170,6 +171,8 @@ class FailSlowTracker:
 
     spec: FailSlowSpec
     gate: StragglerGate = field(init=False)
+    job: JobStepTrigger = field(init=False)
+    """Falcon's trigger on the job's own step time (`_failslow_job`), beside the per-worker rule."""
     slow: dict[int, float] = field(default_factory=dict)
     """Nodes of the current episode, with their slowdown (new level / healthy level)."""
     links: set[Link] = field(default_factory=set)
@@ -190,6 +193,7 @@ class FailSlowTracker:
 
     def __post_init__(self) -> None:
         self.gate = StragglerGate(self.spec.slowdown_threshold)
+        self.job = JobStepTrigger(self.spec.slowdown_threshold, self.spec.min_duration_s)
         self.controller = self._fresh_controller()
 
     def _fresh_controller(self) -> MitigationController:
@@ -223,9 +227,30 @@ class FailSlowTracker:
         self.changed = True
         return None
 
-    def observe(self, record: IterationRecord) -> None:
-        """Every node's steps feed the job-wide levels."""
+    def observe(self, record: IterationRecord, now: float | None = None) -> None:
+        """Every node's steps feed the job-wide levels and, outside an episode, the job-level trigger: a
+        slowdown of the job's step time by the threshold for `min_duration_s` opens an episode for the
+        compute straggler it localises, or asks validation to name the slow link (a communication
+        candidate), whatever the per-worker rule made of the reports."""
         self.gate.observe(record)
+        if not self.spec.enabled or self.controller.active:
+            return
+        verdict = self.job.observe(record, time.time() if now is None else now)
+        if verdict is None:
+            return
+        report = verdict.report
+        if report is None:
+            self.findings.append(
+                Finding(FindingKind.DISMISSED, (), f"job-level slowdown ignored: {verdict.message}")
+            )
+            return
+        if report.node in self._sources or report.node in self.candidates:
+            return  # the per-worker path has it already
+        candidate = _Candidate(report, report.detected_at)
+        self.candidates[report.node] = candidate
+        self.changed = True
+        if report.kind is SlowKind.COMPUTE:
+            self._open(report.node, candidate, why=f" (job-level trigger: {verdict.message})")
 
     def profile(self, record: ProfileRecord) -> None:
         self.profiles[record.node] = record
@@ -378,7 +403,7 @@ class FailSlowTracker:
         return True
 
     # ---- the episode -------------------------------------------------------------------------------------
-    def _open(self, reporter: int, candidate: _Candidate) -> None:
+    def _open(self, reporter: int, candidate: _Candidate, why: str = "") -> None:
         del self.candidates[reporter]
         report = candidate.report
         nodes = candidate.validated or (reporter,)
@@ -410,7 +435,8 @@ class FailSlowTracker:
                 FindingKind.SLOW,
                 nodes,
                 f"node {reporter} is {report.slowdown:.2f}x slower ({report.kind}) than its baseline "
-                f"({report.baseline_s:.3g}s/step) since step {report.onset_step}; slow nodes {list(nodes)}",
+                f"({report.baseline_s:.3g}s/step) since step {report.onset_step}; slow nodes {list(nodes)}"
+                + why,
             )
         )
 

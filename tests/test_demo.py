@@ -52,3 +52,22 @@ def test_demo_recovers_from_a_kill_and_writes_the_plot(tmp_path: Path) -> None:
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert not (tmp_path / "stack" / "state.json").exists()  # torn down
+
+
+def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> None:
+    from resilientjob.cli._demo_failslow import FailSlowWatch
+
+    watch = FailSlowWatch()
+    assert watch.detected([7], 1.0, 5) is None  # nothing ordered yet: not a detection
+    watch.slowed(7, at=50.0, step=1000)
+    assert watch.detected([], 52.0, 1010) is None
+    assert watch.detected([7], 53.0, 1012) == "fail-slow detected: nodes [7] (12 steps after the order)"
+    watch.mitigated("microbatch", 60.0)
+    watch.mitigated("restore", 80.0)  # the episode's end is not its mitigation
+    # 600 samples/s healthy, 400 slowed, 550 after the mitigation: 75% of the loss won back.
+    timeline = [(t / 2, 600.0 if t < 100 else 400.0 if t < 120 else 550.0, 8) for t in range(200)]
+    line = watch.summary(timeline, end=100.0)
+    assert "detected 12 iterations (3.0s) after the order" in line
+    assert "microbatch at +10.0s" in line
+    assert "600 healthy, 400 slowed, 550 mitigated samples/s: 75% of the slowdown removed" in line, line
+    assert "not detected" in FailSlowWatch(node=7, slowed_at=50.0).summary(timeline, end=100.0)

@@ -394,3 +394,48 @@ def test_parse_duration() -> None:
         "latency_s": 0.001,
         "bandwidth_bps": 1e9,
     }
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("factor", [1.2, 2.0, 4.0])
+def test_a_compute_order_slows_the_reported_step_compute_by_the_factor(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch, factor: float
+) -> None:
+    """The runtime's path (`_worker_probe`): the worker's own reported compute grows by the ordered factor
+    (within 10%), whatever the calls' gaps caught of it."""
+    import io
+    import statistics
+
+    from resilientjob.agent._worker_probe import WorkerProbe
+
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    probe = WorkerProbe(3, io.StringIO())
+    try:
+        probe.start_chaos(KEYS, client)
+        assert probe.watcher is not None
+
+        def steps(count: int) -> list[float]:
+            reported = []
+            for step in range(count):
+                probe.begin_step()
+                # The step's compute, 30 ms, in two halves around the hook (as before a traced call): the
+                # hook's own stretch of the first half counts towards the factor, not on top of it.
+                time.sleep(0.015)
+                assert probe.watcher is not None
+                probe.watcher.injector("all_reduce", -1, 16, 0.015, ())
+                time.sleep(0.015)
+                reported.append(probe.end_step(1, step, 8, 0.0, "")["compute_s"])
+            return reported
+
+        healthy = statistics.median(steps(5))
+        write_order(client, KEYS, 3, ChaosOrder(factor=factor, until=time.time() + 60))
+        probe.watcher.poll()
+        slowed = statistics.median(steps(5))
+        clear_order(client, KEYS, 3)
+        probe.watcher.poll()
+        after = statistics.median(steps(3))
+    finally:
+        probe.stop()
+        tracing.uninstall()
+    assert factor * 0.9 <= slowed / healthy <= factor * 1.1
+    assert after < healthy * 1.5

@@ -1,0 +1,76 @@
+"""The demo's fail-slow measurement: when the slowdown was ordered, when the operator named the slow node
+(`status.slowNodes`), when the mitigation's plan came, and the throughput before, during and after, so the
+demo ends with the detection delay in iterations after the order and the share of the slowdown removed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import mean
+
+SETTLE_S = 3.0
+"""Throughput windows skip this long after each change (the 2 s rate window and the plan switch)."""
+BASELINE_S = 10.0
+"""The healthy throughput is the mean over this long before the order."""
+
+
+@dataclass(slots=True)
+class FailSlowWatch:
+    """Times (seconds since the demo started) and committed steps of the fail-slow episode."""
+
+    node: int | None = None
+    slowed_at: float | None = None
+    slowed_step: int = 0
+    detected_at: float | None = None
+    detected_step: int = 0
+    mitigated_at: float | None = None
+    strategy: str = ""
+
+    def slowed(self, node: int, at: float, step: int) -> None:
+        self.node, self.slowed_at, self.slowed_step = node, at, step
+
+    def detected(self, nodes: list[int], at: float, step: int) -> str | None:
+        """The operator's status names slow nodes; the first time after the order is the detection."""
+        if self.slowed_at is None or self.detected_at is not None or not nodes:
+            return None
+        self.detected_at, self.detected_step = at, step
+        return f"fail-slow detected: nodes {nodes} ({step - self.slowed_step} steps after the order)"
+
+    def mitigated(self, strategy: str, at: float) -> None:
+        if self.slowed_at is not None and self.mitigated_at is None and strategy and strategy != "restore":
+            self.mitigated_at, self.strategy = at, strategy
+
+    def summary(self, timeline: list[tuple[float, float, int]], end: float) -> str:
+        """One line: detection delay and the share of the throughput loss the mitigation won back."""
+        if self.slowed_at is None:
+            return "fail-slow: no slowdown was injected"
+
+        def rate(begin: float, finish: float) -> float | None:
+            values = [r for t, r, _ in timeline if begin <= t < finish]
+            return mean(values) if values else None
+
+        order = self.slowed_at
+        healthy = rate(order - BASELINE_S, order - 1.0)
+        slow_end = self.mitigated_at if self.mitigated_at is not None else end
+        slowed = rate(order + SETTLE_S, slow_end)
+        after = rate(self.mitigated_at + SETTLE_S, end) if self.mitigated_at is not None else None
+        parts = [f"fail-slow on worker {self.node}:"]
+        if self.detected_at is None:
+            parts.append("not detected")
+        else:
+            parts.append(
+                f"detected {self.detected_step - self.slowed_step} iterations "
+                f"({self.detected_at - order:.1f}s) after the order;"
+            )
+        if self.mitigated_at is not None:
+            parts.append(f"{self.strategy} at +{self.mitigated_at - order:.1f}s;")
+        if healthy is not None and slowed is not None:
+            parts.append(f"throughput {healthy:.0f} healthy, {slowed:.0f} slowed")
+            if after is not None:
+                parts.append(f", {after:.0f} mitigated samples/s")
+                if healthy - slowed > 0:
+                    parts.append(
+                        f": {100 * (after - slowed) / (healthy - slowed):.0f}% of the slowdown removed"
+                    )
+            else:
+                parts.append("samples/s, no mitigation")
+        return " ".join(parts).replace(" ,", ",").replace(" :", ":")
