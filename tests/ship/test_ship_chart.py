@@ -189,6 +189,85 @@ def test_existing_secret_replaces_the_generated_one() -> None:
     )
 
 
+def _redis_volume(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    volumes = one(docs, "Deployment", "-redis")["spec"]["template"]["spec"]["volumes"]
+    return next(v for v in volumes if v["name"] == "data")
+
+
+def test_builtin_redis_keeps_its_keys_on_a_claim_unless_turned_off() -> None:
+    docs = objects(
+        sets={"redis.builtin.persistence.storageClass": "fast", "redis.builtin.persistence.size": "5Gi"}
+    )
+    claim = one(docs, "PersistentVolumeClaim", "-redis")
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert _redis_volume(docs)["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert "--appendonly yes --appendfsync everysec" in redis_command(docs)
+    off = objects(sets={"redis.builtin.persistence.enabled": "false"})
+    assert not find(off, "PersistentVolumeClaim")
+    assert _redis_volume(off) == {"name": "data", "emptyDir": {}}
+    assert "--appendonly no" in redis_command(off)
+    refused = render(sets={"redis.builtin.persistence.appendfsync": "sometimes"}, check=False)
+    assert not isinstance(refused, list) and "appendfsync" in refused.stderr
+
+
+def redis_command(docs: list[dict[str, Any]]) -> str:
+    args: list[str] = one(docs, "Deployment", "-redis")["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[0]
+
+
+@pytest.mark.parametrize("persistence", [True, False], ids=["persistent", "ephemeral"])
+def test_the_charts_redis_command_survives_a_sigkill_only_with_persistence(
+    tmp_path: Path, persistence: bool
+) -> None:
+    """Run the chart's own Redis command line (its paths moved to a temp dir, on a unix socket) against the
+    real redis-server: a key written a second before a SIGKILL is there after the restart only with the
+    append-only file on."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    command = redis_command(objects(sets={"redis.builtin.persistence.enabled": str(persistence).lower()}))
+    data = tmp_path / "data"
+    data.mkdir()
+    socket = tmp_path / "redis.sock"
+    command = command.replace("/tmp/redis.conf", str(tmp_path / "redis.conf")).replace(
+        "--dir /data", f"--dir {data}"
+    )
+    command += f" --port 0 --unixsocket {socket}"
+    env = {**os.environ, "REDIS_PASSWORD": "secret"}
+
+    def start() -> subprocess.Popen[bytes]:
+        server = subprocess.Popen(["sh", "-c", command], env=env, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not socket.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+        return server
+
+    server = start()
+    try:
+        client = redis.Redis(unix_socket_path=str(socket), password="secret")
+        client.set("rjob:plan", "generation 7")
+        time.sleep(1.5)  # one appendfsync=everysec interval and a margin
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        socket.unlink(missing_ok=True)
+        server = start()
+        client = redis.Redis(unix_socket_path=str(socket), password="secret")
+        assert client.get("rjob:plan") == (b"generation 7" if persistence else None)
+    finally:
+        server.kill()
+        server.wait(10)
+
+
 def test_external_redis_renders_no_redis() -> None:
     docs = objects([CHART / "ci" / "external-redis-values.yaml"])
     assert (
