@@ -12,7 +12,7 @@ Store layout (the launcher hosts the store; in a cluster the agent mirrors the o
   received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
-  started/<g>           workers that reached the first rendezvous of a fresh job (`await_peers`)
+  joining/<g>           workers that checked in for the rendezvous of plan g (`await_peers`)
 
 `publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
 which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
@@ -42,7 +42,7 @@ from resilientjob.protocol.workload import (
     WorkloadCheckpoint,
 )
 
-from ._runtime_schedule import designated_holders, held_layers
+from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import FAILURES_KEY, accounted_key
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
@@ -193,21 +193,25 @@ def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan
 
 
 def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: float) -> bool:
-    """At a job's fresh start (nothing committed yet), check in and wait for every worker of the first plan
-    before its rendezvous, whose timeout is the collective timeout (seconds): workers start minutes apart on a
-    loaded machine or a slow image pull, and node 0, which ran the pre-flight, starts with its model already
-    loaded. Stops waiting when a newer plan appears (a peer died meanwhile) or after `timeout_s`; then the
-    rendezvous decides as before. False when it gave up."""
-    if int(store.add("committed", 0)) > 0 or node not in plan.nodes:
+    """Check in for plan `plan.generation` and wait for every worker of its world before the rendezvous,
+    whose timeout is the collective timeout (seconds). Workers reach a rendezvous far apart: at a fresh start
+    (minutes apart on a loaded machine or a slow image pull; node 0, which ran the pre-flight, has its model
+    loaded already), after a store replacement (each reconnects when its own backoff lets it), after a
+    failure (a worker blocked in a collective notices only at its timeout). A rendezvous entered that far
+    apart fails with no peer dead, and then nothing publishes a newer plan. Stops waiting when a newer plan
+    appears (a peer died meanwhile) or after `timeout_s`; then the rendezvous decides as before. False when
+    it gave up."""
+    nodes = world_nodes(plan)
+    if node not in nodes:
         return True
-    key = f"started/{plan.generation}"
-    expected = len(plan.nodes) * degree
+    key = f"joining/{plan.generation}"
+    expected = len(nodes) * degree
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if int(store.add(key, 0)) >= expected or read_generation(store) > plan.generation:
             return True
-        time.sleep(0.02)
+        time.sleep(0.01)
     return False
 
 
@@ -246,6 +250,7 @@ def _settle(
     while True:
         restart = plan.policy == Policy.CHECKPOINT and plan.generation > max(trainer.generation, 0)
         try:
+            await_peers(store, plan, trainer.node, trainer.degree, timeout_s)
             if restart:
                 _restore(trainer, checkpointer, plan)
             joined = trainer.apply_plan(plan, store)
@@ -330,7 +335,6 @@ def worker_main(
             for layer in trainer.layers.values():
                 checkpointer.load(restored, layer)
         trainer.step = restored or 0  # nothing complete yet: start over from the initial weights
-    await_peers(store, plan, node, degree, config.plan_timeout_s)
     if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer):
         return {"node": node, "step": trainer.step, "left": True}
     _load_shards(trainer, checkpointer, restored)

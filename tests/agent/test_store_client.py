@@ -23,7 +23,7 @@ from resilientjob.agent._runtime_wait import FAILURES_KEY, accounted_key
 from resilientjob.agent._store_client import ReconnectingStore
 from resilientjob.agent.store_host import StoreHost, failures_key, store_key
 from resilientjob.operator._redis_state import JobRedis, announcement
-from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
 
 SERVER = """
 import time
@@ -142,9 +142,10 @@ async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> N
             await client.aclose()
 
 
-def test_a_fresh_job_waits_for_every_worker_before_its_first_rendezvous() -> None:
-    """The store pod is up before any worker: a worker that starts early (node 0 ran the pre-flight, its model
-    is loaded) must not enter a rendezvous whose timeout is the collective timeout long before its peers."""
+def test_every_rendezvous_waits_for_every_worker_of_its_world() -> None:
+    """Workers reach a rendezvous far apart (a fresh start, each reconnecting to a replaced store, a worker
+    blocked in a collective until its timeout): none may enter a rendezvous whose timeout is the collective
+    timeout long before its peers, or it fails with nobody dead and no newer plan ever comes."""
     from torch._C._distributed_c10d import HashStore
 
     from resilientjob.agent.worker import await_peers, publish_plan
@@ -161,7 +162,13 @@ def test_a_fresh_job_waits_for_every_worker_before_its_first_rendezvous() -> Non
     started = time.monotonic()
     assert await_peers(store, plan, node=0, degree=3, timeout_s=5)  # 4 of 6 in, but g1 is out
     assert time.monotonic() - started < 2
+    assert await_peers(store, plan, node=5, degree=1, timeout_s=5)  # not in the plan: nothing to wait for
+    # A job that trained already waits too (a mid-run generation), and a node that only sends layers to the
+    # new layout is part of its world: the rendezvous waits for it.
     fresh = HashStore()
-    fresh.set("committed", "7")  # a job that trained already (a replacement pod joining): no wait
-    assert await_peers(fresh, plan, node=0, degree=1, timeout_s=5)
-    assert await_peers(fresh, plan, node=5, degree=1, timeout_s=5)  # not in the plan: nothing to wait for
+    fresh.set("committed", "7")
+    moving = _plan(2).model_copy(update={"transfers": (Transfer(layer=0, src=3, dst=1, bytes=8),)})
+    publish_plan(fresh, moving, 0)
+    assert not await_peers(fresh, moving, node=0, degree=1, timeout_s=0.1)
+    assert not await_peers(fresh, moving, node=1, degree=1, timeout_s=0.1)
+    assert await_peers(fresh, moving, node=3, degree=1, timeout_s=5)
