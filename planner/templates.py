@@ -330,29 +330,44 @@ def _more_instantiations_than(sizes: Sequence[int], nodes: int, cap: int) -> boo
 def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> np.ndarray:
     if not _more_instantiations_than(sizes, nodes, _MAX_COMBINATIONS):
         return _instantiation_rows(sizes, nodes, min_pipelines)
-    # Too many partitions to rank one by one: keep those mixing at most two template sizes, sorted and
-    # without repeats. For each first size, every count of it and every second size at once.
+    # Too many partitions to rank one by one: keep those mixing at most two template sizes, in sorted order
+    # without repeats. Such a row is (first size i, its count a, second size j > i, its count b); for each i,
+    # every count of it and every j at once. A row of one size has no j (b = 0; j = count below).
     count = len(sizes)
     widths = np.asarray(sizes, dtype=np.int64)
-    blocks: list[np.ndarray] = []
+    firsts, counts_a, seconds, counts_b = [], [], [], []
     for i, first in enumerate(sizes):
         many = np.arange(nodes // first + 1, dtype=np.int64)
         rest = nodes - many * first
         alone = np.flatnonzero(rest == 0)
-        block = np.zeros((len(alone), count), dtype=np.int64)
-        block[:, i] = many[alone]
-        blocks.append(block)
-        seconds = widths[i + 1 :]
-        hit, other = np.nonzero(rest[:, None] % seconds[None, :] == 0)
-        block = np.zeros((len(hit), count), dtype=np.int64)
-        block[np.arange(len(hit)), i] = many[hit]
-        block[np.arange(len(hit)), i + 1 + other] = rest[hit] // seconds[other]
-        blocks.append(block)
-    rows = np.concatenate(blocks) if blocks else np.zeros((0, count), dtype=np.int64)
-    rows = rows[rows.sum(axis=1) >= min_pipelines]
-    # np.unique sorts rows lexicographically, as sorted() did with the tuples.
-    kept: np.ndarray = np.unique(rows, axis=0).reshape(-1, count)
-    return kept
+        firsts.append(np.full(len(alone), i, dtype=np.int64))
+        counts_a.append(many[alone])
+        seconds.append(np.full(len(alone), count, dtype=np.int64))
+        counts_b.append(np.zeros(len(alone), dtype=np.int64))
+        hit, other = np.nonzero((rest[:, None] % widths[None, i + 1 :] == 0) & (rest[:, None] > 0))
+        firsts.append(np.full(len(hit), i, dtype=np.int64))
+        counts_a.append(many[hit])
+        seconds.append(i + 1 + other)
+        counts_b.append(rest[hit] // widths[i + 1 + other])
+    i_s, a_s, j_s, b_s = (np.concatenate(part) for part in (firsts, counts_a, seconds, counts_b))
+    # A count of zero leaves that size out: a row of size j alone is written with j first.
+    lone = a_s == 0
+    i_s, a_s = np.where(lone, j_s, i_s), np.where(lone, b_s, a_s)
+    j_s, b_s = np.where(lone, count, j_s), np.where(lone, 0, b_s)
+    keep = a_s + b_s >= min_pipelines  # (i = count: the empty combination, of zero nodes)
+    i_s, a_s, j_s, b_s = i_s[keep], a_s[keep], j_s[keep], b_s[keep]
+    # Tuples sort ascending on x_0, x_1, ...: a later first size (more leading zeros) comes first, then its
+    # count; then a later second size, then its count. One integer key in that order, deduplicated.
+    span = nodes + 1
+    key = (((count - i_s) * span + a_s) * (count + 1) + (count - j_s)) * span + b_s
+    _, first_of = np.unique(key, return_index=True)
+    rows = np.zeros((len(first_of), count), dtype=np.int64)
+    line = np.arange(len(first_of))
+    one = i_s[first_of] < count
+    rows[line[one], i_s[first_of][one]] = a_s[first_of][one]
+    two = j_s[first_of] < count
+    rows[line[two], j_s[first_of][two]] = b_s[first_of][two]
+    return rows
 
 
 class _TimeCache:
