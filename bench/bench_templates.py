@@ -7,9 +7,15 @@ Run: .venv/bin/python bench/bench_templates.py [--quick]
 
 `--instantiate` times what happens at failure time instead (issue #16): `instantiate` and `reinstantiate`
 (failed=[3]) of the 96-layer GPT profile of `bench/bench_replan.py`, f = 1, micro-batch 1, global batch
-8,192, best of three, with `generate_templates` (offline: it also makes each template's time curve) once,
+8,192, best of seven (the development machine is shared), with `generate_templates` (offline: it also
+makes each template's time curve) once,
 and the largest relative error of the time curves against the exact 1F1B tables up to 8,192 micro-batches
 (on the 32-node cells; `--quick` leaves out 1,024 nodes).
+
+`--instantiate --baseline DIR` also times another checkout of the project (e.g. `git worktree add
+/tmp/base <commit>`) side by side: for each cell, `generate_templates` once and `instantiate` best of seven,
+in fresh processes that alternate baseline and this checkout twice (the least of each kept, so a loaded
+machine slows both alike), and prints the ratios and whether both chose the same layout and step time.
 
 Each grid cell plans ONE template of n nodes x G GPUs for an L-layer model (GPT-3 2.7B blocks, 80 GiB
 devices), as Table 3 does ("a single pipeline template"): that is the column compared with the paper.
@@ -188,11 +194,85 @@ def curve_error(profile: ModelProfile, cluster: ClusterSpec, templates: Template
     return worst
 
 
+# Run in a fresh process against one checkout: the public API both versions share.
+_SIDE_SNIPPET = """
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from bench_replan import gpt_96
+from resilientjob.planner.spec import ClusterSpec, JobSpec
+from resilientjob.planner.templates import generate_templates, instantiate
+nodes, gpus, batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+profile = gpt_96()
+cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus)
+job = JobSpec(global_batch=batch, microbatch_size=1, fault_tolerance=1)
+began = time.perf_counter()
+templates = generate_templates(profile, cluster, 1)
+generate = time.perf_counter() - began
+best = float("inf")
+for _ in range(7):
+    began = time.perf_counter()
+    plan = instantiate(templates, list(range(nodes)), profile, cluster, job)
+    best = min(best, time.perf_counter() - began)
+found = {"generate": generate, "instantiate": best, "layout": plan.layout, "step": plan.step_time_s}
+print(json.dumps(found))
+"""
+
+
+def _side_run(checkout: str, nodes: int, gpus: int) -> dict[str, float | str]:
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        os.symlink(os.path.abspath(checkout), os.path.join(root, "resilientjob"))
+        env = {**os.environ, "PYTHONPATH": root}
+        bench_dir = os.path.dirname(os.path.abspath(__file__))
+        args = [str(nodes), str(gpus), str(INSTANTIATE_BATCH), bench_dir]
+        out = subprocess.run(
+            [sys.executable, "-c", _SIDE_SNIPPET, *args], env=env, capture_output=True, text=True, check=True
+        ).stdout
+    found: dict[str, float | str] = json.loads(out.strip().splitlines()[-1])
+    return found
+
+
+def side_by_side(baseline: str, quick: bool) -> None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"## Side by side with {baseline} (fresh processes, alternating, least of two each)\n")
+    print(
+        "| nodes x GPUs | generate: baseline (s) | ours (s) | ratio | instantiate: baseline (ms) | ours (ms) "
+        "| speed-up | same layout and step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|:---:|")
+    for nodes, gpus, _ in INSTANTIATE_CASES:
+        if quick and nodes > 32:
+            continue
+        runs: dict[str, list[dict[str, float | str]]] = {"base": [], "ours": []}
+        for _ in range(2):
+            runs["base"].append(_side_run(baseline, nodes, gpus))
+            runs["ours"].append(_side_run(here, nodes, gpus))
+        gen = {k: min(float(r["generate"]) for r in v) for k, v in runs.items()}
+        inst = {k: min(float(r["instantiate"]) for r in v) for k, v in runs.items()}
+        same = all(
+            (r["layout"], r["step"]) == (runs["base"][0]["layout"], runs["base"][0]["step"])
+            for v in runs.values()
+            for r in v
+        )
+        print(
+            f"| {nodes} x {gpus} | {gen['base']:.2f} | {gen['ours']:.2f} | "
+            f"{gen['base'] / gen['ours']:.1f}x | "
+            f"{inst['base'] * 1e3:.1f} | {inst['ours'] * 1e3:.1f} | {inst['base'] / inst['ours']:.1f}x | "
+            f"{'yes' if same else 'NO'} |",
+            flush=True,
+        )
+    print()
+
+
 def instantiation(quick: bool) -> int:
     from bench_replan import gpt_96
 
     profile = gpt_96()
     print(f"## Instantiation at failure time: {profile.name}, f = 1, global batch {INSTANTIATE_BATCH}\n")
+    print("load average at start: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n")
     print(
         "| nodes x GPUs | templates | generate (s) | instantiate (ms) | target (ms) | met | layout "
         "| reinstantiate (ms) | curve error |"
@@ -209,8 +289,8 @@ def instantiation(quick: bool) -> int:
         generate_s = time.perf_counter() - began
         alive = list(range(nodes))
         plan = instantiate(templates, alive, profile, cluster, job)
-        seconds = _best_of(3, partial(instantiate, templates, alive, profile, cluster, job))
-        again = _best_of(3, partial(reinstantiate, templates, plan, [3], profile, cluster, job))
+        seconds = _best_of(7, partial(instantiate, templates, alive, profile, cluster, job))
+        again = _best_of(7, partial(reinstantiate, templates, plan, [3], profile, cluster, job))
         error = f"{curve_error(profile, cluster, templates, INSTANTIATE_BATCH):.2e}" if nodes <= 32 else "-"
         met = seconds <= target
         missed += not met
@@ -226,8 +306,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the 24- and 32-layer columns")
     parser.add_argument("--instantiate", action="store_true", help="time instantiation at failure time")
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="with --instantiate: another checkout, timed side by side"
+    )
     args = parser.parse_args()
     if args.instantiate:
+        if args.baseline:
+            side_by_side(args.baseline, args.quick)
         return instantiation(args.quick)
     layer_set = LAYERS[:2] if args.quick else LAYERS
     print("## Table 3 grid: one template, exact search vs Oobleck's reported planning time\n")

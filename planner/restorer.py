@@ -166,20 +166,27 @@ def allreduce_rounds_from_bounds(shapes: Sequence[Sequence[int]]) -> list[list[t
     """
     bounds = sorted({b for shape in shapes for b in shape})
     segments = list(itertools.pairwise(bounds))
-    index = {start: position for position, (start, _) in enumerate(segments)}
+    position = {bound: index for index, bound in enumerate(bounds)}
     count = len(segments)
-    neighbours: list[set[int]] = [set() for _ in range(count)]
+    # Segments inside one stage share that stage's devices: a clique. Every clique holding a segment is an
+    # interval of segments around it, so its neighbours are one interval [low, high) less itself; intervals
+    # make this O(shapes x segments) where explicit neighbour sets cost O(stages x segments^2).
+    low = list(range(count))
+    high = list(range(1, count + 1))
     for shape in shapes:
         for start, end in itertools.pairwise(shape):
-            # Segments inside one stage share that stage's devices: a clique.
-            members = [index[b] for b in bounds if start <= b < end]
-            for member in members:
-                neighbours[member].update(other for other in members if other != member)
-    colour: dict[int, int] = {}
-    for vertex in sorted(range(count), key=lambda i: (-len(neighbours[i]), i)):
-        taken = {colour[n] for n in neighbours[vertex] if n in colour}
-        colour[vertex] = next(c for c in range(count) if c not in taken)
-    rounds: list[list[tuple[int, int]]] = [[] for _ in range(max(colour.values()) + 1)]
+            first, stop = position[start], position[end]
+            for member in range(first, stop):
+                low[member] = min(low[member], first)
+                high[member] = max(high[member], stop)
+    colour = [-1] * count
+    for vertex in sorted(range(count), key=lambda i: (low[i] - high[i], i)):
+        taken = set(colour[low[vertex] : high[vertex]])
+        chosen = 0
+        while chosen in taken:
+            chosen += 1
+        colour[vertex] = chosen
+    rounds: list[list[tuple[int, int]]] = [[] for _ in range(max(colour, default=-1) + 1)]
     for vertex in range(count):
         rounds[colour[vertex]].append(segments[vertex])
     return rounds

@@ -56,7 +56,8 @@ INITIAL_ALTERNATIVES = 5  # runner-up layouts listed as candidates of an initial
 # restart. Templates are generated once per job (`warm_up` does it ahead of failures).
 AUTO_POLICIES = (Policy.REROUTE, Policy.DYNAMIC, Policy.TEMPLATES, Policy.CHECKPOINT)
 # Above this many nodes `auto` does not generate templates at failure time (with their time curves that
-# takes about a minute at 1,024 nodes): the candidate waits for `warm_up` to have made them.
+# takes seconds at 1,024 nodes: 14.7 s on the loaded development machine, docs/benchmarks/templates.md): the
+# candidate waits for `warm_up` to have made them.
 TEMPLATES_ON_DEMAND_NODES = 128
 
 

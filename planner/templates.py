@@ -278,53 +278,96 @@ def _instantiation_rows(sizes: Sequence[int], nodes: int, min_pipelines: int) ->
     if any(size < 1 for size in sizes):
         raise PlannerError("sizes", f"template sizes must be positive, got {list(sizes)}")
     count = len(sizes)
-    # table[n]: combinations over the templates seen so far that use exactly n nodes, one row each (numpy
-    # rows, so that the thousands of partitions of a few dozen nodes take milliseconds).
-    kind = np.int16 if nodes < 2**15 else np.int64  # narrow rows: the copies below are the whole cost
-    table: list[np.ndarray] = [np.zeros((0, count), dtype=kind) for _ in range(nodes + 1)]
-    table[0] = np.zeros((1, count), dtype=kind)
+    # table[n]: ids of the combinations over the templates seen so far that use exactly n nodes, in eq. 5's
+    # order. A combination is stored as (parent, template): its parent plus one pipeline of that template,
+    # so the table moves one id per combination instead of a whole row (copying rows was the whole cost at
+    # 31 templates); the rows are built once at the end by walking the parents.
+    parent: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]  # id 0: the empty combination (its own parent)
+    column: list[int] = [0]  # the template added by each block of ids, and the block's length
+    length: list[int] = [1]
+    created = 1
+    empty = np.zeros(0, dtype=np.int64)
+    table: list[np.ndarray] = [empty] * (nodes + 1)
+    table[0] = np.zeros(1, dtype=np.int64)
     for index, size in enumerate(sizes):
         for total in range(size, nodes + 1):
             previous = table[total - size]
             if len(previous):
-                bumped = previous.copy()
-                bumped[:, index] += 1
-                table[total] = np.concatenate([table[total], bumped])
-    rows = table[nodes]
+                fresh = np.arange(created, created + len(previous), dtype=np.int64)
+                created += len(previous)
+                parent.append(previous)
+                column.append(index)
+                length.append(len(previous))
+                table[total] = np.concatenate([table[total], fresh])
+    parents, columns = np.concatenate(parent), np.repeat(np.asarray(column), np.asarray(length))
+    ids = table[nodes]
+    kind = np.int16 if nodes < 2**15 else np.int64
+    rows = np.zeros((len(ids), count), dtype=kind)
+    lines = np.arange(len(ids))
+    while len(ids):
+        live = ids != 0
+        ids, lines = ids[live], lines[live]
+        rows[lines, columns[ids]] += 1  # one pipeline per row per pass: no repeated (row, column) pairs
+        ids = parents[ids]
     kept: np.ndarray = rows[rows.sum(axis=1) >= min_pipelines]
     return kept
 
 
-def _count_instantiations(sizes: Sequence[int], nodes: int) -> int:
-    ways = [1] + [0] * nodes
+def _more_instantiations_than(sizes: Sequence[int], nodes: int, cap: int) -> bool:
+    """Whether more than `cap` combinations of `sizes` use exactly `nodes` nodes. Coin-change counting, one
+    cumulative sum per size along each residue class (floats: the count of 1,024 nodes has 30 digits, and
+    every count that matters, up to `cap`, is exact)."""
+    ways = np.zeros(nodes + 1, dtype=np.float64)
+    ways[0] = 1.0
     for size in sizes:
-        for total in range(size, nodes + 1):
-            ways[total] += ways[total - size]
-    return ways[nodes]
+        if size > nodes:
+            continue
+        padded = np.concatenate([ways, np.zeros(-(nodes + 1) % size)]).reshape(-1, size)
+        ways = np.cumsum(padded, axis=0).ravel()[: nodes + 1]
+    return bool(ways[nodes] > cap)
 
 
 def _combinations(sizes: Sequence[int], nodes: int, min_pipelines: int) -> np.ndarray:
-    if _count_instantiations(sizes, nodes) <= _MAX_COMBINATIONS:
+    if not _more_instantiations_than(sizes, nodes, _MAX_COMBINATIONS):
         return _instantiation_rows(sizes, nodes, min_pipelines)
-    # Too many partitions to rank one by one: keep those mixing at most two template sizes.
-    found: list[tuple[int, ...]] = []
+    # Too many partitions to rank one by one: keep those mixing at most two template sizes, in sorted order
+    # without repeats. Such a row is (first size i, its count a, second size j > i, its count b); for each i,
+    # every count of it and every j at once. A row of one size has no j (b = 0; j = count below).
+    count = len(sizes)
+    widths = np.asarray(sizes, dtype=np.int64)
+    firsts, counts_a, seconds, counts_b = [], [], [], []
     for i, first in enumerate(sizes):
-        for j in range(i, len(sizes)):
-            second = sizes[j]
-            for many in range(nodes // first + 1):
-                rest = nodes - many * first
-                if i == j:
-                    if rest == 0:
-                        counts = [0] * len(sizes)
-                        counts[i] = many
-                        found.append(tuple(counts))
-                    continue
-                if rest % second == 0:
-                    counts = [0] * len(sizes)
-                    counts[i], counts[j] = many, rest // second
-                    found.append(tuple(counts))
-    kept = sorted({x for x in found if sum(x) >= min_pipelines})
-    return np.asarray(kept, dtype=np.int64).reshape(len(kept), len(sizes))
+        many = np.arange(nodes // first + 1, dtype=np.int64)
+        rest = nodes - many * first
+        alone = np.flatnonzero(rest == 0)
+        firsts.append(np.full(len(alone), i, dtype=np.int64))
+        counts_a.append(many[alone])
+        seconds.append(np.full(len(alone), count, dtype=np.int64))
+        counts_b.append(np.zeros(len(alone), dtype=np.int64))
+        hit, other = np.nonzero((rest[:, None] % widths[None, i + 1 :] == 0) & (rest[:, None] > 0))
+        firsts.append(np.full(len(hit), i, dtype=np.int64))
+        counts_a.append(many[hit])
+        seconds.append(i + 1 + other)
+        counts_b.append(rest[hit] // widths[i + 1 + other])
+    i_s, a_s, j_s, b_s = (np.concatenate(part) for part in (firsts, counts_a, seconds, counts_b))
+    # A count of zero leaves that size out: a row of size j alone is written with j first.
+    lone = a_s == 0
+    i_s, a_s = np.where(lone, j_s, i_s), np.where(lone, b_s, a_s)
+    j_s, b_s = np.where(lone, count, j_s), np.where(lone, 0, b_s)
+    keep = a_s + b_s >= min_pipelines  # (i = count: the empty combination, of zero nodes)
+    i_s, a_s, j_s, b_s = i_s[keep], a_s[keep], j_s[keep], b_s[keep]
+    # Tuples sort ascending on x_0, x_1, ...: a later first size (more leading zeros) comes first, then its
+    # count; then a later second size, then its count. One integer key in that order, deduplicated.
+    span = nodes + 1
+    key = (((count - i_s) * span + a_s) * (count + 1) + (count - j_s)) * span + b_s
+    _, first_of = np.unique(key, return_index=True)
+    rows = np.zeros((len(first_of), count), dtype=np.int64)
+    line = np.arange(len(first_of))
+    one = i_s[first_of] < count
+    rows[line[one], i_s[first_of][one]] = a_s[first_of][one]
+    two = j_s[first_of] < count
+    rows[line[two], j_s[first_of][two]] = b_s[first_of][two]
+    return rows
 
 
 class _TimeCache:
@@ -335,6 +378,8 @@ class _TimeCache:
         self.curves: dict[int, TimeCurve] = {}
         self.bottleneck: dict[int, float] = {}
         self.offset: dict[int, float] = {}
+        self.slope: dict[int, float] = {}  # the curve's line slope (>= the bottleneck when positive)
+        self.slope_offset: dict[int, float] = {}  # the least t(m) - m x slope
         self.heaviest: dict[int, float] = {}  # the largest stage's parameter bytes
         self._rounds: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
 
@@ -349,6 +394,14 @@ class _TimeCache:
             self.bottleneck[size] = bottleneck
             # Rounded down a hair so the bound stays below t even where the sums round differently.
             self.offset[size] = float(np.min(head - bottleneck * np.arange(1, len(head) + 1))) * (1 - 1e-12)
+            # The same bound along the curve's own slope: beyond the head t(m) - m x slope is constant, so the
+            # head's least value holds for every m. Far tighter than the bottleneck's at long batches, where
+            # the steady state is slower than the bottleneck (sends on the critical cycle). Lowered by a
+            # margin of the curve's scale so rounding never lifts it above t.
+            slope = max(self.curves[size].slope, bottleneck)
+            lowest = float(np.min(head - slope * np.arange(1, len(head) + 1)))
+            self.slope[size] = slope
+            self.slope_offset[size] = lowest - 1e-11 * (abs(lowest) + float(head[-1]))
             param = self.profile.prefix("param")
             self.heaviest[size] = max(float(param[s.layers[1]] - param[s.layers[0]]) for s in template.stages)
         return self.curves[size]
@@ -452,6 +505,10 @@ def _rank(cache: _TimeCache, sizes: Sequence[int], combos: np.ndarray, total: in
     offsets = np.asarray([cache.offset.get(size, 0.0) for size in sizes]) * rates
     matrix = np.asarray(combos, dtype=np.float64)
     bounds = (total + matrix @ offsets) / (matrix @ rates)
+    # Either family of lines bounds every pipeline; the slope's is the tighter one at long batches.
+    line_rates = np.asarray([1.0 / cache.slope[size] if size in cache.slope else 0.0 for size in sizes])
+    line_offsets = np.asarray([cache.slope_offset.get(size, 0.0) for size in sizes]) * line_rates
+    bounds = np.maximum(bounds, (total + matrix @ line_offsets) / (matrix @ line_rates))
     replicas = matrix.sum(axis=1)
     heaviest = np.asarray([cache.heaviest.get(size, 0.0) for size in sizes])
     present = np.where(combos > 0, heaviest[None, :], 0.0).max(axis=1)
