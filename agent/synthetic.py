@@ -77,6 +77,7 @@ async def train(telemetry: Telemetry, stopped: asyncio.Event, time_scale: float 
 
     follower = asyncio.create_task(follow())
     step = 0
+    log = _ProgressLog(telemetry.node)
     try:
         while not stopped.is_set():
             plan = current
@@ -88,10 +89,41 @@ async def train(telemetry: Telemetry, stopped: asyncio.Event, time_scale: float 
             await asyncio.sleep(step_seconds(plan, time_scale) * await slowdown(telemetry))
             elapsed = time.perf_counter() - started
             step += 1
-            await telemetry.record_iteration(
-                plan.generation, step, elapsed, samples or 0, role_of(plan, telemetry.node)
-            )
+            role = role_of(plan, telemetry.node)
+            log.step(plan, role, step, elapsed)
+            await telemetry.record_iteration(plan.generation, step, elapsed, samples or 0, role)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
+
+
+class _ProgressLog:
+    """What `kubectl logs` shows of a synthetic worker: a line per generation (the node's part in it) and
+    one every `every_s` seconds with the steps and the mean step time since the last line."""
+
+    def __init__(self, node: int, every_s: float = 30.0) -> None:
+        self.node, self.every_s = node, every_s
+        self.generation = -1
+        self.since = time.monotonic()
+        self.steps = 0
+        self.seconds = 0.0
+
+    def step(self, announcement: PlanAnnouncement, role: Hashable, step: int, elapsed_s: float) -> None:
+        if announcement.generation != self.generation:
+            self.generation = announcement.generation
+            part = "not in the layout (probe steps)" if role == "probe" else f"stages/micro-batches {role}"
+            print(
+                f"synthetic: node {self.node} generation {announcement.generation} "
+                f"({announcement.trigger}): {part}",
+                flush=True,
+            )
+        self.steps += 1
+        self.seconds += elapsed_s
+        if time.monotonic() - self.since >= self.every_s:
+            print(
+                f"synthetic: node {self.node} step {step} generation {self.generation}: "
+                f"{self.seconds / self.steps:.3f} s/step over {self.steps} steps",
+                flush=True,
+            )
+            self.since, self.steps, self.seconds = time.monotonic(), 0, 0.0

@@ -126,6 +126,9 @@ async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_emp
     for who in ("agent node 0", "store host"):
         assert out.count(f"{who}: Redis unreachable") == 1, out
         assert out.count(f"{who}: Redis is back") == 1, out
+    # What `kubectl logs` shows of the synthetic worker: its part in each generation, once.
+    assert out.count("synthetic: node 0 generation 0") == 1, out
+    assert out.count("synthetic: node 0 generation 1") == 1, out
 
 
 async def _at_generation(telemetry: Telemetry, generation: int) -> bool:
