@@ -2,10 +2,11 @@
 
 Each pass observes (pods from watch events, confirmed by a GET before acting; heartbeat keys; telemetry
 streams), decides with the pure rules in `_decide` and the planner, and applies. A generation is committed
-by a compare-and-set of the plan key in Redis; everything after the commit (plan ConfigMap, pod
-annotations, status, Event) is idempotent and is finished by whichever pass sees the status lagging behind
-the committed generation, including the first pass of a restarted operator. So a SIGKILL at any point
-neither loses nor repeats a decision.
+by recording it in the plan ConfigMap, durable, before it is announced in Redis (`_durable`); everything
+after the commit (Redis, pod annotations, status, Event) is idempotent and is finished by whichever pass sees
+Redis or the status lagging behind the record, including the first pass of a restarted operator. So a
+SIGKILL at any point neither loses nor repeats a decision, and a Redis that lost its state is rebuilt from
+the record. Missing heartbeats count only while Redis has been up a full TTL (`_redis_watch`).
 
 Scale and a slow planner: one pass costs one Redis script call for the liveness of every node (plus one
 stream read), whatever the job's size. Deciding a new generation (planner, commit, apply) runs as a
@@ -31,15 +32,16 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys, connect
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.agent._redis import HEARTBEAT_TTL_S, REDIS_DOWN, JobKeys, connect
+from resilientjob.agent.telemetry_messages import PlanAnnouncement, encode
 from resilientjob.planner._errors import PlannerError
 
-from . import _decide, _failslow, _manifests, _profile_source, api, metrics
+from . import _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
+from ._redis_watch import RedisWatch, operator_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
@@ -65,6 +67,8 @@ class _Published:
     nodes_arg: str
     plan_nodes: frozenset[int]
     watched: frozenset[int]
+    size: int
+    """Bytes of the plan key holding it (a scan that finds another size finds the key overwritten)."""
 
     @classmethod
     def of(cls, message: PlanAnnouncement) -> _Published:
@@ -75,6 +79,7 @@ class _Published:
             nodes_arg=node_list(nodes),
             plan_nodes=frozenset(nodes),
             watched=frozenset(nodes) | frozenset(message.parked),
+            size=len(encode(message)),
         )
 
 
@@ -115,6 +120,8 @@ class JobController:
         self._failslow_restored = False
         self.store = StoreKeeper(kube, namespace, name)
         self._pods_listed_at = time.monotonic()
+        self.record = _durable.PlanRecord(kube, namespace, name)
+        self.watch = RedisWatch(name)
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -180,7 +187,7 @@ class JobController:
             self.failslow = _failslow.FailSlowTracker(spec.fail_slow)
         if self.redis is None:
             password = await self._redis_password(spec)
-            client = connect(spec.redis.url or self.settings.redis_url, password)
+            client = operator_client(spec.redis.url or self.settings.redis_url, password)
             self.redis = JobRedis(client, JobKeys(self.namespace, self.name))
 
     def _use_inputs(self, inputs: PlannerInputs | None) -> None:
@@ -237,7 +244,7 @@ class JobController:
     async def ensure_started(self) -> PlanAnnouncement:
         """Generation 0 committed, and the Service, plan ConfigMap and pods created (all idempotent)."""
         spec, inputs, redis = self.require()
-        published = await redis.published()
+        published = await self.record.reconcile(redis, self.body, self.watch)
         if published is None:
             try:
                 plan = plan_initial(spec, inputs)
@@ -245,15 +252,18 @@ class JobController:
                 await self._infeasible(exc)
                 raise InvalidJob(str(exc)) from None
             message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
-            published = await redis.commit(message, None) or await redis.published()
-            if published is None:
-                raise kopf.TemporaryError("the plan key could not be committed or read", delay=1.0)
+            published = _durable.numbered(message, _durable.next_generation(self.status.plan_generation))
+            await self.record.write(self.body, published)  # durable first, then Redis
+            await redis.announce(published)
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
         )
         self.status = self.status.model_copy(update={"conditions": conditions})
         await self._apply_configmap(published)
-        await self.create_pods(published.plan.nodes, published.generation, published.layout)
+        # Every pod at the first start only: later, a missing pod is a failure to detect and plan around
+        # (an operator restarted right after a pod kill must not bring the node back), never a pod to make.
+        nodes = _durable.pods_to_create(published, self.status.plan_generation, self.status.fenced_nodes)
+        await self.create_pods(nodes, published.generation, published.layout)
         return published
 
     async def create_pods(self, nodes: Iterable[int], generation: int, layout: str) -> None:
@@ -313,11 +323,7 @@ class JobController:
 
     # ---- applying a committed generation -------------------------------------------------------------
     async def _apply_configmap(self, message: PlanAnnouncement) -> None:
-        path = core_path(self.namespace, "configmaps", _manifests.plan_configmap_name(self.name))
-        if not await self.kube.create(
-            core_path(self.namespace, "configmaps"), _manifests.plan_configmap(self.body, message)
-        ):
-            await self.kube.patch(path, {"data": _manifests.plan_configmap_data(message)})
+        await self.record.write(self.body, message)
 
     async def apply(self, message: PlanAnnouncement) -> None:
         """Bring the ConfigMap, pod annotations, status and Events in line with a committed generation."""
@@ -366,6 +372,7 @@ class JobController:
             "last_decision": decision,
             "conditions": conditions,
             "phase": api.Phase.RUNNING,
+            "fenced_nodes": _durable.still_fenced(status.fenced_nodes, message),
         }
         if not first:
             recovery = api.Recovery(
@@ -415,22 +422,19 @@ class JobController:
                 return
             if report.profile is not None:
                 self._use_inputs(planner_inputs(self.require_spec(), report.profile.model_dump(mode="json")))
-        published = await self.ensure_started()
-        if self.status.plan_generation < published.generation:
-            await self.apply(published)
-        self._published = _Published.of(published)
-        if not self._failslow_restored:
-            # Once per process: a restarted operator continues a fail-slow episode where it was.
-            await restore_failslow(self)
-            self._failslow_restored = True
+        published = await self._start_up(stopped)
+        if published is None:
+            return
         try:
             while not stopped and self.status.phase != api.Phase.SUCCEEDED:
+                wait = self.settings.poll_interval_s
                 try:
                     await self.reconcile_once()
-                except (RedisError, OSError) as exc:
-                    log.warning("job %s/%s: redis unavailable (%r); retrying", self.namespace, self.name, exc)
+                    self.watch.ok()
+                except REDIS_DOWN as exc:
+                    wait = max(wait, self.watch.failed(exc))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wakeup.wait(), self.settings.poll_interval_s)
+                    await asyncio.wait_for(self.wakeup.wait(), wait)
                 self.wakeup.clear()
         finally:
             if self._deciding is not None and not self._deciding.done():
@@ -438,16 +442,47 @@ class JobController:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._deciding
 
+    async def _start_up(self, stopped: kopf.DaemonStopped) -> PlanAnnouncement | None:
+        """Generation 0 (or the recorded one, restored into Redis) applied, and a restarted operator's state
+        back: its fail-slow episode, its fenced nodes. Retried with backoff while Redis is away; None when
+        stopped meanwhile."""
+        while not stopped:
+            try:
+                published = await self.ensure_started()
+                if self.status.plan_generation < published.generation:
+                    await self.apply(published)
+                self._published = _Published.of(published)
+                if not self._failslow_restored:
+                    # Once per process: a restarted operator continues a fail-slow episode where it was.
+                    await restore_failslow(self)
+                    self._failslow_restored = True
+                self.watch.ok()
+                break
+            except REDIS_DOWN as exc:
+                await stopped.wait(self.watch.failed(exc))
+        else:
+            return None
+        # Fenced before a restart, still in the layout: planned around without waiting to detect them again.
+        for node in self.status.fenced_nodes:
+            if node in published.plan.nodes:
+                self._fenced.setdefault(
+                    node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None)
+                )
+        return published
+
     async def _current(self) -> tuple[_Published, HeartbeatScan]:
-        """The committed generation and a liveness scan of its nodes. The plan itself is re-read only when
-        the scan shows another generation (or the generation key is missing)."""
+        """The committed generation and a liveness scan of its nodes. The plan itself is re-read (and Redis
+        brought in line with the durable record) only when the scan shows another generation."""
         redis = self.require()[2]
         cached = self._published
         if cached is not None:
+            started = time.monotonic()
             scan = await redis.scan(cached.nodes, cached.nodes_arg)
-            if scan.generation == cached.message.generation:
+            self.watch.round_trip(started, time.monotonic())
+            generation = cached.message.generation
+            if scan.generation == generation == self.record.generation and scan.plan_bytes == cached.size:
                 return cached, scan
-        message = await redis.published()
+        message = await self.record.reconcile(redis, self.body, self.watch)
         if message is None:
             message = await self.ensure_started()
         if cached is None or cached.message.generation != message.generation:
@@ -545,6 +580,8 @@ class JobController:
         # When each live node last beat, on Redis's clock: the agents set the key with HEARTBEAT_TTL_S.
         beat_at = now - np.maximum(0.0, HEARTBEAT_TTL_S - scan.left_s[live])
         self._heartbeat_seen.update(zip(scan.nodes[live].tolist(), beat_at.tolist(), strict=True))
+        if not self.watch.heartbeats_trusted(now):
+            return []  # Redis was away, emptied or paused: its silence says nothing yet
         silent: list[int] = scan.nodes[~live].tolist()
         beaten = set(scan.expired)
         return [node for node in silent if node in beaten or node in self._heartbeat_seen]
@@ -562,12 +599,21 @@ class JobController:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)
                 metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
             log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
+            await self._record_fenced(node)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
-            await redis.fence(node)
+            with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
+                await redis.fence(node)
             self._heartbeat_seen.pop(node, None)
             self._fenced[node] = _Fenced(reason, cause, latency)
         if self.failslow is not None:
             self.failslow.forget(failures)
+
+    async def _record_fenced(self, node: int) -> None:
+        """The fence in the status before the pod goes: a restarted operator plans around it at once."""
+        if node not in self.status.fenced_nodes:
+            fenced = sorted({*self.status.fenced_nodes, node})
+            self.status = self.status.model_copy(update={"fenced_nodes": fenced})
+            await self._write_status(force=True)
 
     async def _reconfigure(
         self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
@@ -610,20 +656,25 @@ class JobController:
     async def _commit_and_apply(
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
     ) -> None:
-        """Commit (with the fail-slow episode's state in the same transaction, for a mitigation) and apply."""
+        """Commit in the durable record, announce in Redis (with the fail-slow episode's state in the same
+        transaction, for a mitigation) and apply. A decision made on a generation the record has already
+        left is dropped: the loop decides again on the newer one."""
         redis = self.require()[2]
-        plan = message.plan
-        committed = await redis.commit(message, current.generation, failslow)
-        if committed is not None:
-            self._published = _Published.of(committed)
-        if committed is None:
+        recorded = await self.record.load()
+        if recorded is not None and recorded.generation > current.generation:
             log.info(
-                "job %s/%s: generation %d already committed elsewhere",
-                self.namespace,
-                self.name,
-                plan.generation,
+                "job %s/%s: generation %d already committed", self.namespace, self.name, recorded.generation
             )
             return
+        generation = _durable.next_generation(
+            self.record.generation, current.generation, self.status.plan_generation
+        )
+        committed = _durable.numbered(message, generation)
+        await self.record.write(self.body, committed)  # the commit point
+        self._published = _Published.of(committed)
+        # Recorded: if Redis is away, the loop announces it once Redis answers (`PlanRecord.reconcile`).
+        with contextlib.suppress(*REDIS_DOWN):
+            await redis.announce(committed, failslow)
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 
