@@ -20,11 +20,13 @@ One operator writes a job's record at a time (kopf peering); the pure rules are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
+from resilientjob.agent._redis import REDIS_DOWN
 from resilientjob.agent.telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
 from . import _manifests, metrics
@@ -179,6 +181,32 @@ class PlanRecord:
                 message.generation,
             )
         return message
+
+    async def commit(
+        self,
+        redis: JobRedis,
+        body: Mapping[str, Any],
+        message: PlanAnnouncement,
+        current: int | None,
+        applied: int,
+        failslow: dict[str, Any] | None = None,
+    ) -> PlanAnnouncement | None:
+        """Commit a decision made on generation `current` (None: the first plan): numbered max(record,
+        Redis, status `applied`) + 1, recorded, then announced in Redis (`failslow`, a mitigation's episode
+        state, in the same transaction). None when the record has already moved past `current`: the
+        decision was made on a superseded plan. Redis being away is no failure: the record is the commit,
+        and `reconcile` announces it once Redis answers."""
+        recorded = await self.load()
+        if recorded is not None and current is not None and recorded.generation > current:
+            log.info(
+                "job %s/%s: generation %d already committed", self.namespace, self.name, recorded.generation
+            )
+            return None
+        committed = numbered(message, next_generation(self.generation, current, applied))
+        await self.write(body, committed)  # the commit point
+        with contextlib.suppress(*REDIS_DOWN):
+            await redis.announce(committed, failslow)
+        return committed
 
     def _repaired(self, key: str, what: str) -> None:
         metrics.REDIS_REPAIRS.labels(self.name, "plan").inc()

@@ -181,6 +181,31 @@ def node_list(nodes: Sequence[int]) -> str:
     return ",".join(str(int(node)) for node in nodes)
 
 
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A committed generation with what every pass needs from it, computed once per generation."""
+
+    message: PlanAnnouncement
+    nodes: np.ndarray
+    nodes_arg: str
+    plan_nodes: frozenset[int]
+    watched: frozenset[int]
+    size: int
+    """Bytes of the plan key holding it (a scan that finds another size finds the key overwritten)."""
+
+    @classmethod
+    def of(cls, message: PlanAnnouncement) -> Published:
+        nodes = message.plan.nodes
+        return cls(
+            message=message,
+            nodes=np.asarray(nodes, dtype=np.int64),
+            nodes_arg=node_list(nodes),
+            plan_nodes=frozenset(nodes),
+            watched=frozenset(nodes) | frozenset(message.parked),
+            size=len(encode(message)),
+        )
+
+
 class JobRedis:
     """One job's keys, through one client."""
 

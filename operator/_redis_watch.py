@@ -12,16 +12,19 @@ outage starts and one when it ends, never one per retry.
 
 from __future__ import annotations
 
+import base64
 import logging
 import random
 import time
 from dataclasses import dataclass, field
 
+import kopf
 import redis.asyncio as aioredis
 
 from resilientjob.agent._redis import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S
 
-from . import metrics
+from . import api, metrics
+from ._kube import KubeApi, core_path
 
 log = logging.getLogger("resilientjob.operator")
 
@@ -47,6 +50,21 @@ def operator_client(url: str, password: str | None = None) -> aioredis.Redis:
         health_check_interval=10,
     )
     return client
+
+
+async def job_client(
+    kube: KubeApi, namespace: str, spec: api.ResilientJobSpec, default_url: str
+) -> aioredis.Redis:
+    """The client for a job's Redis: its own (`spec.redis`, password from its Secret) or the operator's."""
+    password = None
+    ref = spec.redis.password_secret_ref
+    if ref is not None:
+        secret = await kube.get(core_path(namespace, "secrets", ref.name))
+        value = ((secret or {}).get("data") or {}).get(ref.key)
+        if value is None:
+            raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
+        password = base64.b64decode(value).decode()
+    return operator_client(spec.redis.url or default_url, password)
 
 
 def heartbeats_trusted(now: float, back_at: float | None) -> bool:

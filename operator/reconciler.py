@@ -33,15 +33,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.agent._redis import HEARTBEAT_TTL_S, REDIS_DOWN, JobKeys, connect
-from resilientjob.agent.telemetry_messages import PlanAnnouncement, encode
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
 
 from . import _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
-from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
-from ._redis_watch import RedisWatch, operator_client
+from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
+from ._redis_watch import RedisWatch, job_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
@@ -58,29 +58,7 @@ class InvalidJob(Exception):
     """The spec cannot run; the condition and Event are already recorded."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Published:
-    """A committed generation with what every pass needs from it, computed once per generation."""
-
-    message: PlanAnnouncement
-    nodes: np.ndarray
-    nodes_arg: str
-    plan_nodes: frozenset[int]
-    watched: frozenset[int]
-    size: int
-    """Bytes of the plan key holding it (a scan that finds another size finds the key overwritten)."""
-
-    @classmethod
-    def of(cls, message: PlanAnnouncement) -> _Published:
-        nodes = message.plan.nodes
-        return cls(
-            message=message,
-            nodes=np.asarray(nodes, dtype=np.int64),
-            nodes_arg=node_list(nodes),
-            plan_nodes=frozenset(nodes),
-            watched=frozenset(nodes) | frozenset(message.parked),
-            size=len(encode(message)),
-        )
+_Published = Published  # the name `_telemetry_pass` imports
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +164,7 @@ class JobController:
         if self.failslow is None or self.failslow.spec != spec.fail_slow:
             self.failslow = _failslow.FailSlowTracker(spec.fail_slow)
         if self.redis is None:
-            password = await self._redis_password(spec)
-            client = operator_client(spec.redis.url or self.settings.redis_url, password)
+            client = await job_client(self.kube, self.namespace, spec, self.settings.redis_url)
             self.redis = JobRedis(client, JobKeys(self.namespace, self.name))
 
     def _use_inputs(self, inputs: PlannerInputs | None) -> None:
@@ -195,18 +172,6 @@ class JobController:
             # Off the event loop and ahead of any failure; kept referenced so it is not collected mid-run.
             self._warm_up = asyncio.create_task(asyncio.to_thread(warm_planner, inputs))
         self.inputs = inputs
-
-    async def _redis_password(self, spec: api.ResilientJobSpec) -> str | None:
-        ref = spec.redis.password_secret_ref
-        if ref is None:
-            return None
-        import base64
-
-        secret = await self.kube.get(core_path(self.namespace, "secrets", ref.name))
-        value = ((secret or {}).get("data") or {}).get(ref.key)
-        if value is None:
-            raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
-        return base64.b64decode(value).decode()
 
     async def _reject(self, error: PlannerError, reason: api.Reason = api.Reason.INVALID_SPEC) -> None:
         metrics.INVALID_JOBS.inc()
@@ -252,14 +217,14 @@ class JobController:
                 await self._infeasible(exc)
                 raise InvalidJob(str(exc)) from None
             message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
-            published = _durable.numbered(message, _durable.next_generation(self.status.plan_generation))
-            await self.record.write(self.body, published)  # durable first, then Redis
-            await redis.announce(published)
+            published = await self.record.commit(redis, self.body, message, None, self.status.plan_generation)
+            if published is None:  # unreachable: no record, so none newer than the first plan
+                raise kopf.TemporaryError("a plan was recorded meanwhile", delay=1.0)
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
         )
         self.status = self.status.model_copy(update={"conditions": conditions})
-        await self._apply_configmap(published)
+        await self.record.write(self.body, published)
         # Every pod at the first start only: later, a missing pod is a failure to detect and plan around
         # (an operator restarted right after a pod kill must not bring the node back), never a pod to make.
         nodes = _durable.pods_to_create(published, self.status.plan_generation, self.status.fenced_nodes)
@@ -322,12 +287,9 @@ class JobController:
         self.event("Warning", reason, str(error))
 
     # ---- applying a committed generation -------------------------------------------------------------
-    async def _apply_configmap(self, message: PlanAnnouncement) -> None:
-        await self.record.write(self.body, message)
-
     async def apply(self, message: PlanAnnouncement) -> None:
         """Bring the ConfigMap, pod annotations, status and Events in line with a committed generation."""
-        await self._apply_configmap(message)
+        await self.record.write(self.body, message)
         annotations = {
             "metadata": {"annotations": _manifests.generation_annotations(message.generation, message.layout)}
         }
@@ -463,11 +425,8 @@ class JobController:
         else:
             return None
         # Fenced before a restart, still in the layout: planned around without waiting to detect them again.
-        for node in self.status.fenced_nodes:
-            if node in published.plan.nodes:
-                self._fenced.setdefault(
-                    node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None)
-                )
+        for node in set(self.status.fenced_nodes) & set(published.plan.nodes):
+            self._fenced.setdefault(node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None))
         return published
 
     async def _current(self) -> tuple[_Published, HeartbeatScan]:
@@ -599,7 +558,10 @@ class JobController:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)
                 metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
             log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
-            await self._record_fenced(node)
+            if node not in self.status.fenced_nodes:  # durable before the pod goes (`_start_up`)
+                fenced = sorted({*self.status.fenced_nodes, node})
+                self.status = self.status.model_copy(update={"fenced_nodes": fenced})
+                await self._write_status(force=True)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
             with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
                 await redis.fence(node)
@@ -607,13 +569,6 @@ class JobController:
             self._fenced[node] = _Fenced(reason, cause, latency)
         if self.failslow is not None:
             self.failslow.forget(failures)
-
-    async def _record_fenced(self, node: int) -> None:
-        """The fence in the status before the pod goes: a restarted operator plans around it at once."""
-        if node not in self.status.fenced_nodes:
-            fenced = sorted({*self.status.fenced_nodes, node})
-            self.status = self.status.model_copy(update={"fenced_nodes": fenced})
-            await self._write_status(force=True)
 
     async def _reconfigure(
         self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
@@ -656,25 +611,14 @@ class JobController:
     async def _commit_and_apply(
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
     ) -> None:
-        """Commit in the durable record, announce in Redis (with the fail-slow episode's state in the same
-        transaction, for a mitigation) and apply. A decision made on a generation the record has already
-        left is dropped: the loop decides again on the newer one."""
+        """Commit (durable record, then Redis with the fail-slow episode's state for a mitigation), apply."""
         redis = self.require()[2]
-        recorded = await self.record.load()
-        if recorded is not None and recorded.generation > current.generation:
-            log.info(
-                "job %s/%s: generation %d already committed", self.namespace, self.name, recorded.generation
-            )
-            return
-        generation = _durable.next_generation(
-            self.record.generation, current.generation, self.status.plan_generation
+        committed = await self.record.commit(
+            redis, self.body, message, current.generation, self.status.plan_generation, failslow
         )
-        committed = _durable.numbered(message, generation)
-        await self.record.write(self.body, committed)  # the commit point
+        if committed is None:
+            return  # decided on a generation the record has already left: the loop decides again
         self._published = _Published.of(committed)
-        # Recorded: if Redis is away, the loop announces it once Redis answers (`PlanRecord.reconcile`).
-        with contextlib.suppress(*REDIS_DOWN):
-            await redis.announce(committed, failslow)
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 

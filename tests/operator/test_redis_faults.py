@@ -139,8 +139,8 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         try:
             manifest = job_manifest(JOB, nodes=NODES, failSlow={"enabled": False})
             assert await kube.create_job(manifest) is None
-            await eventually(lambda: _generation(stack, 0), 30, "generation 0 running")
-            await eventually(lambda: _all_beating(stack), 60, "every agent beating")
+            await eventually(lambda: _generation(stack, 0), 90, "generation 0 running")
+            await eventually(lambda: _all_beating(stack), 90, "every agent beating")
             yield stack
         finally:
             watcher.cancel()
@@ -168,10 +168,12 @@ async def _check(stack: Faults, generation: int, fenced: set[int]) -> None:
     """The invariants after a fault: Running at `generation` (Redis, ConfigMap and status agree), every
     generation seen once and none skipped, the fenced nodes out of the layout and without pods."""
     status = await eventually(
-        lambda: _generation(stack, generation), 20, f"Running at generation {generation}"
+        lambda: _generation(stack, generation), 40, f"Running at generation {generation}"
     )
-    plan = await eventually(stack.plan, 20, "the plan in Redis")
+    plan = await eventually(stack.plan, 40, "the plan in Redis")
     assert plan.generation == generation
+    configmap = await stack.kube.get("configmaps", f"{JOB}-plan")
+    assert configmap is not None and configmap["data"]["generation"] == str(generation)
     stack.saw(plan)
     assert sorted(stack.seen) == list(range(generation + 1)), f"generations seen: {sorted(stack.seen)}"
     reused = {g: sorted(times) for g, times in stack.seen.items() if len(times) != 1}
@@ -186,7 +188,7 @@ async def _check(stack: Faults, generation: int, fenced: set[int]) -> None:
 async def _kill_pod_is_handled(stack: Faults, node: int, generation: int, fenced: set[int]) -> None:
     """A pod kill after the fault still gives the next generation, without that node."""
     await stack.kube.delete("pods", f"{JOB}-node-{node}")
-    status = await eventually(lambda: _generation(stack, generation + 1), 20, "the generation after a kill")
+    status = await eventually(lambda: _generation(stack, generation + 1), 40, "the generation after a kill")
     assert status["lastDecision"]["nodes"] == [node]
     await _check(stack, generation + 1, fenced | {node})
 
@@ -194,7 +196,7 @@ async def _kill_pod_is_handled(stack: Faults, node: int, generation: int, fenced
 async def _trains(stack: Faults) -> None:
     """The agents go on: their iteration stream grows (again, after a restart emptied it)."""
     start = await stack.iterations()
-    await eventually(lambda: _grew(stack, start), 20, "new iteration records")
+    await eventually(lambda: _grew(stack, start), 40, "new iteration records")
 
 
 async def _grew(stack: Faults, start: int) -> bool:
@@ -213,9 +215,9 @@ async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Fa
     faults.redis.kill()
     await asyncio.sleep(gap_s)
     faults.redis.start()
-    plan = await eventually(faults.plan, 20, "the plan key restored")
+    plan = await eventually(faults.plan, 40, "the plan key restored")
     assert plan.generation == 0
-    await eventually(lambda: _all_beating(faults), 20, "every agent beating again")
+    await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
     await _quiet(HEARTBEAT_GRACE_S + 1.0)
     await _check(faults, 0, set())
     assert faults.metric("rjob_redis_restores_total") >= restores + 1
@@ -231,7 +233,7 @@ async def test_redis_paused_fences_nobody(faults: Faults) -> None:
     faults.redis.process.send_signal(signal.SIGSTOP)
     await asyncio.sleep(3.0)  # longer than the heartbeat TTL: every key is stale when Redis resumes
     faults.redis.process.send_signal(signal.SIGCONT)
-    await eventually(lambda: _all_beating(faults), 20, "every agent beating again")
+    await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
     await _quiet(HEARTBEAT_GRACE_S + 1.0)
     await _check(faults, 0, set())
     await _trains(faults)
@@ -244,7 +246,7 @@ async def test_garbage_in_redis_is_repaired_not_obeyed(faults: Faults) -> None:
         await client.set(faults.keys.plan, b"\xff garbage")
         await client.set(faults.keys.heartbeat(1), b"garbage")  # no TTL: no agent wrote it
         await client.set(faults.keys.iterations, b"garbage")  # not a stream any more
-        plan = await eventually(faults.plan, 10, "the plan key repaired")
+        plan = await eventually(faults.plan, 30, "the plan key repaired")
         assert plan.generation == 0
         await _quiet(HEARTBEAT_GRACE_S + 1.0)
         assert await client.type(faults.keys.iterations) in (b"stream", b"none")
@@ -272,7 +274,7 @@ async def test_operator_killed_right_after_a_pod_kill_finishes_the_decision_once
         await asyncio.sleep(1.0)
         faults.redis.start()
     faults.operator.start()
-    await eventually(lambda: _generation(faults, 1), 30, "generation 1 after the restart")
+    await eventually(lambda: _generation(faults, 1), 60, "generation 1 after the restart")
     await _quiet(HEARTBEAT_GRACE_S + 1.0)  # a restarted operator that decided again would be at 2 by now
     await _check(faults, 1, {2})
     await _trains(faults)
