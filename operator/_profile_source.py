@@ -207,10 +207,12 @@ async def preflight(ctl: JobController, stopped: kopf.DaemonStopped) -> ModelPro
     await _announce(ctl, request)
     failed_pods: set[str] = set()
     while not stopped:
+        wait = ctl.settings.poll_interval_s
         try:
             report = await _exchange(ctl, request)
+            ctl.watch.ok()
         except (RedisError, OSError) as exc:
-            log.warning("job %s/%s: redis unavailable (%r); retrying", ctl.namespace, ctl.name, exc)
+            wait = max(wait, ctl.watch.failed(exc))  # backoff, one log line per outage
             report = None
         if report is not None:
             profile = accepted_profile(report)
@@ -236,6 +238,6 @@ async def preflight(ctl: JobController, stopped: kopf.DaemonStopped) -> ModelPro
             return report
         await _keep_node0(ctl, failed_pods, "spec.profile.measure" if request.measure else "spec.model")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctl.wakeup.wait(), ctl.settings.poll_interval_s)
+            await asyncio.wait_for(ctl.wakeup.wait(), wait)
         ctl.wakeup.clear()
     return None

@@ -15,6 +15,7 @@ PTTLs in a pipeline cost ~0.1 s of operator CPU, the packed reply costs well und
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 import time
@@ -24,9 +25,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import ResponseError, WatchError
 
-from resilientjob.agent._redis import JobKeys
+from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys
 from resilientjob.agent.telemetry_messages import (
     MAX_PLAN_BYTES,
     TELEMETRY_DROPPED,
@@ -42,6 +43,8 @@ from resilientjob.agent.telemetry_messages import (
     encode,
 )
 from resilientjob.planner.plan import Plan
+
+from . import metrics
 
 M = TypeVar("M", IterationRecord, SlowReport, ProfileRecord, ValidationResult)
 
@@ -76,23 +79,39 @@ def announcement(
     )
 
 
-# ARGV: heartbeat key prefix, nodes as "1,2,5", beaten-bitmap key, plan-generation key. Returns the packed
-# big-endian int32 PTTL of every node (-2: no key, -1: no TTL), the packed "has ever beaten" bytes (0/1) and
-# the committed generation. Keys are derived from the job prefix, so a Redis Cluster needs the job's keys
-# in one slot (a hash tag in the prefix); a single server or a replica set needs nothing.
+# ARGV: heartbeat key prefix, nodes as "1,2,5", beaten-bitmap key, plan-generation key, heartbeat TTL in ms,
+# plan key. Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever beaten"
+# bytes (0/1), the committed generation, the nodes whose key had no TTL, as "1,5", and the plan's length
+# (-1: another type), which tells a plan overwritten in place without reading it. An agent always sets its
+# key with a TTL, so a key without one is garbage (hand-written, another type): it gets the TTL of a fresh
+# beat instead of being obeyed, so a live agent overwrites it and a dead node's key still expires. Reads
+# of keys holding another type (GETBIT, GET) count as absent. Keys are derived from the job prefix, so a
+# Redis Cluster needs the job's keys in one slot (a hash tag in the prefix); a single server needs nothing.
 _SCAN = """
-local ttls, beaten, i = {}, {}, 0
+local ttls, beaten, repaired, i = {}, {}, {}, 0
 for node in string.gmatch(ARGV[2], "%d+") do
   i = i + 1
-  local left = redis.call("PTTL", ARGV[1] .. node)
+  local key = ARGV[1] .. node
+  local left = redis.call("PTTL", key)
+  if left == -1 then
+    redis.call("PEXPIRE", key, ARGV[5])
+    left = tonumber(ARGV[5])
+    repaired[#repaired + 1] = node
+  end
   ttls[i] = struct.pack(">i4", left)
   if left >= 0 then
     beaten[i] = "\1"
   else
-    beaten[i] = string.char(redis.call("GETBIT", ARGV[3], node))
+    local bit = redis.pcall("GETBIT", ARGV[3], node)
+    if type(bit) ~= "number" then bit = 0 end
+    beaten[i] = string.char(bit)
   end
 end
-return {table.concat(ttls), table.concat(beaten), redis.call("GET", ARGV[4]) or ""}
+local generation = redis.pcall("GET", ARGV[4])
+if type(generation) ~= "string" then generation = "" end
+local size = redis.pcall("STRLEN", ARGV[6])
+if type(size) ~= "number" then size = -1 end
+return {table.concat(ttls), table.concat(beaten), generation, table.concat(repaired, ","), size}
 """
 
 # KEYS[1]: a stream; ARGV: exclusive start id, count. Returns the last id read and every entry's "m" field
@@ -130,6 +149,10 @@ class HeartbeatScan:
     """True where the node has beaten at some time (bitmap set by the agents, or alive now)."""
     generation: int | None
     """The committed generation, or None when the generation key is missing or not a number."""
+    repaired: tuple[int, ...] = ()
+    """Nodes whose heartbeat key held garbage (no TTL): given a fresh TTL instead of being judged."""
+    plan_bytes: int | None = None
+    """The plan key's length (0: missing, -1: another type)."""
 
     @property
     def live(self) -> np.ndarray:
@@ -143,9 +166,44 @@ class HeartbeatScan:
         return dead
 
 
+@dataclass(frozen=True, slots=True)
+class RedisPlan:
+    """The plan key as found: absent, garbage (present, `message` None) or a valid announcement."""
+
+    present: bool
+    message: PlanAnnouncement | None
+    generation_key: int | None = None
+    """The generation key beside it (None: missing or not a number)."""
+
+
 def node_list(nodes: Sequence[int]) -> str:
     """The scan's node argument (built once per generation by the caller)."""
     return ",".join(str(int(node)) for node in nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A committed generation with what every pass needs from it, computed once per generation."""
+
+    message: PlanAnnouncement
+    nodes: np.ndarray
+    nodes_arg: str
+    plan_nodes: frozenset[int]
+    watched: frozenset[int]
+    size: int
+    """Bytes of the plan key holding it (a scan that finds another size finds the key overwritten)."""
+
+    @classmethod
+    def of(cls, message: PlanAnnouncement) -> Published:
+        nodes = message.plan.nodes
+        return cls(
+            message=message,
+            nodes=np.asarray(nodes, dtype=np.int64),
+            nodes_arg=node_list(nodes),
+            plan_nodes=frozenset(nodes),
+            watched=frozenset(nodes) | frozenset(message.parked),
+            size=len(encode(message)),
+        )
 
 
 class JobRedis:
@@ -160,14 +218,41 @@ class JobRedis:
         self._results_cursor = "0-0"
         self._scan = client.register_script(_SCAN)
         self._read_script = client.register_script(_READ)
+        self._garbage_logged: set[str] = set()
 
     async def close(self) -> None:
         await self.client.aclose()
 
     async def published(self) -> PlanAnnouncement | None:
         """The committed plan, or None before the first one (or when the key holds garbage)."""
-        raw = await self.client.get(self.keys.plan)
-        return decode(PlanAnnouncement, raw, "operator.plan", MAX_PLAN_BYTES)
+        return (await self.read_plan()).message
+
+    async def read_plan(self) -> RedisPlan:
+        """The plan key and the generation key beside it, telling a missing key from garbage."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.plan)
+            pipe.get(self.keys.plan_generation)
+            raw, generation = await pipe.execute(raise_on_error=False)
+        if isinstance(raw, ResponseError):  # WRONGTYPE: overwritten with another type
+            return RedisPlan(present=True, message=None)
+        message = decode(PlanAnnouncement, raw, "operator.plan", MAX_PLAN_BYTES)
+        try:
+            number: int | None = int(generation)
+        except (TypeError, ValueError):
+            number = None
+        return RedisPlan(present=raw is not None, message=message, generation_key=number)
+
+    async def announce(self, message: PlanAnnouncement, failslow: dict[str, Any] | None = None) -> None:
+        """Set the plan (already recorded durably) and announce it, unconditionally: the durable record is
+        the commit point, Redis its mirror. `failslow` (a mitigation's episode state) goes in the same
+        transaction."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.plan, encode(message))
+            pipe.set(self.keys.plan_generation, str(message.generation))
+            pipe.publish(self.keys.plan_channel, encode(message))
+            if failslow is not None:
+                pipe.set(self.failslow_key, self._failslow_payload(failslow))
+            await pipe.execute()
 
     async def commit(
         self,
@@ -185,9 +270,11 @@ class JobRedis:
         async with self.client.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(self.keys.plan)
-                current = decode(
-                    PlanAnnouncement, await pipe.get(self.keys.plan), "operator.plan", MAX_PLAN_BYTES
-                )
+                try:
+                    raw = await pipe.get(self.keys.plan)
+                except ResponseError:  # another type: garbage, as undecodable as bad JSON
+                    raw = None
+                current = decode(PlanAnnouncement, raw, "operator.plan", MAX_PLAN_BYTES)
                 current_generation = current.generation if current is not None else None
                 if current_generation != expected_generation:
                     return None
@@ -210,10 +297,18 @@ class JobRedis:
         """Every node's heartbeat TTL and whether it ever beat, and the committed generation, in one call.
         The heartbeat's content is not trusted or needed: the TTL is the signal, and (TTL set - TTL left)
         dates the last beat on Redis's own clock. `nodes_arg` is `node_list(nodes)`."""
+        ttl_ms = str(int(HEARTBEAT_TTL_S * 1000))
         reply: Any = await self._scan(
-            args=[self.keys.heartbeat_prefix, nodes_arg, self.keys.beaten, self.keys.plan_generation]
+            args=[
+                self.keys.heartbeat_prefix,
+                nodes_arg,
+                self.keys.beaten,
+                self.keys.plan_generation,
+                ttl_ms,
+                self.keys.plan,
+            ]
         )
-        packed, beaten, generation = reply
+        packed, beaten, generation, repaired_arg, plan_bytes = reply
         left = np.frombuffer(packed, dtype=">i4").astype(np.float64) / 1000.0
         if len(left) != len(nodes):
             raise ValueError(f"heartbeat scan returned {len(left)} values for {len(nodes)} nodes")
@@ -222,7 +317,30 @@ class JobRedis:
             committed: int | None = int(generation)
         except ValueError:
             committed = None
-        return HeartbeatScan(nodes=nodes, left_s=left, beaten=flags, generation=committed)
+        repaired = tuple(int(node) for node in repaired_arg.split(b",") if node)
+        for node in repaired:
+            self.garbage("heartbeat", self.keys.heartbeat(node), "given the TTL of a fresh beat")
+        return HeartbeatScan(
+            nodes=nodes,
+            left_s=left,
+            beaten=flags,
+            generation=committed,
+            repaired=repaired,
+            plan_bytes=int(plan_bytes),
+        )
+
+    def garbage(self, kind: str, key: str, what: str) -> None:
+        """Count an undecodable value (`rjob_redis_repairs_total{kind}`); log it once per key."""
+        metrics.REDIS_REPAIRS.labels(self.keys.job, kind).inc()
+        if key not in self._garbage_logged:
+            self._garbage_logged.add(key)
+            logging.getLogger("resilientjob.operator").warning(
+                "job %s/%s: undecodable value in Redis key %s: %s",
+                self.keys.namespace,
+                self.keys.job,
+                key,
+                what,
+            )
 
     async def live_heartbeats(self, nodes: Iterable[int]) -> dict[int, float]:
         """Nodes whose heartbeat key exists, with the seconds left on its TTL (one scan)."""
@@ -318,6 +436,21 @@ class JobRedis:
         return state
 
     async def _read(self, stream: str, cursor_attr: str, count: int, source: str, model: type[M]) -> list[M]:
+        try:
+            return await self._read_stream(stream, cursor_attr, count, source, model)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+        # The stream was overwritten with another type: the agents' appends fail on it too. Delete it; their
+        # next append makes a new stream, read from its start.
+        await self.client.delete(stream)
+        setattr(self, cursor_attr, "0-0")
+        self.garbage("telemetry", stream, "not a stream: deleted (the agents' next entry starts it again)")
+        return []
+
+    async def _read_stream(
+        self, stream: str, cursor_attr: str, count: int, source: str, model: type[M]
+    ) -> list[M]:
         cursor = getattr(self, cursor_attr)
         if cursor == "$":
             # Start from the newest entry: the operator needs recent throughput, not the history.
@@ -334,11 +467,14 @@ class JobRedis:
             offset += 4
             if length == _NO_FIELD:
                 TELEMETRY_DROPPED.labels(source, DropReason.INVALID).inc()
+                self.garbage("telemetry", stream, "an entry without its message field: ignored")
                 continue
             decoded = decode(model, framed[offset : offset + length], source)
             offset += length
             if decoded is not None:
                 out.append(decoded)
+            else:
+                self.garbage("telemetry", stream, "an undecodable entry: ignored")
         return out
 
     async def forget(self) -> int:

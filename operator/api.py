@@ -393,6 +393,11 @@ class ResilientJobStatus(_Api):
     workers_alive: int = Field(default=0, ge=0)
     workers_total: int = Field(default=0, ge=0)
     failed_nodes: list[int] = Field(default_factory=list)
+    fenced_nodes: list[int] = Field(
+        default_factory=list,
+        description="Nodes fenced (their pods deleted) and not taken back by a later generation; recorded "
+        "before the pods are deleted, so a restarted operator plans around them even with Redis lost.",
+    )
     slow_nodes: list[int] = Field(default_factory=list)
     slow_links: list[str] = Field(
         default_factory=list,

@@ -36,3 +36,14 @@ FAIL_SLOW_EVENTS = Counter(
     "rjob_fail_slow_events_total", "Fail-slow change points reported by workers.", [JOB_LABEL]
 )
 INVALID_JOBS = Counter("rjob_invalid_jobs_total", "ResilientJobs rejected for an invalid spec.")
+REDIS_RESTORES = Counter(
+    "rjob_redis_restores_total",
+    "Plan keys restored from the durable record after Redis lost them (a restart that came back empty).",
+    [JOB_LABEL],
+)
+REDIS_REPAIRS = Counter(
+    "rjob_redis_repairs_total",
+    "Undecodable values found in Redis and repaired or dropped, by kind (plan, heartbeat, telemetry).",
+    [JOB_LABEL, "kind"],
+)
+REDIS_OUTAGES = Counter("rjob_redis_outages_total", "Redis outages seen by a job's loop.", [JOB_LABEL])

@@ -2,10 +2,11 @@
 
 Each pass observes (pods from watch events, confirmed by a GET before acting; heartbeat keys; telemetry
 streams), decides with the pure rules in `_decide` and the planner, and applies. A generation is committed
-by a compare-and-set of the plan key in Redis; everything after the commit (plan ConfigMap, pod
-annotations, status, Event) is idempotent and is finished by whichever pass sees the status lagging behind
-the committed generation, including the first pass of a restarted operator. So a SIGKILL at any point
-neither loses nor repeats a decision.
+by recording it in the plan ConfigMap, durable, before it is announced in Redis (`_durable`); everything
+after the commit (Redis, pod annotations, status, Event) is idempotent and is finished by whichever pass sees
+Redis or the status lagging behind the record, including the first pass of a restarted operator. So a
+SIGKILL at any point neither loses nor repeats a decision, and a Redis that lost its state is rebuilt from
+the record. Missing heartbeats count only while Redis has been up a full TTL (`_redis_watch`).
 
 Scale and a slow planner: one pass costs one Redis script call for the liveness of every node (plus one
 stream read), whatever the job's size. Deciding a new generation (planner, commit, apply) runs as a
@@ -31,15 +32,16 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys, connect
+from resilientjob.agent._redis import HEARTBEAT_TTL_S, REDIS_DOWN, JobKeys, connect
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
 
-from . import _decide, _failslow, _manifests, _profile_source, api, metrics
+from . import _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
-from ._redis_state import HeartbeatScan, JobRedis, announcement, node_list
+from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
+from ._redis_watch import RedisWatch, job_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
@@ -56,26 +58,7 @@ class InvalidJob(Exception):
     """The spec cannot run; the condition and Event are already recorded."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Published:
-    """A committed generation with what every pass needs from it, computed once per generation."""
-
-    message: PlanAnnouncement
-    nodes: np.ndarray
-    nodes_arg: str
-    plan_nodes: frozenset[int]
-    watched: frozenset[int]
-
-    @classmethod
-    def of(cls, message: PlanAnnouncement) -> _Published:
-        nodes = message.plan.nodes
-        return cls(
-            message=message,
-            nodes=np.asarray(nodes, dtype=np.int64),
-            nodes_arg=node_list(nodes),
-            plan_nodes=frozenset(nodes),
-            watched=frozenset(nodes) | frozenset(message.parked),
-        )
+_Published = Published  # the name `_telemetry_pass` imports
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +98,8 @@ class JobController:
         self._failslow_restored = False
         self.store = StoreKeeper(kube, namespace, name)
         self._pods_listed_at = time.monotonic()
+        self.record = _durable.PlanRecord(kube, namespace, name)
+        self.watch = RedisWatch(name)
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -179,8 +164,7 @@ class JobController:
         if self.failslow is None or self.failslow.spec != spec.fail_slow:
             self.failslow = _failslow.FailSlowTracker(spec.fail_slow)
         if self.redis is None:
-            password = await self._redis_password(spec)
-            client = connect(spec.redis.url or self.settings.redis_url, password)
+            client = await job_client(self.kube, self.namespace, spec, self.settings.redis_url)
             self.redis = JobRedis(client, JobKeys(self.namespace, self.name))
 
     def _use_inputs(self, inputs: PlannerInputs | None) -> None:
@@ -188,18 +172,6 @@ class JobController:
             # Off the event loop and ahead of any failure; kept referenced so it is not collected mid-run.
             self._warm_up = asyncio.create_task(asyncio.to_thread(warm_planner, inputs))
         self.inputs = inputs
-
-    async def _redis_password(self, spec: api.ResilientJobSpec) -> str | None:
-        ref = spec.redis.password_secret_ref
-        if ref is None:
-            return None
-        import base64
-
-        secret = await self.kube.get(core_path(self.namespace, "secrets", ref.name))
-        value = ((secret or {}).get("data") or {}).get(ref.key)
-        if value is None:
-            raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
-        return base64.b64decode(value).decode()
 
     async def _reject(self, error: PlannerError, reason: api.Reason = api.Reason.INVALID_SPEC) -> None:
         metrics.INVALID_JOBS.inc()
@@ -237,7 +209,7 @@ class JobController:
     async def ensure_started(self) -> PlanAnnouncement:
         """Generation 0 committed, and the Service, plan ConfigMap and pods created (all idempotent)."""
         spec, inputs, redis = self.require()
-        published = await redis.published()
+        published = await self.record.reconcile(redis, self.body, self.watch)
         if published is None:
             try:
                 plan = plan_initial(spec, inputs)
@@ -245,15 +217,18 @@ class JobController:
                 await self._infeasible(exc)
                 raise InvalidJob(str(exc)) from None
             message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
-            published = await redis.commit(message, None) or await redis.published()
-            if published is None:
-                raise kopf.TemporaryError("the plan key could not be committed or read", delay=1.0)
+            published = await self.record.commit(redis, self.body, message, None, self.status.plan_generation)
+            if published is None:  # unreachable: no record, so none newer than the first plan
+                raise kopf.TemporaryError("a plan was recorded meanwhile", delay=1.0)
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
         )
         self.status = self.status.model_copy(update={"conditions": conditions})
-        await self._apply_configmap(published)
-        await self.create_pods(published.plan.nodes, published.generation, published.layout)
+        await self.record.write(self.body, published)
+        # Every pod at the first start only: later, a missing pod is a failure to detect and plan around
+        # (an operator restarted right after a pod kill must not bring the node back), never a pod to make.
+        nodes = _durable.pods_to_create(published, self.status.plan_generation, self.status.fenced_nodes)
+        await self.create_pods(nodes, published.generation, published.layout)
         return published
 
     async def create_pods(self, nodes: Iterable[int], generation: int, layout: str) -> None:
@@ -312,16 +287,9 @@ class JobController:
         self.event("Warning", reason, str(error))
 
     # ---- applying a committed generation -------------------------------------------------------------
-    async def _apply_configmap(self, message: PlanAnnouncement) -> None:
-        path = core_path(self.namespace, "configmaps", _manifests.plan_configmap_name(self.name))
-        if not await self.kube.create(
-            core_path(self.namespace, "configmaps"), _manifests.plan_configmap(self.body, message)
-        ):
-            await self.kube.patch(path, {"data": _manifests.plan_configmap_data(message)})
-
     async def apply(self, message: PlanAnnouncement) -> None:
         """Bring the ConfigMap, pod annotations, status and Events in line with a committed generation."""
-        await self._apply_configmap(message)
+        await self.record.write(self.body, message)
         annotations = {
             "metadata": {"annotations": _manifests.generation_annotations(message.generation, message.layout)}
         }
@@ -366,6 +334,7 @@ class JobController:
             "last_decision": decision,
             "conditions": conditions,
             "phase": api.Phase.RUNNING,
+            "fenced_nodes": _durable.still_fenced(status.fenced_nodes, message),
         }
         if not first:
             recovery = api.Recovery(
@@ -415,22 +384,19 @@ class JobController:
                 return
             if report.profile is not None:
                 self._use_inputs(planner_inputs(self.require_spec(), report.profile.model_dump(mode="json")))
-        published = await self.ensure_started()
-        if self.status.plan_generation < published.generation:
-            await self.apply(published)
-        self._published = _Published.of(published)
-        if not self._failslow_restored:
-            # Once per process: a restarted operator continues a fail-slow episode where it was.
-            await restore_failslow(self)
-            self._failslow_restored = True
+        published = await self._start_up(stopped)
+        if published is None:
+            return
         try:
             while not stopped and self.status.phase != api.Phase.SUCCEEDED:
+                wait = self.settings.poll_interval_s
                 try:
                     await self.reconcile_once()
-                except (RedisError, OSError) as exc:
-                    log.warning("job %s/%s: redis unavailable (%r); retrying", self.namespace, self.name, exc)
+                    self.watch.ok()
+                except REDIS_DOWN as exc:
+                    wait = max(wait, self.watch.failed(exc))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wakeup.wait(), self.settings.poll_interval_s)
+                    await asyncio.wait_for(self.wakeup.wait(), wait)
                 self.wakeup.clear()
         finally:
             if self._deciding is not None and not self._deciding.done():
@@ -438,16 +404,44 @@ class JobController:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._deciding
 
+    async def _start_up(self, stopped: kopf.DaemonStopped) -> PlanAnnouncement | None:
+        """Generation 0 (or the recorded one, restored into Redis) applied, and a restarted operator's state
+        back: its fail-slow episode, its fenced nodes. Retried with backoff while Redis is away; None when
+        stopped meanwhile."""
+        while not stopped:
+            try:
+                published = await self.ensure_started()
+                if self.status.plan_generation < published.generation:
+                    await self.apply(published)
+                self._published = _Published.of(published)
+                if not self._failslow_restored:
+                    # Once per process: a restarted operator continues a fail-slow episode where it was.
+                    await restore_failslow(self)
+                    self._failslow_restored = True
+                self.watch.ok()
+                break
+            except REDIS_DOWN as exc:
+                await stopped.wait(self.watch.failed(exc))
+        else:
+            return None
+        # Fenced before a restart, still in the layout: planned around without waiting to detect them again.
+        for node in set(self.status.fenced_nodes) & set(published.plan.nodes):
+            self._fenced.setdefault(node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None))
+        return published
+
     async def _current(self) -> tuple[_Published, HeartbeatScan]:
-        """The committed generation and a liveness scan of its nodes. The plan itself is re-read only when
-        the scan shows another generation (or the generation key is missing)."""
+        """The committed generation and a liveness scan of its nodes. The plan itself is re-read (and Redis
+        brought in line with the durable record) only when the scan shows another generation."""
         redis = self.require()[2]
         cached = self._published
         if cached is not None:
+            started = time.monotonic()
             scan = await redis.scan(cached.nodes, cached.nodes_arg)
-            if scan.generation == cached.message.generation:
+            self.watch.round_trip(started, time.monotonic())
+            generation = cached.message.generation
+            if scan.generation == generation == self.record.generation and scan.plan_bytes == cached.size:
                 return cached, scan
-        message = await redis.published()
+        message = await self.record.reconcile(redis, self.body, self.watch)
         if message is None:
             message = await self.ensure_started()
         if cached is None or cached.message.generation != message.generation:
@@ -545,6 +539,8 @@ class JobController:
         # When each live node last beat, on Redis's clock: the agents set the key with HEARTBEAT_TTL_S.
         beat_at = now - np.maximum(0.0, HEARTBEAT_TTL_S - scan.left_s[live])
         self._heartbeat_seen.update(zip(scan.nodes[live].tolist(), beat_at.tolist(), strict=True))
+        if not self.watch.heartbeats_trusted(now):
+            return []  # Redis was away, emptied or paused: its silence says nothing yet
         silent: list[int] = scan.nodes[~live].tolist()
         beaten = set(scan.expired)
         return [node for node in silent if node in beaten or node in self._heartbeat_seen]
@@ -562,8 +558,13 @@ class JobController:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)
                 metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
             log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
+            if node not in self.status.fenced_nodes:  # durable before the pod goes (`_start_up`)
+                fenced = sorted({*self.status.fenced_nodes, node})
+                self.status = self.status.model_copy(update={"fenced_nodes": fenced})
+                await self._write_status(force=True)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
-            await redis.fence(node)
+            with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
+                await redis.fence(node)
             self._heartbeat_seen.pop(node, None)
             self._fenced[node] = _Fenced(reason, cause, latency)
         if self.failslow is not None:
@@ -610,20 +611,14 @@ class JobController:
     async def _commit_and_apply(
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
     ) -> None:
-        """Commit (with the fail-slow episode's state in the same transaction, for a mitigation) and apply."""
+        """Commit (durable record, then Redis with the fail-slow episode's state for a mitigation), apply."""
         redis = self.require()[2]
-        plan = message.plan
-        committed = await redis.commit(message, current.generation, failslow)
-        if committed is not None:
-            self._published = _Published.of(committed)
+        committed = await self.record.commit(
+            redis, self.body, message, current.generation, self.status.plan_generation, failslow
+        )
         if committed is None:
-            log.info(
-                "job %s/%s: generation %d already committed elsewhere",
-                self.namespace,
-                self.name,
-                plan.generation,
-            )
-            return
+            return  # decided on a generation the record has already left: the loop decides again
+        self._published = _Published.of(committed)
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 

@@ -1,0 +1,366 @@
+"""Redis faults injected while a job trains (issue #14, the operator's side), torchft style: a real operator
+process, a real redis-server on a free port that the test kills, restarts empty, pauses or fills with
+garbage, and real agents (the synthetic loop) run as local processes by the process kubelet.
+
+After each fault: the job is still Running, no generation was reused or skipped (every plan the test saw in
+Redis or in the plan ConfigMap, sampled throughout, has one announcement per generation, numbered 0, 1, 2...),
+no node was fenced for a silence Redis caused, no fenced node is back, and a later pod kill still gives the
+next generation. The pure rules (generation numbering, what Redis needs given the record, heartbeat grace)
+are tested at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+import redis.asyncio as aioredis
+from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
+from _support import RedisProcess, free_port
+
+from resilientjob.agent._redis import JobKeys
+from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.operator import _durable
+from resilientjob.operator._redis_state import RedisPlan, announcement
+from resilientjob.operator._redis_watch import (
+    HEARTBEAT_GRACE_S,
+    STALL_S,
+    RedisWatch,
+    backoff_s,
+    heartbeats_trusted,
+)
+from resilientjob.operator.kubelet import ProcessKubelet
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+
+pytestmark = [pytest.mark.cluster, emulator_only("the process kubelet runs the agents here")]
+
+JOB = "faults"
+NODES = 4
+
+
+@dataclass
+class Faults:
+    """The stack under test and what the test saw of the job's plans."""
+
+    kube: Kube
+    redis: RedisProcess
+    operator: Operator
+    metrics_port: int
+    log: Path
+    keys: JobKeys = field(default_factory=lambda: JobKeys(NAMESPACE, JOB))
+    seen: dict[int, set[float]] = field(default_factory=dict)
+    """Generation -> the `published_at` of every announcement seen with that number."""
+
+    def client(self) -> aioredis.Redis:
+        client: aioredis.Redis = aioredis.Redis.from_url(
+            self.redis.url, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+        return client
+
+    def saw(self, message: PlanAnnouncement | None) -> None:
+        if message is not None:
+            self.seen.setdefault(message.generation, set()).add(message.published_at)
+
+    async def status(self) -> dict[str, Any]:
+        return await self.kube.job_status(JOB)
+
+    async def plan(self) -> PlanAnnouncement | None:
+        client = self.client()
+        try:
+            raw = await client.get(self.keys.plan)
+        except (OSError, aioredis.RedisError):
+            return None
+        finally:
+            await client.aclose()
+        try:
+            return PlanAnnouncement.model_validate_json(raw) if raw else None
+        except ValueError:
+            return None
+
+    async def watch_plans(self) -> None:
+        """Sample the plan in Redis and in the ConfigMap for the whole test (both must agree per number)."""
+        while True:
+            self.saw(await self.plan())
+            configmap = await self.kube.get("configmaps", f"{JOB}-plan")
+            raw = ((configmap or {}).get("data") or {}).get("plan.json")
+            if raw:
+                self.saw(PlanAnnouncement.model_validate_json(raw))
+            await asyncio.sleep(0.05)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        total = 0.0
+        for line in text.decode().splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    async def live_heartbeats(self) -> set[int]:
+        client = self.client()
+        try:
+            return {n for n in range(NODES) if await client.pttl(self.keys.heartbeat(n)) > 0}
+        except (OSError, aioredis.RedisError):
+            return set()
+        finally:
+            await client.aclose()
+
+    async def iterations(self) -> int:
+        client = self.client()
+        try:
+            return int(await client.xlen(self.keys.iterations))
+        except (OSError, aioredis.RedisError):
+            return 0
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Faults]:
+    server = RedisProcess()
+    server.start()
+    metrics_port = free_port()
+    monkeypatch.setenv("RJOB_METRICS_PORT", str(metrics_port))
+    log = tmp_path / "operator.log"
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        operator = Operator(url, server.url, log)
+        operator.start()
+        stopped = asyncio.Event()
+        kubelet = asyncio.create_task(ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        stack = Faults(kube, server, operator, metrics_port, log)
+        watcher = asyncio.create_task(stack.watch_plans())
+        try:
+            manifest = job_manifest(JOB, nodes=NODES, failSlow={"enabled": False})
+            assert await kube.create_job(manifest) is None
+            await eventually(lambda: _generation(stack, 0), 90, "generation 0 running")
+            await eventually(lambda: _all_beating(stack), 90, "every agent beating")
+            yield stack
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher  # no request of it may outlive the client closed below
+            print(f"seen: {sorted(stack.seen)}; status: {await stack.status()}")
+            print(log.read_text()[-20000:])  # shown by pytest when the test failed
+            operator.stop()
+            stopped.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(kubelet, 15)
+            await kube.close()
+            server.stop()
+
+
+async def _generation(stack: Faults, generation: int) -> dict[str, Any] | None:
+    status = await stack.status()
+    running = status.get("phase") == "Running" and status.get("planGeneration") == generation
+    return status if running else None
+
+
+async def _all_beating(stack: Faults) -> bool:
+    return await stack.live_heartbeats() == set(range(NODES))
+
+
+async def _check(stack: Faults, generation: int, fenced: set[int]) -> None:
+    """The invariants after a fault: Running at `generation` (Redis, ConfigMap and status agree), every
+    generation seen once and none skipped, the fenced nodes out of the layout and without pods."""
+    status = await eventually(
+        lambda: _generation(stack, generation), 40, f"Running at generation {generation}"
+    )
+    plan = await eventually(stack.plan, 40, "the plan in Redis")
+    assert plan.generation == generation
+    configmap = await stack.kube.get("configmaps", f"{JOB}-plan")
+    assert configmap is not None and configmap["data"]["generation"] == str(generation)
+    stack.saw(plan)
+    assert sorted(stack.seen) == list(range(generation + 1)), f"generations seen: {sorted(stack.seen)}"
+    reused = {g: sorted(times) for g, times in stack.seen.items() if len(times) != 1}
+    assert not reused, f"generations announced twice: {reused}"
+    assert fenced.isdisjoint(plan.plan.nodes)
+    assert set(status.get("fencedNodes") or []) == fenced
+    pods = {p["metadata"]["name"] for p in await stack.kube.job_pods(JOB)}
+    assert pods == {f"{JOB}-node-{n}" for n in range(NODES) if n not in fenced}
+    assert [r["generation"] for r in status.get("recoveries") or []] == list(range(1, generation + 1))
+
+
+async def _kill_pod_is_handled(stack: Faults, node: int, generation: int, fenced: set[int]) -> None:
+    """A pod kill after the fault still gives the next generation, without that node."""
+    await stack.kube.delete("pods", f"{JOB}-node-{node}")
+    status = await eventually(lambda: _generation(stack, generation + 1), 40, "the generation after a kill")
+    assert status["lastDecision"]["nodes"] == [node]
+    await _check(stack, generation + 1, fenced | {node})
+
+
+async def _trains(stack: Faults) -> None:
+    """The agents go on: their iteration stream grows (again, after a restart emptied it)."""
+    start = await stack.iterations()
+    await eventually(lambda: _grew(stack, start), 40, "new iteration records")
+
+
+async def _grew(stack: Faults, start: int) -> bool:
+    return await stack.iterations() > start
+
+
+async def _quiet(seconds: float) -> None:
+    """Long enough for a wrongly counted silence to be fenced (the grace, then a TTL and a pass)."""
+    await asyncio.sleep(seconds)
+
+
+# ---- faults against the running job ------------------------------------------------------------------
+@pytest.mark.parametrize("gap_s", [1.0, 4.0])
+async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Faults, gap_s: float) -> None:
+    restores = faults.metric("rjob_redis_restores_total")
+    faults.redis.kill()
+    await asyncio.sleep(gap_s)
+    faults.redis.start()
+    plan = await eventually(faults.plan, 40, "the plan key restored")
+    assert plan.generation == 0
+    await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
+    await _quiet(HEARTBEAT_GRACE_S + 1.0)
+    await _check(faults, 0, set())
+    assert faults.metric("rjob_redis_restores_total") >= restores + 1
+    await _trains(faults)
+    text = faults.log.read_text()
+    assert text.count("Redis unreachable") <= 1, "more than one line for one outage"
+    if gap_s >= 2.0:  # long enough that the operator's own calls (every 0.25 s) failed meanwhile
+        assert text.count("Redis unreachable") == 1 and text.count("Redis is back") == 1
+    assert "Traceback" not in text
+    await _kill_pod_is_handled(faults, 2, 0, set())
+
+
+async def test_redis_paused_fences_nobody(faults: Faults) -> None:
+    assert faults.redis.process is not None
+    faults.redis.process.send_signal(signal.SIGSTOP)
+    await asyncio.sleep(3.0)  # longer than the heartbeat TTL: every key is stale when Redis resumes
+    faults.redis.process.send_signal(signal.SIGCONT)
+    await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
+    await _quiet(HEARTBEAT_GRACE_S + 1.0)
+    await _check(faults, 0, set())
+    await _trains(faults)
+    await _kill_pod_is_handled(faults, 1, 0, set())
+
+
+async def test_garbage_in_redis_is_repaired_not_obeyed(faults: Faults) -> None:
+    client = faults.client()
+    try:
+        await client.set(faults.keys.plan, b"\xff garbage")
+        await client.set(faults.keys.heartbeat(1), b"garbage")  # no TTL: no agent wrote it
+        await client.set(faults.keys.iterations, b"garbage")  # not a stream any more
+        plan = await eventually(faults.plan, 30, "the plan key repaired")
+        assert plan.generation == 0
+        await _quiet(HEARTBEAT_GRACE_S + 1.0)
+        assert await client.type(faults.keys.iterations) in (b"stream", b"none")
+    finally:
+        await client.aclose()
+    await _check(faults, 0, set())
+    for kind in ("plan", "heartbeat", "telemetry"):
+        assert faults.metric("rjob_redis_repairs_total", kind=kind) >= 1, kind
+    text = faults.log.read_text()
+    assert f"undecodable value in Redis key {faults.keys.plan}" in text
+    assert f"undecodable value in Redis key {faults.keys.iterations}" in text
+    await _trains(faults)
+    await _kill_pod_is_handled(faults, 3, 0, set())
+
+
+@pytest.mark.parametrize("redis_restart", [False, True])
+async def test_operator_killed_right_after_a_pod_kill_finishes_the_decision_once(
+    faults: Faults, redis_restart: bool
+) -> None:
+    await faults.kube.delete("pods", f"{JOB}-node-2")
+    await asyncio.sleep(0.1)
+    faults.operator.kill()
+    if redis_restart:
+        faults.redis.kill()
+        await asyncio.sleep(1.0)
+        faults.redis.start()
+    faults.operator.start()
+    await eventually(lambda: _generation(faults, 1), 60, "generation 1 after the restart")
+    await _quiet(HEARTBEAT_GRACE_S + 1.0)  # a restarted operator that decided again would be at 2 by now
+    await _check(faults, 1, {2})
+    await _trains(faults)
+    await _kill_pod_is_handled(faults, 0, 1, {2})
+
+
+# ---- the pure parts -------------------------------------------------------------------------------------
+def _message(generation: int) -> PlanAnnouncement:
+    stages = (StagePlan(layers=(0, 4), node=0), StagePlan(layers=(4, 8), node=1))
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        generation=generation,
+        microbatch_size=1,
+        pipelines=(PipelinePlan(stages=stages, microbatches=4),),
+        step_time_s=0.1,
+    )
+    return announcement(plan, parked=[3])
+
+
+def test_next_generation_is_one_above_the_highest_known() -> None:
+    assert _durable.next_generation() == 0
+    assert _durable.next_generation(None, -1) == 0
+    assert _durable.next_generation(4, 2, None) == 5  # Redis restarted behind the record
+    assert _durable.next_generation(2, 7, 3) == 8  # Redis ahead (adopted): never reused
+    renumbered = _durable.numbered(_message(3), 6)
+    assert renumbered.generation == renumbered.plan.generation == 6
+    assert _durable.numbered(renumbered, 6) is renumbered
+
+
+def test_restore_action_follows_the_durable_record() -> None:
+    action, plan = _durable.restore_action, RestoreCases()
+    assert action(None, plan.missing) is _durable.RestoreAction.INITIAL
+    assert action(None, plan.garbage) is _durable.RestoreAction.INITIAL
+    assert action(3, plan.missing) is _durable.RestoreAction.RESTORE
+    assert action(3, plan.garbage) is _durable.RestoreAction.REPAIR
+    assert action(3, plan.at(3)) is _durable.RestoreAction.NONE
+    assert action(3, plan.at(3, same_key=False)) is _durable.RestoreAction.REPAIR  # generation key garbled
+    assert action(3, plan.at(2)) is _durable.RestoreAction.ANNOUNCE  # killed between the two writes
+    assert action(3, plan.at(4)) is _durable.RestoreAction.ADOPT
+    assert action(None, plan.at(0)) is _durable.RestoreAction.ADOPT
+
+
+class RestoreCases:
+    missing = RedisPlan(present=False, message=None)
+    garbage = RedisPlan(present=True, message=None)
+
+    @staticmethod
+    def at(generation: int, *, same_key: bool = True) -> RedisPlan:
+        number = generation if same_key else None
+        return RedisPlan(present=True, message=_message(generation), generation_key=number)
+
+
+def test_a_fenced_node_stays_fenced_until_a_generation_takes_it_back() -> None:
+    message = _message(2)  # nodes 0, 1 in the layout, 3 parked
+    assert _durable.still_fenced([1, 2, 3, 5], message) == [2, 5]
+    assert _durable.still_fenced([], message) == []
+
+
+def test_a_restart_creates_pods_only_before_the_first_generation_applied() -> None:
+    message = _message(0)  # nodes 0, 1
+    assert _durable.pods_to_create(message, -1, []) == [0, 1]
+    assert _durable.pods_to_create(message, -1, [1]) == [0]
+    assert _durable.pods_to_create(message, 0, []) == []  # a missing pod now is a failure, not a pod to make
+
+
+def test_missing_heartbeats_count_only_after_a_full_grace() -> None:
+    assert heartbeats_trusted(100.0, None)
+    assert not heartbeats_trusted(100.0, 100.0 - HEARTBEAT_GRACE_S + 0.1)
+    assert heartbeats_trusted(100.0, 100.0 - HEARTBEAT_GRACE_S)
+    waits = [backoff_s(n) for n in range(1, 40)]
+    assert backoff_s(0) == 0.0 and all(0 < w <= 2.0 for w in waits)
+
+
+def test_an_outage_or_a_slow_answer_starts_the_grace() -> None:
+    watch = RedisWatch("unit")
+    watch.round_trip(10.0, 10.1)
+    assert watch.back_at is None and watch.heartbeats_trusted()
+    watch.round_trip(20.0, 20.0 + STALL_S)  # Redis paused: the agents' renewals waited too
+    assert watch.back_at == 20.0 + STALL_S
+    watch.back_at = None
+    assert watch.failed(ConnectionError("refused")) > 0 and watch.down
+    watch.failed(ConnectionError("refused"))
+    assert watch.outages == 1  # one outage however many retries
+    watch.ok()
+    assert not watch.down and not watch.heartbeats_trusted()
