@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -81,6 +82,9 @@ class Observed:
     copies: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Generation -> (layers to copy peer to peer, their bytes), as the plan lists its transfers."""
     training_since: float | None = None
+    killed_at: float | None = None
+    published: dict[int, float] = field(default_factory=dict)
+    """Generation -> seconds since start when the demo saw it published."""
     failslow: FailSlowWatch = field(default_factory=FailSlowWatch)
 
     def elapsed(self) -> float:
@@ -144,7 +148,8 @@ class Probe:
             why = plan.trigger or "Planned"
             what = f"{plan.strategy} mitigation" if plan.strategy else f"policy {plan.policy}"
             moved = f", {len(transfers)} layer copies" if transfers else ""
-            seen.failslow.mitigated(plan.strategy, seen.elapsed())
+            seen.published[plan.generation] = seen.elapsed()
+            seen.failslow.mitigated(plan.strategy, seen.elapsed(), seen.committed, plan.generation)
             new.append(
                 seen.event(
                     f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what}{moved})"
@@ -221,7 +226,8 @@ def _render(seen: Observed, duration: float, job: str) -> Any:
     header = (
         f"[bold]{job}[/]  phase {seen.phase or '-'}  generation {seen.generation}  "
         f"layout {seen.layout or '-'}  policy {seen.policy or '-'}\n"
-        f"step {seen.committed}  loss {loss}  throughput {seen.throughput:.1f} samples/s"
+        f"step {seen.committed}  loss {loss}  throughput {seen.throughput:.1f} samples/s\n"
+        f"{seen.failslow.live(seen.timeline, seen.elapsed())}"
     )
     workers = Table(title="workers", expand=True)
     for column in ("node", "state", "generation", "step", "compute s/step"):
@@ -251,6 +257,7 @@ def _summary(seen: Observed) -> Any:
         "layout",
         "detect s",
         "plan s",
+        "after fault s",
         "rendezvous s",
         "layers",
         "copy s",
@@ -270,12 +277,23 @@ def _summary(seen: Observed) -> Any:
             str(recovery.get("layout", "")),
             f"{float(recovery.get('detectS', 0.0)):.3f}",
             f"{float(recovery.get('planS', 0.0)):.4f}",
+            _after_fault(seen, generation, str(recovery.get("trigger", ""))),
             f"{rendezvous:.3f}",
             str(layers),
             f"{copy:.3f}",
             str(moved),
         )
     return table
+
+
+def _after_fault(seen: Observed, generation: int, trigger: str) -> str:
+    """Seconds from the fault the demo injected (the kill, the slowdown order) to the generation answering
+    it being published, as the demo saw them: a fail-slow row's detection and mitigation time together."""
+    at = seen.published.get(generation)
+    fault = {"NodeFailed": seen.killed_at, "NodeSlow": seen.failslow.slowed_at}.get(trigger)
+    if at is None or fault is None or at < fault:
+        return "-"
+    return f"{at - fault:.1f}"
 
 
 def _plot(seen: Observed, path: Path) -> None:
@@ -301,8 +319,9 @@ def _plot(seen: Observed, path: Path) -> None:
                 axis.axvline(
                     at, color="tab:red" if text.startswith(("kill", "slow")) else "grey", ls="--", lw=0.8
                 )
+            mitigation = re.search(r"\((\w+) mitigation", text)
             top.annotate(
-                text.split(":")[0],
+                text.split(":")[0] + (f" ({mitigation[1]})" if mitigation else ""),
                 (at, 0),
                 xytext=(3, 3),
                 textcoords="offset points",
@@ -331,7 +350,18 @@ class Chaos:
     duration: float
     kill_node: int
     killed_at: float | None = None
+    killed: int | None = None
     slowed: bool = False
+    refused: set[int] = field(default_factory=set)
+    """Workers whose pod could not take an order (gone already): chosen no more."""
+
+    def _live(self, seen: Observed) -> list[int]:
+        """The plan's workers that beat and could still take an order."""
+        return [
+            n
+            for n in seen.plan_nodes
+            if n in seen.workers and seen.workers[n].alive and n not in self.refused and n != self.killed
+        ]
 
     def step(self, seen: Observed) -> list[str]:
         from ._local import _kill, _slow
@@ -341,11 +371,24 @@ class Chaos:
         now = seen.elapsed()
         kill_after = min(25.0, max(5.0, 0.15 * self.duration))
         if self.killed_at is None and now >= seen.training_since + kill_after:
-            with _quiet():
-                _kill(f"{self.job}-node-{self.kill_node}")
-            self.killed_at = now
-            return [seen.event(f"kill: worker {self.kill_node} (SIGKILL)")]
-        slow_after = min(30.0, max(6.0, 0.2 * self.duration))
+            live = self._live(seen)
+            if not live:
+                return []
+            # Worker 2 (its pipeline's partner must take its layers); on a host so loaded that a heartbeat
+            # expiry already replanned it away, another worker of the plan.
+            victim = self.kill_node if self.kill_node in live else live[len(live) // 2]
+            try:
+                with _quiet():
+                    _kill(f"{self.job}-node-{victim}")
+            except CliError as exc:
+                self.refused.add(victim)
+                return [seen.event(f"chaos: worker {victim} not killed ({exc}); trying another")]
+            self.killed_at = seen.killed_at = now
+            self.killed = victim
+            return [seen.event(f"kill: worker {victim} (SIGKILL)")]
+        # The kill's recovery takes about a second; 20 s after it leaves a settled healthy baseline
+        # (`_demo_failslow.BASELINE_S`) and most of the run for detecting and mitigating the slowdown.
+        slow_after = min(20.0, max(6.0, 0.15 * self.duration))
         remaining = self.duration - now
         if (
             self.killed_at is not None
@@ -353,12 +396,16 @@ class Chaos:
             and now >= self.killed_at + slow_after
             and remaining > 5
         ):
-            candidates = [n for n in seen.plan_nodes if n != self.kill_node]
+            candidates = self._live(seen)
             if not candidates:
                 return []
             node = max(candidates)
-            with _quiet():
-                _slow(f"{self.job}-node-{node}", SLOW_FACTOR, f"{remaining:.0f}s")
+            try:
+                with _quiet():
+                    _slow(f"{self.job}-node-{node}", SLOW_FACTOR, f"{remaining:.0f}s")
+            except CliError as exc:
+                self.refused.add(node)
+                return [seen.event(f"chaos: worker {node} not slowed ({exc}); trying another")]
             self.slowed = True
             seen.failslow.slowed(node, now, seen.committed)
             return [seen.event(f"slow: worker {node} x{SLOW_FACTOR:g} for {remaining:.0f}s")]
