@@ -224,9 +224,10 @@ def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> Non
     # Rank 1 sleeps twice each compute interval (>= the 10 ms sleep of the loop); rank 0 waits for it.
     injected = results[1]["compute_injected"] / 6
     assert injected >= 2 * 0.01 and results[0]["compute_injected"] == 0
-    # Rank 0 delays each send to rank 1 and each all-reduce of the group holding both by 10 x (1 ms + 16
-    # bytes / 1 GB/s); rank 1 waits for the data or inside the collective.
-    assert results[0]["link_injected"] == pytest.approx(2 * 6 * 10 * (0.001 + 16 / 1e9))
+    # Rank 0 delays each send to rank 1 by 10 x (1 ms + 16 bytes / 1 GB/s) and each all-reduce of the two
+    # by 10 x (2 messages x 1 ms + 16 bytes / 1 GB/s), a ring of two crossing the link both ways; rank 1
+    # waits for the data or inside the collective.
+    assert results[0]["link_injected"] == pytest.approx(6 * 10 * (3 * 0.001 + 2 * 16 / 1e9))
     assert results[1]["link_injected"] == 0
     link_injected = results[0]["link_injected"] / 6
     for result in results:
@@ -274,13 +275,13 @@ def _two_groups_loop(rank: int, world: int) -> dict[str, Any]:
 def test_a_slow_link_slows_the_data_parallel_group_that_crosses_it_on_real_gloo(tmp_path: Path) -> None:
     results = run_gloo(tmp_path, 3, _two_groups_loop)
     # Only rank 0 (the order's end) is delayed, and only in the (asynchronous) all-reduces of the group
-    # holding rank 2.
-    assert sorted(results[0]["delays"]) == pytest.approx([0.0] * 4 + [5 * (0.01 + 16 / 1e9)] * 4)
+    # holding rank 2: a ring of two sends both ways over the link, 2 messages of 10 ms latency each.
+    assert sorted(results[0]["delays"]) == pytest.approx([0.0] * 4 + [5 * (2 * 0.01 + 16 / 1e9)] * 4)
     assert not any(results[1]["delays"]) and not any(results[2]["delays"])
-    assert results[0]["held"]["far"] >= 4 * 0.05
-    # Rank 2 waits inside each collective of its group for rank 0's 50 ms (rank 1 may wait too, but only
+    assert results[0]["held"]["far"] >= 4 * 0.1
+    # Rank 2 waits inside each collective of its group for rank 0's 100 ms (rank 1 may wait too, but only
     # because rank 0 runs both groups one after the other: no delay is injected into its group).
-    assert results[2]["held"]["far"] >= 4 * 0.05 * 0.8
+    assert results[2]["held"]["far"] >= 4 * 0.1 * 0.8
     # The link delay is communication, not compute: rank 0's compute stays near its 4 x 5 ms of sleeps.
     assert results[0]["compute"] < 4 * 0.005 + 0.05
 
