@@ -1,9 +1,12 @@
 """`rjob demo`: the whole system on this machine in one command. Brings up the local stack (`rjob local`),
 applies `examples/demo.yaml` (a small GPT trained for real by 8 one-CPU workers), kills a worker, slows
 another (chaos, factor 4), and shows a live table of the workers, the plan generation and layout, the step,
-loss and throughput, and the events. At the end it prints the recovery summary (each decision: trigger,
-policy or mitigation strategy, detect / plan / transfer time), writes a PNG of throughput and active workers
-over time, and tears everything down, also on Ctrl-C or SIGTERM. `--no-live` prints log lines instead."""
+loss and throughput, the fail-slow episode (order, detection, mitigation, throughput healthy / slowed /
+mitigated) and the events. At the end it prints the recovery summary (each decision: trigger, policy or
+mitigation strategy, detect / plan / transfer time and the time from the injected fault to the decision),
+the detection delay in iterations and the share of the slowdown the mitigation removed, writes a PNG of
+throughput and active workers over time, and tears everything down, also on Ctrl-C or SIGTERM. `--no-live`
+prints log lines instead."""
 
 from __future__ import annotations
 

@@ -484,19 +484,36 @@ class FailSlowTracker:
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
+        # A recovery report is a node's own step getting shorter, which a mitigation (S2 moved work off
+        # the straggler; the peers that waited for it wait less) or a busy host quietening also cause. A
+        # compute straggler of the episode that the job-wide rule still finds slower than the others stays
+        # in it, as its own source; restoring the healthy plan now would bring the slowdown straight back.
+        kept = self._still_straggling(nodes, report.onset_step)
+        for node in kept:
+            self._sources[node] = (node,)
+        if kept:
+            self.findings.append(
+                Finding(
+                    FindingKind.DISMISSED,
+                    (report.node,),
+                    f"node {report.node}: recovery report ignored for nodes {list(kept)}: the job-wide rule "
+                    f"still finds them over {self.spec.slowdown_threshold}x the other nodes' level",
+                )
+            )
         still = {n for led in self._sources.values() for n in led}
-        for node in nodes:
-            if node not in still:
-                self.slow.pop(node, None)
+        back = tuple(node for node in nodes if node not in still)
+        for node in back:
+            self.slow.pop(node, None)
         self.links = {link for link in self.links if link[0] in self.slow or link[1] in self.slow}
         self.changed = True
-        self.findings.append(
-            Finding(
-                FindingKind.RECOVERED,
-                nodes,
-                f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+        if back or report.node not in kept:
+            self.findings.append(
+                Finding(
+                    FindingKind.RECOVERED,
+                    back,
+                    f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+                )
             )
-        )
         if self.slow:
             return None
         self._fed.clear()
@@ -505,6 +522,16 @@ class FailSlowTracker:
         if decision is None:
             return None
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
+
+    def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
+        """The compute stragglers among `nodes` (slow nodes that are not ends of a slow link) whose level
+        since step `since` the job-wide rule still finds over the threshold of the other nodes'."""
+        ends = {n for link in self.links for n in link}
+        compute = {n: since for n in nodes if n in self.slow and n not in ends}
+        if not compute:
+            return ()
+        verdicts = self.gate.judge(compute)
+        return tuple(n for n in sorted(compute) if verdicts.get(n))
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop

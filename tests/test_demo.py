@@ -41,6 +41,7 @@ def test_demo_recovers_from_a_kill_mitigates_the_slowdown_and_writes_the_plot(tm
     # The default duration: what a user sees, the fail-slow phase included.
     done = _rjob_demo("--no-live", "--out", str(tmp_path), timeout=480)
     output = done.stdout + done.stderr
+    (tmp_path / "demo.log").write_text(output)  # beside the picture, for reading a failed run
     assert done.returncode == 0, output
     # Worker 2, unless a heartbeat expiry on a loaded host already replanned it away.
     killed = re.search(r"kill: worker (\d+) \(SIGKILL\)", output)

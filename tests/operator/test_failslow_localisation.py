@@ -415,3 +415,30 @@ def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
     assert "after topology:" in s2.measured and "measured" in s2.measured, s2.measured
     snapshot = job.tracker.controller.snapshot()
     assert snapshot is not None and set(snapshot["causes"]) == {"communication", "compute"}
+
+
+def test_a_recovery_report_of_a_straggler_still_slow_by_the_job_wide_rule_keeps_the_episode() -> None:
+    # After S2 the straggler runs fewer micro-batches and its peers wait less: their own detectors may see
+    # their steps shorten and report a recovery. A restore then would bring the slowdown straight back
+    # (the demo did that once): the job-wide rule must still find the node over the threshold to let go.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.3, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = Job(spec, seed=4)
+    job.run(20, {}, noise=0.02)
+    job.run(4, {5: 2.0}, noise=0.02)
+    job.report(5, 2.0)
+    job.run(20, {5: 2.0}, noise=0.02)
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    back = report(5, job.step, 0.8).model_copy(update={"recovered": True})
+    assert job.tracker.report(back, now=float(job.step)) is None
+    assert job.tracker.active and set(job.tracker.slow) == {5}
+    findings = job.tracker.drain_findings()
+    assert any(f.kind is FindingKind.DISMISSED and "recovery report ignored" in f.message for f in findings)
+    assert not any(f.kind is FindingKind.RECOVERED for f in findings)
+    # Truly back: the same report now ends the episode and asks for the healthy plan.
+    job.run(12, {}, noise=0.02)
+    back = report(5, job.step, 0.5).model_copy(update={"recovered": True})
+    restore = job.tracker.report(back, now=float(job.step))
+    assert restore is not None and restore.action is Action.RESTORE
+    assert not job.tracker.slow
