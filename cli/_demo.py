@@ -1,6 +1,6 @@
 """`rjob demo`: the whole system on this machine in one command. Brings up the local stack (`rjob local`),
 applies `examples/demo.yaml` (a small GPT trained for real by 8 one-CPU workers), kills a worker, slows
-another (chaos, factor 4), and shows a live table of the workers, the plan generation and layout, the step,
+another (chaos, factor 3), and shows a live table of the workers, the plan generation and layout, the step,
 loss and throughput, the fail-slow episode (order, detection, mitigation, throughput healthy / slowed /
 mitigated) and the events. At the end it prints the recovery summary (each decision: trigger, policy or
 mitigation strategy, detect / plan / transfer time and the time from the injected fault to the decision),
@@ -30,9 +30,11 @@ from ._demo_failslow import FailSlowWatch
 from ._manifest_files import load_documents
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
-SLOW_FACTOR = 4.0
+SLOW_FACTOR = 3.0
 """A sleep-based slow device is partly absorbed on a CPU-oversubscribed host (the others run faster while
-it sleeps): x2 cost the demo job less than its 1.5x threshold, x4 costs it more."""
+it sleeps): x2 cost the demo job (32 samples of 8) less than its 1.5x threshold; x4 cost the job of 48
+samples of 4 2.9x, more than S2 can win back with two micro-batches per replica (it can halve the slow
+replica's work: a third of the loss); x3 costs about 2x and S2 can win back about half of it."""
 SAMPLE_S = 0.5
 WINDOW_S = 2.0
 """Throughput is the samples reported in the last WINDOW_S seconds, divided by it."""

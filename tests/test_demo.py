@@ -86,7 +86,7 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
 
 
 def test_the_demo_job_leaves_s2_micro_batches_to_move_off_the_slowed_worker() -> None:
-    # `rjob demo` kills worker 2, then slows the highest surviving worker x4. S2 must have a whole
+    # `rjob demo` kills worker 2, then slows the highest surviving worker (SLOW_FACTOR). S2 must have a whole
     # micro-batch to move off it (with one per replica it declined), keeping the global batch exact.
     import yaml
 
