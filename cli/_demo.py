@@ -191,9 +191,12 @@ class Probe:
                     seen.first_loss = float(store.get("loss/0").decode().split(":")[1])
                     seen.training_since = now
                     new.append(seen.event("training: first step committed"))
-        status, body = _call(
-            "GET", f"/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/{self.job}"
-        )
+        try:
+            status, body = _call(
+                "GET", f"/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/{self.job}"
+            )
+        except OSError:  # a timeout on a host too loaded to answer in time: read the status next sample
+            return new
         if status == 200 and isinstance(body, dict):
             job_status = body.get("status") or {}
             seen.phase = job_status.get("phase", "")
@@ -385,7 +388,7 @@ class Chaos:
             try:
                 with _quiet():
                     _kill(f"{self.job}-node-{victim}")
-            except CliError as exc:
+            except (CliError, OSError) as exc:
                 self.refused.add(victim)
                 return [seen.event(f"chaos: worker {victim} not killed ({exc}); trying another")]
             self.killed_at = seen.killed_at = now
@@ -408,7 +411,7 @@ class Chaos:
             try:
                 with _quiet():
                     _slow(f"{self.job}-node-{node}", SLOW_FACTOR, f"{remaining:.0f}s")
-            except CliError as exc:
+            except (CliError, OSError) as exc:
                 self.refused.add(node)
                 return [seen.event(f"chaos: worker {node} not slowed ({exc}); trying another")]
             self.slowed = True
