@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "demo", help="run the local demo: real training through a kill and a slowdown"
     )
-    parser.add_argument("--duration", type=float, default=150.0, help="seconds to run (default 150)")
+    # Start-up (stack, first plan, first step) took 30-90 s on a loaded 2-core host; the slowdown needs
+    # about a minute after it for detection, S2 and a settled mitigated throughput.
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds to run (default 180)")
     parser.add_argument("--out", default="demo-out", help="directory for demo.png and the stack's files")
     parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table (CI)")
     parser.add_argument("-f", "--filename", default=str(DEFAULT_MANIFEST), help="the job manifest")
@@ -377,7 +379,7 @@ class Chaos:
         if seen.training_since is None:
             return []
         now = seen.elapsed()
-        kill_after = min(25.0, max(5.0, 0.15 * self.duration))
+        kill_after = min(15.0, max(5.0, 0.1 * self.duration))
         if self.killed_at is None and now >= seen.training_since + kill_after:
             live = self._live(seen)
             if not live:
@@ -394,9 +396,9 @@ class Chaos:
             self.killed_at = seen.killed_at = now
             self.killed = victim
             return [seen.event(f"kill: worker {victim} (SIGKILL)")]
-        # The kill's recovery takes about a second; 20 s after it leaves a settled healthy baseline
+        # The kill's recovery takes about a second; 15 s after it leaves a settled healthy baseline
         # (`_demo_failslow.BASELINE_S`) and most of the run for detecting and mitigating the slowdown.
-        slow_after = min(20.0, max(6.0, 0.15 * self.duration))
+        slow_after = min(15.0, max(6.0, 0.1 * self.duration))
         remaining = self.duration - now
         if (
             self.killed_at is not None
