@@ -83,6 +83,22 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     assert "microbatch at +10.0s" in line
     assert "600 healthy, 400 slowed, 550 mitigated samples/s: 75% of the slowdown removed" in line, line
     assert "not detected" in FailSlowWatch(node=7, slowed_at=50.0).summary(timeline, end=100.0)
+    # The live table's line: the same episode as it unfolds.
+    assert FailSlowWatch().live(timeline, 10.0) == "fail-slow: none ordered yet"
+    live = watch.live(timeline, 100.0)
+    assert "worker 7 slowed at +50s; detected after 12 steps; microbatch at +10.0s" in live, live
+    assert live.endswith("healthy 600 / slowed 400 / mitigated 550 samples/s"), live
+
+
+def test_the_recoveries_table_times_each_decision_from_the_fault_it_answers() -> None:
+    from resilientjob.cli._demo import Observed, _after_fault
+
+    seen = Observed(killed_at=20.0, published={1: 20.6, 2: 57.5, 3: 90.0})
+    seen.failslow.slowed(7, at=50.0, step=100)
+    assert _after_fault(seen, 1, "NodeFailed") == "0.6"
+    assert _after_fault(seen, 2, "NodeSlow") == "7.5"  # the order -> the mitigation's generation
+    assert _after_fault(seen, 3, "NodeRecovered") == "-"  # no injected fault answers a restore
+    assert _after_fault(seen, 4, "NodeSlow") == "-"  # never seen published
 
 
 def test_the_demo_job_leaves_s2_micro_batches_to_move_off_the_slowed_worker() -> None:
