@@ -407,8 +407,11 @@ class Chaos:
             and remaining > 5
         ):
             candidates = self._live(seen)
-            if not candidates:
-                return []
+            if len(candidates) < 2:
+                # One worker left (a loaded host's heartbeat expiries took the others): no replica could
+                # take its work, a slowdown would show nothing to mitigate.
+                self.slowed = True
+                return [seen.event(f"chaos: no slowdown ({len(candidates)} worker(s) left training)")]
             node = max(candidates)
             try:
                 with _quiet():

@@ -32,8 +32,9 @@ class FailSlowWatch:
         self.node, self.slowed_at, self.slowed_step = node, at, step
 
     def detected(self, nodes: list[int], at: float, step: int) -> str | None:
-        """The operator's status names slow nodes; the first time after the order is the detection."""
-        if self.slowed_at is None or self.detected_at is not None or not nodes:
+        """The operator's status names slow nodes; the first time after the order that they include the
+        slowed worker is the detection (another node named on a loaded host is not)."""
+        if self.slowed_at is None or self.detected_at is not None or self.node not in nodes:
             return None
         self.detected_at, self.detected_step = at, step
         return f"fail-slow detected: nodes {nodes} ({step - self.slowed_step} steps after the order)"

@@ -73,6 +73,7 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     assert watch.detected([7], 1.0, 5) is None  # nothing ordered yet: not a detection
     watch.slowed(7, at=50.0, step=1000)
     assert watch.detected([], 52.0, 1010) is None
+    assert watch.detected([3], 52.5, 1011) is None  # another node: not the ordered slowdown's detection
     assert watch.detected([7], 53.0, 1012) == "fail-slow detected: nodes [7] (12 steps after the order)"
     watch.mitigated("microbatch", 60.0)
     watch.mitigated("restore", 80.0)  # the episode's end is not its mitigation
