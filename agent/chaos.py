@@ -13,15 +13,22 @@ own trace measures it (wall time less the time held by communication), to be F t
 the injected delay, so the factor the worker reports is the factor ordered. Stretching the gaps between
 calls alone undershoots there: waits that return on helper threads move the "previous call ended" mark
 into the middle of the compute, and the demo's x2 order measured only ~1.3x.
-With `link`, the link between this node and the peer node is congested: every call that moves data over it
-is preceded by a delay of (F - 1) x (latency_s + bytes / bandwidth_bps), as behind a link whose nominal
-latency and bandwidth the order names (1 ms and 1 GB/s unless given). Such calls are the point-to-point sends
-to the peer (pipeline traffic, the validation's link tests; a batch of requests with that peer only) and
-every collective of a group whose ring joins the two ends (a data-parallel all-reduce whose ring, in
-group-rank order, has them as neighbours): in a ring collective each member waits for the slowest link, so
-the delay on this one end slows the whole group, as the real link would, while groups whose ring does not
-cross the link are untouched. Only the node holding the order sleeps: the other end's
-waits come from the collective or the receive itself.
+With `link`, the link between this node and the peer node is congested, in both directions: a call that
+moves bytes over it is preceded by a delay of (F - 1) x (messages x latency_s + bytes / bandwidth_bps) for the
+messages and bytes that cross the link, as behind a link whose nominal latency and bandwidth the order names
+(1 ms and 1 GB/s unless given). The link is a property of the pair of nodes, whichever end sends:
+- point-to-point traffic with the peer, sent or received (pipeline activations one way, their gradients
+  the other; the validation's link tests; a batch of requests with that peer only);
+- ring collectives (all-reduce, reduce-scatter, all-gather: gloo's ring, in group-rank order) of a group in
+  which the two ends are ring neighbours, for the bytes of the hop between them: an all-reduce moves
+  2 (n - 1) / n of the tensor over every hop in 2 (n - 1) messages, an all-gather (n - 1) contributions,
+  a reduce-scatter (n - 1) / n of its input. Every member waits for the slowest hop, so the delay on this
+  end slows the whole group, as the real link would; a ring in which the two are not neighbours sends
+  nothing over the link;
+- other collectives (broadcast, reduce, gather, scatter, all-to-all, barrier) of a group holding both ends:
+  their trees and stars may put any pair on a step, so the call's bytes are counted as crossing once.
+Only the node holding the order sleeps (before its own call, so the data it sends or waits for moves that
+much later): the other end's waits come from the collective or the receive itself.
 
 Off by default: `start` does nothing unless `RJOB_ALLOW_CHAOS=1` is in the worker's environment (the
 operator sets it only for jobs whose spec allows chaos), so a stray key cannot slow a production job.
@@ -42,12 +49,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from redis.exceptions import RedisError
 
 from ._redis import JobKeys
-from .tracing import SENDS, Tracer
+from .tracing import Tracer
 
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
-"""Calls that move data between two named ranks (the others are collectives of a group)."""
-LINK_P2P = SENDS | {"batch_isend_irecv"}
-"""Point-to-point calls slowed by a link order when their peer is the order's: this end sends over it."""
+"""Calls that move data between two named ranks (the others are collectives of a group); a link order
+slows them when their peer is the order's, in either direction."""
+RING_ALL_REDUCE = frozenset({"all_reduce", "all_reduce_coalesced"})
+RING_ALL_GATHER = frozenset({"all_gather", "all_gather_into_tensor"})
+RING_REDUCE_SCATTER = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
+RING = RING_ALL_REDUCE | RING_ALL_GATHER | RING_REDUCE_SCATTER
+"""Collectives gloo runs as a ring in group-rank order: only neighbours exchange bytes."""
 
 ALLOW_ENV = "RJOB_ALLOW_CHAOS"
 """Environment variable that must be "1" for a worker to obey chaos orders."""
@@ -73,7 +84,8 @@ class ChaosOrder(BaseModel):
     until: float
     """Unix time at which the order expires."""
     link: int | None = Field(default=None, ge=0)
-    """Slow the link to this peer node (sends to it, collectives of groups holding it) instead of compute."""
+    """Slow the link to this peer node (traffic with it both ways, collectives whose bytes cross it)
+    instead of compute."""
     latency_s: float = Field(default=0.001, ge=0.0, le=10.0)
     """Nominal per-message time of the slowed link."""
     bandwidth_bps: float = Field(default=1e9, gt=0.0)
@@ -88,8 +100,31 @@ class ChaosOrder(BaseModel):
     def active(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) < self.until
 
-    def link_delay_s(self, nbytes: int) -> float:
-        return (self.factor - 1.0) * (self.latency_s + nbytes / self.bandwidth_bps)
+    def link_delay_s(self, nbytes: float, messages: int = 1) -> float:
+        """The extra time of `messages` messages carrying `nbytes` in all over the slowed link."""
+        return (self.factor - 1.0) * (messages * self.latency_s + nbytes / self.bandwidth_bps)
+
+
+def crossing(
+    op: str, group: tuple[int, ...], me: int | None, peer: int, target: int, nbytes: int
+) -> tuple[float, int] | None:
+    """(bytes, messages) that call `op` of `me` (a global rank; None: unknown) moves over the link
+    me-`target`, or None when none of its traffic crosses it. `peer` is a point-to-point call's other side;
+    `group` the global ranks of a collective's group in group-rank order; `nbytes` this rank's tensor."""
+    if op in POINT_TO_POINT:
+        return (float(nbytes), 1) if peer == target else None
+    if target not in group or (me is not None and me not in group):
+        return None
+    n = len(group)
+    if op in RING:
+        if not ring_neighbours(group, me, target) or n < 2:
+            return None
+        if op in RING_ALL_REDUCE:
+            return 2 * (n - 1) / n * nbytes, 2 * (n - 1)
+        if op in RING_ALL_GATHER:
+            return float((n - 1) * nbytes), n - 1
+        return (n - 1) / n * nbytes, n - 1
+    return float(nbytes), 1
 
 
 def ring_neighbours(group: tuple[int, ...], me: int | None, peer: int) -> bool:
@@ -176,13 +211,10 @@ class ChaosInjector:
         target = self.rank_of(order.link)
         if target is None:
             return 0.0  # the peer node is not in the current plan: no traffic crosses the link
-        if op in POINT_TO_POINT:
-            crosses = op in LINK_P2P and peer == target
-        else:
-            crosses = ring_neighbours(group, self._me(), target)
-        if not crosses:
+        crossed = crossing(op, group, self._me(), peer, target, nbytes)
+        if crossed is None:
             return 0.0
-        delay = order.link_delay_s(nbytes)
+        delay = order.link_delay_s(*crossed)
         self.injected_s += delay
         return delay
 

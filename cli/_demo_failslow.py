@@ -23,21 +23,56 @@ class FailSlowWatch:
     detected_at: float | None = None
     detected_step: int = 0
     mitigated_at: float | None = None
+    mitigated_step: int = 0
     strategy: str = ""
+    generation: int | None = None
+    """The generation that carried the mitigation."""
 
     def slowed(self, node: int, at: float, step: int) -> None:
         self.node, self.slowed_at, self.slowed_step = node, at, step
 
     def detected(self, nodes: list[int], at: float, step: int) -> str | None:
-        """The operator's status names slow nodes; the first time after the order is the detection."""
-        if self.slowed_at is None or self.detected_at is not None or not nodes:
+        """The operator's status names slow nodes; the first time after the order that they include the
+        slowed worker is the detection (another node named on a loaded host is not)."""
+        if self.slowed_at is None or self.detected_at is not None or self.node not in nodes:
             return None
         self.detected_at, self.detected_step = at, step
         return f"fail-slow detected: nodes {nodes} ({step - self.slowed_step} steps after the order)"
 
-    def mitigated(self, strategy: str, at: float) -> None:
+    def mitigated(self, strategy: str, at: float, step: int = 0, generation: int | None = None) -> None:
         if self.slowed_at is not None and self.mitigated_at is None and strategy and strategy != "restore":
             self.mitigated_at, self.strategy = at, strategy
+            self.mitigated_step, self.generation = step, generation
+
+    def since_order(self, at: float) -> float | None:
+        """Seconds from the order to `at` (None before the order)."""
+        return None if self.slowed_at is None else at - self.slowed_at
+
+    def live(self, timeline: list[tuple[float, float, int]], now: float) -> str:
+        """One line for the live table: the order, the detection, the mitigation and the throughput before
+        the order, while slowed and since the mitigation (each averaged over its settled part)."""
+        if self.slowed_at is None:
+            return "fail-slow: none ordered yet"
+        order = self.slowed_at
+        parts = [f"fail-slow: worker {self.node} slowed at +{order:.0f}s"]
+        if self.detected_at is None:
+            parts.append("not detected yet")
+        else:
+            parts.append(f"detected after {self.detected_step - self.slowed_step} steps")
+        if self.mitigated_at is not None:
+            parts.append(f"{self.strategy} at +{self.mitigated_at - order:.1f}s")
+        healthy = _rate(timeline, order - BASELINE_S, order - 1.0)
+        slow_end = self.mitigated_at if self.mitigated_at is not None else now
+        slowed = _rate(timeline, order + SETTLE_S, slow_end)
+        after = None if self.mitigated_at is None else _rate(timeline, self.mitigated_at + SETTLE_S, now)
+        rates = [
+            f"{name} {value:.0f}"
+            for name, value in (("healthy", healthy), ("slowed", slowed), ("mitigated", after))
+            if value is not None
+        ]
+        if rates:
+            parts.append(" / ".join(rates) + " samples/s")
+        return "; ".join(parts)
 
     def summary(self, timeline: list[tuple[float, float, int]], end: float) -> str:
         """One line: detection delay and the share of the throughput loss the mitigation won back."""
@@ -45,8 +80,7 @@ class FailSlowWatch:
             return "fail-slow: no slowdown was injected"
 
         def rate(begin: float, finish: float) -> float | None:
-            values = [r for t, r, _ in timeline if begin <= t < finish]
-            return mean(values) if values else None
+            return _rate(timeline, begin, finish)
 
         order = self.slowed_at
         healthy = rate(order - BASELINE_S, order - 1.0)
@@ -62,7 +96,10 @@ class FailSlowWatch:
                 f"({self.detected_at - order:.1f}s) after the order;"
             )
         if self.mitigated_at is not None:
-            parts.append(f"{self.strategy} at +{self.mitigated_at - order:.1f}s;")
+            parts.append(
+                f"{self.strategy} at +{self.mitigated_at - order:.1f}s "
+                f"({self.mitigated_step - self.slowed_step} iterations after the order);"
+            )
         if healthy is not None and slowed is not None:
             parts.append(f"throughput {healthy:.0f} healthy, {slowed:.0f} slowed")
             if after is not None:
@@ -74,3 +111,8 @@ class FailSlowWatch:
             else:
                 parts.append("samples/s, no mitigation")
         return " ".join(parts).replace(" ,", ",").replace(" :", ":")
+
+
+def _rate(timeline: list[tuple[float, float, int]], begin: float, finish: float) -> float | None:
+    values = [r for t, r, _ in timeline if begin <= t < finish]
+    return mean(values) if values else None

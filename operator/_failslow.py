@@ -77,6 +77,9 @@ __all__ = [
     "topology_plan",
 ]
 
+RECENT = 8
+"""Iterations whose median is the episode's current level (what a rung measured before and after)."""
+
 CANDIDATE_TTL_S = 60.0
 """A report the job-wide rule has not confirmed this long after it came is dismissed as noise."""
 
@@ -109,6 +112,9 @@ class Mitigation:
     loss_s: float
     detect_s: float
     links: tuple[Link, ...] = ()
+    measured: str = ""
+    """What the tracker measured: the step time now against the healthy one, and what each earlier rung of
+    the episode changed (its step time when decided -> now)."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -190,6 +196,10 @@ class FailSlowTracker:
     _fed: dict[int, int] = field(default_factory=dict)
     _compute_episode: bool = True
     """Whether the episode was opened by a compute report (its loss is then counted in compute time)."""
+    _recent: list[float] = field(default_factory=list)
+    """The last `RECENT` iteration times charged to the episode (its current level)."""
+    _rungs: list[tuple[str, float]] = field(default_factory=list)
+    """Each rung published in this episode, with the level measured when it was decided."""
 
     def __post_init__(self) -> None:
         self.gate = StragglerGate(self.spec.slowdown_threshold)
@@ -269,17 +279,45 @@ class FailSlowTracker:
         compute = self._compute_episode and record.compute_s is not None and record.compute_s > 0
         seconds = record.compute_s if compute and record.compute_s is not None else record.seconds
         decision = self.controller.on_iteration(seconds)
+        self._recent = [*self._recent[-(RECENT - 1) :], seconds]
         self.changed = True
         if decision is None or decision.strategy not in _ACTIONS:
             return None
+        action = _ACTIONS[decision.strategy]
+        measured = self._measured()
+        self._rungs.append((str(action), median(self._recent)))
+        self._recent = []  # the next rung's "before" is measured on the layout this one publishes
         return Mitigation(
-            _ACTIONS[decision.strategy],
-            dict(self.slow),
+            action,
+            self._factors(action),
             decision.reason,
             decision.loss_s,
             self._detect_s,
             tuple(sorted(self.links)),
+            measured,
         )
+
+    def _factors(self, action: Action) -> dict[int, float]:
+        """The slow nodes a rung acts on. S2 fixes compute only (Falcon Table 3): the ends of slow links are
+        left out of its balance (their compute is healthy), unless the episode has no other slow node."""
+        if action is not Action.MICROBATCH or not self.links:
+            return dict(self.slow)
+        ends = {node for link in self.links for node in link}
+        compute = {node: factor for node, factor in self.slow.items() if node not in ends}
+        return compute or dict(self.slow)
+
+    def _measured(self) -> str:
+        """The step time the episode runs at now against the healthy one, and each earlier rung's effect."""
+        if not self._recent:
+            return ""
+        now = median(self._recent)
+        healthy = self.controller.healthy_s
+        what = "compute" if self._compute_episode else "step time"
+        parts = [f"measured {now:.3g}s of {what} per step"]
+        if healthy:
+            parts[0] += f" (healthy {healthy:.3g}s)"
+        parts += [f"after {action}: {before:.3g}s -> {now:.3g}s" for action, before in self._rungs]
+        return ", ".join(parts)
 
     def tick(self, now: float | None = None) -> None:
         """Judge the candidates: open the episode for those confirmed long enough, dismiss stale ones."""
@@ -446,26 +484,54 @@ class FailSlowTracker:
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
+        # A recovery report is a node's own step getting shorter, which a mitigation (S2 moved work off
+        # the straggler; the peers that waited for it wait less) or a busy host quietening also cause. A
+        # compute straggler of the episode that the job-wide rule still finds slower than the others stays
+        # in it, as its own source; restoring the healthy plan now would bring the slowdown straight back.
+        kept = self._still_straggling(nodes, report.onset_step)
+        for node in kept:
+            self._sources[node] = (node,)
+        if kept:
+            self.findings.append(
+                Finding(
+                    FindingKind.DISMISSED,
+                    (report.node,),
+                    f"node {report.node}: recovery report ignored for nodes {list(kept)}: the job-wide rule "
+                    f"still finds them over {self.spec.slowdown_threshold}x the other nodes' level",
+                )
+            )
         still = {n for led in self._sources.values() for n in led}
-        for node in nodes:
-            if node not in still:
-                self.slow.pop(node, None)
+        back = tuple(node for node in nodes if node not in still)
+        for node in back:
+            self.slow.pop(node, None)
         self.links = {link for link in self.links if link[0] in self.slow or link[1] in self.slow}
         self.changed = True
-        self.findings.append(
-            Finding(
-                FindingKind.RECOVERED,
-                nodes,
-                f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+        if back or report.node not in kept:
+            self.findings.append(
+                Finding(
+                    FindingKind.RECOVERED,
+                    back,
+                    f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+                )
             )
-        )
         if self.slow:
             return None
         self._fed.clear()
+        self._recent, self._rungs = [], []
         decision = self.controller.on_change(_event(report, report.step))
         if decision is None:
             return None
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
+
+    def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
+        """The compute stragglers among `nodes` (slow nodes that are not ends of a slow link) whose level
+        since step `since` the job-wide rule still finds over the threshold of the other nodes'."""
+        ends = {n for link in self.links for n in link}
+        compute = {n: since for n in nodes if n in self.slow and n not in ends}
+        if not compute:
+            return ()
+        verdicts = self.gate.judge(compute)
+        return tuple(n for n in sorted(compute) if verdicts.get(n))
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop
@@ -482,6 +548,7 @@ class FailSlowTracker:
             self._sources.clear()
             self._fed.clear()
             self.links.clear()
+            self._recent, self._rungs = [], []
         self.changed = True
 
     def drain_findings(self) -> list[Finding]:
@@ -501,6 +568,8 @@ class FailSlowTracker:
             "detect_s": self._detect_s,
             "fed": {str(n): s for n, s in self._fed.items()},
             "compute_episode": self._compute_episode,
+            "recent": list(self._recent),
+            "rungs": [[action, level] for action, level in self._rungs],
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -518,6 +587,8 @@ class FailSlowTracker:
         self._detect_s = float(state.get("detect_s", 0.0))
         self._fed = {int(n): int(s) for n, s in state.get("fed", {}).items()}
         self._compute_episode = bool(state.get("compute_episode", True))
+        self._recent = [float(v) for v in state.get("recent", [])][-RECENT:]
+        self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
         self.changed = False
 
 

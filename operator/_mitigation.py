@@ -45,6 +45,11 @@ async def mitigation_message(
     trigger = api.Reason.NODE_RECOVERED if action is Action.RESTORE else api.Reason.NODE_SLOW
     links = f" and links {[f'{a}->{b}' for a, b in mitigation.links]}" if mitigation.links else ""
     why = f"fail-slow {action} for nodes {list(mitigation.nodes)}{links}: {mitigation.reason}"
+    if mitigation.measured:
+        why += f"; {mitigation.measured}"
+    estimate = _estimated(current.plan, plan, inputs, mitigation)
+    if estimate:
+        why += f"; {estimate}"
     return announcement(
         plan,
         trigger=trigger,
@@ -55,6 +60,19 @@ async def mitigation_message(
         parked=parked,
         restore=restore,
     )
+
+
+def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mitigation) -> str:
+    """The planner's pipeline makespan with the slow nodes slowed, on the current layout and on the new
+    one (what a rung expects to win; the next rung's decision says what it measured)."""
+    if mitigation.action is Action.RESTORE:
+        return ""
+    try:
+        old = _failslow.slowed_step_time(before, inputs.profile, inputs.cluster, mitigation.factors)
+        new = _failslow.slowed_step_time(after, inputs.profile, inputs.cluster, mitigation.factors)
+    except PlannerError:
+        return ""
+    return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed)"
 
 
 def replaced_nodes(mitigation: Mitigation) -> list[int]:

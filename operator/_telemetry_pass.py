@@ -58,6 +58,7 @@ class TelemetryPass:
         if tracker.gate.generation != published.generation:
             tracker.gate.new_generation(published.generation, planned_shares(published.plan, inputs.profile))
         mitigation, self.deferred = self.deferred, None
+        slow_before = set(tracker.slow)
         # Reports first: a recovery closes the episode before more iterations are charged to it.
         for report in await redis.new_reports():
             if report.node in watched and report.generation <= published.generation:
@@ -84,7 +85,8 @@ class TelemetryPass:
             await redis.save_failslow(tracker.state())
             tracker.changed = False
         self._status(ctl, current)
-        await ctl.write_status(force=False)
+        # A fail-slow episode opening or closing is news: patched now, not after the status interval.
+        await ctl.write_status(force=set(tracker.slow) != slow_before)
         if mitigation is not None and deciding:
             self.deferred = mitigation
         elif mitigation is not None:

@@ -134,6 +134,11 @@ class MitigationController:
             raise PlannerError("snapshot", f"not an episode snapshot: {exc!r}") from None
 
     @property
+    def healthy_s(self) -> float:
+        """The episode's healthy iteration time (0 when healthy)."""
+        return self._episode.healthy_s if self._episode else 0.0
+
+    @property
     def loss_s(self) -> float:
         return self._episode.loss_s if self._episode else 0.0
 

@@ -102,7 +102,8 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     manifest["metadata"]["name"] = "bridge"
     manifest["spec"]["nodes"] = 4
-    manifest["spec"]["data"]["numSamples"] = 512
+    # Whole steps per epoch, so that no step spans two epochs (where one sample may come twice).
+    manifest["spec"]["data"]["numSamples"] = 16 * manifest["spec"]["globalBatchSize"]
     manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -157,7 +158,8 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     assert len(after) >= 30, "training did not go on under the new generation"
     first, last = sum(v for _, v in losses[:15]) / 15, sum(after[-15:]) / 15
     assert last < 0.9 * first, (first, last)
-    order = SampleOrder(512, 32, seed=0)
+    spec = manifest["spec"]
+    order = SampleOrder(spec["data"]["numSamples"], spec["globalBatchSize"], seed=0)
     short = []
     for step in range(end):
         entries: list[Any] = [e.split(":") for e in store.get(f"samples/{step}").decode().split(";") if e]

@@ -79,7 +79,7 @@ def test_order_validates_and_bad_keys_read_as_no_order() -> None:
     assert not order.active(now=1.0) and order.active(now=-1.0)
 
 
-def test_injector_stretches_compute_or_delays_sends_to_one_peer() -> None:
+def test_injector_stretches_compute_or_delays_traffic_with_one_peer() -> None:
     slept: list[float] = []
     injector = ChaosInjector(rank_of={4: 7}.get, sleep=slept.append)
     assert injector("all_reduce", -1, 8, 0.1) == 0.0
@@ -95,13 +95,13 @@ def test_injector_stretches_compute_or_delays_sends_to_one_peer() -> None:
     # A link delay is not slept here: the tracer spends it inside the call (communication time).
     assert injector("isend", 7, 1_000_000, 5.0) == pytest.approx(0.001 + 0.001)
     assert injector("send", 3, 1_000_000, 5.0) == 0.0
-    assert injector("irecv", 7, 1_000_000, 5.0) == 0.0
+    assert injector("irecv", 7, 1_000_000, 5.0) == pytest.approx(0.002)  # the link is slow both ways
     injector.after_compute(1.0)
     assert slept == []
     injector.order = ChaosOrder(factor=3, until=time.time() - 1)  # expired
     assert injector("all_reduce", -1, 8, 1.0) == 0.0
     assert slept == []
-    assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002)
+    assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002 + 0.002)
 
 
 def test_ring_neighbours_follow_the_group_rank_order() -> None:
@@ -113,26 +113,37 @@ def test_ring_neighbours_follow_the_group_rank_order() -> None:
     assert chaos.ring_neighbours((0, 2), 2, 0) and chaos.ring_neighbours((0, 2), None, 2)
 
 
-def test_a_slow_link_delays_the_collectives_of_groups_holding_both_ends_only() -> None:
+def test_a_slow_link_delays_every_byte_that_crosses_the_pair_both_ways() -> None:
     injector = ChaosInjector(rank_of={4: 7, 5: None, 1: 2}.get, sleep=lambda seconds: None, node=1)
     injector.order = ChaosOrder(factor=3, until=time.time() + 60, link=4, latency_s=0.0, bandwidth_bps=1e6)
     crossing = [
-        injector("all_reduce", -1, 1000, 0.5, (2, 7)),  # this node's DP group with the peer
-        injector("all_gather", -1, 2000, 0.5, (2, 7, 9)),
+        # A ring all-reduce of n moves 2 (n - 1) / n of the tensor over each hop: for two, all of it.
+        injector("all_reduce", -1, 1000, 0.5, (2, 7)),
+        injector("all_reduce", -1, 1200, 0.5, (2, 7, 9)),  # 4/3 x 1200 bytes over the 2-7 hop
+        injector("all_gather", -1, 2000, 0.5, (2, 7, 9)),  # the two others' contributions pass the hop
+        injector("reduce_scatter_tensor", -1, 3000, 0.5, (2, 7, 9)),  # 2/3 of the input
         injector("barrier", -1, 0, 0.5, (2, 7)),  # no bytes: only the (zero) latency
+        injector("broadcast", 3, 1000, 0.5, (2, 3, 7)),  # not a ring: any pair of the group may carry it
         injector("batch_isend_irecv", 7, 1000, 0.5, (2, 7)),  # an exchange with the peer only
+        injector("isend", 7, 1000, 0.5, (2, 7)),  # pipeline traffic to the peer
+        injector("recv", 7, 1000, 0.5, (2, 7)),  # ... and from it: the link is slow both ways
+        injector("irecv", 7, 1000, 0.5, (2, 7)),
     ]
-    assert crossing == pytest.approx([2 * 0.001, 2 * 0.002, 0.0, 2 * 0.001])
+    seconds = [1000, 1600, 4000, 2000, 0, 1000, 1000, 1000, 1000, 1000]
+    assert crossing == pytest.approx([2 * b / 1e6 for b in seconds])
     other = [
         injector("all_reduce", -1, 1000, 0.5, (2, 3)),  # another group of this node: a different link
         injector("broadcast", 7, 1000, 0.5, (2, 3)),  # the root is the peer but the group does not hold it
-        injector("recv", 7, 1000, 0.5, (2, 7)),  # the peer's sends to us are not ours to slow
-        injector("irecv", 7, 1000, 0.5, (2, 7)),
-        injector("isend", 3, 1000, 0.5, (2, 3, 7)),  # a send to someone else, even in a group with the peer
+        injector("recv", 3, 1000, 0.5, (2, 3, 7)),  # from someone else, even in a group with the peer
+        injector("isend", 3, 1000, 0.5, (2, 3, 7)),
         injector("all_reduce", -1, 1000, 0.5, (2, 3, 7, 8)),  # a ring where the two ends are not neighbours
+        injector("all_gather", -1, 1000, 0.5, (2, 3, 7, 8)),
         injector("batch_isend_irecv", -1, 1000, 0.5, (2, 7)),  # with several peers: not attributable
     ]
     assert other == [0.0] * len(other)
+    # Latency counts once per message: 2 (n - 1) messages for a ring all-reduce.
+    injector.order = ChaosOrder(factor=2, until=time.time() + 60, link=4, latency_s=0.001, bandwidth_bps=1e12)
+    assert injector("all_reduce", -1, 0, 0.5, (2, 7, 9, 11)) == pytest.approx(6 * 0.001)
     injector.order = ChaosOrder(factor=3, until=time.time() + 60, link=5)  # the peer left the plan
     assert injector("all_reduce", -1, 1000, 0.5, (2, 7)) == 0.0
     assert injector("isend", 7, 1000, 0.5, (2, 7)) == 0.0
@@ -213,9 +224,10 @@ def test_duty_cycle_and_link_delays_slow_a_real_gloo_loop(tmp_path: Path) -> Non
     # Rank 1 sleeps twice each compute interval (>= the 10 ms sleep of the loop); rank 0 waits for it.
     injected = results[1]["compute_injected"] / 6
     assert injected >= 2 * 0.01 and results[0]["compute_injected"] == 0
-    # Rank 0 delays each send to rank 1 and each all-reduce of the group holding both by 10 x (1 ms + 16
-    # bytes / 1 GB/s); rank 1 waits for the data or inside the collective.
-    assert results[0]["link_injected"] == pytest.approx(2 * 6 * 10 * (0.001 + 16 / 1e9))
+    # Rank 0 delays each send to rank 1 by 10 x (1 ms + 16 bytes / 1 GB/s) and each all-reduce of the two
+    # by 10 x (2 messages x 1 ms + 16 bytes / 1 GB/s), a ring of two crossing the link both ways; rank 1
+    # waits for the data or inside the collective.
+    assert results[0]["link_injected"] == pytest.approx(6 * 10 * (3 * 0.001 + 2 * 16 / 1e9))
     assert results[1]["link_injected"] == 0
     link_injected = results[0]["link_injected"] / 6
     for result in results:
@@ -263,13 +275,13 @@ def _two_groups_loop(rank: int, world: int) -> dict[str, Any]:
 def test_a_slow_link_slows_the_data_parallel_group_that_crosses_it_on_real_gloo(tmp_path: Path) -> None:
     results = run_gloo(tmp_path, 3, _two_groups_loop)
     # Only rank 0 (the order's end) is delayed, and only in the (asynchronous) all-reduces of the group
-    # holding rank 2.
-    assert sorted(results[0]["delays"]) == pytest.approx([0.0] * 4 + [5 * (0.01 + 16 / 1e9)] * 4)
+    # holding rank 2: a ring of two sends both ways over the link, 2 messages of 10 ms latency each.
+    assert sorted(results[0]["delays"]) == pytest.approx([0.0] * 4 + [5 * (2 * 0.01 + 16 / 1e9)] * 4)
     assert not any(results[1]["delays"]) and not any(results[2]["delays"])
-    assert results[0]["held"]["far"] >= 4 * 0.05
-    # Rank 2 waits inside each collective of its group for rank 0's 50 ms (rank 1 may wait too, but only
+    assert results[0]["held"]["far"] >= 4 * 0.1
+    # Rank 2 waits inside each collective of its group for rank 0's 100 ms (rank 1 may wait too, but only
     # because rank 0 runs both groups one after the other: no delay is injected into its group).
-    assert results[2]["held"]["far"] >= 4 * 0.05 * 0.8
+    assert results[2]["held"]["far"] >= 4 * 0.1 * 0.8
     # The link delay is communication, not compute: rank 0's compute stays near its 4 x 5 ms of sleeps.
     assert results[0]["compute"] < 4 * 0.005 + 0.05
 

@@ -383,3 +383,62 @@ def test_s4_takes_out_one_end_of_each_slow_link_and_every_slow_device() -> None:
     # Node 3 is on both slow links: taking it out clears them; node 5 is a slow device of its own.
     assert replaced_nodes(mitigation({1: 2.0, 3: 2.0, 4: 2.0, 5: 1.5}, ((1, 3), (3, 4)))) == [3, 5]
     assert replaced_nodes(mitigation({6: 1.5}, ())) == [6]
+
+
+def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
+    # Falcon Fig. 17's mixed case: a slow link opens the episode (S3 moves it off the all-reduce), then a
+    # GPU slows. S2 fixes compute causes: it is the next rung, for that GPU only (the link's ends compute
+    # at full speed), before S4; each decision names what was measured before and after the last rung.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.3,
+        min_duration_s=0,
+        overheads=StrategyOverheads(microbatch_s=0.5, topology_s=0.3, restart_s=1000.0),
+    )
+    job = Job(spec, seed=3)
+    job.run(20, {}, noise=0.02)
+    job.tracker.report(report(2, job.step, 1.6, SlowKind.COMMUNICATION), now=float(job.step))
+    assert job.tracker.validation_wanted() is not None
+    job.tracker.validation_sent(1, now=float(job.step))
+    job.tracker.validated(result(1, [(0, 2)]))
+    # The link slows every step of the job: its ends' walls grow, their compute does not.
+    job.run(12, {}, noise=0.02)
+    assert job.tracker.active and job.tracker.links == {(0, 2)}
+    first = [m.action for m in job.mitigations]
+    assert first == [Action.TOPOLOGY], first
+    job.run(10, {5: 2.0}, noise=0.02)
+    job.report(5, 2.0)
+    job.run(20, {5: 2.0}, noise=0.02)
+    actions = [m.action for m in job.mitigations]
+    assert actions == [Action.TOPOLOGY, Action.MICROBATCH], actions
+    s2 = job.mitigations[1]
+    assert set(s2.factors) == {5} and s2.factors[5] > 1.5, s2.factors
+    assert "after topology:" in s2.measured and "measured" in s2.measured, s2.measured
+    snapshot = job.tracker.controller.snapshot()
+    assert snapshot is not None and set(snapshot["causes"]) == {"communication", "compute"}
+
+
+def test_a_recovery_report_of_a_straggler_still_slow_by_the_job_wide_rule_keeps_the_episode() -> None:
+    # After S2 the straggler runs fewer micro-batches and its peers wait less: their own detectors may see
+    # their steps shorten and report a recovery. A restore then would bring the slowdown straight back
+    # (the demo did that once): the job-wide rule must still find the node over the threshold to let go.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.3, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = Job(spec, seed=4)
+    job.run(20, {}, noise=0.02)
+    job.run(4, {5: 2.0}, noise=0.02)
+    job.report(5, 2.0)
+    job.run(20, {5: 2.0}, noise=0.02)
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    back = report(5, job.step, 0.8).model_copy(update={"recovered": True})
+    assert job.tracker.report(back, now=float(job.step)) is None
+    assert job.tracker.active and set(job.tracker.slow) == {5}
+    findings = job.tracker.drain_findings()
+    assert any(f.kind is FindingKind.DISMISSED and "recovery report ignored" in f.message for f in findings)
+    assert not any(f.kind is FindingKind.RECOVERED for f in findings)
+    # Truly back: the same report now ends the episode and asks for the healthy plan.
+    job.run(12, {}, noise=0.02)
+    back = report(5, job.step, 0.5).model_copy(update={"recovered": True})
+    restore = job.tracker.report(back, now=float(job.step))
+    assert restore is not None and restore.action is Action.RESTORE
+    assert not job.tracker.slow
