@@ -132,6 +132,9 @@ class Trainer:
     layers: dict[int, LayerState] = field(default_factory=dict)
     step: int = 0
     """Committed steps so far; the next step to run."""
+    joining: bool = False
+    """A new node joining a job that has trained already (a replacement pod): it holds nothing and takes the
+    step of the world it joins instead of voting one."""
     plan: Plan | None = None
     generation: int = -1
     received: list[TransferRecord] = field(default_factory=list)
@@ -297,11 +300,16 @@ class Trainer:
             self.collective_timeout_s,
             self.device,
         )
-        # Everyone resumes at the same committed step, or nobody resumes live.
-        steps = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.comm_device)
+        # Everyone resumes at the same committed step, or nobody resumes live. A joining node has no step of
+        # its own: it votes neither bound and takes the one the others agree on (the data order and the
+        # learning-rate schedule follow from it; AdamW's step counts arrive with the layers).
+        mine = (0, -(2**62)) if self.joining else (self.step, -self.step)
+        steps = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
         self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
         if int(steps[0]) != -int(steps[1]):
             raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
+        if self.joining:
+            self.step, self.joining = int(steps[0]), False
         if k > 1:
             for slot, node in enumerate(nodes):
                 # Every rank takes part in creating every node's stage group, as `new_group` requires.
