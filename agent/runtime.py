@@ -100,6 +100,24 @@ def join_world(
     )
 
 
+JOIN_WAIT_S = 300.0
+"""How long a joining node waits for its peers to reach the rendezvous of the plan that takes it in."""
+
+
+def arrive(store: Store, generation: int, world_size: int, joining: bool) -> None:
+    """Count this rank in at the generation's rendezvous. A joining node is idle when the plan appears,
+    while its peers reach the rendezvous only at the end of their step, which on a busy machine can take
+    longer than the rendezvous timeout: so it enters only once every rank has arrived, or gives up when a
+    newer plan replaces this one (RuntimeError: the caller moves on to that plan)."""
+    key = f"arriving/{generation}"
+    store.add(key, 1)
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while joining and int(store.add(key, 0)) < world_size:
+        if int(store.add("generation", 0)) > generation or time.monotonic() > deadline:
+            raise RuntimeError(f"join: the peers did not reach the rendezvous of generation {generation}")
+        time.sleep(0.01)
+
+
 @dataclass(slots=True)
 class StepTimings:
     """Seconds spent in each phase of the last reconfiguration (written to the store for benchmarks)."""
@@ -292,6 +310,7 @@ class Trainer:
         # Lane j's view of the world: node -> rank of its local rank j (p2p ops address lane peers).
         self._rank_of = {node: position * k + self.local_rank for position, node in enumerate(nodes)}
         self._world_size = len(nodes) * k
+        arrive(store, plan.generation, self._world_size, self.joining)
         join_world(
             store,
             plan.generation,

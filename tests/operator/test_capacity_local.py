@@ -1,7 +1,7 @@
-"""Capacity comes back in the local stack, the way a user sees it: `rjob local up`, apply the local job, kill
-two workers with `rjob local chaos kill`; the operator plans around them, asks for two pods under new node ids,
-the process kubelet runs them as real agent processes, and they join through the planner: the layout grows
-back to four workers, every generation is newer than the one before, and training keeps going."""
+"""Capacity comes back in the local stack, the way a user sees it: `rjob local up`, apply the local job,
+kill two workers with `rjob local chaos kill`; the operator plans around them, asks for two pods under new
+node ids, the process kubelet runs them as real agent processes, and they join through the planner: the
+layout grows back to four workers, every generation is newer than the one before, and training goes on."""
 
 from __future__ import annotations
 
