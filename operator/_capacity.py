@@ -180,7 +180,10 @@ class CapacityKeeper:
             await ctl.write_status(force=True)  # durable before any pod exists under the new ids
         if decided.create:
             strikes = dict(decided.create)
-            await ctl.create_pods(strikes, current.generation, current.layout, strikes=strikes)
+            generation, layout = current.generation, current.layout
+            if ctl.status.plan_generation > generation:  # applied meanwhile by a background decision
+                generation, layout = ctl.status.plan_generation, ctl.status.layout
+            await ctl.create_pods(strikes, generation, layout, strikes=strikes)
             for node, count in decided.create:
                 after = f" after {count} quick failure(s) in a row" if count else ""
                 ctl.event(

@@ -339,9 +339,11 @@ class JobController:
             async with limit:
                 await self.kube.patch(self._pod_path(node), annotations)
 
-        # Parked slow nodes follow the generations too: they run probe steps and may rejoin.
-        # Pods that already show this generation (created with it, or patched before a restart) are skipped.
-        targets = sorted(set(message.plan.nodes) | set(message.parked))
+        # Parked slow nodes and replacement pods not in the plan yet follow the generations too: they run
+        # probe steps and may (re)join. Pods that already show this generation (created with it, or patched
+        # before a restart) are skipped.
+        live = {node for node, pod in self.pods.items() if pod.failed is None}
+        targets = sorted(set(message.plan.nodes) | set(message.parked) | live)
         wanted = str(message.generation)
         await asyncio.gather(
             *(
