@@ -96,6 +96,19 @@ class RuntimePlanner:
             failure_rate_per_node_hour=self.failure_rate_per_node_hour,
         )
 
+    def grow(self, current: Plan, joined: Collection[int], policy: Policy = Policy.AUTO) -> Plan:
+        """The next plan once new nodes (replacements under new ids) run: the planner's scale-up choice."""
+        return replan(
+            current,
+            self.profile,
+            self.cluster,
+            self.job,
+            joined=joined,
+            policy=policy,
+            costs=self.costs,
+            failure_rate_per_node_hour=self.failure_rate_per_node_hour,
+        )
+
     def upgrade(self, current: Plan) -> Plan:
         """A dynamic layout over the live nodes, e.g. to leave a rerouted plan once the job is stable."""
         return self.recover(current, (), Policy.DYNAMIC)

@@ -36,7 +36,7 @@ from resilientjob.planner.plan import Plan, Policy
 from ._runtime_plans import RuntimePlanner
 from ._runtime_schedule import world_nodes
 from .runtime import check_supported
-from .worker import JobConfig, announce_failures, publish_plan, worker_main
+from .worker import JobConfig, announce_failures, joining_key, publish_plan, worker_main
 
 
 @dataclass(slots=True)
@@ -121,9 +121,13 @@ class Launcher:
         start_method: str = "forkserver",
         on_plan: Callable[[Plan], None] | None = None,
         live: bool = True,
+        joins: Mapping[int, int] | None = None,
     ) -> None:
         """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
-        steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change)."""
+        steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change).
+        `joins`: new node id -> committed step after which the planner takes that node in (a replacement
+        pod joining, as the operator plans it); its workers start with the job, load the model and wait to be
+        taken in (`worker.joining_key`), as a replacement pod that is running before its plan does."""
         self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
@@ -144,6 +148,7 @@ class Launcher:
         self.start_method = start_method
         self.on_plan = on_plan
         self.live = live
+        self.joins = dict(joins or {})
         # live=False sends every failure down the checkpoint-restart path: the benchmark's baseline.
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -189,6 +194,7 @@ class Launcher:
         started = time.time()
         self.publish(self.plan)
         self._start(list(self.plan.nodes), restore=False)
+        self._start(sorted(self.joins), restore=False)
         running = set(self.agents)
         while running:
             if time.time() - started > timeout_s:
@@ -205,8 +211,24 @@ class Launcher:
             elif self._upgrade_at is not None and self._committed() >= self._upgrade_at:
                 self._upgrade_at = None
                 self.publish(self.planner.upgrade(self.plan))
+            elif joined := self._due_joins():
+                for node in joined:
+                    del self.joins[node]
+                self.publish(self.planner.grow(self.plan, joined, self.policy))
             time.sleep(0.02)
         return self._result(time.time() - started)
+
+    def _due_joins(self) -> list[int]:
+        """New nodes whose step has come and whose workers wait to join, once the current plan is fully
+        applied (not mid-switch)."""
+        if not self.joins or not self._fully_applied():
+            return []
+        committed = self._committed()
+        return sorted(
+            node
+            for node, step in self.joins.items()
+            if committed >= step and self.store.check([joining_key(node)])
+        )
 
     def _poll(self, running: set[int]) -> set[int]:
         failed = set()

@@ -100,6 +100,24 @@ def join_world(
     )
 
 
+JOIN_WAIT_S = 300.0
+"""How long a joining node waits for its peers to reach the rendezvous of the plan that takes it in."""
+
+
+def arrive(store: Store, generation: int, world_size: int, joining: bool) -> None:
+    """Count this rank in at the generation's rendezvous. A joining node is idle when the plan appears,
+    while its peers reach the rendezvous only at the end of their step, which on a busy machine can take
+    longer than the rendezvous timeout: so it enters only once every rank has arrived, or gives up when a
+    newer plan replaces this one (RuntimeError: the caller moves on to that plan)."""
+    key = f"arriving/{generation}"
+    store.add(key, 1)
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while joining and int(store.add(key, 0)) < world_size:
+        if int(store.add("generation", 0)) > generation or time.monotonic() > deadline:
+            raise RuntimeError(f"join: the peers did not reach the rendezvous of generation {generation}")
+        time.sleep(0.01)
+
+
 @dataclass(slots=True)
 class StepTimings:
     """Seconds spent in each phase of the last reconfiguration (written to the store for benchmarks)."""
@@ -132,6 +150,9 @@ class Trainer:
     layers: dict[int, LayerState] = field(default_factory=dict)
     step: int = 0
     """Committed steps so far; the next step to run."""
+    joining: bool = False
+    """A new node joining a job that has trained already (a replacement pod): it holds nothing and takes the
+    step of the world it joins instead of voting one."""
     plan: Plan | None = None
     generation: int = -1
     received: list[TransferRecord] = field(default_factory=list)
@@ -289,6 +310,7 @@ class Trainer:
         # Lane j's view of the world: node -> rank of its local rank j (p2p ops address lane peers).
         self._rank_of = {node: position * k + self.local_rank for position, node in enumerate(nodes)}
         self._world_size = len(nodes) * k
+        arrive(store, plan.generation, self._world_size, self.joining)
         join_world(
             store,
             plan.generation,
@@ -297,11 +319,16 @@ class Trainer:
             self.collective_timeout_s,
             self.device,
         )
-        # Everyone resumes at the same committed step, or nobody resumes live.
-        steps = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.comm_device)
+        # Everyone resumes at the same committed step, or nobody resumes live. A joining node has no step of
+        # its own: it votes neither bound and takes the one the others agree on (the data order and the
+        # learning-rate schedule follow from it; AdamW's step counts arrive with the layers).
+        mine = (0, -(2**62)) if self.joining else (self.step, -self.step)
+        steps = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
         self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
         if int(steps[0]) != -int(steps[1]):
             raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
+        if self.joining:
+            self.step, self.joining = int(steps[0]), False
         if k > 1:
             for slot, node in enumerate(nodes):
                 # Every rank takes part in creating every node's stage group, as `new_group` requires.

@@ -98,9 +98,33 @@ class StoreHost:
         """Whether the failure counter was taken over from an earlier host (`failures_key`)."""
         self.validation = ValidationRelay(client, keys, self.store)
         self.outage = Outage("store host")
+        self._held = -1
+        """The generation last held back for joining nodes (told once in the log)."""
 
     async def _published(self) -> PlanAnnouncement | None:
         return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
+
+    def unready(self, announcement: PlanAnnouncement) -> list[int]:
+        """Nodes new to the store's world (replacement pods joining) whose workers cannot rendezvous yet:
+        the generation waits for them (`worker.joining_key`), and the workers keep training meanwhile. A
+        new host (no plan yet) and parked nodes coming back wait for nobody."""
+        from ._runtime_schedule import world_nodes
+        from .worker import joining_key
+
+        if self.plan is None:
+            return []
+        new = set(world_nodes(announcement.plan)) - set(world_nodes(self.plan)) - set(self.parked)
+        return sorted(node for node in new if not self.store.check([joining_key(node)]))
+
+    def _due(self, current: PlanAnnouncement) -> bool:
+        """Whether to mirror `current` now: newer than the store's plan, and no joining node to wait for."""
+        if self.plan is not None and current.generation <= self.plan.generation:
+            return False
+        waiting = self.unready(current)
+        if waiting and self._held != current.generation:
+            self._held = current.generation
+            print(f"store host: generation {current.generation} waits for nodes {waiting}", flush=True)
+        return not waiting
 
     def mirror(self, announcement: PlanAnnouncement) -> None:
         """Announce the generation's dead nodes, then publish its plan (in that order: see module doc)."""
@@ -152,7 +176,7 @@ class StoreHost:
                 if not self.seeded:
                     await self._seed()
                 current = await self._published()
-                if current is not None and (self.plan is None or current.generation > self.plan.generation):
+                if current is not None and self._due(current):
                     before = self.announced
                     self.mirror(current)
                     if self.announced != before:

@@ -12,7 +12,8 @@ Store layout (the launcher hosts the store; in a cluster the agent mirrors the o
   received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
-  joining/<g>           workers that checked in for the rendezvous of plan g (`await_peers`)
+  checkin/<g>           workers that checked in for the rendezvous of plan g (`await_peers`)
+  joining/<node>        set by a joining node once it can rendezvous (`joining_key`)
 
 `publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
 which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
@@ -192,6 +193,28 @@ def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan
     raise TimeoutError(f"plan_timeout_s: no plan after generation {generation} within {timeout_s} s")
 
 
+def joining_key(node: int) -> str:
+    """Store key a joining node's workers set once they can rendezvous (model loaded): plans that take the
+    node in are published to the store only then (`store_host`, the launcher), so that its peers do not
+    wait for it in a rendezvous that would time out while it starts."""
+    return f"joining/{node}"
+
+
+def wait_for_plan_with(store: Store, node: int, plan: Plan, timeout_s: float) -> Plan | None:
+    """`plan` if it gives `node` a part, else the first newer plan that does (a node that joins waits for
+    the plan that takes it in); None after `timeout_s` without one."""
+    deadline = time.monotonic() + timeout_s
+    while node not in world_nodes(plan):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            plan = wait_for_plan_after(store, plan.generation, left)
+        except TimeoutError:
+            return None
+    return plan
+
+
 def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: float) -> bool:
     """Check in for plan `plan.generation` and wait for every worker of its world before the rendezvous,
     whose timeout is the collective timeout (seconds). Workers reach a rendezvous far apart: at a fresh start
@@ -204,7 +227,7 @@ def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: flo
     nodes = world_nodes(plan)
     if node not in nodes:
         return True
-    key = f"joining/{plan.generation}"
+    key = f"checkin/{plan.generation}"
     expected = len(nodes) * degree
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
@@ -310,6 +333,15 @@ def worker_main(
     model = config.load_model()
     dataset = config.open_dataset(model)
     plan = read_plan(store, read_generation(store))
+    # Not in the newest plan, or started after the job trained (a replacement pod under a new node id): a
+    # join, not a start. The node holds nothing; the plan that takes it in copies its layers to it.
+    joining = not restore and (node not in world_nodes(plan) or int(store.add("committed", 0)) > 0)
+    if joining:
+        store.set(joining_key(node), "1")
+        found = wait_for_plan_with(store, node, plan, config.plan_timeout_s)
+        if found is None:
+            return {"node": node, "step": 0, "left": True}
+        plan = found
     degree = tp_degree(plan)
     checkpointer = config.checkpointer(shard=local_rank, shards=degree)
     trainer = Trainer(
@@ -323,8 +355,10 @@ def worker_main(
         collective_timeout_s=config.collective_timeout_s,
         device=device,
         checkpoint_interval_s=workload.checkpoint.interval_s if checkpointer is not None else 0.0,
+        joining=joining,
     )
-    trainer.init_layers(plan)
+    if not joining:  # a joining node gets every layer it holds from its peers (the plan's transfers)
+        trainer.init_layers(plan)
     restored: int | None = None
     if restore:
         if checkpointer is None:

@@ -11,7 +11,7 @@ from typing import Any
 from resilientjob.planner.plan import Plan
 
 from . import api
-from ._manifests import ANNOTATION_GENERATION, LABEL_JOB, LABEL_NODE, job_label
+from ._manifests import ANNOTATION_GENERATION, ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
 
 # Pod-level signals that the node under a pod is gone, as the node lifecycle controller reports them.
 NODE_LOST_REASONS = frozenset(
@@ -36,6 +36,10 @@ class PodView:
     reason: str
     generation: str = ""
     """The pod's generation annotation: a pod already showing the generation is not patched again."""
+    created: str = ""
+    """creationTimestamp (RFC 3339): how long a failed pod lived decides its crash-loop backoff."""
+    strikes: int = 0
+    """Quick failures in a row of the pods this one replaced (`_capacity`)."""
 
     @property
     def completed(self) -> bool:
@@ -72,6 +76,8 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         for c in conditions
     )
     reason = str(status.get("reason") or ("NodeLost" if node_not_ready else ""))
+    annotations = meta.get("annotations") or {}
+    strikes = str(annotations.get(ANNOTATION_STRIKES, "0"))
     return PodView(
         node=node,
         name=str(meta.get("name", "")),
@@ -80,7 +86,9 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         ready=ready,
         deleting=bool(meta.get("deletionTimestamp")),
         reason=reason,
-        generation=str((meta.get("annotations") or {}).get(ANNOTATION_GENERATION, "")),
+        generation=str(annotations.get(ANNOTATION_GENERATION, "")),
+        created=str(meta.get("creationTimestamp") or ""),
+        strikes=int(strikes) if strikes.isdigit() else 0,
     )
 
 
@@ -116,15 +124,22 @@ def training_complete(plan: Plan, observed: Observation) -> bool:
     )
 
 
-def detect_joins(plan: Plan, observed: Observation, nodes: int, parked: Iterable[int] = ()) -> set[int]:
-    """Ready, healthy pods for nodes the plan does not use: replacement or returning nodes. Nodes parked by
-    fail-slow mitigation come back through their recovery report, not here."""
+def detect_joins(plan: Plan, observed: Observation, parked: Iterable[int] = ()) -> set[int]:
+    """Ready, healthy pods for nodes the plan does not use: replacement pods (new node ids beyond
+    `spec.nodes`, `_capacity`) or returning nodes. Nodes parked by fail-slow mitigation come back through
+    their recovery report, not here. A node the last decision already offered to the planner and that it
+    left idle is in this set too: `new_joins` tells the two apart."""
     used = set(plan.nodes) | set(parked)
     return {
-        node
-        for node, pod in observed.pods.items()
-        if node < nodes and node not in used and pod.ready and pod.failed is None
+        node for node, pod in observed.pods.items() if node not in used and pod.ready and pod.failed is None
     }
+
+
+def new_joins(idle: set[int], decided: Iterable[int]) -> set[int]:
+    """The joins that call for a new decision: idle nodes the last generation did not already decide about
+    (a scale-up the planner answered by leaving a node idle, the eq. 8 choice, is not asked again each
+    pass; the idle node is offered again with the next change)."""
+    return idle - set(decided)
 
 
 def decision(

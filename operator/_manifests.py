@@ -34,6 +34,8 @@ STORE_PORT = 29500
 """The port of the job's TCPStore in the store pod (the headless Service's `rendezvous` port)."""
 ANNOTATION_GENERATION = "resilientjob.io/generation"
 ANNOTATION_LAYOUT = "resilientjob.io/layout"
+ANNOTATION_STRIKES = "resilientjob.io/strikes"
+"""On a replacement pod: quick failures in a row of the pods it replaces (its crash-loop backoff)."""
 MANAGER = "resilientjob-operator"
 PODINFO_DIR = "/etc/podinfo"
 PLAN_DIR = "/etc/resilientjob"

@@ -98,6 +98,8 @@ class Reason(StrEnum):
     PROFILE_FAILED = "ProfileFailed"
     CHECKING_WORKLOAD = "CheckingWorkload"
     INVALID_WORKLOAD = "InvalidWorkload"
+    NODE_REPLACED = "NodeReplaced"
+    REPLACEMENT_BACKOFF = "ReplacementBackoff"
 
 
 class LayerSpec(_Api):
@@ -383,6 +385,25 @@ class Recovery(_Api):
     at: str = ""
 
 
+class WaitingReplacement(_Api):
+    """A failed worker whose replacement pod waits out its crash-loop backoff."""
+
+    strikes: int = Field(ge=0, description="Quick failures in a row of the pods this one replaces.")
+    not_before: str = Field(default="", description="RFC 3339: no replacement pod before this time.")
+
+
+class CapacityStatus(_Api):
+    """Replacement of failed workers: the operator keeps `spec.nodes` worker pods asked for."""
+
+    next_node_id: int = Field(
+        default=0, ge=0, description="Node id the next replacement pod gets; ids are never reused."
+    )
+    replaced: int = Field(default=0, ge=0, description="Replacement pods created so far.")
+    waiting: list[WaitingReplacement] = Field(
+        default_factory=list, max_length=10_000, description="Replacements held back by their backoff."
+    )
+
+
 class ResilientJobStatus(_Api):
     phase: Phase = Phase.PENDING
     conditions: list[Condition] = Field(default_factory=list)
@@ -413,6 +434,7 @@ class ResilientJobStatus(_Api):
     loss: float | None = Field(default=None, description="Training loss of the last committed step.")
     estimated_throughput: float = Field(default=0.0, ge=0, description="The plan's estimate, samples/s.")
     recoveries: list[Recovery] = Field(default_factory=list, max_length=50)
+    capacity: CapacityStatus = Field(default_factory=CapacityStatus)
 
 
 RECOVERY_HISTORY = 50

@@ -36,7 +36,7 @@ from resilientjob.agent._redis import HEARTBEAT_TTL_S, REDIS_DOWN, JobKeys, conn
 from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner._errors import PlannerError
 
-from . import _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
+from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
@@ -100,6 +100,9 @@ class JobController:
         self._pods_listed_at = time.monotonic()
         self.record = _durable.PlanRecord(kube, namespace, name)
         self.watch = RedisWatch(name)
+        self.capacity = _capacity.CapacityKeeper(
+            _capacity.Backoff(settings.replace_backoff_s, settings.replace_backoff_max_s)
+        )
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -231,8 +234,11 @@ class JobController:
         await self.create_pods(nodes, published.generation, published.layout)
         return published
 
-    async def create_pods(self, nodes: Iterable[int], generation: int, layout: str) -> None:
-        """The Service and these nodes' pods (idempotent: existing ones are left as they are)."""
+    async def create_pods(
+        self, nodes: Iterable[int], generation: int, layout: str, strikes: Mapping[int, int] | None = None
+    ) -> None:
+        """The Service and these nodes' pods (idempotent: existing ones are left as they are); `strikes`:
+        the crash-loop count a replacement pod carries (`_capacity`)."""
         spec = self.require_spec()
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
         await self.ensure_store()
@@ -244,6 +250,8 @@ class JobController:
             )
             if self.settings.worker_defaults:
                 manifest = load_worker_defaults(self.settings.worker_defaults).apply(manifest)
+            if strikes and strikes.get(node):
+                manifest["metadata"]["annotations"][_manifests.ANNOTATION_STRIKES] = str(strikes[node])
             async with limit:
                 await self.kube.create(core_path(self.namespace, "pods"), manifest)
 
@@ -299,9 +307,11 @@ class JobController:
             async with limit:
                 await self.kube.patch(self._pod_path(node), annotations)
 
-        # Parked slow nodes follow the generations too: they run probe steps and may rejoin.
-        # Pods that already show this generation (created with it, or patched before a restart) are skipped.
-        targets = sorted(set(message.plan.nodes) | set(message.parked))
+        # Parked slow nodes and replacement pods not in the plan yet follow the generations too: they run
+        # probe steps and may (re)join. Pods that already show this generation (created with it, or patched
+        # before a restart) are skipped.
+        live = {node for node, pod in self.pods.items() if pod.failed is None}
+        targets = sorted(set(message.plan.nodes) | set(message.parked) | live)
         wanted = str(message.generation)
         await asyncio.gather(
             *(
@@ -322,7 +332,9 @@ class JobController:
             api.Reason.PLANNED,
             f"generation {message.generation}",
         )
-        degraded = bool(message.plan.failed_nodes) or bool(message.parked)
+        # Failed nodes whose places replacements took (`_capacity`) no longer degrade the job.
+        short = len(message.plan.nodes) < self.require_spec().nodes
+        degraded = (bool(message.plan.failed_nodes) and short) or bool(message.parked)
         conditions = _decide.set_condition(
             conditions,
             api.ConditionType.DEGRADED,
@@ -481,8 +493,10 @@ class JobController:
         }
         if suspects:
             await self._fence(await self._confirmed(suspects))
-        joins = _decide.detect_joins(plan, observed, spec.nodes, published.parked)
-        if not deciding and (self._fenced or joins):
+        if not self._trained_to_the_end(spec):
+            await self.capacity.keep_up(self, published, self._fenced)
+        joins = _decide.detect_joins(plan, observed, published.parked)
+        if not deciding and (self._fenced or _decide.new_joins(joins, published.nodes)):
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
@@ -562,6 +576,7 @@ class JobController:
                 fenced = sorted({*self.status.fenced_nodes, node})
                 self.status = self.status.model_copy(update={"fenced_nodes": fenced})
                 await self._write_status(force=True)
+            self.capacity.fenced(self, node)
             await self.kube.delete(self._pod_path(node), grace_period_s=0)
             with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
                 await redis.fence(node)

@@ -39,6 +39,13 @@ class OperatorSettings:
     worker_defaults: str | None = None
     """JSON file of defaults for worker pods (the Helm chart's `workers` values); None: none."""
 
+    replace_backoff_s: float = 10.0
+    """Crash-loop backoff of replacement workers: the wait after the second quick failure in a row, doubling
+    with each further one (the first failed pod is replaced at once; `_capacity`)."""
+
+    replace_backoff_max_s: float = 300.0
+    """Upper bound of that wait."""
+
     standalone: bool = False
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
@@ -48,6 +55,8 @@ class OperatorSettings:
         for name, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
             if not 0 <= port < 65536:
                 raise ValueError(f"{name} must be 0..65535, got {port}")
+        if not 0 <= self.replace_backoff_s <= self.replace_backoff_max_s:
+            raise ValueError("need 0 <= replace_backoff_s <= replace_backoff_max_s")
         if self.health_port and self.health_port == self.metrics_port:
             raise ValueError(f"health_port and metrics_port must differ, both are {self.health_port}")
 
@@ -66,6 +75,8 @@ class OperatorSettings:
             ("metrics_port", "RJOB_METRICS_PORT", int),
             ("health_port", "RJOB_HEALTH_PORT", int),
             ("worker_defaults", "RJOB_WORKER_DEFAULTS", str),
+            ("replace_backoff_s", "RJOB_REPLACE_BACKOFF_S", float),
+            ("replace_backoff_max_s", "RJOB_REPLACE_BACKOFF_MAX_S", float),
         ):
             if env.get(variable):
                 given[name] = kind(env[variable])
@@ -85,6 +96,8 @@ class OperatorSettings:
             "RJOB_METRICS_PORT": str(self.metrics_port),
             "RJOB_HEALTH_PORT": str(self.health_port),
             "RJOB_STANDALONE": "1" if self.standalone else "",
+            "RJOB_REPLACE_BACKOFF_S": str(self.replace_backoff_s),
+            "RJOB_REPLACE_BACKOFF_MAX_S": str(self.replace_backoff_max_s),
         }
         for key, value in (
             ("RJOB_API_URL", self.api_url),

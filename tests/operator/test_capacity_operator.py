@@ -1,0 +1,132 @@
+"""Capacity comes back, through the real operator against the emulated API server and a real Redis: two
+workers die, their places get new pods under fresh node ids, the new pods join through the planner once they
+run (this test plays the kubelet: it sets the pods' phases), and a replacement that keeps failing is asked
+for again with a growing, bounded delay that the status and the Events show."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from _rjob_stack import Kube, Stack, emulator_only, eventually, job_manifest
+
+pytestmark = [
+    pytest.mark.cluster,
+    emulator_only("the test sets pod phases itself, as the kubelet of a real cluster would"),
+]
+
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 2.0
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator (started by `stack` after this) backs off 1 s, then 2 s at most."""
+    monkeypatch.setenv("RJOB_REPLACE_BACKOFF_S", str(BACKOFF_S))
+    monkeypatch.setenv("RJOB_REPLACE_BACKOFF_MAX_S", str(BACKOFF_MAX_S))
+
+
+async def _set_phase(kube: Kube, pod: str, phase: str) -> None:
+    ready = "True" if phase == "Running" else "False"
+    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready", "status": ready}]}
+    if phase == "Failed":
+        status["reason"] = "Error"
+    await kube.api.patch(kube.path("pods", pod, status=True), {"status": status})
+
+
+async def _nodes(kube: Kube, job: str) -> dict[int, dict[str, Any]]:
+    return {int(pod["metadata"]["labels"]["resilientjob.io/node"]): pod for pod in await kube.job_pods(job)}
+
+
+async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_off(
+    fast_backoff: None, stack: Stack
+) -> None:
+    kube = stack.kube
+    await kube.create_job(job_manifest("grow", failSlow={"enabled": False}))
+
+    async def status_where(check: Any) -> dict[str, Any] | None:
+        status = await kube.job_status("grow")
+        return status if status and check(status) else None
+
+    first = await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+    for node in range(4):
+        await _set_phase(kube, f"grow-node-{node}", "Running")
+    assert first["workersTotal"] == 4
+
+    # Two workers die at once: fenced, planned around, and two pods asked for under new ids 4 and 5.
+    await kube.delete("pods", "grow-node-1")
+    await kube.delete("pods", "grow-node-2")
+    shrunk = await eventually(
+        lambda: status_where(lambda s: sorted(s.get("failedNodes", [])) == [1, 2]), 10, "nodes 1, 2 out"
+    )
+    assert shrunk["workersTotal"] == 2
+
+    async def replacements() -> dict[int, dict[str, Any]] | None:
+        pods = await _nodes(kube, "grow")
+        return pods if sorted(pods) == [0, 3, 4, 5] else None
+
+    pods = await eventually(replacements, 10, "replacement pods for nodes 4 and 5")
+    assert all((pods[n].get("status") or {}).get("phase", "Pending") == "Pending" for n in (4, 5))
+    assert all("resilientjob.io/strikes" not in pods[n]["metadata"]["annotations"] for n in (4, 5))
+
+    # They run: the planner takes them in (a scale-up chosen by eq. 8), and the layout grows back.
+    for node in (4, 5):
+        await _set_phase(kube, f"grow-node-{node}", "Running")
+    grown = await eventually(
+        lambda: status_where(lambda s: s.get("workersTotal") == 4 and s.get("workers") == "4/4"),
+        15,
+        "the layout grown back to four workers",
+    )
+    decision = grown["lastDecision"]
+    assert decision["trigger"] == "NodeJoined" and decision["nodes"] == [4, 5]
+    best = max((c for c in decision["candidates"] if c["feasible"]), key=lambda c: c["score"])
+    assert (decision["policy"], decision["layout"]) == (best["policy"], best["layout"])
+    plan = json.loads((await kube.get("configmaps", "grow-plan"))["data"]["plan.json"])  # type: ignore[index]
+    used = {s["node"] for p in plan["plan"]["pipelines"] for s in p["stages"] if not s["rerouted_to"]}
+    assert used == {0, 3, 4, 5}
+    assert {c["type"]: c["status"] for c in grown["conditions"]}["Degraded"] == "False"
+    generations = [r["generation"] for r in grown["recoveries"]]
+    assert generations == sorted(set(generations)) and generations[-1] == grown["planGeneration"]
+
+    # Node 5 crashes soon after it started: replaced at once (strike 1), its replacement crashes before it
+    # ever runs (strike 2: waits 1 s), and the next (strike 3: waits 2 s, the bound), and so on.
+    await _set_phase(kube, "grow-node-5", "Failed")
+    created: dict[int, float] = {}
+    failed_at: dict[int, float] = {}
+    node = 5
+    for strikes in (1, 2, 3):
+        failed_at[node] = time.monotonic()
+
+        async def next_pod(after: int = node) -> dict[str, Any] | None:
+            pods = await _nodes(kube, "grow")
+            return next((pod for n, pod in pods.items() if n > after), None)
+
+        pod = await eventually(next_pod, 10, f"the replacement after {strikes} quick failure(s)")
+        new = int(pod["metadata"]["labels"]["resilientjob.io/node"])
+        created[new] = time.monotonic()
+        assert new == node + 1  # a fresh id each time, never one seen before
+        assert pod["metadata"]["annotations"]["resilientjob.io/strikes"] == str(strikes)
+        if strikes >= 2:
+            waited = created[new] - failed_at[node]
+            expected = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (strikes - 2))
+            assert waited >= expected - 0.05, (strikes, waited)
+        node = new
+        if strikes < 3:
+            await _set_phase(kube, f"grow-node-{node}", "Failed")
+    status = await kube.job_status("grow")
+    assert status["capacity"]["nextNodeId"] == node + 1
+    assert status["capacity"]["replaced"] == 5
+
+    async def all_events() -> list[str] | None:
+        # kopf posts Events from a queue: the last ones may lag a moment behind the pods.
+        reasons = [e.get("reason", "") for e in await kube.events_of("grow")]
+        return reasons if reasons.count("NodeReplaced") == 5 else None
+
+    reasons = await eventually(all_events, 5, "an Event for each of the five replacements")
+    waits = [e["message"] for e in await kube.events_of("grow") if e.get("reason") == "ReplacementBackoff"]
+    assert len(waits) == 2 and all("in a row soon after starting" in m for m in waits), waits
+    assert "NodeJoined" in reasons
+    # The crash-looping pods never held a stage: a failure outside the plan costs no generation.
+    assert status["planGeneration"] == grown["planGeneration"] + 1  # only node 5's own fencing
