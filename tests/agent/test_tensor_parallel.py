@@ -74,7 +74,10 @@ def _assert_params_match(result: JobResult, params: dict[int, list[torch.Tensor]
                     keys = slice(GPT4["hidden"], 2 * GPT4["hidden"])
                     torch.testing.assert_close(got[keys], want[keys], rtol=0, atol=lr)
                     got[keys] = want[keys] = 0.0
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"node {node} layer {layer}")
+                # 5e-5 against an lr of 3e-3: sharded matmuls sum in another order, and Adam turns the
+                # rounding of a near-zero gradient into ~1e-5 on some CPUs; a wrong shard is off by ~lr.
+                where = f"node {node} layer {layer}"
+                torch.testing.assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m, at=where: f"{at}: {m}")
     return held
 
 
