@@ -157,8 +157,11 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
 
 
 async def _generation(stack: Faults, generation: int) -> dict[str, Any] | None:
+    """The status once Running at `generation` or later (a replacement pod for a fenced node joins in a
+    generation of its own: capacity comes back)."""
     status = await stack.status()
-    running = status.get("phase") == "Running" and status.get("planGeneration") == generation
+    reached = status.get("planGeneration")
+    running = status.get("phase") == "Running" and reached is not None and reached >= generation
     return status if running else None
 
 
@@ -166,33 +169,59 @@ async def _all_beating(stack: Faults) -> bool:
     return await stack.live_heartbeats() == set(range(NODES))
 
 
+async def _settled(stack: Faults, generation: int) -> tuple[dict[str, Any], PlanAnnouncement] | None:
+    """Status, Redis and the plan ConfigMap at one generation (>= `generation`), read while no commit ran."""
+    status = await _generation(stack, generation)
+    plan = await stack.plan()
+    configmap = await stack.kube.get("configmaps", f"{JOB}-plan")
+    if status is None or plan is None or configmap is None:
+        return None
+    agree = status["planGeneration"] == plan.generation == int(configmap["data"]["generation"])
+    return (status, plan) if agree else None
+
+
 async def _check(stack: Faults, generation: int, fenced: set[int]) -> None:
     """The invariants after a fault: Running at `generation` (Redis, ConfigMap and status agree), every
-    generation seen once and none skipped, the fenced nodes out of the layout and without pods."""
-    status = await eventually(
-        lambda: _generation(stack, generation), 40, f"Running at generation {generation}"
+    generation seen once and none skipped, any later generation only a replacement joining, the fenced
+    nodes out of the layout and without pods."""
+    status, plan = await eventually(
+        lambda: _settled(stack, generation),
+        40,
+        f"Running at generation {generation}, record and Redis agreeing",
     )
-    plan = await eventually(stack.plan, 40, "the plan in Redis")
-    assert plan.generation == generation
-    configmap = await stack.kube.get("configmaps", f"{JOB}-plan")
-    assert configmap is not None and configmap["data"]["generation"] == str(generation)
+    current = plan.generation
     stack.saw(plan)
-    assert sorted(stack.seen) == list(range(generation + 1)), f"generations seen: {sorted(stack.seen)}"
+    assert sorted(stack.seen) == list(range(current + 1)), f"generations seen: {sorted(stack.seen)}"
     reused = {g: sorted(times) for g, times in stack.seen.items() if len(times) != 1}
     assert not reused, f"generations announced twice: {reused}"
+    recoveries = status.get("recoveries") or []
+    assert [r["generation"] for r in recoveries] == list(range(1, current + 1))
+    later = [r for r in recoveries if r["generation"] > generation]
+    assert all(r["trigger"] == "NodeJoined" and min(r["nodes"]) >= NODES for r in later), later
     assert fenced.isdisjoint(plan.plan.nodes)
     assert set(status.get("fencedNodes") or []) == fenced
-    pods = {p["metadata"]["name"] for p in await stack.kube.job_pods(JOB)}
-    assert pods == {f"{JOB}-node-{n}" for n in range(NODES) if n not in fenced}
-    assert [r["generation"] for r in status.get("recoveries") or []] == list(range(1, generation + 1))
+    ids = {int(p["metadata"]["name"].rsplit("-", 1)[1]) for p in await stack.kube.job_pods(JOB)}
+    assert not ids & fenced, f"a fenced node has a pod: {sorted(ids)}"
+    assert set(range(NODES)) - fenced <= ids, f"pods: {sorted(ids)}"
+    assert all(node >= NODES for node in ids - set(range(NODES))), f"replacements reuse an id: {sorted(ids)}"
 
 
-async def _kill_pod_is_handled(stack: Faults, node: int, generation: int, fenced: set[int]) -> None:
-    """A pod kill after the fault still gives the next generation, without that node."""
+async def _kill_pod_is_handled(stack: Faults, node: int, fenced: set[int]) -> None:
+    """A pod kill after the fault still gives a generation without that node (the next one, unless a
+    replacement's join was committed just before)."""
+    _, before = await eventually(lambda: _settled(stack, 0), 40, "the job settled before the kill")
     await stack.kube.delete("pods", f"{JOB}-node-{node}")
-    status = await eventually(lambda: _generation(stack, generation + 1), 40, "the generation after a kill")
-    assert status["lastDecision"]["nodes"] == [node]
-    await _check(stack, generation + 1, fenced | {node})
+
+    async def decided() -> dict[str, Any] | None:
+        recoveries = (await stack.status()).get("recoveries") or []
+        failed = [
+            r for r in recoveries if r["generation"] > before.generation and r["trigger"] == "NodeFailed"
+        ]
+        return failed[0] if failed else None
+
+    decision = await eventually(decided, 40, "the generation after a kill")
+    assert decision["nodes"] == [node], decision
+    await _check(stack, decision["generation"], fenced | {node})
 
 
 async def _trains(stack: Faults) -> None:
@@ -229,7 +258,7 @@ async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Fa
     if gap_s >= 2.0:  # long enough that the operator's own calls (every 0.25 s) failed meanwhile
         assert text.count("Redis unreachable") == 1 and text.count("Redis is back") == 1
     assert "Traceback" not in text
-    await _kill_pod_is_handled(faults, 2, 0, set())
+    await _kill_pod_is_handled(faults, 2, set())
 
 
 async def test_redis_paused_fences_nobody(faults: Faults) -> None:
@@ -241,7 +270,7 @@ async def test_redis_paused_fences_nobody(faults: Faults) -> None:
     await _quiet(HEARTBEAT_GRACE_S + 1.0)
     await _check(faults, 0, set())
     await _trains(faults)
-    await _kill_pod_is_handled(faults, 1, 0, set())
+    await _kill_pod_is_handled(faults, 1, set())
 
 
 async def test_garbage_in_redis_is_repaired_not_obeyed(faults: Faults) -> None:
@@ -263,7 +292,7 @@ async def test_garbage_in_redis_is_repaired_not_obeyed(faults: Faults) -> None:
     assert f"undecodable value in Redis key {faults.keys.plan}" in text
     assert f"undecodable value in Redis key {faults.keys.iterations}" in text
     await _trains(faults)
-    await _kill_pod_is_handled(faults, 3, 0, set())
+    await _kill_pod_is_handled(faults, 3, set())
 
 
 @pytest.mark.parametrize("redis_restart", [False, True])
@@ -282,7 +311,7 @@ async def test_operator_killed_right_after_a_pod_kill_finishes_the_decision_once
     await _quiet(HEARTBEAT_GRACE_S + 1.0)  # a restarted operator that decided again would be at 2 by now
     await _check(faults, 1, {2})
     await _trains(faults)
-    await _kill_pod_is_handled(faults, 0, 1, {2})
+    await _kill_pod_is_handled(faults, 0, {2})
 
 
 # ---- the pure parts -------------------------------------------------------------------------------------
