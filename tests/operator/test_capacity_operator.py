@@ -80,7 +80,9 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
         "the layout grown back to four workers",
     )
     decision = grown["lastDecision"]
-    assert decision["trigger"] == "NodeJoined" and decision["nodes"] == [4, 5]
+    # One generation takes both in, or two (the operator may see node 4 run a pass before node 5).
+    joined = [n for r in grown.get("recoveries") or [] if r["trigger"] == "NodeJoined" for n in r["nodes"]]
+    assert decision["trigger"] == "NodeJoined" and sorted(joined) == [4, 5], grown.get("recoveries")
     best = max((c for c in decision["candidates"] if c["feasible"]), key=lambda c: c["score"])
     assert (decision["policy"], decision["layout"]) == (best["policy"], best["layout"])
     plan = json.loads((await kube.get("configmaps", "grow-plan"))["data"]["plan.json"])  # type: ignore[index]
