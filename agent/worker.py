@@ -200,22 +200,37 @@ def joining_key(node: int) -> str:
     return f"joining/{node}"
 
 
-def wait_for_plan_with(store: Store, node: int, plan: Plan, timeout_s: float) -> Plan | None:
+class JobFinished(Exception):
+    """The job's workers committed its last step while this one waited to join them."""
+
+
+def finished(store: Store, steps: int | None) -> bool:
+    return steps is not None and int(store.add("committed", 0)) >= steps
+
+
+def wait_for_plan_with(
+    store: Store, node: int, plan: Plan, timeout_s: float, steps: int | None = None
+) -> Plan | None:
     """`plan` if it gives `node` a part, else the first newer plan that does (a node that joins waits for
-    the plan that takes it in); None after `timeout_s` without one."""
+    the plan that takes it in); None after `timeout_s` without one. `JobFinished` when the job trained its
+    `steps` meanwhile."""
     deadline = time.monotonic() + timeout_s
     while node not in world_nodes(plan):
+        if finished(store, steps):
+            raise JobFinished
         left = deadline - time.monotonic()
         if left <= 0:
             return None
         try:
-            plan = wait_for_plan_after(store, plan.generation, left)
+            plan = wait_for_plan_after(store, plan.generation, min(left, 1.0))
         except TimeoutError:
-            return None
+            continue
     return plan
 
 
-def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: float) -> bool:
+def await_peers(
+    store: Store, plan: Plan, node: int, degree: int, timeout_s: float, steps: int | None = None
+) -> bool:
     """Check in for plan `plan.generation` and wait for every worker of its world before the rendezvous,
     whose timeout is the collective timeout (seconds). Workers reach a rendezvous far apart: at a fresh start
     (minutes apart on a loaded machine or a slow image pull; node 0, which ran the pre-flight, has its model
@@ -223,7 +238,8 @@ def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: flo
     failure (a worker blocked in a collective notices only at its timeout). A rendezvous entered that far
     apart fails with no peer dead, and then nothing publishes a newer plan. Stops waiting when a newer plan
     appears (a peer died meanwhile) or after `timeout_s`; then the rendezvous decides as before. False when
-    it gave up."""
+    it gave up. `JobFinished` when the job trained its `steps` meanwhile (a replacement that joins as the
+    job ends waits for peers that have exited)."""
     nodes = world_nodes(plan)
     if node not in nodes:
         return True
@@ -234,6 +250,8 @@ def await_peers(store: Store, plan: Plan, node: int, degree: int, timeout_s: flo
     while time.monotonic() < deadline:
         if int(store.add(key, 0)) >= expected or read_generation(store) > plan.generation:
             return True
+        if finished(store, steps):
+            raise JobFinished
         time.sleep(0.01)
     return False
 
@@ -267,13 +285,18 @@ def _load_shards(trainer: Trainer, checkpointer: Checkpointer | None, restored: 
 
 
 def _settle(
-    trainer: Trainer, store: Store, plan: Plan, timeout_s: float, checkpointer: Checkpointer | None = None
+    trainer: Trainer,
+    store: Store,
+    plan: Plan,
+    timeout_s: float,
+    checkpointer: Checkpointer | None = None,
+    steps: int | None = None,
 ) -> bool:
     """Apply `plan`, or the next one if a peer dies during the switch. False if this node is left out."""
     while True:
         restart = plan.policy == Policy.CHECKPOINT and plan.generation > max(trainer.generation, 0)
         try:
-            await_peers(store, plan, trainer.node, trainer.degree, timeout_s)
+            await_peers(store, plan, trainer.node, trainer.degree, timeout_s, steps)
             if restart:
                 _restore(trainer, checkpointer, plan)
             joined = trainer.apply_plan(plan, store)
@@ -338,7 +361,10 @@ def worker_main(
     joining = not restore and (node not in world_nodes(plan) or int(store.add("committed", 0)) > 0)
     if joining:
         store.set(joining_key(node), "1")
-        found = wait_for_plan_with(store, node, plan, config.plan_timeout_s)
+        try:
+            found = wait_for_plan_with(store, node, plan, config.plan_timeout_s, config.steps)
+        except JobFinished:
+            return _finished_without(node, store)
         if found is None:
             return {"node": node, "step": 0, "left": True}
         plan = found
@@ -369,8 +395,12 @@ def worker_main(
             for layer in trainer.layers.values():
                 checkpointer.load(restored, layer)
         trainer.step = restored or 0  # nothing complete yet: start over from the initial weights
-    if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer):
-        return {"node": node, "step": trainer.step, "left": True}
+    try:
+        if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer, config.steps):
+            return {"node": node, "step": trainer.step, "left": True}
+    except JobFinished:
+        trainer.close()
+        return _finished_without(node, store)
     _load_shards(trainer, checkpointer, restored)
     resumed_generation = -1
     first_grads: dict[int, list[torch.Tensor]] = {}
@@ -430,6 +460,13 @@ def worker_main(
         result["local_rank"] = local_rank
     trainer.close()
     return result
+
+
+def _finished_without(node: int, store: Store) -> dict[str, object]:
+    """A replacement that joined as the job ended: its peers trained the last step and exported without it,
+    so it ends as they did (its pod completes, and with it the generation that took it in)."""
+    print(f"node {node}: the job trained its last step before this node could join", flush=True)
+    return {"node": node, "step": int(store.add("committed", 0)), "left": False}
 
 
 def _export(trainer: Trainer, directory: Path) -> None:

@@ -495,7 +495,12 @@ class JobController:
             await self._fence(await self._confirmed(suspects))
         if not self._trained_to_the_end(spec):
             await self.capacity.keep_up(self, published, self._fenced)
-        joins = _decide.detect_joins(plan, observed, published.parked)
+        # A job at its last step takes no one in: the workers exit before a joiner could rendezvous.
+        joins = (
+            set()
+            if self._trained_to_the_end(spec)
+            else _decide.detect_joins(plan, observed, published.parked)
+        )
         if not deciding and (self._fenced or _decide.new_joins(joins, published.nodes)):
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))

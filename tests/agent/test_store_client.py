@@ -172,3 +172,24 @@ def test_every_rendezvous_waits_for_every_worker_of_its_world() -> None:
     assert not await_peers(fresh, moving, node=0, degree=1, timeout_s=0.1)
     assert not await_peers(fresh, moving, node=1, degree=1, timeout_s=0.1)
     assert await_peers(fresh, moving, node=3, degree=1, timeout_s=5)
+
+
+def test_a_worker_waiting_to_join_a_job_that_trained_its_last_step_ends() -> None:
+    """A replacement taken in as the job ends waits for peers that exported and exited: it ends too (its pod
+    completes) instead of waiting out the plan timeout and then staying up as a parked node."""
+    from torch._C._distributed_c10d import HashStore
+
+    from resilientjob.agent.worker import JobFinished, await_peers, publish_plan, wait_for_plan_with
+
+    store = HashStore()
+    plan = _plan(3)
+    publish_plan(store, plan, 0)
+    store.set("committed", "99")
+    assert not await_peers(store, plan, node=0, degree=1, timeout_s=0.1, steps=100)  # not yet the end
+    store.set("committed", "100")
+    started = time.monotonic()
+    with pytest.raises(JobFinished):  # (a plan of its own: the call above checked in for generation 3)
+        await_peers(store, _plan(4), node=0, degree=1, timeout_s=30, steps=100)
+    with pytest.raises(JobFinished):
+        wait_for_plan_with(store, 7, plan, timeout_s=30, steps=100)  # node 7: no plan takes it in
+    assert time.monotonic() - started < 5
