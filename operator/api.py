@@ -259,6 +259,11 @@ class ResilientJobSpec(_Api):
     global_batch_size: int = Field(ge=1, le=2**24, json_schema_extra=_immutable("globalBatchSize"))
     micro_batch_size: int = Field(ge=1, le=2**20, json_schema_extra=_immutable("microBatchSize"))
     fault_tolerance: int = Field(default=1, ge=0, le=4095, description="f: simultaneous failures to survive.")
+    replace_failed_nodes: bool = Field(
+        default=True,
+        description="Ask for a new pod (a new node id) in a fenced node's place, which joins the job when it "
+        "runs; false keeps the job on the nodes it has left.",
+    )
     policy: Policy = Policy.AUTO
     fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)

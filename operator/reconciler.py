@@ -493,7 +493,7 @@ class JobController:
         }
         if suspects:
             await self._fence(await self._confirmed(suspects))
-        if not self._trained_to_the_end(spec):
+        if spec.replace_failed_nodes and not self._trained_to_the_end(spec):
             await self.capacity.keep_up(self, published, self._fenced)
         # A job at its last step takes no one in: the workers exit before a joiner could rendezvous.
         joins = (

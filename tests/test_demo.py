@@ -47,6 +47,7 @@ def test_demo_recovers_from_a_kill_mitigates_the_slowdown_and_writes_the_plot(tm
     killed = re.search(r"kill: worker (\d+) \(SIGKILL\)", output)
     assert killed is not None, output
     assert "training: first step committed" in output
+    assert "NodeJoined" not in output  # the demo job asks for no replacement pods (replaceFailedNodes)
     # The summary table's row for the fail-stop recovery: its trigger and the node that died.
     rows = [line for line in output.splitlines() if "NodeFailed" in line and "│" in line]
     assert rows and any(cell.strip() == killed[1] for cell in rows[0].split("│")), output
