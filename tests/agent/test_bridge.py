@@ -105,6 +105,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     # Whole steps per epoch, so that no step spans two epochs (where one sample may come twice).
     manifest["spec"]["data"]["numSamples"] = 16 * manifest["spec"]["globalBatchSize"]
     manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
+    manifest["spec"]["replaceFailedNodes"] = True  # (the demo turns it off) node 0's replacement joins
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(manifest))
     rjob_ok(stack, "apply", "-f", str(path))
