@@ -42,6 +42,8 @@ from .telemetry_messages import (
 )
 
 if TYPE_CHECKING:
+    from resilientjob.planner.profile import ModelProfile
+
     from .models import ModelSpec
 
 POLL_S = 0.25
@@ -99,41 +101,12 @@ def make_report(
 ) -> ModelProfileReport:
     """Build the model as the runtime does, check the workload and, when asked, profile the model
     (blocking: run it in a thread)."""
-    from resilientjob.planner._hf_profile import profile_from_hf_config
-
     from .models import load_model
 
     try:
         model = load_model(request.model, **{"seq_len": request.seq_len, **model_options})
         _check_workload(model, workload, cache_dir)
-        profile = None
-        if not request.profile:
-            pass
-        elif request.measure:
-            from .profiler import measure_profile
-
-            device = "cpu" if workload.device == "cpu" else f"{workload.device}:0"
-            try:
-                profile = measure_profile(model, request.microbatch_size, device=device)
-            except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
-                raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
-        elif model_source(request.model) is ModelSource.HF_DIRECTORY:
-            path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
-            try:
-                config = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ValueError(f"model: cannot read {path}: {exc}") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"model: {path} does not hold a JSON object")
-            profile = profile_from_hf_config(
-                config, request.seq_len, request.microbatch_size, name=request.model
-            )
-        elif model.hf is not None:  # hf:<family>?k=v: the configuration the model string spells out
-            profile = profile_from_hf_config(
-                model.hf.config.to_dict(), request.seq_len, request.microbatch_size, name=request.model
-            )
-        else:
-            raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")
+        profile = _profile(request, workload, model) if request.profile else None
     except (ValueError, OSError, ImportError) as exc:  # PlannerError, DataError are ValueErrors
         line = " ".join(str(exc).split())
         field = _failed_field(exc)
@@ -154,6 +127,35 @@ def make_report(
         profile=profile,
         sent_at=time.time(),
     )
+
+
+def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec) -> ModelProfile:
+    """The per-layer profile the request asks for: timed on the device, or computed from the model's
+    Hugging Face config (the model directory's or the one `hf:<family>?k=v` spells out)."""
+    from resilientjob.planner._hf_profile import profile_from_hf_config
+
+    if request.measure:
+        from .profiler import measure_profile
+
+        device = "cpu" if workload.device == "cpu" else f"{workload.device}:0"
+        try:
+            return measure_profile(model, request.microbatch_size, device=device)
+        except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
+            raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
+    if model_source(request.model) is ModelSource.HF_DIRECTORY:
+        path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"model: cannot read {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"model: {path} does not hold a JSON object")
+        return profile_from_hf_config(config, request.seq_len, request.microbatch_size, name=request.model)
+    if model.hf is not None:  # hf:<family>?k=v: the configuration the model string spells out
+        return profile_from_hf_config(
+            model.hf.config.to_dict(), request.seq_len, request.microbatch_size, name=request.model
+        )
+    raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")
 
 
 class _Answerer:
