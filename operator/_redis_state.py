@@ -247,12 +247,18 @@ class JobRedis:
         the commit point, Redis its mirror. `failslow` (a mitigation's episode state) goes in the same
         transaction."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.plan, encode(message))
-            pipe.set(self.keys.plan_generation, str(message.generation))
-            pipe.publish(self.keys.plan_channel, encode(message))
-            if failslow is not None:
-                pipe.set(self.failslow_key, self._failslow_payload(failslow))
+            self._queue_announcement(pipe, message, failslow)
             await pipe.execute()
+
+    def _queue_announcement(
+        self, pipe: Any, message: PlanAnnouncement, failslow: dict[str, Any] | None
+    ) -> None:
+        """The writes of one announcement, queued on a transaction: plan, generation, channel, episode."""
+        pipe.set(self.keys.plan, encode(message))
+        pipe.set(self.keys.plan_generation, str(message.generation))
+        pipe.publish(self.keys.plan_channel, encode(message))
+        if failslow is not None:
+            pipe.set(self.failslow_key, self._failslow_payload(failslow))
 
     async def commit(
         self,
@@ -279,11 +285,7 @@ class JobRedis:
                 if current_generation != expected_generation:
                     return None
                 pipe.multi()  # type: ignore[no-untyped-call]
-                pipe.set(self.keys.plan, encode(message))
-                pipe.set(self.keys.plan_generation, str(message.generation))
-                pipe.publish(self.keys.plan_channel, encode(message))
-                if failslow is not None:
-                    pipe.set(self.failslow_key, self._failslow_payload(failslow))
+                self._queue_announcement(pipe, message, failslow)
                 await pipe.execute()
             except WatchError:
                 return None
