@@ -235,18 +235,23 @@ class TrainingAgent:
         self.context: Any = None
         self.left = False
 
-    def start(self) -> None:
-        """Start the node's workers, one per device of its stages (fork: torch is already imported here,
-        which halves start-up on few cores)."""
+    def devices(self) -> int:
+        """Workers this node starts: one per device of its stages in the store's current plan. Blocks until
+        the store host listens (up to a minute): call it off the event loop, or the heartbeats stall."""
         from torch._C._distributed_c10d import TCPStore
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         from ._tensor_parallel import tp_degree
-        from .worker import JobConfig, read_generation, read_plan
+        from .worker import read_generation, read_plan
 
         store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60))
-        devices = tp_degree(read_plan(store, read_generation(store)))
-        del store
+        return tp_degree(read_plan(store, read_generation(store)))
+
+    def start(self, devices: int) -> None:
+        """Start the node's `devices` workers (fork: torch is already imported here, which halves start-up
+        on few cores)."""
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+        from .worker import JobConfig
 
         config = JobConfig(
             workload=self.workload,
@@ -373,7 +378,8 @@ async def train(
         )
     address = await store_address(telemetry.client, telemetry.keys, telemetry.pod)
     agent = TrainingAgent(telemetry, options, workload, address)
-    agent.start()
+    # The store host may still be starting: waiting for it on the event loop would stall the heartbeats.
+    agent.start(await asyncio.to_thread(agent.devices))
     # torch elastic installs SIGTERM/SIGINT handlers that raise; a pod stops cleanly through `stopped`.
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

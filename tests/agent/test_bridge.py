@@ -154,7 +154,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     assert recovered.trigger == "NodeJoined" and recovered.nodes == [4]
     until(lambda: store.check([f"event/applied/{recovered.generation}/4"]), 60, "node 4 joined")
     replanned_at = committed()
-    until(lambda: committed() >= replanned_at + 30, 30, "30 steps after the new generation")
+    until(lambda: committed() >= replanned_at + 30, 90, "30 steps after the new generation")
     end = committed()
     assert int(store.add("failures", 0)) == 1  # the store host announced the death once
 
