@@ -17,7 +17,9 @@ import sys
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
-from ._redis import JobKeys, connect
+from resilientjob.protocol.keys import JobKeys
+
+from ._redis import connect
 from .telemetry import Telemetry
 
 FINISHED_TTL_S = 30.0

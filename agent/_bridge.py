@@ -38,12 +38,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.keys import JobKeys, store_key
 from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import Workload
 
 from ._model_profile import wait_for_first_plan
-from ._redis import REDIS_DOWN, JobKeys, Outage
-from .store_host import store_key
+from ._redis import REDIS_DOWN, Outage
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:

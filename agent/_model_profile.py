@@ -7,7 +7,7 @@ for the first plan, answers with a `ModelProfileReport`. Node 0 builds the model
 checks what every worker would otherwise find only at its start: the checkpoint's tensors and shapes (the
 safetensors headers), the data (missing, shorter than one sample, an odd dtype, token ids beyond the
 vocabulary on a sample), bf16 on a GPU without it. When asked, it also makes the profile: computed from
-`<dir>/config.json` or the configuration of `hf:<family>?k=v` (`planner._hf_profile`: FLOPs at the nominal
+`<dir>/config.json` or the configuration of `hf:<family>?k=v` (`planner.hf_profile`: FLOPs at the nominal
 device speed, exact bytes) or measured (`profiler.measure_profile`), with the layer count of the model as the
 runtime builds it. A failure is one line and the spec field it names. The operator validates the report,
 keeps a profile in a ConfigMap of the job, and plans, or fails the job naming the field before any worker
@@ -27,19 +27,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
-from resilientjob.protocol.workload import Precision, Workload
-
-from ._redis import REDIS_DOWN, JobKeys
-from .telemetry import Telemetry
-from .telemetry_messages import (
+from resilientjob.protocol.keys import profile_report_key, profile_request_key
+from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
+    PROFILE_NODE,
     ModelProfileReport,
     ModelProfileRequest,
     PlanAnnouncement,
     decode,
     encode,
 )
+from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
+from resilientjob.protocol.workload import Precision, Workload
+
+from ._redis import REDIS_DOWN
+from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from resilientjob.planner.profile import ModelProfile
@@ -48,19 +50,6 @@ if TYPE_CHECKING:
 
 POLL_S = 0.25
 """How often an agent without a plan looks for the plan (and node 0 for a request)."""
-
-PROFILE_NODE = 0
-"""The node whose agent answers profile requests."""
-
-
-def request_key(keys: JobKeys) -> str:
-    """Redis key of the operator's `ModelProfileRequest`."""
-    return f"{keys.prefix}model-profile:request"
-
-
-def report_key(keys: JobKeys) -> str:
-    """Redis key of node 0's `ModelProfileReport`."""
-    return f"{keys.prefix}model-profile:report"
 
 
 def _check_workload(model: ModelSpec, workload: Workload, cache_dir: Path | None) -> None:
@@ -132,7 +121,7 @@ def make_report(
 def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec) -> ModelProfile:
     """The per-layer profile the request asks for: timed on the device, or computed from the model's
     Hugging Face config (the model directory's or the one `hf:<family>?k=v` spells out)."""
-    from resilientjob.planner._hf_profile import profile_from_hf_config
+    from resilientjob.planner.hf_profile import profile_from_hf_config
 
     if request.measure:
         from .profiler import measure_profile
@@ -171,11 +160,16 @@ class _Answerer:
 
     async def poll(self) -> None:
         client, keys = self.telemetry.client, self.telemetry.keys
-        request = decode(ModelProfileRequest, await client.get(request_key(keys)), "agent.profile_request")
+        request = decode(
+            ModelProfileRequest, await client.get(profile_request_key(keys)), "agent.profile_request"
+        )
         if request is None:
             return
         present = decode(
-            ModelProfileReport, await client.get(report_key(keys)), "agent.profile_report", MAX_PROFILE_BYTES
+            ModelProfileReport,
+            await client.get(profile_report_key(keys)),
+            "agent.profile_report",
+            MAX_PROFILE_BYTES,
         )
         if present is not None and present.request == request:
             return
@@ -191,7 +185,7 @@ class _Answerer:
             outcome = failed if report.error else f"{report.num_layers} layers, workload checked"
             print(f"pre-flight: {outcome}", flush=True)
             self.answered = report
-        await client.set(report_key(keys), encode(report))
+        await client.set(profile_report_key(keys), encode(report))
 
 
 async def wait_for_first_plan(

@@ -51,8 +51,7 @@ def address_from_pod_env(environ: dict[str, str] | None = None) -> Callable[[], 
     import redis
     from redis.exceptions import RedisError
 
-    from ._redis import JobKeys
-    from .store_host import store_key
+    from resilientjob.protocol.keys import JobKeys, store_key
 
     key = store_key(JobKeys(env.get("RJOB_NAMESPACE", "default"), job))
     client = redis.Redis.from_url(

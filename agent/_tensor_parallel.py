@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 
 from .models import Embedding, GPTBlock, Head, LlamaBlock, SleepLayer

@@ -15,9 +15,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from ._redis import STREAM_MAXLEN, JobKeys
+from resilientjob.protocol.keys import STREAM_MAXLEN, JobKeys
+from resilientjob.protocol.messages import ValidationRequest, ValidationResult, decode, encode
+
 from ._worker_probe import REQUEST_KEY, BoundaryRequest, result_key
-from .telemetry_messages import ValidationRequest, ValidationResult, decode, encode
 
 BOUNDARY_MARGIN = 3
 """Steps between the newest committed step and the validation boundary."""

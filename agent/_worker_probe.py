@@ -32,14 +32,14 @@ from typing import IO, Any
 import redis
 import torch.distributed as dist
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.failslow import Link, ring_schedule, slow_links
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import LinkTiming, ValidationResult, ValidationTopology
 
 from . import chaos, tracing, validation
-from ._redis import JobKeys
 from ._runtime_schedule import world_nodes
-from .telemetry_messages import LinkTiming, ValidationResult, ValidationTopology
 
 PROFILE_EVERY = 10
 """Steps between two per-group profiles (`ProfileRecord`)."""

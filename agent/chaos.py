@@ -48,7 +48,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError
 
-from ._redis import JobKeys
+from resilientjob.protocol.keys import JobKeys
+
 from .tracing import Tracer
 
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})

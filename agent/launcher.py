@@ -30,7 +30,7 @@ from typing import Any
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
 
 from ._runtime_plans import RuntimePlanner

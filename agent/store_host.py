@@ -32,9 +32,10 @@ from datetime import timedelta
 import redis.asyncio as aioredis
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.keys import JobKeys, failures_key, store_key
+from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
-from ._redis import REDIS_DOWN, JobKeys, Outage, connect
-from .telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
+from ._redis import REDIS_DOWN, Outage, connect
 
 STORE_PORT_ENV = "RJOB_STORE_PORT"
 """The port the store listens on (0 or unset: any free port)."""
@@ -44,17 +45,6 @@ DONE_IDLE_S = 10.0
 
 REGISTER_EVERY_S = 1.0
 """The host checks its address key this often (and rewrites it into a Redis that came back empty)."""
-
-
-def store_key(keys: JobKeys) -> str:
-    """Redis key holding `host:port` of the job's TCPStore."""
-    return f"{keys.prefix}store"
-
-
-def failures_key(keys: JobKeys) -> str:
-    """Redis key holding the failures the job's store host announced so far: a new host (its pod was
-    replaced) starts its store's failure counter there, so that the workers' failure notices stay right."""
-    return f"{keys.prefix}store:failures"
 
 
 def dropped_nodes(previous: Plan | None, announcement: PlanAnnouncement) -> set[int]:

@@ -15,9 +15,10 @@ import json
 import time
 from collections.abc import Hashable
 
+from resilientjob.protocol.messages import PlanAnnouncement
+
 from ._redis import REDIS_DOWN
 from .telemetry import Telemetry
-from .telemetry_messages import PlanAnnouncement
 
 
 async def slowdown(telemetry: Telemetry) -> float:

@@ -44,10 +44,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _rjob_stack import Operator, api_server, job_manifest, rjob_path  # noqa: E402
 from _support import redis_server  # noqa: E402
 
-from resilientjob.agent._redis import JobKeys  # noqa: E402
 from resilientjob.agent.telemetry import queue_beat  # noqa: E402
-from resilientjob.agent.telemetry_messages import Heartbeat, IterationRecord, decode, encode  # noqa: E402
 from resilientjob.operator._redis_state import JobRedis, node_list  # noqa: E402
+from resilientjob.protocol.keys import JobKeys  # noqa: E402
+from resilientjob.protocol.messages import Heartbeat, IterationRecord, decode, encode  # noqa: E402
 
 PODS = "/api/v1/namespaces/default/pods"
 TORCHRUN_S, TORCHFT_S = 15.0, 5.0

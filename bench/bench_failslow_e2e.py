@@ -42,13 +42,8 @@ import redis
 import yaml
 
 from resilientjob.agent import chaos
-from resilientjob.agent._redis import JobKeys
-from resilientjob.agent.telemetry_messages import (
-    IterationRecord,
-    PlanAnnouncement,
-    SlowReport,
-    ValidationResult,
-)
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import IterationRecord, PlanAnnouncement, SlowReport, ValidationResult
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -17,11 +17,9 @@ import argparse
 import statistics
 import time
 
-from resilientjob.planner._search_shapes import clear_shape_tables
-from resilientjob.planner.estimator import _simulate_1f1b
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import ModelProfile
-from resilientjob.planner.search import initial_plan, replan, warm_up
+from resilientjob.planner.search import clear_caches, initial_plan, replan, warm_up
 from resilientjob.planner.spec import ClusterSpec, JobSpec
 
 
@@ -44,8 +42,7 @@ CASES = [
 def run_case(profile: ModelProfile, nodes: int, gpus: int, batch: int, target: float, repeats: int) -> None:
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus)
     job = JobSpec(global_batch=batch, microbatch_size=1, fault_tolerance=1)
-    clear_shape_tables()
-    _simulate_1f1b.cache_clear()
+    clear_caches()
     started = time.perf_counter()
     start = initial_plan(profile, cluster, job)
     initial_s = time.perf_counter() - started
@@ -62,8 +59,7 @@ def run_case(profile: ModelProfile, nodes: int, gpus: int, batch: int, target: f
     # Cold: every cache emptied first (an operator that restarted between the initial plan and the failure).
     cold: list[float] = []
     for failed in failures[:2]:
-        clear_shape_tables()
-        _simulate_1f1b.cache_clear()
+        clear_caches()
         began = time.perf_counter()
         replan(start, profile, cluster, job, failed=failed, policy=Policy.AUTO)
         cold.append(time.perf_counter() - began)
@@ -71,8 +67,7 @@ def run_case(profile: ModelProfile, nodes: int, gpus: int, batch: int, target: f
     # operator's controller does, before the failure arrives.
     warmed: list[float] = []
     for failed in failures[:2]:
-        clear_shape_tables()
-        _simulate_1f1b.cache_clear()
+        clear_caches()
         warm_up(profile, cluster, job)
         began = time.perf_counter()
         replan(start, profile, cluster, job, failed=failed, policy=Policy.AUTO)

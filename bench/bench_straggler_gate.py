@@ -21,9 +21,9 @@ import statistics
 import sys
 import time
 
-from resilientjob.agent.telemetry_messages import IterationRecord, SlowReport
 from resilientjob.operator._failslow import FailSlowTracker
 from resilientjob.operator.api import FailSlowSpec
+from resilientjob.protocol.messages import IterationRecord, SlowReport
 
 NODES = 8
 BASE = 0.1

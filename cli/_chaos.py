@@ -187,8 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from redis.exceptions import RedisError
 
-    from resilientjob.agent._redis import JobKeys
     from resilientjob.agent.chaos import ChaosOrder, clear_order, write_order
+    from resilientjob.protocol.keys import JobKeys
 
     keys = JobKeys(cluster.namespace, job)
     client = _redis(cluster, pod, args.pod, args.redis_url)

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from resilientjob.planner import PlannerError
-from resilientjob.planner._errors import error_from_validation
+from resilientjob.planner.errors import error_from_validation
 
 USAGE_ERROR = 2
 

@@ -108,7 +108,7 @@ class Probe:
     def __init__(self, job: str, nodes: int, redis_url: str) -> None:
         import redis
 
-        from resilientjob.agent._redis import JobKeys
+        from resilientjob.protocol.keys import JobKeys
 
         self.keys = JobKeys("default", job)
         self.job = job
@@ -123,7 +123,7 @@ class Probe:
 
     def _store(self) -> Any:
         if self.store is None:
-            from resilientjob.agent.store_host import store_key
+            from resilientjob.protocol.keys import store_key
 
             raw: Any = self.client.get(store_key(self.keys))
             if raw:
@@ -135,7 +135,7 @@ class Probe:
 
     def sample(self, seen: Observed) -> list[str]:
         """Update `seen`; return the new events."""
-        from resilientjob.agent.telemetry_messages import (
+        from resilientjob.protocol.messages import (
             MAX_PLAN_BYTES,
             Heartbeat,
             IterationRecord,

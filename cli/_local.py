@@ -280,8 +280,8 @@ def _slow(
     import redis
     from pydantic import ValidationError
 
-    from resilientjob.agent._redis import JobKeys
     from resilientjob.agent.chaos import ChaosOrder, write_order
+    from resilientjob.protocol.keys import JobKeys
 
     labels = _worker_labels(pod, "pod")
     job = labels["resilientjob.io/job"]

@@ -1,7 +1,7 @@
 """`rjob profile`: measure a ModelProfile (per-layer time and memory) on this device and write it as JSON.
 
 With `--computed`, a Hugging Face model's profile is computed from its config instead (FLOPs at
-`--device-flops`, exact bytes; `planner/_hf_profile.py`): no layer is built, so it works for any size."""
+`--device-flops`, exact bytes; `planner/hf_profile.py`): no layer is built, so it works for any size."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
     # torch is imported only when this command runs, so `rjob plan` stays light.
     from resilientjob.agent.models import ModelKind, load_model
     from resilientjob.agent.profiler import measure_profile
-    from resilientjob.planner._hf_profile import NOMINAL_FLOPS, profile_from_hf_config
+    from resilientjob.planner.hf_profile import NOMINAL_FLOPS, profile_from_hf_config
 
     if args.device_flops is not None and not args.computed:
         raise CliError("device-flops: only with --computed (a measured profile times this device)")

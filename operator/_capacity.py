@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import api
 from ._decide import PodView

@@ -26,13 +26,12 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
-from resilientjob.agent._redis import REDIS_DOWN
-from resilientjob.agent.telemetry_messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
+from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
 from . import _manifests, metrics
 from ._kube import KubeApi, core_path
 from ._redis_state import JobRedis, RedisPlan
-from ._redis_watch import RedisWatch
+from ._redis_watch import REDIS_DOWN, RedisWatch
 
 log = logging.getLogger("resilientjob.operator")
 

@@ -35,13 +35,6 @@ from enum import StrEnum
 from statistics import median
 from typing import Any
 
-from resilientjob.agent.telemetry_messages import (
-    IterationRecord,
-    ProfileRecord,
-    SlowKind,
-    SlowReport,
-    ValidationResult,
-)
 from resilientjob.planner.failslow import (
     ChangeEvent,
     ChangeKind,
@@ -49,6 +42,13 @@ from resilientjob.planner.failslow import (
     MitigationCosts,
     RootCause,
     Strategy,
+)
+from resilientjob.protocol.messages import (
+    IterationRecord,
+    ProfileRecord,
+    SlowKind,
+    SlowReport,
+    ValidationResult,
 )
 
 from ._failslow_job import JobStepTrigger

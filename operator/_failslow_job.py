@@ -25,8 +25,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from resilientjob.agent.telemetry_messages import IterationRecord, SlowKind, SlowReport
 from resilientjob.planner.failslow import ChangeDetector, ChangeKind
+from resilientjob.protocol.messages import IterationRecord, SlowKind, SlowReport
 
 SUSPICION_FACTOR = 1.1
 """A node's compute rise must exceed the other nodes' median rise by this factor to single it out."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from resilientjob.planner._errors import PlannerError
 from resilientjob.planner.balance import balance_monotone
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.estimator import pipeline_arrays, pipeline_time
 from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, reassign_congested_links
 from resilientjob.planner.plan import PipelinePlan, Plan

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.workload import (
     WORKLOAD_ENV,
     DataFormat,

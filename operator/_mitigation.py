@@ -10,12 +10,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.restorer import transfer_list
 from resilientjob.planner.spec import ClusterSpec
+from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _failslow, api
 from ._failslow import Action, Mitigation

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan, warm_up

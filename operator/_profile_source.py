@@ -29,16 +29,18 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from redis.exceptions import RedisError
 
-from resilientjob.agent._model_profile import PROFILE_NODE, report_key, request_key
-from resilientjob.agent.telemetry_messages import (
+from resilientjob.planner.errors import PlannerError
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.protocol.keys import profile_report_key as report_key
+from resilientjob.protocol.keys import profile_request_key as request_key
+from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
+    PROFILE_NODE,
     ModelProfileReport,
     ModelProfileRequest,
     decode,
     encode,
 )
-from resilientjob.planner._errors import PlannerError
-from resilientjob.planner.profile import ModelProfile
 
 from . import _decide, _manifests, api
 from ._kube import KubeApi, core_path

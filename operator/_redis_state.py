@@ -27,10 +27,10 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError, WatchError
 
-from resilientjob.agent._redis import HEARTBEAT_TTL_S, JobKeys
-from resilientjob.agent.telemetry_messages import (
+from resilientjob.planner.plan import Plan
+from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys, failslow_key
+from resilientjob.protocol.messages import (
     MAX_PLAN_BYTES,
-    TELEMETRY_DROPPED,
     DropReason,
     IterationRecord,
     PlanAnnouncement,
@@ -39,10 +39,10 @@ from resilientjob.agent.telemetry_messages import (
     ValidationRequest,
     ValidationResult,
     ValidationTopology,
+    count_drop,
     decode,
     encode,
 )
-from resilientjob.planner.plan import Plan
 
 from . import metrics
 
@@ -407,7 +407,7 @@ class JobRedis:
 
     @property
     def failslow_key(self) -> str:
-        return f"{self.keys.prefix}failslow"
+        return failslow_key(self.keys)
 
     def _failslow_payload(self, state: dict[str, Any]) -> str:
         payload = {"state": state, "reports_cursor": self.reports_cursor}
@@ -432,7 +432,7 @@ class JobRedis:
             if not isinstance(state, dict) or not _STREAM_ID.fullmatch(cursor):
                 raise ValueError("malformed")
         except (ValueError, KeyError, TypeError):
-            TELEMETRY_DROPPED.labels("operator.failslow", DropReason.INVALID).inc()
+            count_drop("operator.failslow", DropReason.INVALID)
             return None
         self.reports_cursor = cursor
         return state
@@ -468,7 +468,7 @@ class JobRedis:
             (length,) = struct.unpack_from(">I", framed, offset)
             offset += 4
             if length == _NO_FIELD:
-                TELEMETRY_DROPPED.labels(source, DropReason.INVALID).inc()
+                count_drop(source, DropReason.INVALID)
                 self.garbage("telemetry", stream, "an entry without its message field: ignored")
                 continue
             decoded = decode(model, framed[offset : offset + length], source)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import kopf
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from resilientjob.agent._redis import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S
+from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S
 
 from . import api, metrics
 from ._kube import KubeApi, core_path
@@ -40,13 +41,19 @@ SOCKET_TIMEOUT_S = 5.0
 """The operator's Redis calls give up after this long (a paused server must not hold a job's loop forever)."""
 
 
-def operator_client(url: str, password: str | None = None) -> aioredis.Redis:
-    """The operator's client for a job's Redis: the agents' settings plus a bound on every call."""
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, OSError)
+"""What a Redis call raises while the server is away or not ready (ConnectionError, TimeoutError,
+BusyLoadingError and an emptied server's refusals are all RedisError): retried, never fatal."""
+
+
+def operator_client(url: str, password: str | None = None, *, bounded: bool = True) -> aioredis.Redis:
+    """The operator's client for a job's Redis: the agents' settings plus a bound on every call (unless not
+    `bounded`: the clean-up of a deleted job)."""
     client: aioredis.Redis = aioredis.Redis.from_url(
         url,
         password=password or None,
         socket_connect_timeout=2.0,
-        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_timeout=SOCKET_TIMEOUT_S if bounded else None,
         health_check_interval=10,
     )
     return client

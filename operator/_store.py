@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.planner.plan import Policy
+from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import ModelSource, model_source
 
 from . import _manifests, api

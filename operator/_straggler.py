@@ -45,10 +45,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 
-from resilientjob.agent.telemetry_messages import IterationRecord, ProfileRecord
 from resilientjob.planner.failslow import GroupProfile, suspicious_groups
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
+from resilientjob.protocol.messages import IterationRecord, ProfileRecord
 
 
 def planned_shares(plan: Plan, profile: ModelProfile) -> dict[int, float]:

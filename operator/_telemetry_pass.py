@@ -1,7 +1,9 @@
 """The telemetry half of a reconcile pass: measured throughput, and the fail-slow inputs (reports, iteration
 times, profiles, validation results) through the job's `FailSlowTracker`, with the Events and status they
-call for. A mitigation the tracker asks for is handed back to the controller, which publishes it as a
-generation (or defers it while another decision runs) and stores the episode's state in the same commit.
+call for. The pass sees the job only through `PassContext` and hands back a `PassOutcome` (the status fields
+it measured, whether they must be written now, and a mitigation the tracker asked for) that the controller
+applies: it publishes the mitigation as a generation (or defers it while another decision runs) and stores
+the episode's state in the same commit.
 
 Validation (Falcon 4.3): when a communication report waits for one, the pass sets a `ValidationRequest` for
 the current generation with the suspects, and reads the `ValidationResult` stream for its id. The tracker's
@@ -12,16 +14,16 @@ operator continues the episode (`restore_failslow`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _failslow, api, metrics
+from ._redis_state import JobRedis, Published
 from ._straggler import planned_shares
-
-if TYPE_CHECKING:
-    from .reconciler import JobController, _Published
 
 log = logging.getLogger("resilientjob.operator")
 
@@ -32,6 +34,34 @@ _EVENTS = {
     _failslow.FindingKind.SLOW_LINK: ("Warning", api.Reason.SLOW_LINK_FOUND),
     _failslow.FindingKind.SLOW_DEVICE: ("Warning", api.Reason.SLOW_DEVICE_FOUND),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PassContext:
+    """What a telemetry pass needs of its job (the controller builds it for every pass)."""
+
+    namespace: str
+    name: str
+    redis: JobRedis
+    tracker: _failslow.FailSlowTracker
+    profile: ModelProfile
+    validation_timeout_s: float
+    running: Callable[[int], bool]
+    """Whether a node's pod exists and has not failed."""
+    event: Callable[[str, api.Reason, str], None]
+    """A Kubernetes Event on the job (kind, reason, message), posted as the pass goes."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassOutcome:
+    """What the controller applies after a pass."""
+
+    status: dict[str, Any]
+    """Status fields measured by the pass."""
+    force_status: bool
+    """A fail-slow episode opened or closed: news, to be patched now rather than after the status interval."""
+    mitigation: _failslow.Mitigation | None
+    """A mitigation to publish (or, while another decision runs, to hand back as `deferred`)."""
 
 
 @dataclass(slots=True)
@@ -49,14 +79,13 @@ class TelemetryPass:
     """A mitigation is decided but not committed: the episode's state is stored with its commit (in one
     transaction), not before, so that a kill in between neither loses nor repeats the decision."""
 
-    async def run(self, ctl: JobController, current: _Published, deciding: bool) -> None:
-        """Read the new telemetry, update status (at most every status_interval_s) and start a mitigation."""
-        _, inputs, redis = ctl.require()
-        tracker = ctl.tracker()
+    async def run(self, ctl: PassContext, current: Published) -> PassOutcome:
+        """Read the new telemetry; the outcome holds the status it measured and a mitigation to start."""
+        redis, tracker = ctl.redis, ctl.tracker
         published = current.message
         watched = current.watched
         if tracker.gate.generation != published.generation:
-            tracker.gate.new_generation(published.generation, planned_shares(published.plan, inputs.profile))
+            tracker.gate.new_generation(published.generation, planned_shares(published.plan, ctl.profile))
         mitigation, self.deferred = self.deferred, None
         slow_before = set(tracker.slow)
         # Reports first: a recovery closes the episode before more iterations are charged to it.
@@ -84,20 +113,15 @@ class TelemetryPass:
         if tracker.changed and not self.holding:
             await redis.save_failslow(tracker.state())
             tracker.changed = False
-        self._status(ctl, current)
-        # A fail-slow episode opening or closing is news: patched now, not after the status interval.
-        await ctl.write_status(force=set(tracker.slow) != slow_before)
-        if mitigation is not None and deciding:
-            self.deferred = mitigation
-        elif mitigation is not None:
-            ctl.start_mitigation(published, mitigation)
+        status = self._status(ctl, current)
+        return PassOutcome(status, force_status=set(tracker.slow) != slow_before, mitigation=mitigation)
 
-    async def _validation(self, ctl: JobController, published: PlanAnnouncement) -> None:
-        redis, tracker = ctl.require()[2], ctl.tracker()
+    async def _validation(self, ctl: PassContext, published: PlanAnnouncement) -> None:
+        redis, tracker = ctl.redis, ctl.tracker
         for result in await redis.new_validation_results():
             tracker.validated(result)
         if tracker.validation_timeout():
-            timeout = ctl.spec.fail_slow.validation_timeout_s if ctl.spec is not None else 0.0
+            timeout = ctl.validation_timeout_s
             log.warning(
                 "job %s/%s: no validation result within %.0fs; the episode goes on without it",
                 ctl.namespace,
@@ -122,22 +146,21 @@ class TelemetryPass:
         )
 
     @staticmethod
-    def _report_finding(ctl: JobController, finding: _failslow.Finding) -> None:
+    def _report_finding(ctl: PassContext, finding: _failslow.Finding) -> None:
         kind, reason = _EVENTS[finding.kind]
         if finding.kind is _failslow.FindingKind.SLOW:
             metrics.FAIL_SLOW_EVENTS.labels(ctl.name).inc()
         log.info("job %s/%s: %s: %s", ctl.namespace, ctl.name, reason, finding.message)
         ctl.event(kind, reason, finding.message)
 
-    def _status(self, ctl: JobController, current: _Published) -> None:
-        tracker = ctl.tracker()
+    def _status(self, ctl: PassContext, current: Published) -> dict[str, Any]:
+        tracker = ctl.tracker
         plan_nodes = current.plan_nodes
         generation = current.message.generation
         rates = {n: r for n, r in self.rates.items() if r[0] == generation and n in plan_nodes}
         throughput = sum(samples / seconds for _, seconds, samples in rates.values())
         step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
-        pods = ctl.pods
-        alive = sum(1 for node in plan_nodes if node in pods and pods[node].failed is None)
+        alive = sum(1 for node in plan_nodes if ctl.running(node))
         total = len(plan_nodes)
         metrics.ACTIVE_WORKERS.labels(ctl.name).set(alive)
         metrics.SAMPLES_PER_SECOND.labels(ctl.name).set(throughput)
@@ -146,17 +169,15 @@ class TelemetryPass:
             metrics.TRAINING_STEP.labels(ctl.name).set(self.progress[1])
             if self.progress[2] is not None:
                 metrics.TRAINING_LOSS.labels(ctl.name).set(self.progress[2])
-        ctl.status = ctl.status.model_copy(
-            update={
-                "throughput": round(throughput, 2),
-                "workers_alive": alive,
-                "workers_total": total,
-                "workers": f"{alive}/{total}",
-                "slow_nodes": sorted(set(tracker.slow) & current.watched),
-                "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
-                **(_progress_status(*self.progress) if self.progress is not None else {}),
-            }
-        )
+        return {
+            "throughput": round(throughput, 2),
+            "workers_alive": alive,
+            "workers_total": total,
+            "workers": f"{alive}/{total}",
+            "slow_nodes": sorted(set(tracker.slow) & current.watched),
+            "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
+            **(_progress_status(*self.progress) if self.progress is not None else {}),
+        }
 
 
 def _progress_status(generation: int, step: int, loss: float | None) -> dict[str, int | float | None]:
@@ -164,9 +185,9 @@ def _progress_status(generation: int, step: int, loss: float | None) -> dict[str
     return {"step": step, "loss": None if loss is None else round(loss, 6)}
 
 
-async def restore_failslow(ctl: JobController) -> bool:
+async def restore_failslow(ctl: PassContext) -> bool:
     """Continue a stored fail-slow episode in a (re)started operator; False when there is none."""
-    redis, tracker = ctl.require()[2], ctl.tracker()
+    redis, tracker = ctl.redis, ctl.tracker
     state = await redis.load_failslow()
     if state is None:
         return False

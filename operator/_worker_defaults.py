@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from resilientjob.planner._errors import PlannerError, error_from_validation
+from resilientjob.planner.errors import PlannerError, error_from_validation
 
 
 class SecretKey(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from resilientjob.planner._errors import PlannerError, error_from_validation
+from resilientjob.planner.errors import PlannerError, error_from_validation
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import LayerProfile, ModelProfile, builtin_profiles
 from resilientjob.protocol.models import ModelSource, model_source

@@ -29,21 +29,20 @@ from typing import Any, cast
 
 import kopf
 import numpy as np
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.agent._redis import HEARTBEAT_TTL_S, REDIS_DOWN, JobKeys, connect
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
+from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
+from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
-from ._redis_watch import RedisWatch, job_client
+from ._redis_watch import REDIS_DOWN, RedisWatch, job_client, operator_client
 from ._store import StoreKeeper, rendezvous_again
-from ._telemetry_pass import TelemetryPass, restore_failslow
+from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
 from .settings import OperatorSettings
 
@@ -56,9 +55,6 @@ POD_RESYNC_S = 5.0
 
 class InvalidJob(Exception):
     """The spec cannot run; the condition and Event are already recorded."""
-
-
-_Published = Published  # the name `_telemetry_pass` imports
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +87,7 @@ class JobController:
         self._written_status: dict[str, Any] | None = None
         self._heartbeat_seen: dict[int, float] = {}
         self._status_due = 0.0
-        self._published: _Published | None = None
+        self._published: Published | None = None
         self._fenced: dict[int, _Fenced] = {}
         self._deciding: asyncio.Task[None] | None = None
         self._telemetry = TelemetryPass()
@@ -425,10 +421,10 @@ class JobController:
                 published = await self.ensure_started()
                 if self.status.plan_generation < published.generation:
                     await self.apply(published)
-                self._published = _Published.of(published)
+                self._published = Published.of(published)
                 if not self._failslow_restored:
                     # Once per process: a restarted operator continues a fail-slow episode where it was.
-                    await restore_failslow(self)
+                    await restore_failslow(self._pass_context())
                     self._failslow_restored = True
                 self.watch.ok()
                 break
@@ -441,7 +437,7 @@ class JobController:
             self._fenced.setdefault(node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None))
         return published
 
-    async def _current(self) -> tuple[_Published, HeartbeatScan]:
+    async def _current(self) -> tuple[Published, HeartbeatScan]:
         """The committed generation and a liveness scan of its nodes. The plan itself is re-read (and Redis
         brought in line with the durable record) only when the scan shows another generation."""
         redis = self.require()[2]
@@ -457,7 +453,7 @@ class JobController:
         if message is None:
             message = await self.ensure_started()
         if cached is None or cached.message.generation != message.generation:
-            cached = self._published = _Published.of(message)
+            cached = self._published = Published.of(message)
         return cached, await redis.scan(cached.nodes, cached.nodes_arg)
 
     async def reconcile_once(self) -> None:
@@ -505,7 +501,26 @@ class JobController:
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
-        await self._telemetry.run(self, current, deciding)
+        outcome = await self._telemetry.run(self._pass_context(), current)
+        self.status = self.status.model_copy(update=outcome.status)
+        await self.write_status(force=outcome.force_status)
+        if outcome.mitigation is not None and deciding:
+            self._telemetry.deferred = outcome.mitigation
+        elif outcome.mitigation is not None:
+            self.start_mitigation(current.message, outcome.mitigation)
+
+    def _pass_context(self) -> PassContext:
+        spec, inputs, redis = self.require()
+        return PassContext(
+            namespace=self.namespace,
+            name=self.name,
+            redis=redis,
+            tracker=self.tracker(),
+            profile=inputs.profile,
+            validation_timeout_s=spec.fail_slow.validation_timeout_s,
+            running=lambda node: node in self.pods and self.pods[node].failed is None,
+            event=self.event,
+        )
 
     def _trained_to_the_end(self, spec: api.ResilientJobSpec) -> bool:
         progress = self._telemetry.progress
@@ -638,7 +653,7 @@ class JobController:
         )
         if committed is None:
             return  # decided on a generation the record has already left: the loop decides again
-        self._published = _Published.of(committed)
+        self._published = Published.of(committed)
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
 
@@ -703,7 +718,7 @@ class JobController:
 
 async def forget_job(redis_url: str, namespace: str, name: str, password: str | None = None) -> int:
     """Delete a deleted job's Redis keys."""
-    client: aioredis.Redis = connect(redis_url, password)
+    client = operator_client(redis_url, password, bounded=False)
     try:
         return await JobRedis(client, JobKeys(namespace, name)).forget()
     finally:

@@ -2,7 +2,7 @@
 simulator. Imports numpy, scipy and pydantic only, so the operator, the agent and the simulator all call the
 very same code."""
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .estimator import (
     OneFOneB,
     allreduce_time,
@@ -17,7 +17,8 @@ from .profile import LayerProfile, ModelProfile, builtin_profiles, uniform_profi
 from .restorer import allreduce_rounds, match_slots, place_plan, transfer_list, transfer_time
 from .search import initial_plan, replan
 from .spec import ClusterSpec, JobSpec, TransitionCosts
-from .templates import PipelineTemplate, TemplateSet, generate_templates, instantiate, reinstantiate
+from .template_recovery import reinstantiate
+from .templates import PipelineTemplate, TemplateSet, generate_templates, instantiate
 
 __all__ = [
     "Candidate",

@@ -23,8 +23,8 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ._errors import PlannerError
 from ._search_shapes import TIE, StageSplit, shape_table
+from .errors import PlannerError
 from .estimator import allreduce_time, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy, StagePlan
 from .profile import ModelProfile

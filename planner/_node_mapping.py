@@ -31,16 +31,12 @@ Every dropped interval provably holds nothing better, so the result is the exact
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
-from ._stage_mapping import MappedStage, Mapping, mapping_objective
-
-if TYPE_CHECKING:
-    from ._stage_mapping import StageMapper
+from ._mapping import FloatArray, MappedStage, Mapping, StageTables, mapping_objective
 
 # Cells of the skewed buffer below which a (min, +) step is one vectorised op per GPU count instead of one
 # per stage length: fewer numpy calls on small models, bounded memory (32 MB) on large ones.
@@ -50,9 +46,6 @@ _SKEW_CELLS = 4_000_000
 # one rounding apart (the same stage length computed from different prefix sums) must not cost a pass each.
 # The result is thus optimal to 1e-12 relative, far below the estimator's own rounding.
 _SAME = 1.0 - 1e-12
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 class _Pass:
@@ -117,7 +110,7 @@ class _Pass:
 class NodeSearch:
     """Exact search through node blocks for one `StageMapper`; passes are cached across template sizes."""
 
-    def __init__(self, mapper: StageMapper) -> None:
+    def __init__(self, mapper: StageTables) -> None:
         self.mapper = mapper
         gpus, layers = mapper.gpus, mapper.layers
         # band[d-1, u, j]: stage [u, u + j) on d GPUs within memory at r = 1; inf for j = 0, beyond the last

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .estimator import allreduce_time, estimate_pipeline, in_flight_microbatches, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy
 from .profile import ModelProfile

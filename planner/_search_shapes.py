@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .estimator import OneFOneB, pipeline_time
 from .profile import ModelProfile
 from .restorer import allreduce_rounds_from_bounds

@@ -39,53 +39,13 @@ fall back to the stage-count search above (`best_by_stage_count`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
-from ._errors import PlannerError
+from ._mapping import BoolArray, FloatArray, IntArray, MappedStage, Mapping, mapping_objective
+from ._node_mapping import NodeSearch
+from .errors import PlannerError
 from .profile import ModelProfile
-
-if TYPE_CHECKING:
-    from ._node_mapping import NodeSearch
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
-
-
-@dataclass(frozen=True, slots=True)
-class MappedStage:
-    """Layers [start, end) on GPUs first_gpu .. first_gpu + gpus - 1 of template node `node`."""
-
-    start: int
-    end: int
-    node: int
-    first_gpu: int
-    gpus: int
-
-
-@dataclass(frozen=True, slots=True)
-class Mapping:
-    """The optimal mapping of one template size and the objective terms that rank it."""
-
-    nodes: int
-    stages: tuple[MappedStage, ...]
-    objective: float
-    bottleneck_s: float
-    sum_s: float
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-
-def mapping_objective(stage_times: Sequence[float]) -> float:
-    """J = sum t + (4S - 1) max t: the iteration-time objective every template minimises."""
-    count = len(stage_times)
-    return float(sum(stage_times) + (4 * count - 1) * max(stage_times))
 
 
 class StageMapper:
@@ -302,8 +262,6 @@ class StageMapper:
         if nodes > top:
             return None
         if self._nodes is None:
-            from ._node_mapping import NodeSearch  # it builds on this module's types
-
             self._nodes = NodeSearch(self)
         decided, found = self._nodes.best(nodes)
         if decided:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .estimator import OneFOneB
 
 EXACT_FACTOR = 8  # micro-batches per stage simulated exactly before the line takes over

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._errors import PlannerError
+from .errors import PlannerError
 
 
 def _check(count: int, total: int, minimum: int) -> None:

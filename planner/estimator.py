@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .plan import PipelinePlan
 from .profile import ModelProfile
 from .spec import ClusterSpec

@@ -19,7 +19,7 @@ import numpy.typing as npt
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ._errors import PlannerError, error_from_validation
+from .errors import PlannerError, error_from_validation
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .plan import PipelinePlan, Plan, StagePlan, Transfer
 from .profile import ModelProfile
 

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._dynamic import DynamicSearch, Layout, all_degrees, degree_window
-from ._errors import PlannerError
 from ._reroute import lost_layers, reroute
+from ._search_shapes import clear_shape_tables
+from .errors import PlannerError
+from .estimator import _simulate_1f1b
 from .plan import Candidate, Plan, Policy
 from .profile import ModelProfile
 from .restorer import place_plan, relabel, transfer_time
@@ -454,7 +456,8 @@ class _Replanner:
         return plan, self._moved(plan), reason + (f"; {why}" if why else "")
 
     def _templates(self) -> tuple[Plan, float, str]:
-        from .templates import instantiate, reinstantiate
+        from .template_recovery import reinstantiate
+        from .templates import instantiate
 
         key = (self.profile.model_dump_json(), self.cluster.model_dump_json(), self.job.fault_tolerance)
         if self.strict and self.cluster.nodes > TEMPLATES_ON_DEMAND_NODES and key not in _TEMPLATE_CACHE:
@@ -539,6 +542,13 @@ def _span(layers: Sequence[int]) -> str:
 def _fastest(layouts: Sequence[Layout]) -> Layout:
     """Lowest step time; ties to more nodes used (idle nodes help no one), then to the earlier layout."""
     return min(layouts, key=lambda layout: (layout.step_time_s, -layout.nodes))
+
+
+def clear_caches() -> None:
+    """Forget the per-depth split tables and the memoised 1F1B simulations (what an operator restart loses):
+    cold-start measurements start from here."""
+    clear_shape_tables()
+    _simulate_1f1b.cache_clear()
 
 
 def warm_up(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> int:

@@ -7,7 +7,8 @@ batch distribution and reinstantiation after failures.
   `_stage_mapping`), each reported with the exact 1F1B iteration time at 4 x stages micro-batches.
 - `enumerate_instantiations` / `instantiate`: coin-change enumeration of template counts (eq. 5, Fig. 7)
   with at least f + 1 pipelines, micro-batches distributed to minimise the slowest pipeline exactly.
-- `reinstantiate` (in `_template_recovery`): section 5.1's simple / borrow / merge steps.
+- `reinstantiate` (`template_recovery`, which builds on this module): section 5.1's simple / borrow / merge
+  steps.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ._errors import PlannerError
-from ._stage_mapping import Mapping, StageMapper
+from ._mapping import Mapping
+from ._stage_mapping import StageMapper
 from ._time_curve import TimeCurve, balance_curves, makespan_of
+from .errors import PlannerError
 from .estimator import allreduce_time, estimate_pipeline, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy, StagePlan
 from .profile import ModelProfile
@@ -39,7 +41,6 @@ __all__ = [
     "instantiate",
     "node_specification",
     "pipeline_plan",
-    "reinstantiate",
     "template_step_time",
 ]
 
@@ -591,6 +592,3 @@ def instantiate(
         offset += size
     plan = assemble(profile, cluster, job, templates, pipelines, cache)
     return plan.model_copy(update={"planning_s": time.perf_counter() - began})
-
-
-from ._template_recovery import reinstantiate  # noqa: E402  (recovery builds on the functions above)

@@ -3,7 +3,7 @@
 
 Shapes follow the published architectures; times assume 150 TFLOP/s sustained per device in bf16 (an A100 /
 Ascend 910B class device), backward = 2 x forward, FLOPs by the formulas of the planner's Hugging Face
-profiles (`planner/_hf_profile.py`: matmul + attention); memory assumes bf16 parameters, Adam with fp32
+profiles (`planner/hf_profile.py`: matmul + attention); memory assumes bf16 parameters, Adam with fp32
 master weights (12 bytes/param of optimizer state) and activations without recomputation (Korthikanti et
 al.: 34 * s * h bytes per layer per sequence, flash attention). Re-run after changing a formula:
     python scripts/gen_profiles.py
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from resilientjob.planner._hf_profile import NOMINAL_FLOPS, attention_flops, embedding_flops, matmul_flops
+from resilientjob.planner.hf_profile import NOMINAL_FLOPS, attention_flops, embedding_flops, matmul_flops
 
 FLOPS = NOMINAL_FLOPS
 OUT = Path(__file__).resolve().parent.parent / "planner" / "profiles"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]

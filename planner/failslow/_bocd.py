@@ -34,7 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.special import gammaln
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ._events import ChangeEvent, ChangeKind, check_time
 
 FloatArray = NDArray[np.float64]

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 
 
 class ChangeKind(StrEnum):

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 
 SUSPICION_FACTOR = 1.1  # Falcon: "longer than 1.1x median value are classified as suspicious"
 

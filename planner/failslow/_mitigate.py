@@ -25,8 +25,8 @@ from enum import StrEnum
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .._errors import PlannerError
 from ..balance import balance_linear, makespan
+from ..errors import PlannerError
 from ..plan import Transfer
 from ..profile import ModelProfile
 from ..restorer import match_slots, transfer_list

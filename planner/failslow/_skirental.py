@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ._events import ChangeEvent, ChangeKind, check_time
 from ._localize import RootCause
 

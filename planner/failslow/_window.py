@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ._events import ChangeEvent, ChangeKind, check_time
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ._acf import CollectiveCall
 from ._events import ChangeEvent, ChangeKind
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -31,11 +31,9 @@ from ..failslow import (
     RootCause,
     Strategy,
 )
-from ._model import FailSlow, FailSlowKind
+from ..plan import Plan
+from ._model import FailSlow, FailSlowKind, SimCosts
 from ._slow import SlowState
-
-if TYPE_CHECKING:
-    from .engine import _Run
 
 DETECTOR_JITTER = 0.01  # coefficient of variation of the iteration times fed to the detector
 _WARMUP_ITERATIONS = 60
@@ -59,10 +57,58 @@ def detection_delay(ratio: float) -> int | None:
     return None
 
 
+class CostsOf(Protocol):
+    @property
+    def costs(self) -> SimCosts: ...
+
+
+class SimRun(Protocol):
+    """What the mitigator reads and changes of one simulated run (the engine's run provides it)."""
+
+    slow: SlowState
+    """The fail-slow state in force; the mitigator replaces it as its strategies apply and undo."""
+
+    @property
+    def sc(self) -> CostsOf:
+        """The scenario (its costs)."""
+
+    @property
+    def t(self) -> float:
+        """Simulated time now."""
+
+    @property
+    def step(self) -> float:
+        """Current iteration time (0 while halted)."""
+
+    @property
+    def pause_until(self) -> float: ...
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def slowdown(self) -> float: ...
+
+    @property
+    def alive(self) -> set[int]: ...
+
+    def push(self, time_s: float, priority: int, payload: object) -> None: ...
+
+    def pause(self, seconds: float) -> None: ...
+
+    def refresh_step(self) -> None: ...
+
+    def record_mitigation(self, strategy: str, node: int, pause: float) -> None: ...
+
+    def lose(self, node: int, cause: str) -> None: ...
+
+    def join(self, node: int, cause: str) -> None: ...
+
+
 class Mitigator:
     """The fail-slow side of one run: detection delays and the job's mitigation controller."""
 
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: SimRun) -> None:
         self.run = run
         costs = run.sc.costs
         self.controller = MitigationController(

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ..plan import Policy
 from ..spec import TransitionCosts
 

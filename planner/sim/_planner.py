@@ -12,7 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ..plan import Plan, Policy
 from ..profile import ModelProfile
 from ..spec import ClusterSpec, JobSpec, TransitionCosts

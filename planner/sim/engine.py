@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from itertools import count, pairwise
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ..plan import Plan, Policy
 from ..profile import ModelProfile
 from ..restorer import transfer_time

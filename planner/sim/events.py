@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ._model import FailSlow, FailSlowKind, FailStop, NodeChange
 
 TRACE_DIR = Path(__file__).parent / "traces"

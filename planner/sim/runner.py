@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._errors import PlannerError
+from ..errors import PlannerError
 from ..profile import ModelProfile
 from ..spec import ClusterSpec, JobSpec
 from ._model import PAPER_POLICIES, PolicyResult, SimCosts, SimPolicy, parse_policy

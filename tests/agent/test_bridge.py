@@ -21,11 +21,11 @@ import yaml
 from _support import rjob_ok, until
 
 from resilientjob.agent._bridge import TrainingOptions, parse_options, wants_training
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.models import ModelKind
-from resilientjob.agent.store_host import dropped_nodes, store_key
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
+from resilientjob.agent.store_host import dropped_nodes
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import TOY_MODELS, ModelSource, model_source
 
 ROOT = Path(__file__).resolve().parents[2]

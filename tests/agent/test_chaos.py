@@ -19,7 +19,6 @@ from _support import redis_server
 from test_tracing import run_gloo
 
 from resilientjob.agent import chaos, tracing
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.chaos import (
     ALLOW_ENV,
     ChaosInjector,
@@ -34,6 +33,7 @@ from resilientjob.cli import main
 from resilientjob.cli._chaos import parse_duration
 from resilientjob.cli._common import CliError
 from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.protocol.keys import JobKeys
 
 PASSWORD = "chaos-test-secret"
 KEYS = JobKeys("default", "demo")

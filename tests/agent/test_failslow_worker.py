@@ -28,10 +28,10 @@ import redis
 import redis.asyncio as aioredis
 from _support import redis_server, until
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.chaos import ChaosOrder, write_order
-from resilientjob.agent.telemetry_messages import SlowKind, ValidationRequest, ValidationResult, encode
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import SlowKind, ValidationRequest, ValidationResult, encode
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from resilientjob.agent.p2p import LayerState, layer_state_bytes
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.runtime import backend_for
 from resilientjob.cli import main as rjob
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
 

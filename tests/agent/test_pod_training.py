@@ -37,13 +37,12 @@ from _training_support import (
     token_file,
 )
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import measure_profile
-from resilientjob.agent.store_host import store_key
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.agent.worker import JobConfig
+from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.messages import PlanAnnouncement
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from resilientjob.agent._model_profile import make_report
-from resilientjob.agent.telemetry_messages import ModelProfileReport, ModelProfileRequest
+from resilientjob.protocol.messages import ModelProfileReport, ModelProfileRequest
 from resilientjob.protocol.workload import DataFormat, DataSpec, TokenDtype, Workload
 
 pytestmark = pytest.mark.torch

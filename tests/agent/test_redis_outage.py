@@ -14,11 +14,12 @@ import pytest
 from _support import RedisProcess
 
 from resilientjob.agent import synthetic
-from resilientjob.agent._redis import JobKeys, Outage, connect
-from resilientjob.agent.store_host import StoreHost, store_key
+from resilientjob.agent._redis import Outage, connect
+from resilientjob.agent.store_host import StoreHost
 from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.keys import JobKeys, store_key
 
 PASSWORD = "blip-password"
 

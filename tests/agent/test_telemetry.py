@@ -13,9 +13,14 @@ import redis.asyncio as aioredis
 from _support import redis_server
 from redis.exceptions import AuthenticationError
 
-from resilientjob.agent._redis import JobKeys, connect
+from resilientjob.agent._redis import connect
 from resilientjob.agent.telemetry import Telemetry
-from resilientjob.agent.telemetry_messages import (
+from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.planner.errors import PlannerError
+from resilientjob.planner.failslow import DetectorConfig
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import (
     MAX_MESSAGE_BYTES,
     DropReason,
     IterationRecord,
@@ -26,10 +31,6 @@ from resilientjob.agent.telemetry_messages import (
     decode,
     dropped,
 )
-from resilientjob.operator._redis_state import JobRedis, announcement
-from resilientjob.planner._errors import PlannerError
-from resilientjob.planner.failslow import DetectorConfig
-from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 PASSWORD = "s3cret-for-tests"
 

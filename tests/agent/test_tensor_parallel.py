@@ -27,7 +27,7 @@ from resilientjob.agent.p2p import LayerState, layer_state_bytes
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.runtime import check_supported
 from resilientjob.agent.worker import JobConfig, reference_run
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
 

@@ -30,11 +30,11 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.operator import api
 from resilientjob.operator._kube import KubeApi, KubeError
 from resilientjob.operator.crd import CRD_FILE
 from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.protocol.keys import JobKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from resilientjob.agent.telemetry_messages import IterationRecord, SlowReport
 from resilientjob.operator._failslow import (
     Action,
     FailSlowTracker,
@@ -20,6 +19,7 @@ from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import uniform_profile
 from resilientjob.planner.spec import ClusterSpec
+from resilientjob.protocol.messages import IterationRecord, SlowReport
 
 PROFILE = uniform_profile(6)
 CLUSTER = ClusterSpec(nodes=6)

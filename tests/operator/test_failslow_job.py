@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from resilientjob.agent.telemetry_messages import IterationRecord, SlowKind
 from resilientjob.operator._failslow import FailSlowTracker, FindingKind
 from resilientjob.operator.api import FailSlowSpec
+from resilientjob.protocol.messages import IterationRecord, SlowKind
 
 NODES = 8
 WALL_S = 0.1

@@ -13,13 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_failslow_decisions import CLUSTER, PROFILE, grid_plan
 
-from resilientjob.agent.telemetry_messages import (
-    IterationRecord,
-    ProfileRecord,
-    SlowKind,
-    SlowReport,
-    ValidationResult,
-)
 from resilientjob.operator._failslow import (
     CANDIDATE_TTL_S,
     Action,
@@ -38,6 +31,13 @@ from resilientjob.operator._straggler import (
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.failslow import NodeGrid, RootCause, Strategy, Traffic
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.messages import (
+    IterationRecord,
+    ProfileRecord,
+    SlowKind,
+    SlowReport,
+    ValidationResult,
+)
 
 NODES = 8
 BASE = 0.1

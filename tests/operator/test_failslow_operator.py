@@ -17,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from _rjob_stack import Stack, eventually, job_manifest
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.telemetry import Telemetry
-from resilientjob.agent.telemetry_messages import ValidationRequest, ValidationResult, encode
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import ValidationRequest, ValidationResult, encode
 
 pytestmark = pytest.mark.cluster
 

@@ -10,7 +10,7 @@ import yaml
 
 from resilientjob.operator import api
 from resilientjob.operator.crd import CRD_FILE, crd_manifest, crd_yaml
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 
 ROOT = Path(__file__).resolve().parents[2]
 

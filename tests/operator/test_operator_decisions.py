@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 from _rjob_stack import Stack, eventually, job_manifest
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.telemetry import Telemetry
+from resilientjob.protocol.keys import JobKeys
 
 pytestmark = pytest.mark.cluster
 

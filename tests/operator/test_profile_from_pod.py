@@ -27,18 +27,20 @@ import yaml
 from _rjob_stack import Stack, emulator_only, eventually, job_manifest, redis_client
 from _support import rjob_local, until
 
-from resilientjob.agent._model_profile import report_key, request_key, wait_for_first_plan
+from resilientjob.agent._model_profile import wait_for_first_plan
 from resilientjob.agent.telemetry import Telemetry
-from resilientjob.agent.telemetry_messages import (
+from resilientjob.operator._profile_source import NODE0_FAILURES
+from resilientjob.planner.hf_profile import profile_from_hf_config
+from resilientjob.planner.profile import LayerProfile, ModelProfile
+from resilientjob.protocol.keys import profile_report_key as report_key
+from resilientjob.protocol.keys import profile_request_key as request_key
+from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
     ModelProfileReport,
     ModelProfileRequest,
     PlanAnnouncement,
     encode,
 )
-from resilientjob.operator._profile_source import NODE0_FAILURES
-from resilientjob.planner._hf_profile import profile_from_hf_config
-from resilientjob.planner.profile import LayerProfile, ModelProfile
 from resilientjob.protocol.workload import WORKLOAD_ENV, Workload, load_workload
 
 pytestmark = pytest.mark.cluster

@@ -25,8 +25,6 @@ import redis.asyncio as aioredis
 from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
 from _support import RedisProcess, free_port
 
-from resilientjob.agent._redis import JobKeys
-from resilientjob.agent.telemetry_messages import PlanAnnouncement
 from resilientjob.operator import _durable
 from resilientjob.operator._redis_state import RedisPlan, announcement
 from resilientjob.operator._redis_watch import (
@@ -38,6 +36,8 @@ from resilientjob.operator._redis_watch import (
 )
 from resilientjob.operator.kubelet import ProcessKubelet
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import PlanAnnouncement
 
 pytestmark = [pytest.mark.cluster, emulator_only("the process kubelet runs the agents here")]
 

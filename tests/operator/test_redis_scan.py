@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from resilientjob.agent._redis import JobKeys
 from resilientjob.agent.telemetry import Telemetry
-from resilientjob.agent.telemetry_messages import DropReason, dropped
 from resilientjob.operator._redis_state import JobRedis, announcement, node_list
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import DropReason, dropped
 
 KEYS = JobKeys("default", "scan")
 

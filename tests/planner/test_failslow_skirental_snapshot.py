@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.failslow import (
     ChangeEvent,
     ChangeKind,

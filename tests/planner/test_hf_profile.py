@@ -1,4 +1,4 @@
-"""The profile of a Hugging Face causal LM computed from its config (planner/_hf_profile.py): bytes exact
+"""The profile of a Hugging Face causal LM computed from its config (planner/hf_profile.py): bytes exact
 against tiny `transformers` models and the runtime's own layers, FLOP times and bytes against the built-in
 llama2-7b profile, activation estimates against what autograd really saves."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from resilientjob.planner._errors import PlannerError
-from resilientjob.planner._hf_profile import NOMINAL_FLOPS, profile_from_hf_config
+from resilientjob.planner.errors import PlannerError
+from resilientjob.planner.hf_profile import NOMINAL_FLOPS, profile_from_hf_config
 from resilientjob.planner.profile import ModelProfile
 
 ROOT = Path(__file__).resolve().parents[2]

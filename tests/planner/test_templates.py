@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilientjob.planner._errors import PlannerError
+from resilientjob.planner._mapping import Mapping
 from resilientjob.planner._node_mapping import NodeSearch
-from resilientjob.planner._stage_mapping import Mapping, StageMapper
+from resilientjob.planner._stage_mapping import StageMapper
+from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.estimator import (
     OneFOneB,
     allreduce_time,
@@ -23,6 +24,7 @@ from resilientjob.planner.estimator import (
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import LayerProfile, ModelProfile, uniform_profile
 from resilientjob.planner.spec import ClusterSpec, JobSpec
+from resilientjob.planner.template_recovery import reinstantiate
 from resilientjob.planner.templates import (
     TemplateSet,
     assemble,
@@ -31,7 +33,6 @@ from resilientjob.planner.templates import (
     generate_templates,
     instantiate,
     node_specification,
-    reinstantiate,
     template_step_time,
 )
 

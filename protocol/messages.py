@@ -2,15 +2,20 @@
 
 Everything read from Redis is untrusted: a worker may be buggy, a key may be overwritten by hand, a hostile
 process may share the server. `decode` therefore bounds the size, validates with pydantic and returns None
-for anything bad, counting it in `rjob_telemetry_dropped_total{source,reason}`; it never raises.
+for anything bad, counting it by source and reason (`dropped`; the agents and the operator export the counts
+as `rjob_telemetry_dropped_total{source,reason}`); it never raises.
+
+Part of `resilientjob.protocol`: pydantic and the standard library only, plus the planner's public types that
+the messages carry (a `Plan`, a `ModelProfile`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from enum import StrEnum
 from typing import TypeVar
 
-from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from resilientjob.planner.plan import Plan
@@ -25,17 +30,33 @@ MAX_PLAN_BYTES = 16 * 2**20
 MAX_PROFILE_BYTES = 8 * 2**20
 """A model profile of thousands of layers (a few hundred bytes each) with its report."""
 
-TELEMETRY_DROPPED = Counter(
-    "rjob_telemetry_dropped_total",
-    "Messages read from Redis and dropped because they were oversized, malformed or invalid.",
-    ["source", "reason"],
-)
+PROFILE_NODE = 0
+"""The node whose agent answers a `ModelProfileRequest`."""
 
 
 class DropReason(StrEnum):
     OVERSIZED = "oversized"
     MALFORMED = "malformed"  # not UTF-8 JSON
     INVALID = "invalid"  # JSON, but not a valid message
+
+
+DROPPED_HELP = "Messages read from Redis and dropped because they were oversized, malformed or invalid."
+"""Help of `rjob_telemetry_dropped_total`: the metric the agents and the operator export `drop_counts` as."""
+
+_DROPPED: Counter[tuple[str, DropReason]] = Counter()
+_DROPPED_LOCK = threading.Lock()  # decode runs on the agents' threads as well as on event loops
+
+
+def count_drop(source: str, reason: DropReason) -> None:
+    """Count one message from `source` dropped for `reason` (also for drops decided past `decode`)."""
+    with _DROPPED_LOCK:
+        _DROPPED[source, reason] += 1
+
+
+def drop_counts() -> dict[tuple[str, DropReason], int]:
+    """Every (source, reason) pair seen in this process with its count (what the metric exports)."""
+    with _DROPPED_LOCK:
+        return dict(_DROPPED)
 
 
 class _Message(BaseModel):
@@ -218,28 +239,28 @@ def decode(model: type[M], raw: bytes | str | None, source: str, limit: int = MA
         return None
     data = raw.encode() if isinstance(raw, str) else raw
     if len(data) > limit:
-        TELEMETRY_DROPPED.labels(source, DropReason.OVERSIZED).inc()
+        count_drop(source, DropReason.OVERSIZED)
         return None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED).inc()
+        count_drop(source, DropReason.MALFORMED)
         return None
     try:
         return model.model_validate_json(text)
     except ValidationError as exc:
         json_broken = any(error["type"] == "json_invalid" for error in exc.errors())
-        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED if json_broken else DropReason.INVALID).inc()
+        count_drop(source, DropReason.MALFORMED if json_broken else DropReason.INVALID)
         return None
     except (ValueError, RecursionError):
-        TELEMETRY_DROPPED.labels(source, DropReason.MALFORMED).inc()
+        count_drop(source, DropReason.MALFORMED)
         return None
 
 
 def dropped(source: str, reason: DropReason) -> float:
     """How many messages from `source` were dropped for `reason` in this process (for tests and status)."""
-    value: float = TELEMETRY_DROPPED.labels(source, reason)._value.get()
-    return value
+    with _DROPPED_LOCK:
+        return float(_DROPPED[source, reason])
 
 
 def encode(message: BaseModel) -> bytes:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import PlannerError
+from .errors import PlannerError
 from .profile import LayerProfile, ModelProfile
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral")

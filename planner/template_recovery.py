@@ -15,8 +15,8 @@ import itertools
 import time
 from collections.abc import Collection, Sequence
 
-from ._errors import PlannerError
 from ._time_curve import TimeCurve, balance_curves
+from .errors import PlannerError
 from .estimator import allreduce_time, pipeline_arrays, stage_peak_memory
 from .plan import PipelinePlan, Plan, Policy
 from .profile import ModelProfile
