@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 
 from ._common import guarded
@@ -25,34 +26,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _run(args: argparse.Namespace) -> int:
-    # The handlers read their settings at import; flags override the environment.
-    for flag, name in (
-        ("api_url", "RJOB_API_URL"),
-        ("kubeconfig", "RJOB_KUBECONFIG"),
-        ("redis_url", "RJOB_REDIS_URL"),
-        ("namespace", "RJOB_NAMESPACE"),
-        ("metrics_port", "RJOB_METRICS_PORT"),
-        ("health_port", "RJOB_HEALTH_PORT"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            os.environ[name] = str(value)
-    if args.standalone:
-        os.environ["RJOB_STANDALONE"] = "1"
     import kopf
 
-    from resilientjob.operator import handlers
+    from resilientjob.operator.settings import OperatorSettings
+
+    # Read once, here: the environment, then the flags over it. The handlers take the settings from kopf's
+    # memo (`handlers.settings_of`); nothing reads them at import.
+    flags = {
+        name: getattr(args, name)
+        for name in ("api_url", "kubeconfig", "redis_url", "namespace", "metrics_port", "health_port")
+        if getattr(args, name) is not None and str(getattr(args, name))  # an empty flag: not given
+    }
+    if args.standalone:
+        flags["standalone"] = True
+    settings = dataclasses.replace(OperatorSettings.from_env(), **flags)
+
+    import resilientjob.operator.handlers  # noqa: F401  (importing it registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose, log_prefix=True)
-    namespace = handlers.SETTINGS.namespace
+    namespace = settings.namespace
     asyncio.run(
         kopf.operator(
             clusterwide=namespace is None,
             namespaces=namespace.split(",") if namespace else [],
-            standalone=handlers.SETTINGS.standalone,
-            liveness_endpoint=handlers.SETTINGS.liveness_endpoint,
+            standalone=settings.standalone,
+            liveness_endpoint=settings.liveness_endpoint,
             # Replicas with equal kopf priorities all pause; distinct ones leave exactly one active.
             priority=int(os.environ.get("RJOB_PEERING_PRIORITY") or int.from_bytes(os.urandom(2))),
+            memo=kopf.Memo(rjob=settings),
         )
     )
     return 0

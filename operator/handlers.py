@@ -6,6 +6,11 @@
 - pod events of managed pods go straight to their job's controller and wake its loop, so a deleted or
   failed pod is acted on within one event round-trip instead of a poll period;
 - job deletion removes the job's Redis keys (pods go with their owner reference).
+
+The operator's settings (`OperatorSettings`, from the `RJOB_*` environment variables) are read once when the
+operator starts, not at import, and travel to the handlers in kopf's `memo`: `rjob operator` puts the
+settings its flags and the environment give into the memo it starts kopf with; under `kopf run` the first
+activity handler (startup or login, which kopf may run side by side) reads the environment.
 """
 
 from __future__ import annotations
@@ -24,32 +29,39 @@ from ._worker_defaults import load_worker_defaults
 from .reconciler import InvalidJob, JobController, forget_job
 from .settings import OperatorSettings
 
-SETTINGS = OperatorSettings.from_env()
 CONTROLLERS: dict[tuple[str, str], JobController] = {}
 _API: dict[str, KubeApi] = {}
 
 
-def _connection(settings: kopf.OperatorSettings, logger: kopf.Logger) -> kopf.ConnectionInfo:
-    if SETTINGS.api_url:
+def settings_of(memo: kopf.Memo) -> OperatorSettings:
+    """The operator's settings in `memo`, read from the environment the first time they are asked for."""
+    settings = memo.get("rjob")
+    if not isinstance(settings, OperatorSettings):
+        settings = memo["rjob"] = OperatorSettings.from_env()
+    return settings
+
+
+def _connection(
+    settings: kopf.OperatorSettings, logger: kopf.Logger, rjob: OperatorSettings
+) -> kopf.ConnectionInfo:
+    if rjob.api_url:
         token = None
-        if SETTINGS.api_token_file:
+        if rjob.api_token_file:
             try:
-                token = Path(SETTINGS.api_token_file).read_text().strip()
+                token = Path(rjob.api_token_file).read_text().strip()
             except OSError as exc:
-                raise kopf.LoginError(
-                    f"api_token_file: cannot read {SETTINGS.api_token_file!r}: {exc}"
-                ) from None
+                raise kopf.LoginError(f"api_token_file: cannot read {rjob.api_token_file!r}: {exc}") from None
         return kopf.ConnectionInfo(
-            server=SETTINGS.api_url,
+            server=rjob.api_url,
             insecure=True,
             default_namespace="default",
             scheme="Bearer" if token else None,
             token=token,
         )
-    if SETTINGS.kubeconfig:
+    if rjob.kubeconfig:
         import os
 
-        os.environ["KUBECONFIG"] = SETTINGS.kubeconfig
+        os.environ["KUBECONFIG"] = rjob.kubeconfig
     info = kopf.login_with_service_account(logger=logger, settings=settings) or kopf.login_with_kubeconfig(
         logger=logger, settings=settings
     )
@@ -59,19 +71,23 @@ def _connection(settings: kopf.OperatorSettings, logger: kopf.Logger) -> kopf.Co
 
 
 @kopf.on.login()
-def login(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> kopf.ConnectionInfo:
+def login(
+    settings: kopf.OperatorSettings, logger: kopf.Logger, memo: kopf.Memo, **_: Any
+) -> kopf.ConnectionInfo:
     # kopf calls this again when one of its requests gets 401 (credentials rotated); the operator's own
     # client then takes the new credentials in place, as it does itself on a 401 (`KubeApi.relogin`).
-    info = _connection(settings, logger)
+    rjob = settings_of(memo)
+    info = _connection(settings, logger, rjob)
     if "api" in _API:
         _API["api"].use(info)
     else:
-        _API["api"] = KubeApi(info, relogin=lambda: _connection(settings, logger))
+        _API["api"] = KubeApi(info, relogin=lambda: _connection(settings, logger, rjob))
     return info
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo | None = None, **_: Any) -> None:
+    rjob = settings_of(memo if memo is not None else kopf.Memo())
     # Progress and diff-base in annotations: the status schema is strict and belongs to the API models.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="resilientjob.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -81,16 +97,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Explicit decisions go out with kopf.event at any level; handler chatter ("Handler 'pod_event'
     # succeeded", once per pod event) must not become one API call per event on a job of thousands of pods.
     settings.posting.level = logging.WARNING
-    settings.peering.standalone = SETTINGS.standalone
+    settings.peering.standalone = rjob.standalone
     settings.peering.name = "resilientjob"
     settings.peering.mandatory = False
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
-    if SETTINGS.metrics_port:
-        start_http_server(SETTINGS.metrics_port)
-    if SETTINGS.worker_defaults:
+    if rjob.metrics_port:
+        start_http_server(rjob.metrics_port)
+    if rjob.worker_defaults:
         # Fail at start, naming the field, rather than create pods that never schedule.
-        load_worker_defaults(SETTINGS.worker_defaults)
+        load_worker_defaults(rjob.worker_defaults)
 
 
 @kopf.on.cleanup()
@@ -109,11 +125,17 @@ def _api() -> KubeApi:
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=2.0, backoff=1.0)  # type: ignore[arg-type]
 async def run_job(
-    body: kopf.Body, name: str, namespace: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     """The job's controller for as long as the job exists (restarted by kopf on errors, with backoff)."""
     key = (namespace, name)
-    controller = CONTROLLERS.get(key) or JobController(_api(), SETTINGS, namespace, name)
+    controller = CONTROLLERS.get(key) or JobController(_api(), settings_of(memo), namespace, name)
     CONTROLLERS[key] = controller
     try:
         await controller.setup(body)
@@ -141,8 +163,8 @@ def pod_event(event: kopf.RawEvent, **_: Any) -> None:
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)  # type: ignore[arg-type]
-async def forget(spec: kopf.Spec, name: str, namespace: str, **_: Any) -> None:
-    url = (spec.get("redis") or {}).get("url") or SETTINGS.redis_url
+async def forget(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    url = (spec.get("redis") or {}).get("url") or settings_of(memo).redis_url
     controller = CONTROLLERS.get((namespace, name))
     if controller is not None and controller.redis is not None:
         await controller.redis.forget()
