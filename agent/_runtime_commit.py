@@ -37,6 +37,8 @@ from enum import StrEnum
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from resilientjob.protocol.store_keys import vote_key
+
 _ABORT = "abort"
 
 
@@ -53,10 +55,6 @@ class CommitPhase(StrEnum):
 
 FaultHook = Callable[[int, CommitPhase], None]
 """Called as hook(step, phase) at every `CommitPhase` of every step (fault injection in tests)."""
-
-
-def vote_key(generation: int, step: int, rank: int) -> str:
-    return f"commit/{generation}/{step}/{rank}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-FAILURES_KEY = "failures"
-"""Store counter: failures seen so far in the job (only ever incremented)."""
-
-
-def accounted_key(generation: int) -> str:
-    """Store key: the failure count the plan of `generation` was computed with."""
-    return f"accounted/{generation}"
+from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
 
 
 class PeerFailure(RuntimeError):

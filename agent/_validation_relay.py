@@ -17,14 +17,12 @@ from pydantic import ValidationError
 
 from resilientjob.protocol.keys import STREAM_MAXLEN, JobKeys
 from resilientjob.protocol.messages import ValidationRequest, ValidationResult, decode, encode
+from resilientjob.protocol.store_keys import COMMITTED_KEY, VALIDATION_REQUEST_KEY, validation_result_key
 
-from ._worker_probe import REQUEST_KEY, BoundaryRequest, result_key
+from ._worker_probe import BoundaryRequest
 
 BOUNDARY_MARGIN = 3
 """Steps between the newest committed step and the validation boundary."""
-
-COMMITTED_KEY = "committed"
-"""TCPStore key world rank 0 updates after each committed step (`worker.worker_main`)."""
 
 
 class ValidationRelay:
@@ -55,7 +53,7 @@ class ValidationRelay:
                 self.seen = request.id
                 self.pending = self.mirror(request)
             # a newer generation than the store has: mirrored once the host has published that plan
-        if self.pending is not None and self.store.check([result_key(self.pending.id)]):
+        if self.pending is not None and self.store.check([validation_result_key(self.pending.id)]):
             await self.forward(self.pending)
 
     def mirror(self, request: ValidationRequest) -> BoundaryRequest:
@@ -63,7 +61,7 @@ class ValidationRelay:
         boundary = BoundaryRequest(
             request.id, request.generation, committed + BOUNDARY_MARGIN, request.topology
         )
-        self.store.set(REQUEST_KEY, boundary.encode())
+        self.store.set(VALIDATION_REQUEST_KEY, boundary.encode())
         print(
             f"store host: validation {request.id} at step {boundary.step} of generation {request.generation}",
             flush=True,
@@ -71,7 +69,7 @@ class ValidationRelay:
         return boundary
 
     async def forward(self, boundary: BoundaryRequest) -> None:
-        raw = self.store.get(result_key(boundary.id))
+        raw = self.store.get(validation_result_key(boundary.id))
         try:
             result = ValidationResult.model_validate_json(raw)
         except ValidationError as exc:

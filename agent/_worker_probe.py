@@ -37,20 +37,13 @@ from resilientjob.planner.failslow import Link, ring_schedule, slow_links
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import LinkTiming, ValidationResult, ValidationTopology
+from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY, validation_result_key
 
 from . import chaos, tracing, validation
 from ._runtime_schedule import world_nodes
 
 PROFILE_EVERY = 10
 """Steps between two per-group profiles (`ProfileRecord`)."""
-
-REQUEST_KEY = "validation/request"
-"""TCPStore key: the validation request the store host mirrored, with its boundary step (JSON)."""
-
-
-def result_key(request_id: int) -> str:
-    """TCPStore key where world rank 0 leaves the pass's `ValidationResult`."""
-    return f"validation/result/{request_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +277,10 @@ class WorkerProbe:
         """Run the validation pass if a request's boundary is this step of this generation (called between
         steps, nothing in flight). Every member of the world calls it and runs the same pass; world rank 0
         leaves the result in the store. A request this worker can no longer meet is marked handled."""
-        if store is None or world_rank is None or not store.check([REQUEST_KEY]):
+        if store is None or world_rank is None or not store.check([VALIDATION_REQUEST_KEY]):
             return None
         try:
-            request = BoundaryRequest.decode(store.get(REQUEST_KEY))
+            request = BoundaryRequest.decode(store.get(VALIDATION_REQUEST_KEY))
         except (ValueError, KeyError, TypeError):
             return None
         if request.id <= self.validated:
@@ -313,7 +306,7 @@ class WorkerProbe:
         held = time.perf_counter() - began
         result = result_in_nodes(report, request, {rank: node for node, rank in self.ranks.items()}, held)
         if world_rank == 0:
-            store.set(result_key(request.id), result.model_dump_json())
+            store.set(validation_result_key(request.id), result.model_dump_json())
         self._write({"kind": "validation", "id": request.id, "step": step, "held_s": held})
         return result
 

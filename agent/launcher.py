@@ -32,11 +32,22 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
+from resilientjob.protocol.store_keys import (
+    COMMITTED_KEY,
+    applied_key,
+    event_key,
+    fail_event_key,
+    joining_key,
+    loss_key,
+    received_key,
+    samples_key,
+    steptime_key,
+)
 
 from ._runtime_plans import RuntimePlanner
 from ._runtime_schedule import world_nodes
 from .runtime import check_supported
-from .worker import JobConfig, announce_failures, joining_key, publish_plan, worker_main
+from .worker import JobConfig, announce_failures, publish_plan, worker_main
 
 
 @dataclass(slots=True)
@@ -127,7 +138,7 @@ class Launcher:
         steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change).
         `joins`: new node id -> committed step after which the planner takes that node in (a replacement
         pod joining, as the operator plans it); its workers start with the job, load the model and wait to be
-        taken in (`worker.joining_key`), as a replacement pod that is running before its plan does."""
+        taken in (`store_keys.joining_key`), as a replacement pod that is running before its plan does."""
         self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
@@ -175,10 +186,10 @@ class Launcher:
             self._announced = announce_failures(self.store, len(failed))
 
     def _committed(self) -> int:
-        return int(self.store.add("committed", 0))
+        return int(self.store.add(COMMITTED_KEY, 0))
 
     def _fully_applied(self) -> bool:
-        applied = int(self.store.add(f"applied/{self.plan.generation}", 0))
+        applied = int(self.store.add(applied_key(self.plan.generation), 0))
         return applied >= len(world_nodes(self.plan)) * self.degree
 
     # ---- processes ---------------------------------------------------------------------------------------
@@ -299,10 +310,10 @@ class Launcher:
         losses: dict[int, float] = {}
         samples: dict[int, list[int]] = {}
         for step in range(self.config.steps):
-            text = self._get(f"loss/{step}")
+            text = self._get(loss_key(step))
             if text is not None:
                 losses[step] = float(text.split(":", 1)[1])
-            entries = self._get(f"samples/{step}")
+            entries = self._get(samples_key(step))
             if entries:
                 parsed = [entry.split(":", 1) for entry in entries.split(";") if entry]
                 newest = max(
@@ -313,20 +324,20 @@ class Launcher:
         events: dict[str, Any] = {}
         step_times: dict[int, list[float]] = {}
         for plan in self.plans:
-            text = self._get(f"steptime/{plan.generation}")
+            text = self._get(steptime_key(plan.generation))
             step_times[plan.generation] = [float(v) for v in (text or "").split(";") if v]
-            text = self._get(f"received/{plan.generation}")
+            text = self._get(received_key(plan.generation))
             rows = [tuple(int(v) for v in row.split(",")) for row in (text or "").split(";") if row]
             received[plan.generation] = rows  # type: ignore[assignment]
             for node in range(max(self.plan.nodes + tuple(self.failed)) + 1):
                 for kind in ("applied", "abort", "resumed"):
-                    value = self._get(f"event/{kind}/{plan.generation}/{node}")
+                    value = self._get(event_key(kind, plan.generation, node))
                     if value is not None:
                         events[f"{kind}/{plan.generation}/{node}"] = (
                             json.loads(value) if kind == "applied" else float(value)
                         )
         for node in self.failed:
-            value = self._get(f"event/fail/{node}")
+            value = self._get(fail_event_key(node))
             if value is not None:
                 events[f"fail/{node}"] = float(value)
         return JobResult(

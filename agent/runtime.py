@@ -44,6 +44,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed.device_mesh import DeviceMesh
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.store_keys import GENERATION_KEY
 from resilientjob.protocol.workload import Precision, TrainingSpec
 
 from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
@@ -113,7 +114,7 @@ def arrive(store: Store, generation: int, world_size: int, joining: bool) -> Non
     store.add(key, 1)
     deadline = time.monotonic() + JOIN_WAIT_S
     while joining and int(store.add(key, 0)) < world_size:
-        if int(store.add("generation", 0)) > generation or time.monotonic() > deadline:
+        if int(store.add(GENERATION_KEY, 0)) > generation or time.monotonic() > deadline:
             raise RuntimeError(f"join: the peers did not reach the rendezvous of generation {generation}")
         time.sleep(0.01)
 

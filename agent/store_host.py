@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys, failures_key, store_key
 from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
+from resilientjob.protocol.store_keys import COMMITTED_KEY, joining_key
 
 from ._redis import REDIS_DOWN, Outage, connect
 
@@ -96,10 +97,9 @@ class StoreHost:
 
     def unready(self, announcement: PlanAnnouncement) -> list[int]:
         """Nodes new to the store's world (replacement pods joining) whose workers cannot rendezvous yet:
-        the generation waits for them (`worker.joining_key`), and the workers keep training meanwhile. A
+        the generation waits for them (`store_keys.joining_key`), and the workers keep training meanwhile. A
         new host (no plan yet) and parked nodes coming back wait for nobody."""
         from ._runtime_schedule import world_nodes
-        from .worker import joining_key
 
         if self.plan is None:
             return []
@@ -150,9 +150,9 @@ class StoreHost:
         return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
 
     def _trained(self) -> bool:
-        if self.steps is None or not self.store.check(["committed"]):
+        if self.steps is None or not self.store.check([COMMITTED_KEY]):
             return False
-        return int(self.store.get("committed")) >= self.steps
+        return int(self.store.get(COMMITTED_KEY)) >= self.steps
 
     async def run(self, stopped: asyncio.Event) -> None:
         """Mirror generations until `stopped` or the job is done (see the module doc). Redis away stops

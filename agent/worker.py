@@ -1,6 +1,7 @@
 """The worker process: one per device, driven by plans the launcher publishes in the job's TCPStore.
 
-Store layout (the launcher hosts the store; in a cluster the agent mirrors the operator's Redis plan into it):
+Store layout (the launcher hosts the store; in a cluster the agent mirrors the operator's Redis plan into it;
+the keys are `resilientjob.protocol.store_keys`):
   generation            newest plan generation (integer)
   plan/<g>              Plan JSON of generation g
   failures              failures announced so far (counter; a wait abandons its step when it grows)
@@ -13,7 +14,7 @@ Store layout (the launcher hosts the store; in a cluster the agent mirrors the o
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
   checkin/<g>           workers that checked in for the rendezvous of plan g (`await_peers`)
-  joining/<node>        set by a joining node once it can rendezvous (`joining_key`)
+  joining/<node>        set by a joining node once it can rendezvous (`store_keys.joining_key`)
 
 `publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
 which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
@@ -35,6 +36,22 @@ import torch
 from torch._C._distributed_c10d import Store, TCPStore
 
 from resilientjob.planner.plan import Plan, Policy
+from resilientjob.protocol.store_keys import (
+    COMMITTED_KEY,
+    FAILURES_KEY,
+    GENERATION_KEY,
+    accounted_key,
+    applied_key,
+    checkin_key,
+    event_key,
+    fail_event_key,
+    joining_key,
+    loss_key,
+    plan_key,
+    received_key,
+    samples_key,
+    steptime_key,
+)
 from resilientjob.protocol.workload import (
     DataFormat,
     DataSpec,
@@ -44,7 +61,6 @@ from resilientjob.protocol.workload import (
 )
 
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
-from ._runtime_wait import FAILURES_KEY, accounted_key
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
 from .data import TokenDataset, open_dataset
@@ -163,10 +179,10 @@ def worker_device(kind: str, local_rank: int) -> str:
 
 def publish_plan(store: Store, plan: Plan, failures_accounted: int) -> None:
     """Make `plan` the job's newest plan. `failures_accounted`: the failure count the plan was made with."""
-    store.set(f"plan/{plan.generation}", plan.model_dump_json())
+    store.set(plan_key(plan.generation), plan.model_dump_json())
     # Written before the generation: a worker that sees the plan also sees which failures it covers.
     store.set(accounted_key(plan.generation), str(failures_accounted))
-    store.set("generation", str(plan.generation))
+    store.set(GENERATION_KEY, str(plan.generation))
 
 
 def announce_failures(store: Store, count: int) -> int:
@@ -175,11 +191,11 @@ def announce_failures(store: Store, count: int) -> int:
 
 
 def read_generation(store: Store) -> int:
-    return int(store.add("generation", 0))
+    return int(store.add(GENERATION_KEY, 0))
 
 
 def read_plan(store: Store, generation: int) -> Plan:
-    return Plan.model_validate_json(store.get(f"plan/{generation}"))
+    return Plan.model_validate_json(store.get(plan_key(generation)))
 
 
 def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan:
@@ -193,19 +209,12 @@ def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan
     raise TimeoutError(f"plan_timeout_s: no plan after generation {generation} within {timeout_s} s")
 
 
-def joining_key(node: int) -> str:
-    """Store key a joining node's workers set once they can rendezvous (model loaded): plans that take the
-    node in are published to the store only then (`store_host`, the launcher), so that its peers do not
-    wait for it in a rendezvous that would time out while it starts."""
-    return f"joining/{node}"
-
-
 class JobFinished(Exception):
     """The job's workers committed its last step while this one waited to join them."""
 
 
 def finished(store: Store, steps: int | None) -> bool:
-    return steps is not None and int(store.add("committed", 0)) >= steps
+    return steps is not None and int(store.add(COMMITTED_KEY, 0)) >= steps
 
 
 def wait_for_plan_with(
@@ -243,7 +252,7 @@ def await_peers(
     nodes = world_nodes(plan)
     if node not in nodes:
         return True
-    key = f"checkin/{plan.generation}"
+    key = checkin_key(plan.generation)
     expected = len(nodes) * degree
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
@@ -308,18 +317,18 @@ def _settle(
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
-        store.add(f"applied/{generation}", 1)  # every worker counts: the launcher expects nodes x degree
+        store.add(applied_key(generation), 1)  # every worker counts: the launcher expects nodes x degree
         timings = trainer.timings
         for record in trainer.received:
             if record.dst == trainer.node:
                 store.append(  # type: ignore[attr-defined]
-                    f"received/{generation}", f"{record.layer},{record.src},{record.dst},{record.bytes};"
+                    received_key(generation), f"{record.layer},{record.src},{record.dst},{record.bytes};"
                 )
         trainer.received.clear()
         if trainer.local_rank > 0:  # events are per node: local rank 0 writes them
             return joined
         store.set(
-            f"event/applied/{generation}/{trainer.node}",
+            event_key("applied", generation, trainer.node),
             json.dumps(
                 {
                     "time": time.time(),
@@ -358,7 +367,7 @@ def worker_main(
     plan = read_plan(store, read_generation(store))
     # Not in the newest plan, or started after the job trained (a replacement pod under a new node id): a
     # join, not a start. The node holds nothing; the plan that takes it in copies its layers to it.
-    joining = not restore and (node not in world_nodes(plan) or int(store.add("committed", 0)) > 0)
+    joining = not restore and (node not in world_nodes(plan) or int(store.add(COMMITTED_KEY, 0)) > 0)
     if joining:
         store.set(joining_key(node), "1")
         try:
@@ -406,7 +415,7 @@ def worker_main(
     first_grads: dict[int, list[torch.Tensor]] = {}
     while trainer.step < config.steps:
         if fail_at is not None and trainer.step == fail_at:
-            store.set(f"event/fail/{node}", repr(time.time()))
+            store.set(fail_event_key(node), repr(time.time()))
             os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets
         step = trainer.step
         began = time.perf_counter()
@@ -415,7 +424,7 @@ def worker_main(
         except ReconfigurationError:
             raise
         except RuntimeError:
-            store.set(f"event/abort/{trainer.generation}/{node}", repr(time.time()))
+            store.set(event_key("abort", trainer.generation, node), repr(time.time()))
             new_plan = wait_for_plan_after(store, trainer.generation, config.plan_timeout_s)
             if not _settle(trainer, store, new_plan, config.plan_timeout_s, checkpointer):
                 break
@@ -425,16 +434,16 @@ def worker_main(
         if trainer.generation != resumed_generation:
             resumed_generation = trainer.generation
             if local_rank == 0:
-                store.set(f"event/resumed/{trainer.generation}/{node}", repr(time.time()))
+                store.set(event_key("resumed", trainer.generation, node), repr(time.time()))
         if trainer.world_rank == 0:
-            store.set(f"loss/{step}", f"{trainer.generation}:{loss!r}")
-            store.set("committed", str(trainer.step))
+            store.set(loss_key(step), f"{trainer.generation}:{loss!r}")
+            store.set(COMMITTED_KEY, str(trainer.step))
             store.append(  # type: ignore[attr-defined]
-                f"steptime/{trainer.generation}", f"{time.perf_counter() - began!r};"
+                steptime_key(trainer.generation), f"{time.perf_counter() - began!r};"
             )
         if ids:
             store.append(  # type: ignore[attr-defined]
-                f"samples/{step}", f"{trainer.generation}:{','.join(map(str, ids))};"
+                samples_key(step), f"{trainer.generation}:{','.join(map(str, ids))};"
             )
         due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due)
         if checkpointer is not None and due and trainer.plan is not None:
@@ -466,7 +475,7 @@ def _finished_without(node: int, store: Store) -> dict[str, object]:
     """A replacement that joined as the job ended: its peers trained the last step and exported without it,
     so it ends as they did (its pod completes, and with it the generation that took it in)."""
     print(f"node {node}: the job trained its last step before this node could join", flush=True)
-    return {"node": node, "step": int(store.add("committed", 0)), "left": False}
+    return {"node": node, "step": int(store.add(COMMITTED_KEY, 0)), "left": False}
 
 
 def _export(trainer: Trainer, directory: Path) -> None:

@@ -56,6 +56,7 @@ from resilientjob.agent.models import lm_loss
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig, publish_plan
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.store_keys import loss_key, steptime_key
 
 MODEL: dict[str, object] = {"layers": 6, "hidden": 160, "heads": 4, "seq_len": 64, "vocab": 256}
 GLOBAL_BATCH, MICRO = 16, 2
@@ -337,8 +338,8 @@ def _run_workers(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     publish_plan(store, plan, 0)
     mp.start_processes(entry, args=(store.port, config, tmp), nprocs=dp * pp, start_method="forkserver")
-    times = [float(v) for v in store.get("steptime/0").decode().split(";") if v]
-    losses = [float(store.get(f"loss/{step}").decode().split(":", 1)[1]) for step in range(steps)]
+    times = [float(v) for v in store.get(steptime_key(0)).decode().split(";") if v]
+    losses = [float(store.get(loss_key(step)).decode().split(":", 1)[1]) for step in range(steps)]
     return times, losses
 
 

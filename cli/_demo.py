@@ -25,6 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from resilientjob.protocol.store_keys import COMMITTED_KEY, event_key, loss_key
+
 from ._common import CliError, guarded
 from ._demo_failslow import FailSlowWatch
 from ._manifest_files import load_documents
@@ -186,11 +188,11 @@ class Probe:
         seen.timeline.append((now, seen.throughput, active))
         store = self._store()
         if store is not None:
-            seen.committed = int(store.add("committed", 0))
+            seen.committed = int(store.add(COMMITTED_KEY, 0))
             if seen.committed > 0:
-                seen.loss = float(store.get(f"loss/{seen.committed - 1}").decode().split(":")[1])
+                seen.loss = float(store.get(loss_key(seen.committed - 1)).decode().split(":")[1])
                 if seen.first_loss is None:
-                    seen.first_loss = float(store.get("loss/0").decode().split(":")[1])
+                    seen.first_loss = float(store.get(loss_key(0)).decode().split(":")[1])
                     seen.training_since = now
                     new.append(seen.event("training: first step committed"))
         try:
@@ -216,7 +218,7 @@ class Probe:
         rendezvous = copy = 0.0
         moved = 0
         for node in range(self.nodes) if store is not None else ():
-            key = f"event/applied/{generation}/{node}"
+            key = event_key("applied", generation, node)
             if store.check([key]):
                 applied = json.loads(store.get(key))
                 rendezvous = max(rendezvous, applied["rendezvous_s"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
 
-from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement, vote_key
+from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
 from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.data import SyntheticDataset
 from resilientjob.agent.models import load_model
@@ -37,6 +37,7 @@ from resilientjob.agent.worker import (
 )
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import ModelProfile
+from resilientjob.protocol.store_keys import vote_key
 
 GPT8 = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
 STEPS, FAIL_STEP, VICTIM, NODES = 4, 1, 1, 4

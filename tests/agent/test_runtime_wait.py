@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from resilientjob.agent._runtime_wait import FAILURES_KEY, FailureNotice, PeerFailure, Waiter, accounted_key
+from resilientjob.agent._runtime_wait import FailureNotice, PeerFailure, Waiter
+from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
 
 pytestmark = pytest.mark.torch
 

@@ -19,12 +19,12 @@ from torch._C._distributed_c10d import PrefixStore
 from torch.distributed import DistNetworkError
 
 from resilientjob.agent._redis import connect
-from resilientjob.agent._runtime_wait import FAILURES_KEY, accounted_key
 from resilientjob.agent._store_client import ReconnectingStore
 from resilientjob.agent.store_host import StoreHost
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
 from resilientjob.protocol.keys import JobKeys, failures_key, store_key
+from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
 
 SERVER = """
 import time
