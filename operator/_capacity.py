@@ -24,16 +24,13 @@ import math
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import api
 from ._decide import PodView
+from ._job_view import JobView
 from ._kube import core_path
-
-if TYPE_CHECKING:
-    from .reconciler import JobController
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +145,7 @@ class CapacityKeeper:
     _announced: set[str] = field(default_factory=set)
     """`not_before` times of waits already told in an Event."""
 
-    def fenced(self, ctl: JobController, node: int, now: float | None = None) -> None:
+    def fenced(self, ctl: JobView, node: int, now: float | None = None) -> None:
         """A failed worker of the plan was fenced: its replacement waits by its strikes."""
         pod = ctl.pods.get(node)
         if pod is not None:
@@ -159,7 +156,7 @@ class CapacityKeeper:
         capacity = after_failure(ctl.status.capacity, pod, now, self.backoff)
         ctl.status = ctl.status.model_copy(update={"capacity": capacity})
 
-    async def keep_up(self, ctl: JobController, current: PlanAnnouncement, fenced: Collection[int]) -> None:
+    async def keep_up(self, ctl: JobView, current: PlanAnnouncement, fenced: Collection[int]) -> None:
         """Delete failed pods no plan uses (replacements that crashed before joining), then ask for the
         pods missing from `spec.nodes`: the record first, then the pods."""
         spec = ctl.require_spec()

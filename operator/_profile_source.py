@@ -43,13 +43,13 @@ from resilientjob.protocol.messages import (
 )
 
 from . import _decide, _manifests, api
+from ._job_view import JobView
 from ._kube import KubeApi, core_path
 from ._planning import checked_by_node0, profile_from_pod
 
 if TYPE_CHECKING:
     import kopf
 
-    from .reconciler import JobController
 
 log = logging.getLogger("resilientjob.operator")
 
@@ -136,14 +136,14 @@ async def stored_profile(kube: KubeApi, namespace: str, job: str) -> dict[str, A
     return decoded
 
 
-async def _store(ctl: JobController, profile: ModelProfile, source: str) -> None:
+async def _store(ctl: JobView, profile: ModelProfile, source: str) -> None:
     manifest = _manifests.profile_configmap(ctl.body, profile.model_dump_json(), source)
     if not await ctl.kube.create(core_path(ctl.namespace, "configmaps"), manifest):
         path = core_path(ctl.namespace, "configmaps", manifest["metadata"]["name"])
         await ctl.kube.patch(path, {"data": manifest["data"]})
 
 
-async def _announce(ctl: JobController, request: ModelProfileRequest) -> None:
+async def _announce(ctl: JobView, request: ModelProfileRequest) -> None:
     """The status while the pods run without a plan: valid, not planned (named reason), and an Event."""
     if request.profile:
         how = "measures its layers" if request.measure else "computes it from the model's configuration"
@@ -164,7 +164,7 @@ NODE0_FAILURES = 3
 agent that cannot even load the model dies before it can answer, every time."""
 
 
-async def _keep_node0(ctl: JobController, failed_pods: set[str], field: str) -> None:
+async def _keep_node0(ctl: JobView, failed_pods: set[str], field: str) -> None:
     """Node 0 must be up to answer: re-create its pod when it failed or is gone; PlannerError naming `field`
     once it failed NODE0_FAILURES times (counted by pod uid: the watch may repeat an old pod's events)."""
     pod = ctl.pods.get(PROFILE_NODE)
@@ -186,7 +186,7 @@ async def _keep_node0(ctl: JobController, failed_pods: set[str], field: str) -> 
     await ctl.create_pods([PROFILE_NODE], generation=-1, layout="")
 
 
-async def _exchange(ctl: JobController, request: ModelProfileRequest) -> ModelProfileReport | None:
+async def _exchange(ctl: JobView, request: ModelProfileRequest) -> ModelProfileReport | None:
     """Keep the request in Redis (an emptied Redis gets it again) and read the answer to it, if any."""
     if ctl.redis is None:
         raise RuntimeError("JobController.setup() must succeed first")
@@ -199,7 +199,7 @@ async def _exchange(ctl: JobController, request: ModelProfileRequest) -> ModelPr
     return report if report is not None and report.request == request else None
 
 
-async def preflight(ctl: JobController, stopped: kopf.DaemonStopped) -> ModelProfileReport | None:
+async def preflight(ctl: JobView, stopped: kopf.DaemonStopped) -> ModelProfileReport | None:
     """Pods up without a plan until node 0 reports; its report (accepted, its profile stored), or None when
     the job stopped first. Raises WorkloadRejected or PlannerError naming the field when node 0 found the
     workload unusable or its profile does not fit."""
