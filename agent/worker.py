@@ -43,6 +43,7 @@ from resilientjob.protocol.workload import (
     WorkloadCheckpoint,
 )
 
+from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import FAILURES_KEY, accounted_key
 from ._tensor_parallel import full_parameters, local, tp_degree
@@ -51,7 +52,7 @@ from .data import TokenDataset, open_dataset
 from .models import ModelSpec, load_model
 from .optim import lr_at, set_lr
 from .p2p import LayerState
-from .runtime import ReconfigurationError, Trainer
+from .runtime import Trainer
 
 FAILURE_EXIT_CODE = 17
 
@@ -308,6 +309,7 @@ def _settle(
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
+        _record_rolled(trainer, store)
         store.add(f"applied/{generation}", 1)  # every worker counts: the launcher expects nodes x degree
         timings = trainer.timings
         for record in trainer.received:
@@ -330,6 +332,20 @@ def _settle(
             ),
         )
         return joined
+
+
+def _record_rolled(trainer: Trainer, store: Store) -> None:
+    """Record the steps this worker applied at the rendezvous (its peers had committed them): its sample
+    ids under the generation that trained them, as its peers recorded theirs, and the loss where the store
+    lacks it (a replaced store starts empty)."""
+    for rolled in trainer.rolled:
+        if trainer.local_rank == 0:
+            store.compare_set(f"loss/{rolled.step}", "", f"{rolled.generation}:{rolled.loss!r}")
+        if rolled.sample_ids:
+            store.append(  # type: ignore[attr-defined]
+                f"samples/{rolled.step}", f"{rolled.generation}:{','.join(map(str, rolled.sample_ids))};"
+            )
+    trainer.rolled.clear()
 
 
 def worker_main(
