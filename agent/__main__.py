@@ -59,6 +59,10 @@ async def main(argv: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
+    if options is not None:
+        from ._bridge import preload
+
+        preload()
     heartbeat = asyncio.create_task(telemetry.heartbeat_forever(stopped))
     code = 1
     try:

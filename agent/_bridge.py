@@ -347,11 +347,18 @@ class TrainingAgent:
             self.directory.rmdir()
 
 
-def _prepare(workload: Workload, options: TrainingOptions) -> int:
-    """Import what the worker needs (so that the fork inherits it) and return the model's layer count."""
+def preload() -> None:
+    """Import what the workers need, so that their fork inherits it. Call it before the agent's first
+    heartbeat: loading torch's shared libraries holds the GIL for seconds on a busy node (measured: a pod
+    fenced for a lapsed heartbeat during this import, in a thread, on two loaded cores), while a pod that has
+    not beaten yet is judged by its phase alone."""
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 
     from . import worker  # noqa: F401
+
+
+def _prepare(workload: Workload, options: TrainingOptions) -> int:
+    """The model's layer count (loading it checks the model; the imports are `preload`'s)."""
     from .models import load_model
 
     options_with_length = {"seq_len": workload.data.seq_len, **options.model_options}

@@ -17,7 +17,18 @@ others, so survivors would stand one step apart. The vote makes the decision a p
    stop the step; the loss is the sum of the votes), abandon otherwise. A voter that finds its key already
    closed abandons without entering the all-reduce.
 
-Result: all survivors are always at the same committed step; no snapshot or rollback is needed.
+Result: all survivors are always at the same committed step; no snapshot or rollback is needed, as long as
+the store keeps the votes.
+
+Why a catch-up at the rendezvous (`agree_on_step`): the votes live in the job's store, and a store that is
+replaced (its pod died and was created again, empty) loses them. A rank whose commit all-reduce timed out
+then closes the vote on the new store, finds no votes and abandons, while the ranks whose all-reduce had
+completed committed: the survivors meet the next rendezvous one step apart. The all-reduce completing on any
+rank proves that every rank had voted, and a rank votes only after its gradient sums, so each rank behind
+still holds the summed gradients of the step its peers committed. It applies that step there (the same
+clipping, from the squared norm the committed ranks bring, and the same learning rate): every replica's
+weights and optimizer state end as if it had committed with them. Steps further apart, or a rank behind
+whose gradients are gone, still stop the job (`ReconfigurationError`: the checkpoint path must take over).
 
 Why retirement: destroying a gloo group whose collective is still pending behind a dead peer joins the
 group's worker threads, which stay blocked until the group's own timeout (and, with the GIL held, the whole
@@ -29,17 +40,25 @@ pending operations (NCCL) are aborted instead, which frees them at once.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from resilientjob.protocol.store_keys import vote_key
 
 _ABORT = "abort"
+_NOBODY = -(2**62)
+"""What a joining rank votes for the lowest step in the agreement: it has no step of its own."""
+
+
+class ReconfigurationError(RuntimeError):
+    """The new world cannot resume live (workers disagree on the step); the checkpoint path must take over."""
 
 
 class CommitPhase(StrEnum):
@@ -144,3 +163,80 @@ def leave_world(retirement: Retirement, generation: int, keep: list[object], aba
     world = dist.distributed_c10d._get_default_group()
     retirement.retire(generation, [world, *keep])
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True, slots=True)
+class VotedStep:
+    """The step this rank voted for and has not applied: its gradients are that step's whole-batch sums."""
+
+    generation: int
+    step: int
+    sample_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedStep:
+    """The last step this rank committed: what a rank left behind needs to apply it the same way."""
+
+    step: int
+    loss: float
+    sq_norm: float
+
+
+@dataclass(frozen=True, slots=True)
+class RolledStep:
+    """A step this rank applied at a rendezvous because its peers had committed it (see the module doc)."""
+
+    generation: int
+    """The generation that trained it: its records (loss, sample ids) carry that one."""
+    step: int
+    loss: float
+    sq_norm: float
+    sample_ids: tuple[int, ...]
+
+
+Wait = Callable[["dist.Work | None", str], None]
+
+
+def agree_on_step(
+    step: int,
+    joining: bool,
+    voted: VotedStep | None,
+    committed: CommittedStep | None,
+    comm_device: torch.device,
+    wait: Wait,
+) -> tuple[int, RolledStep | None]:
+    """The step every rank of a new world resumes at, and the step this rank must apply first to get there
+    (None when it is there already). A collective: every rank of the world calls it, right after joining.
+
+    A joining rank has no step of its own: it votes for neither bound and takes the agreed one. Ranks one
+    step behind catch up if they can (module doc); otherwise every rank raises `ReconfigurationError`."""
+    mine = (0, _NOBODY) if joining else (step, -step)
+    bounds = torch.tensor(mine, dtype=torch.int64, device=comm_device)
+    wait(dist.all_reduce(bounds, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
+    high, low = int(bounds[0]), -int(bounds[1])
+    if low in (high, -_NOBODY):  # agreed (or a world of joiners only)
+        return high, None
+    if high != low + 1:
+        raise ReconfigurationError(f"step: workers disagree ({low}..{high})")
+    behind = not joining and step == low
+    stuck = behind and (voted is None or voted.step != low)
+    ahead = not joining and step == high and committed is not None and committed.step == low
+    facts = torch.tensor(
+        [
+            committed.sq_norm if ahead and committed is not None else -math.inf,
+            committed.loss if ahead and committed is not None else -math.inf,
+            1.0 if stuck else 0.0,
+        ],
+        dtype=torch.float64,
+        device=comm_device,
+    )
+    wait(dist.all_reduce(facts, op=dist.ReduceOp.MAX, async_op=True), "step catch-up")
+    sq_norm, loss, someone_stuck = (float(value) for value in facts.tolist())
+    if someone_stuck > 0 or sq_norm == -math.inf:
+        raise ReconfigurationError(
+            f"step: workers disagree ({low}..{high}); a worker behind no longer holds step {low}'s gradients"
+        )
+    if not behind or voted is None:
+        return high, None
+    return high, RolledStep(voted.generation, low, loss, sq_norm, voted.sample_ids)

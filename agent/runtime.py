@@ -44,10 +44,21 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed.device_mesh import DeviceMesh
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.store_keys import GENERATION_KEY
+from resilientjob.protocol.store_keys import GENERATION_KEY, arriving_key
 from resilientjob.protocol.workload import Precision, TrainingSpec
 
-from ._runtime_commit import CommitPhase, CommitVote, FaultHook, Retirement, leave_world
+from ._runtime_commit import (
+    CommitPhase,
+    CommittedStep,
+    CommitVote,
+    FaultHook,
+    ReconfigurationError,
+    Retirement,
+    RolledStep,
+    VotedStep,
+    agree_on_step,
+    leave_world,
+)
 from ._runtime_grads import GradientSync
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
@@ -56,10 +67,6 @@ from .data import SampleOrder, TokenDataset
 from .models import ModelSpec, lm_loss
 from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr
 from .p2p import LayerState, TransferRecord, execute_transfers
-
-
-class ReconfigurationError(RuntimeError):
-    """The new world cannot resume live (workers disagree on the step); the checkpoint path must take over."""
 
 
 def check_supported(plan: Plan) -> int:
@@ -110,7 +117,7 @@ def arrive(store: Store, generation: int, world_size: int, joining: bool) -> Non
     while its peers reach the rendezvous only at the end of their step, which on a busy machine can take
     longer than the rendezvous timeout: so it enters only once every rank has arrived, or gives up when a
     newer plan replaces this one (RuntimeError: the caller moves on to that plan)."""
-    key = f"arriving/{generation}"
+    key = arriving_key(generation)
     store.add(key, 1)
     deadline = time.monotonic() + JOIN_WAIT_S
     while joining and int(store.add(key, 0)) < world_size:
@@ -185,6 +192,11 @@ class Trainer:
     """The last committed step is one every worker checkpoints (time interval, decided by world rank 0)."""
     _checkpoint_clock: float = field(default_factory=time.monotonic)
     last_grad_norm: float = 0.0
+    _voted: VotedStep | None = None
+    """The step this rank voted for and has not applied (its summed gradients are still in `.grad`)."""
+    _committed: CommittedStep | None = None
+    rolled: list[RolledStep] = field(default_factory=list)
+    """Steps applied at a rendezvous because the peers had committed them (the worker records them)."""
     """Global gradient norm of the last committed step (before clipping)."""
 
     def __post_init__(self) -> None:
@@ -323,13 +335,16 @@ class Trainer:
         # Everyone resumes at the same committed step, or nobody resumes live. A joining node has no step of
         # its own: it votes neither bound and takes the one the others agree on (the data order and the
         # learning-rate schedule follow from it; AdamW's step counts arrive with the layers).
-        mine = (0, -(2**62)) if self.joining else (self.step, -self.step)
-        steps = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
-        self._wait(dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
-        if int(steps[0]) != -int(steps[1]):
-            raise ReconfigurationError(f"step: workers disagree ({-int(steps[1])}..{int(steps[0])})")
+        # A rank one step behind (its commit was lost with a replaced store) applies the step its peers
+        # committed, before any layer moves (`_runtime_commit.agree_on_step`).
+        agreed, rolled = agree_on_step(
+            self.step, self.joining, self._voted, self._committed, self.comm_device, self._wait
+        )
+        if rolled is not None:
+            self._apply_update(rolled.sq_norm)
+            self.rolled.append(rolled)
         if self.joining:
-            self.step, self.joining = int(steps[0]), False
+            self.step, self.joining = agreed, False
         if k > 1:
             for slot, node in enumerate(nodes):
                 # Every rank takes part in creating every node's stage group, as `new_group` requires.
@@ -421,6 +436,7 @@ class Trainer:
         step, plan = self.step, self._current()
         grads = self._gradient_sync()
         grads.zero(self.layers)
+        self._voted = None  # its gradients are gone
         shape = self.model.hidden_shape(plan.microbatch_size)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         mailbox: dict[int, torch.Tensor] = {}
@@ -468,8 +484,16 @@ class Trainer:
         clipping = self.training.grad_clip_norm > 0
         norm_share = grads.norm_share(self.layers, self.local_rank, self.device) if clipping else 0.0
         loss, switch, total_sq_norm = self._commit(
-            float(loss_sum), latest_generation > self.generation, norm_share
+            float(loss_sum), latest_generation > self.generation, norm_share, sample_ids
         )
+        self._committed = CommittedStep(step, loss, total_sq_norm)
+        self._apply_update(total_sq_norm)
+        if not self._abandoned:
+            self._pending = []
+        return loss, switch, sample_ids
+
+    def _apply_update(self, total_sq_norm: float) -> None:
+        """The optimizer step of the current step from its summed gradients, clipped by the global norm."""
         self.last_grad_norm = total_sq_norm**0.5 if total_sq_norm > 0 else 0.0
         coefficient = clip_coefficient(total_sq_norm, self.training.grad_clip_norm)
         lr = lr_at(self.training, self.step)
@@ -481,11 +505,11 @@ class Trainer:
             set_lr(layer.optimizer, lr)
             layer.optimizer.step()
         self.step += 1
-        if not self._abandoned:
-            self._pending = []
-        return loss, switch, sample_ids
+        self._voted = None
 
-    def _commit(self, loss_share: float, newer_plan: bool, sq_norm_share: float) -> tuple[float, bool, float]:
+    def _commit(
+        self, loss_share: float, newer_plan: bool, sq_norm_share: float, sample_ids: list[int]
+    ) -> tuple[float, bool, float]:
         """Vote, then all-reduce the loss, the squared gradient norm, the "newer plan seen" flag (so all
         switch after the same step) and the checkpoint request (world rank 0's clock). Returns (loss,
         switch, squared norm) once the step is committed; raises PeerFailure if it is abandoned."""
@@ -495,6 +519,7 @@ class Trainer:
         self._fault(CommitPhase.VOTE)
         if not vote.vote([loss_share, sq_norm_share]):
             raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
+        self._voted = VotedStep(self.generation, self.step, tuple(sample_ids))
         self._fault(CommitPhase.VOTED)
         checkpoint = (
             self.world_rank == 0

@@ -60,6 +60,7 @@ from resilientjob.protocol.workload import (
     WorkloadCheckpoint,
 )
 
+from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
@@ -67,7 +68,7 @@ from .data import TokenDataset, open_dataset
 from .models import ModelSpec, load_model
 from .optim import lr_at, set_lr
 from .p2p import LayerState
-from .runtime import ReconfigurationError, Trainer
+from .runtime import Trainer
 
 FAILURE_EXIT_CODE = 17
 
@@ -317,6 +318,7 @@ def _settle(
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
+        _record_rolled(trainer, store)
         store.add(applied_key(generation), 1)  # every worker counts: the launcher expects nodes x degree
         timings = trainer.timings
         for record in trainer.received:
@@ -339,6 +341,20 @@ def _settle(
             ),
         )
         return joined
+
+
+def _record_rolled(trainer: Trainer, store: Store) -> None:
+    """Record the steps this worker applied at the rendezvous (its peers had committed them): its sample
+    ids under the generation that trained them, as its peers recorded theirs, and the loss where the store
+    lacks it (a replaced store starts empty)."""
+    for rolled in trainer.rolled:
+        if trainer.local_rank == 0:
+            store.compare_set(loss_key(rolled.step), "", f"{rolled.generation}:{rolled.loss!r}")
+        if rolled.sample_ids:
+            store.append(  # type: ignore[attr-defined]
+                samples_key(rolled.step), f"{rolled.generation}:{','.join(map(str, rolled.sample_ids))};"
+            )
+    trainer.rolled.clear()
 
 
 def worker_main(

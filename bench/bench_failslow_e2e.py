@@ -4,9 +4,10 @@ stable step times): a job of 4 data-parallel groups, or with `--pipelined` 8 nod
 go through `rjob local chaos slow`.
 
 Scenarios (`--scenario`):
-- `compute`: node 1's compute slowed 1.5x (4 nodes, DP4). Prints the detection delay in iterations (first
-  compute SlowReport of node 1 after the order) and the share of the slowdown the mitigation removed,
-  (mitigated - slow) / (healthy - slow) in throughput.
+- `compute`: node 1's compute slowed 1.5x (4 nodes, DP4; `--factor`, `--slow-node`, and `--manifest` for
+  another job, e.g. the demo's real GPT). Prints the detection delay in iterations (first SlowReport of the
+  slowed node after the order), the mitigation's delay (first step under its plan) and the share of the
+  slowdown the mitigation removed, (mitigated - slow) / (healthy - slow) in throughput.
 - `link`: the DP4 x PP2 job (8 nodes, `--pipelined` implied): the link between stage 0 of pipelines 0 and 1
   (a data-parallel ring link) congested 5x; prints the detection delay, the validation result (the link
   named, training held), the plan change and the slowdown removed.
@@ -153,6 +154,7 @@ class Stack:
 
     def __init__(self, directory: Path, job: str = JOB) -> None:
         self.directory = directory
+        self.job = job
         self.rjob("up")
         state = json.loads((directory / "state.json").read_text())
         self.client = redis.Redis.from_url(state["redis_url"])
@@ -229,20 +231,22 @@ def timeline(
     return [(k * bucket_s, (max(v) - min(v) + 1) / bucket_s) for k, v in sorted(buckets.items())]
 
 
-def scenario_compute(stack: Stack, nodes: int) -> dict[str, Any]:
+def scenario_compute(stack: Stack, factor: float = 1.5, slow: int = 1) -> dict[str, Any]:
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
     healthy_from = time.time()
     wait(lambda: stack.step(0) >= 70, 300, "70 healthy steps")
     healthy_to = time.time()
     generation = stack.plan().generation if stack.plan() else 0
-    stack.rjob("chaos", "slow", f"{JOB}-node-1", "--factor", "1.5", "--for", "10m")
+    stack.rjob("chaos", "slow", f"{stack.job}-node-{slow}", "--factor", str(factor), "--for", "10m")
     injected = time.time()  # the order is in Redis now; the worker's watcher reads it within 0.25 s
 
     def detected() -> SlowReport | None:
-        found = [r for r in stack.reports() if r.node == 1 and r.detected_at >= injected and not r.recovered]
+        found = [
+            r for r in stack.reports() if r.node == slow and r.detected_at >= injected and not r.recovered
+        ]
         return found[0] if found else None
 
-    report = wait(detected, 300, "a SlowReport from node 1")
+    report = wait(detected, 300, f"a SlowReport from node {slow}")
 
     def mitigated() -> PlanAnnouncement | None:
         plan = stack.plan()
@@ -258,8 +262,14 @@ def scenario_compute(stack: Stack, nodes: int) -> dict[str, Any]:
     if new is not None:
         wait(lambda: stack.step(0) >= after + 50, 300, "50 steps after the mitigation")
     records = stack.iterations()
-    # The first step of node 1 that began after the order landed (its watcher polls every 0.25 s).
-    inject_step = min(r.step for r in records if r.node == 1 and r.sent_at >= injected + 0.25) - 1
+    # The first step of the slowed node that began after the order landed (its watcher polls every 0.25 s).
+    inject_step = min(r.step for r in records if r.node == slow and r.sent_at >= injected + 0.25) - 1
+    # The operator's decision: the first step node 0 reported under the mitigation's plan.
+    mitigation_step = (
+        min((r.step for r in records if r.node == 0 and r.generation >= new.generation), default=None)
+        if new is not None
+        else None
+    )
     healthy = throughput(records, 0, healthy_from, healthy_to)
     slow = throughput(records, 0, injected + 0.5, slow_to)
     mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0
@@ -272,6 +282,9 @@ def scenario_compute(stack: Stack, nodes: int) -> dict[str, Any]:
         "inject_step": inject_step,
         "detected_step": report.step,
         "detection_delay_iterations": report.step - inject_step,
+        "factor": factor,
+        "slow_node": slow,
+        "mitigation_delay_iterations": None if mitigation_step is None else mitigation_step - inject_step,
         "detector_onset_step": report.onset_step,
         "slow_window_s": slow_to - injected - 0.5,
         "report": report.model_dump(mode="json"),
@@ -556,15 +569,21 @@ def main() -> None:
     parser.add_argument(
         "--pipelined", action="store_true", help="the DP4 x PP2 job (link and mixed always use it)"
     )
-    parser.add_argument("--manifest", type=Path, help="healthy: run this job (e.g. examples/demo.yaml)")
+    parser.add_argument(
+        "--manifest", type=Path, help="healthy, compute: run this job (e.g. examples/demo.yaml)"
+    )
+    parser.add_argument("--factor", type=float, default=1.5, help="compute: the slowdown ordered")
+    parser.add_argument("--slow-node", type=int, default=1, help="compute: the node slowed")
     parser.add_argument("--minutes", type=float, default=5.0, help="healthy: how long to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "failslow-mixed.png")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
     pipelined = args.pipelined or args.scenario in ("link", "mixed")
     nodes = args.nodes or (8 if pipelined else 4)
-    if args.manifest is not None and args.scenario != "healthy":
-        parser.error("--manifest: only the healthy scenario runs a given job")
+    if args.manifest is not None and args.scenario not in ("healthy", "compute"):
+        parser.error("--manifest: only the healthy and compute scenarios run a given job")
+    if not 1.0 < args.factor <= 10.0:
+        parser.error(f"--factor: must be in (1, 10], got {args.factor}")
     job = manifest(nodes, pipelined)
     if args.manifest is not None:
         job = yaml.safe_load(args.manifest.read_text())
@@ -577,7 +596,7 @@ def main() -> None:
             stack.rjob("apply", "-f", str(path))
             began = time.time()
             if args.scenario == "compute":
-                result = scenario_compute(stack, nodes)
+                result = scenario_compute(stack, args.factor, args.slow_node)
             elif args.scenario == "link":
                 result = scenario_link(stack, nodes)
             elif args.scenario == "mixed":

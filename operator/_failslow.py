@@ -339,7 +339,14 @@ class FailSlowTracker:
             if verdict:
                 latest = self.gate.steps.get(node, report.step)
                 if candidate.confirmed_since is None:
-                    candidate.confirmed_since, candidate.confirmed_step = clock, latest
+                    since = clock
+                    if report.kind is SlowKind.COMMUNICATION and candidate.validated:
+                        # The agent's detector verified the slowdown at `detected_at` and the validation
+                        # pass, later, measured the named link or device slow: it has lasted at least
+                        # since the report, which is where its duration counts from (on the agent's
+                        # clock; never later than now).
+                        since = min(clock, report.detected_at)
+                    candidate.confirmed_since, candidate.confirmed_step = since, latest
                     self.changed = True
                 # Persistence is measured in time (the spec) and, for compute, in steps: the level window
                 # must have turned over once while confirmed, so two independent medians agree (one noisy

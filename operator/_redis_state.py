@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import ResponseError
 
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys, failslow_key
@@ -247,49 +247,12 @@ class JobRedis:
         the commit point, Redis its mirror. `failslow` (a mitigation's episode state) goes in the same
         transaction."""
         async with self.client.pipeline(transaction=True) as pipe:
-            self._queue_announcement(pipe, message, failslow)
+            pipe.set(self.keys.plan, encode(message))
+            pipe.set(self.keys.plan_generation, str(message.generation))
+            pipe.publish(self.keys.plan_channel, encode(message))
+            if failslow is not None:
+                pipe.set(self.failslow_key, self._failslow_payload(failslow))
             await pipe.execute()
-
-    def _queue_announcement(
-        self, pipe: Any, message: PlanAnnouncement, failslow: dict[str, Any] | None
-    ) -> None:
-        """The writes of one announcement, queued on a transaction: plan, generation, channel, episode."""
-        pipe.set(self.keys.plan, encode(message))
-        pipe.set(self.keys.plan_generation, str(message.generation))
-        pipe.publish(self.keys.plan_channel, encode(message))
-        if failslow is not None:
-            pipe.set(self.failslow_key, self._failslow_payload(failslow))
-
-    async def commit(
-        self,
-        message: PlanAnnouncement,
-        expected_generation: int | None,
-        failslow: dict[str, Any] | None = None,
-    ) -> PlanAnnouncement | None:
-        """Publish `message` only if the committed generation is still `expected_generation` (None: none yet).
-
-        This is what makes a decision happen exactly once: an operator restarted mid-reconfiguration either
-        finds its decision committed (and finishes applying it) or not (and decides again from scratch);
-        two racing operators cannot both commit generation g+1. Returns the announcement when committed.
-        `failslow` (a mitigation's episode state) is stored in the same transaction.
-        """
-        async with self.client.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(self.keys.plan)
-                try:
-                    raw = await pipe.get(self.keys.plan)
-                except ResponseError:  # another type: garbage, as undecodable as bad JSON
-                    raw = None
-                current = decode(PlanAnnouncement, raw, "operator.plan", MAX_PLAN_BYTES)
-                current_generation = current.generation if current is not None else None
-                if current_generation != expected_generation:
-                    return None
-                pipe.multi()  # type: ignore[no-untyped-call]
-                self._queue_announcement(pipe, message, failslow)
-                await pipe.execute()
-            except WatchError:
-                return None
-        return message
 
     async def republish(self, message: PlanAnnouncement) -> None:
         """Announce again (after a restart) for workers that missed the first announcement."""

@@ -17,6 +17,7 @@ library only.
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>          seconds of each committed step under plan g (for the throughput benchmarks)
   checkin/<g>           workers that checked in for the rendezvous of plan g
+  arriving/<g>          ranks that reached the process-group rendezvous of plan g (a joiner enters last)
   joining/<node>        set by a joining node once it can rendezvous
   commit/<g>/<s>/<r>    rank r's commit vote for step s of generation g
   validation/request    the validation request the store host mirrored, with its boundary step (JSON)
@@ -76,6 +77,11 @@ def steptime_key(generation: int) -> str:
 def checkin_key(generation: int) -> str:
     """Counter of the workers that checked in for the rendezvous of `generation`."""
     return f"checkin/{generation}"
+
+
+def arriving_key(generation: int) -> str:
+    """Counter of the ranks that reached the process-group rendezvous of `generation`."""
+    return f"arriving/{generation}"
 
 
 def joining_key(node: int) -> str:

@@ -201,15 +201,9 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     new_address = until(moved, 60, "the re-created store pod's address").decode()
     host, _, port = new_address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-    try:
-        until(lambda: store.check(["committed"]) and committed() >= end + 20, 60, "20 steps on the new store")
-    except AssertionError:
-        logs = "".join((stack / "pods" / f"bridge-node-{n}" / "log").read_text() for n in workers)
-        if "step: workers disagree" in logs:
-            # Known and open (issue #14): a commit in flight when the store dies completes for some workers
-            # and is lost for others, so they meet the new store's rendezvous one step apart and stop.
-            pytest.xfail("a commit in flight when the store pod died left the workers one step apart")
-        raise
+    # A commit in flight when the store died may complete for some workers and be lost for others: those
+    # behind apply it at the new store's rendezvous (`_runtime_commit.agree_on_step`), nobody stops.
+    until(lambda: store.check(["committed"]) and committed() >= end + 20, 60, "20 steps on the new store")
     again = published()
     assert again.generation == recovered.generation + 1 and again.layout == recovered.layout
     assert again.trigger == "Replanned" and again.nodes == [] and "store pod was replaced" in again.reason

@@ -82,7 +82,7 @@ async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_emp
     operator = connect(server.url, PASSWORD)
     agent_client = connect(server.url, PASSWORD)
     host_client = connect(server.url, PASSWORD)
-    assert await JobRedis(operator, keys).commit(announcement(plan(0)), None) is not None
+    await JobRedis(operator, keys).announce(announcement(plan(0)))
     telemetry = Telemetry(agent_client, keys, node=0, pod="blip-node-0")
     host = StoreHost(host_client, keys, "127.0.0.1", poll_s=0.05)
     stopped = asyncio.Event()
@@ -108,7 +108,7 @@ async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_emp
         await wait_for(lambda: operator.exists(keys.heartbeat(0)), 5, "the heartbeat in the new Redis")
         assert await operator.getbit(keys.beaten, 0) == 1
         # The operator publishes the plan again (from its durable state): the follower and the host get it.
-        assert await JobRedis(operator, keys).commit(announcement(plan(1)), None) is not None
+        await JobRedis(operator, keys).announce(announcement(plan(1)))
         await wait_for(lambda: operator.get(store_key(keys)), 5, "the store address re-registered")
         assert (await operator.get(store_key(keys))).decode() == host.address
         await wait_for(lambda: _at_generation(telemetry, 1), 10, "steps under the re-published plan")

@@ -23,6 +23,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
 from resilientjob.agent._runtime_plans import RuntimePlanner
+from resilientjob.agent._runtime_wait import PeerFailure
 from resilientjob.agent.data import SyntheticDataset
 from resilientjob.agent.models import load_model
 from resilientjob.agent.runtime import Trainer
@@ -84,7 +85,7 @@ def test_retirement_keeps_the_newest_generations() -> None:
 
 
 # ---- real processes ----------------------------------------------------------------------------------------
-def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Queue[Any]) -> None:
+def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[Any]) -> None:
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     model = load_model("gpt", **GPT8)
@@ -92,6 +93,11 @@ def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Q
     plan = read_plan(store, read_generation(store))
 
     def hook(step: int, phase: CommitPhase) -> None:
+        if fault is not None and (node, step, str(phase)) == fault[:3] and fault[3:] == ("lag",):
+            # The peers commit; this rank loses its commit (as when the store holding the votes is
+            # replaced mid-commit) and meets the next rendezvous one step behind them.
+            store.set(f"lagged/{node}", "1")
+            raise PeerFailure("injected: this rank's commit was lost")
         if fault is not None and (node, step, str(phase)) == fault:
             if phase is CommitPhase.VOTED:
                 # Die as the last voter: every vote is in, so the survivors must all commit this step
@@ -115,6 +121,7 @@ def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Q
     trainer.apply_plan(plan, store)
     losses: dict[int, float] = {}
     aborted_at: list[int] = []
+    rolled_steps: list[int] = []
     switch_s: list[float] = []
     while trainer.step < STEPS:
         try:
@@ -124,13 +131,16 @@ def _worker(node: int, port: int, fault: tuple[int, int, str] | None, results: Q
             began = time.monotonic()
             trainer.apply_plan(wait_for_plan_after(store, trainer.generation, 60.0), store)
             switch_s.append(time.monotonic() - began)
+            losses.update({rolled.step: rolled.loss for rolled in trainer.rolled})
+            rolled_steps.extend(rolled.step for rolled in trainer.rolled)
+            trainer.rolled.clear()
             continue
         losses[trainer.step - 1] = loss
         if switch:
             trainer.apply_plan(read_plan(store, read_generation(store)), store)
     retired = len(trainer.retirement)
     trainer.close()
-    results.put((node, trainer.step, aborted_at, losses, switch_s, retired))
+    results.put((node, trainer.step, aborted_at, losses, switch_s, retired, rolled_steps))
 
 
 def _run_job(
@@ -209,7 +219,7 @@ def test_kill_at_commit_point_leaves_survivors_at_one_step(
     # Killed before voting: the step is abandoned; after every vote was in: it is committed (its loss is
     # then the sum of the votes), and the survivors abandon the next step instead.
     assert abort_step == (FAIL_STEP + 1 if committed else FAIL_STEP), collected
-    for node, (_, step, _, losses, switch_s, retired) in collected.items():
+    for node, (_, step, _, losses, switch_s, retired, _) in collected.items():
         row = collected[node]
         assert step == STEPS, row
         assert sorted(losses) == list(range(STEPS)), row
@@ -218,3 +228,57 @@ def test_kill_at_commit_point_leaves_survivors_at_one_step(
         # The switch after the death did not hang on the old groups, which were retired, not destroyed.
         assert len(switch_s) == 1 and switch_s[0] < 20.0, row
         assert retired == 1, row
+
+
+@pytest.mark.torch
+def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_on(
+    gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    """The store replaced mid-commit (issue #14): the peers committed step s, one worker lost its commit.
+    At the next generation's rendezvous it applies step s from its own summed gradients with the peers'
+    norm, and every worker produces the failure-free run's losses to the end."""
+    planner = RuntimePlanner.for_job(
+        gpt_profile, nodes=NODES, global_batch=8, microbatch_size=2, dp_range=(2, 2)
+    )
+    config = job_config(steps=STEPS)
+    reference, _, _ = reference_run(config, 8, 2)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    plan = planner.initial()
+    publish_plan(store, plan, 0)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
+    results: Queue[Any] = context.Queue()
+    fault = (VICTIM, FAIL_STEP, str(CommitPhase.REDUCED), "lag")
+    workers = [
+        context.Process(target=_worker, args=(node, store.port, fault, results), daemon=True)
+        for node in range(NODES)
+    ]
+    for process in workers:
+        process.start()
+    collected: dict[int, tuple[Any, ...]] = {}
+    try:
+        deadline = time.monotonic() + 90.0
+        while not store.check([f"lagged/{VICTIM}"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.check([f"lagged/{VICTIM}"]), "the fault never fired"
+        # What the operator does after a store replacement: the same layout as the next generation. The
+        # peers wait for the lagging worker inside their next step; the announcement ends that wait.
+        publish_plan(store, plan.model_copy(update={"generation": 1}), announce_failures(store, 1))
+        while len(collected) < NODES and time.monotonic() < deadline:
+            row = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            collected[row[0]] = row
+    finally:
+        for process in workers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert sorted(collected) == list(range(NODES))
+    for node, (_, step, aborted, losses, _, _, rolled) in collected.items():
+        assert step == STEPS, collected[node]
+        # The victim abandoned step s and applied it at the rendezvous; its peers committed s and
+        # abandoned s + 1, waiting for it.
+        assert aborted == [FAIL_STEP if node == VICTIM else FAIL_STEP + 1], collected[node]
+        assert rolled == ([FAIL_STEP] if node == VICTIM else []), collected[node]
+        assert sorted(losses) == list(range(STEPS)), collected[node]
+        for index in range(STEPS):
+            assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)

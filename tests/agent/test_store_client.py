@@ -122,7 +122,7 @@ async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> N
     with redis_server() as url:
         client = connect(url)
         try:
-            assert await JobRedis(client, keys).commit(announcement(_plan(0)), None) is not None
+            await JobRedis(client, keys).announce(announcement(_plan(0)))
             # An earlier host announced two failures and died.
             await client.set(failures_key(keys), 2)
             await client.set(store_key(keys), "127.0.0.1:1")

@@ -102,10 +102,10 @@ async def test_failslow_state_and_validation_requests_round_trip(client: aioredi
     assert restarted.reports_cursor == "17-0"  # old reports are not replayed into the restored episode
     # A mitigation's commit stores the episode's state in the same transaction as the plan.
     plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(_one_stage(0),), step_time_s=1.0)
-    committed = await state.commit(announcement(plan), None, {"slow": {"3": 1.5}})
-    assert committed is not None and await JobRedis(client, KEYS).load_failslow() == {"slow": {"3": 1.5}}
-    assert await state.commit(announcement(plan), None, {"slow": {}}) is None  # lost the race: nothing stored
+    message = announcement(plan)
+    await state.announce(message, {"slow": {"3": 1.5}})
     assert await JobRedis(client, KEYS).load_failslow() == {"slow": {"3": 1.5}}
+    assert await state.published() == message
     before = dropped("operator.failslow", DropReason.INVALID)
     await client.set(state.failslow_key, b'{"state": [], "reports_cursor": "x"}')
     assert await JobRedis(client, KEYS).load_failslow() is None
