@@ -231,22 +231,21 @@ def timeline(
     return [(k * bucket_s, (max(v) - min(v) + 1) / bucket_s) for k, v in sorted(buckets.items())]
 
 
-def scenario_compute(stack: Stack, factor: float = 1.5, slow: int = 1) -> dict[str, Any]:
+def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> dict[str, Any]:
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
     healthy_from = time.time()
     wait(lambda: stack.step(0) >= 70, 300, "70 healthy steps")
     healthy_to = time.time()
     generation = stack.plan().generation if stack.plan() else 0
-    stack.rjob("chaos", "slow", f"{stack.job}-node-{slow}", "--factor", str(factor), "--for", "10m")
+    stack.rjob("chaos", "slow", f"{stack.job}-node-{slow_node}", "--factor", str(factor), "--for", "10m")
     injected = time.time()  # the order is in Redis now; the worker's watcher reads it within 0.25 s
 
     def detected() -> SlowReport | None:
-        found = [
-            r for r in stack.reports() if r.node == slow and r.detected_at >= injected and not r.recovered
-        ]
+        found = [r for r in stack.reports() if r.node == slow_node and r.detected_at >= injected]
+        found = [r for r in found if not r.recovered]
         return found[0] if found else None
 
-    report = wait(detected, 300, f"a SlowReport from node {slow}")
+    report = wait(detected, 300, f"a SlowReport from node {slow_node}")
 
     def mitigated() -> PlanAnnouncement | None:
         plan = stack.plan()
@@ -263,7 +262,7 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow: int = 1) -> dict[s
         wait(lambda: stack.step(0) >= after + 50, 300, "50 steps after the mitigation")
     records = stack.iterations()
     # The first step of the slowed node that began after the order landed (its watcher polls every 0.25 s).
-    inject_step = min(r.step for r in records if r.node == slow and r.sent_at >= injected + 0.25) - 1
+    inject_step = min(r.step for r in records if r.node == slow_node and r.sent_at >= injected + 0.25) - 1
     # The operator's decision: the first step node 0 reported under the mitigation's plan.
     mitigation_step = (
         min((r.step for r in records if r.node == 0 and r.generation >= new.generation), default=None)
@@ -283,7 +282,7 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow: int = 1) -> dict[s
         "detected_step": report.step,
         "detection_delay_iterations": report.step - inject_step,
         "factor": factor,
-        "slow_node": slow,
+        "slow_node": slow_node,
         "mitigation_delay_iterations": None if mitigation_step is None else mitigation_step - inject_step,
         "detector_onset_step": report.onset_step,
         "slow_window_s": slow_to - injected - 0.5,

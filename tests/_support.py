@@ -6,14 +6,16 @@ Importable from every test folder because `tests/conftest.py` puts this folder o
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -113,3 +115,12 @@ def rjob_ok(state: Path, *args: str) -> str:
     done = rjob_local(state, *args)
     assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
     return done.stdout
+
+
+def job_object(state: Path, name: str, namespace: str = "default") -> dict[str, Any]:
+    """The ResilientJob `name` as the local stack under `state` serves it (a plain GET, with its status)."""
+    api_url = json.loads((state / "state.json").read_text())["api_url"]
+    path = f"/apis/resilientjob.io/v1alpha1/namespaces/{namespace}/resilientjobs/{name}"
+    with urllib.request.urlopen(api_url + path, timeout=10) as reply:
+        body: dict[str, Any] = json.loads(reply.read())
+    return body

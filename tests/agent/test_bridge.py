@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from _bridge_jobs import apply_demo_job
 from _support import rjob_ok, until
 
 from resilientjob.agent._bridge import TrainingOptions, parse_options, wants_training
@@ -99,25 +100,13 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
 
     from resilientjob.agent.data import SampleOrder
 
-    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
-    manifest["metadata"]["name"] = "bridge"
-    manifest["spec"]["nodes"] = 4
-    # Whole steps per epoch, so that no step spans two epochs (where one sample may come twice).
-    manifest["spec"]["data"]["numSamples"] = 16 * manifest["spec"]["globalBatchSize"]
-    manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
-    manifest["spec"]["replaceFailedNodes"] = True  # (the demo turns it off) node 0's replacement joins
-    path = tmp_path / "bridge.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    rjob_ok(stack, "apply", "-f", str(path))
-    state = json.loads((stack / "state.json").read_text())
-    client = redis.Redis.from_url(state["redis_url"])
-    keys = JobKeys("default", "bridge")
-    address = until(lambda: client.get(store_key(keys)), 30, "the store host")
+    # The demo turns replacement pods off; here node 0's replacement joins.
+    manifest, client, keys, store = apply_demo_job(stack, tmp_path, "bridge", replaceFailedNodes=True)
+    address = client.get(store_key(keys))
+    assert address is not None
     # The store is served by the store pod's process, which registered the address it serves.
     store_log = (stack / "pods" / "bridge-store" / "log").read_text()
     assert f"store at {address.decode()}" in store_log, store_log
-    host, _, port = address.decode().rpartition(":")
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
 
     def committed() -> int:
         return int(store.add("committed", 0))

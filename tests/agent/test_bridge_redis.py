@@ -5,23 +5,19 @@ processes exactly its own global batch."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-import urllib.request
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import yaml
-from _support import rjob_ok, until
+from _bridge_jobs import apply_demo_job
+from _support import job_object, until
 
 from resilientjob.agent.data import SampleOrder
-from resilientjob.protocol.keys import JobKeys, store_key
 from resilientjob.protocol.messages import PlanAnnouncement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,14 +40,6 @@ def _restart_empty(port: int, log: Path) -> subprocess.Popen[bytes]:
     return server
 
 
-def _job(state: Path) -> dict[str, Any]:
-    api_url = json.loads((state / "state.json").read_text())["api_url"]
-    path = "/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/outage"
-    with urllib.request.urlopen(api_url + path, timeout=10) as reply:
-        body: dict[str, Any] = json.loads(reply.read())
-    return body
-
-
 def _pings(port: int) -> bool:
     try:
         return bool(redis.Redis(port=port).ping())
@@ -63,22 +51,7 @@ def _pings(port: int) -> bool:
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_redis_restarted_empty_while_real_workers_train(stack: Path, tmp_path: Path) -> None:
-    from torch._C._distributed_c10d import TCPStore
-
-    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
-    manifest["metadata"]["name"] = "outage"
-    manifest["spec"]["nodes"] = 4
-    manifest["spec"]["data"]["numSamples"] = 16 * manifest["spec"]["globalBatchSize"]  # whole steps
-    manifest["spec"]["failSlow"]["enabled"] = False  # a noisy shared CPU must not add generations here
-    path = tmp_path / "outage.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    rjob_ok(stack, "apply", "-f", str(path))
-    state = json.loads((stack / "state.json").read_text())
-    client = redis.Redis.from_url(state["redis_url"])
-    keys = JobKeys("default", "outage")
-    address = until(lambda: client.get(store_key(keys)), 30, "the store host").decode()
-    host, _, port = address.rpartition(":")
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    manifest, client, keys, store = apply_demo_job(stack, tmp_path, "outage")
 
     def committed() -> int:
         return int(store.add("committed", 0))
@@ -103,7 +76,7 @@ def test_redis_restarted_empty_while_real_workers_train(stack: Path, tmp_path: P
         after = published()
         assert after is not None and after.generation == before.generation
         assert {n: int((stack / "pods" / f"outage-node-{n}" / "pid").read_text()) for n in range(4)} == pids
-        status = _job(stack)["status"]
+        status = job_object(stack, "outage")["status"]
         assert status["phase"] == "Running" and status.get("fencedNodes", []) == [], status
         assert status["planGeneration"] == before.generation, status
         end = committed()

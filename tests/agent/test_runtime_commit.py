@@ -36,7 +36,7 @@ from resilientjob.agent.worker import (
     reference_run,
     wait_for_plan_after,
 )
-from resilientjob.planner.plan import Policy
+from resilientjob.planner.plan import Plan, Policy
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.protocol.store_keys import vote_key
 
@@ -143,12 +143,9 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
     results.put((node, trainer.step, aborted_at, losses, switch_s, retired, rolled_steps))
 
 
-def _run_job(
-    planner: RuntimePlanner, fault: tuple[int, int, str], timeout_s: float = 90.0
-) -> dict[int, tuple[Any, ...]]:
-    """Run NODES workers; on the victim's death announce it and publish the planner's recovery."""
+def _start_workers(plan: Plan, fault: tuple[Any, ...]) -> tuple[Any, dict[int, Any], Queue[Any]]:
+    """The job's store with `plan` published, and NODES started worker processes reporting to the queue."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = planner.initial()
     publish_plan(store, plan, 0)
     # Not fork: this pytest process has run other tests' threads (stores, gloo), and a fork of a threaded
     # process can inherit a lock held by one of them (seen: the victim stuck in its first rendezvous). The
@@ -162,6 +159,15 @@ def _run_job(
     }
     for process in workers.values():
         process.start()
+    return store, workers, results
+
+
+def _run_job(
+    planner: RuntimePlanner, fault: tuple[int, int, str], timeout_s: float = 90.0
+) -> dict[int, tuple[Any, ...]]:
+    """Run NODES workers; on the victim's death announce it and publish the planner's recovery."""
+    plan = planner.initial()
+    store, workers, results = _start_workers(plan, fault)
     collected: dict[int, tuple[Any, ...]] = {}
     deadline = time.monotonic() + timeout_s
     recovered = False
@@ -242,19 +248,8 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
     )
     config = job_config(steps=STEPS)
     reference, _, _ = reference_run(config, 8, 2)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     plan = planner.initial()
-    publish_plan(store, plan, 0)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
-    results: Queue[Any] = context.Queue()
-    fault = (VICTIM, FAIL_STEP, str(CommitPhase.REDUCED), "lag")
-    workers = [
-        context.Process(target=_worker, args=(node, store.port, fault, results), daemon=True)
-        for node in range(NODES)
-    ]
-    for process in workers:
-        process.start()
+    store, workers, results = _start_workers(plan, (VICTIM, FAIL_STEP, str(CommitPhase.REDUCED), "lag"))
     collected: dict[int, tuple[Any, ...]] = {}
     try:
         deadline = time.monotonic() + 90.0
@@ -268,7 +263,7 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
             row = results.get(timeout=max(0.1, deadline - time.monotonic()))
             collected[row[0]] = row
     finally:
-        for process in workers:
+        for process in workers.values():
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()

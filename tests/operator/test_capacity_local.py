@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from _rjob_stack import emulator_only
-from _support import rjob_local, until
+from _support import job_object, rjob_local, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,11 +45,7 @@ def stack(tmp_path: Path) -> Iterator[Path]:
 
 
 def _job(state: Path) -> dict[str, Any]:
-    api_url = json.loads((state / "state.json").read_text())["api_url"]
-    path = "/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/local-cpu"
-    with urllib.request.urlopen(api_url + path, timeout=10) as reply:
-        body: dict[str, Any] = json.loads(reply.read())
-    return body
+    return job_object(state, "local-cpu")
 
 
 def _pods(table: str) -> dict[int, str]:

@@ -256,35 +256,32 @@ def test_a_communication_report_is_validated_and_its_slow_link_drives_topology()
     assert mitigation is not None and mitigation.action is Action.TOPOLOGY and mitigation.links == ((0, 2),)
 
 
-def test_a_validated_report_counts_its_duration_from_its_detection_not_from_the_validation() -> None:
-    # Detected at t=100 (the agent's clock); validation named the link at t=101.5: with minDurationS 1 the
-    # slowdown has lasted long enough when the result comes, and opens at once.
-    spec = FailSlowSpec(min_duration_s=1.0)
+def _asked_to_validate(spec: FailSlowSpec, detected_at: float, now: float) -> FailSlowTracker:
+    """A tracker with one communication report, detected at `detected_at`, whose validation pass is out."""
     tracker = FailSlowTracker(spec)
-    tracker.report(
-        report(2, 20, 1.6, SlowKind.COMMUNICATION).model_copy(update={"detected_at": 100.0}), now=100.0
-    )
-    tracker.validation_sent(1, now=100.2)
-    tracker.validated(result(1, [(0, 2)]))
-    tracker.tick(now=101.5)
-    assert tracker.active and tracker.links == {(0, 2)}
-    # One detected just now still waits its minDurationS after the validation...
-    late = FailSlowTracker(spec)
-    late.report(
-        report(2, 20, 1.6, SlowKind.COMMUNICATION).model_copy(update={"detected_at": 101.4}), now=101.4
-    )
-    late.validation_sent(1, now=101.4)
+    slow = report(2, 20, 1.6, SlowKind.COMMUNICATION).model_copy(update={"detected_at": detected_at})
+    tracker.report(slow, now=now)
+    tracker.validation_sent(1, now=now)
+    return tracker
+
+
+def test_a_validated_report_counts_its_duration_from_its_detection_not_from_the_validation() -> None:
+    spec = FailSlowSpec(min_duration_s=1.0)
+    # Detected at t=100 (the agent's clock), the link named by the pass at t=101.5: with minDurationS 1 the
+    # slowdown has lasted long enough when the result comes, and the episode opens at once.
+    early = _asked_to_validate(spec, detected_at=100.0, now=100.2)
+    early.validated(result(1, [(0, 2)]))
+    early.tick(now=101.5)
+    assert early.active and early.links == {(0, 2)}
+    # One detected just before the result still waits its minDurationS...
+    late = _asked_to_validate(spec, detected_at=101.4, now=101.4)
     late.validated(result(1, [(0, 2)]))
     late.tick(now=101.5)
     assert not late.active
     late.tick(now=102.5)
     assert late.active
-    # ...and a pass that timed out proves nothing: its duration counts from the timeout.
-    unproven = FailSlowTracker(FailSlowSpec(min_duration_s=1.0, validation_timeout_s=1.0))
-    unproven.report(
-        report(2, 20, 1.6, SlowKind.COMMUNICATION).model_copy(update={"detected_at": 90.0}), now=100.0
-    )
-    unproven.validation_sent(1, now=100.0)
+    # ...and a pass that timed out proves nothing: the duration counts from the timeout.
+    unproven = _asked_to_validate(spec.model_copy(update={"validation_timeout_s": 1.0}), 90.0, now=100.0)
     assert unproven.validation_timeout(now=101.0)
     unproven.tick(now=101.0)
     assert not unproven.active
