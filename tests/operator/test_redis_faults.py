@@ -191,11 +191,14 @@ async def _check(stack: Faults, generation: int, fenced: set[int]) -> None:
     )
     current = plan.generation
     stack.saw(plan)
-    assert sorted(stack.seen) == list(range(current + 1)), f"generations seen: {sorted(stack.seen)}"
+    # The sampler (every 50 ms) can miss a generation that a join replaced at once on a loaded runner
+    # (seen in CI: 3 then 4 within one sample); the status's recoveries name every one, so a skipped
+    # number shows there. What the sampler saw must be among them, each number announced once.
+    assert set(stack.seen) <= set(range(current + 1)), f"generations seen: {sorted(stack.seen)}"
     reused = {g: sorted(times) for g, times in stack.seen.items() if len(times) != 1}
     assert not reused, f"generations announced twice: {reused}"
     recoveries = status.get("recoveries") or []
-    assert [r["generation"] for r in recoveries] == list(range(1, current + 1))
+    assert [r["generation"] for r in recoveries] == list(range(1, current + 1)), recoveries
     later = [r for r in recoveries if r["generation"] > generation]
     assert all(r["trigger"] == "NodeJoined" and min(r["nodes"]) >= NODES for r in later), later
     assert fenced.isdisjoint(plan.plan.nodes)
