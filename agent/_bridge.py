@@ -349,9 +349,9 @@ class TrainingAgent:
 
 def preload() -> None:
     """Import what the workers need, so that their fork inherits it. Call it before the agent's first
-    heartbeat: loading torch's shared libraries holds the GIL for seconds on a busy node (measured: a pod
-    fenced for a lapsed heartbeat during this import, in a thread, on two loaded cores), while a pod that has
-    not beaten yet is judged by its phase alone."""
+    heartbeat: loading torch's shared libraries holds the GIL for seconds on a busy node (seen: pods fenced
+    for a lapsed heartbeat with this import in flight in a thread, on two loaded cores; none since it moved
+    here), while a pod that has not beaten yet is judged by its phase alone."""
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 
     from . import worker  # noqa: F401

@@ -52,6 +52,8 @@ from torch._C._distributed_c10d import Store
 
 from resilientjob.protocol.store_keys import vote_key
 
+from ._runtime_wait import Wait
+
 _ABORT = "abort"
 _NOBODY = -(2**62)
 """What a joining rank votes for the lowest step in the agreement: it has no step of its own."""
@@ -193,9 +195,6 @@ class RolledStep:
     loss: float
     sq_norm: float
     sample_ids: tuple[int, ...]
-
-
-Wait = Callable[["dist.Work | None", str], None]
 
 
 def agree_on_step(

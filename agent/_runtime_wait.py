@@ -16,6 +16,7 @@ destroyed and a new one created meanwhile (the pending operation only ever touch
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
 
 class PeerFailure(RuntimeError):
     """A peer failed (announced in the store) or did not answer in time: abandon the current step."""
+
+
+Wait = Callable[[dist.Work | None, str], None]
+"""How the runtime waits on a work item (`Trainer._wait`): abandonable, bounded, `what` names it in errors."""
 
 
 @dataclass(slots=True)

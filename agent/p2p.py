@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from resilientjob.planner.plan import Transfer
 from resilientjob.protocol.workload import TrainingSpec
 
+from ._runtime_wait import Wait
 from .optim import PLAIN_ADAMW, make_adamw
 
 # Tags of layer-state messages live above the pipeline's activation tags.
@@ -119,7 +120,7 @@ def execute_transfers(
     rank_of: Mapping[int, int],
     layers: dict[int, LayerState],
     make_layer: Callable[[int], LayerState],
-    wait: Callable[[dist.Work | None, str], None],
+    wait: Wait,
     lane: int = 0,
     stage_group: dist.ProcessGroup | None = None,
     comm_device: torch.device | str = "cpu",

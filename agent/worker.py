@@ -1,20 +1,8 @@
 """The worker process: one per device, driven by plans the launcher publishes in the job's TCPStore.
 
-Store layout (the launcher hosts the store; in a cluster the agent mirrors the operator's Redis plan into it;
-the keys are `resilientjob.protocol.store_keys`):
-  generation            newest plan generation (integer)
-  plan/<g>              Plan JSON of generation g
-  failures              failures announced so far (counter; a wait abandons its step when it grows)
-  accounted/<g>         the failure count plan g was computed with
-  applied/<g>           count of workers that finished switching to g
-  loss/<step>           "<g>:<loss>" written by world rank 0 at each commit
-  committed             committed steps so far
-  samples/<step>        "<g>:<ids>;" appended by every node that computed losses in that step
-  received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
-  event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
-  steptime/<g>/<node>   seconds of each committed step under plan g (for the throughput benchmarks)
-  checkin/<g>           workers that checked in for the rendezvous of plan g (`await_peers`)
-  joining/<node>        set by a joining node once it can rendezvous (`store_keys.joining_key`)
+The job's TCPStore (the launcher hosts it; in a cluster the store pod, which mirrors the operator's Redis
+plan into it) holds the plans, the rendezvous, failure notices, commit votes and the step records: its keys
+and what each holds are `resilientjob.protocol.store_keys`.
 
 `publish_plan` and `announce_failures` are the writer's side (the launcher here; in a cluster the pod agent,
 which mirrors the operator's Redis plan into the job's store), `run_from_plan` the worker's entry point.
@@ -27,7 +15,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -350,11 +338,14 @@ def _record_rolled(trainer: Trainer, store: Store) -> None:
     for rolled in trainer.rolled:
         if trainer.local_rank == 0:
             store.compare_set(loss_key(rolled.step), "", f"{rolled.generation}:{rolled.loss!r}")
-        if rolled.sample_ids:
-            store.append(  # type: ignore[attr-defined]
-                samples_key(rolled.step), f"{rolled.generation}:{','.join(map(str, rolled.sample_ids))};"
-            )
+        _record_samples(store, rolled.step, rolled.generation, rolled.sample_ids)
     trainer.rolled.clear()
+
+
+def _record_samples(store: Store, step: int, generation: int, ids: Sequence[int]) -> None:
+    """Append the sample ids this worker computed losses for in `step` (trained under `generation`)."""
+    if ids:
+        store.append(samples_key(step), f"{generation}:{','.join(map(str, ids))};")  # type: ignore[attr-defined]
 
 
 def worker_main(
@@ -457,10 +448,7 @@ def worker_main(
             store.append(  # type: ignore[attr-defined]
                 steptime_key(trainer.generation), f"{time.perf_counter() - began!r};"
             )
-        if ids:
-            store.append(  # type: ignore[attr-defined]
-                samples_key(step), f"{trainer.generation}:{','.join(map(str, ids))};"
-            )
+        _record_samples(store, step, trainer.generation, ids)
         due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due)
         if checkpointer is not None and due and trainer.plan is not None:
             owners = designated_holders(trainer.plan)

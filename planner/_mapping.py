@@ -59,6 +59,7 @@ class StageTables(Protocol):
     candidates: FloatArray
     """Every distinct admissible stage time, sorted."""
     speedups: FloatArray
+    """[d-1]: speed-up of a stage on d GPUs over one GPU."""
     work: float
     """Forward plus backward time of the whole model on one GPU."""
 
@@ -66,6 +67,10 @@ class StageTables(Protocol):
         """[d-1, u]: last end layer v with stage [u, v) on d GPUs within memory, `remaining` stages left."""
         ...
 
-    def time_limit(self, cap: float) -> IntArray: ...
+    def time_limit(self, cap: float) -> IntArray:
+        """[d-1, u]: last end layer v with t(u, v, d) <= cap (u itself when none)."""
+        ...
 
-    def speedup_budget(self, nodes: int) -> FloatArray: ...
+    def speedup_budget(self, nodes: int) -> FloatArray:
+        """[S]: the largest sum of speed-ups over S stages on `nodes` full nodes (bounds the slowest)."""
+        ...
