@@ -60,7 +60,7 @@ def operator_client(url: str, password: str | None = None, *, bounded: bool = Tr
 
 
 async def job_client(
-    kube: KubeApi, namespace: str, spec: api.ResilientJobSpec, default_url: str
+    kube: KubeApi, namespace: str, spec: api.ResilientJobSpec, default_url: str, *, bounded: bool = True
 ) -> aioredis.Redis:
     """The client for a job's Redis: its own (`spec.redis`, password from its Secret) or the operator's."""
     password = None
@@ -71,7 +71,7 @@ async def job_client(
         if value is None:
             raise kopf.TemporaryError(f"Secret {ref.name!r} key {ref.key!r} not found", delay=5.0)
         password = base64.b64decode(value).decode()
-    return operator_client(spec.redis.url or default_url, password)
+    return operator_client(spec.redis.url or default_url, password, bounded=bounded)
 
 
 def heartbeats_trusted(now: float, back_at: float | None) -> bool:

@@ -21,16 +21,23 @@ from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
+
+from resilientjob.planner.errors import PlannerError
 
 from . import api
 from ._kube import KubeApi
 from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
+from ._redis_watch import job_client
 from ._worker_defaults import load_worker_defaults
-from .reconciler import InvalidJob, JobController, forget_job
+from .reconciler import InvalidJob, JobController, forget_job, forget_keys
 from .settings import OperatorSettings
 
 CONTROLLERS: dict[tuple[str, str], JobController] = {}
 _API: dict[str, KubeApi] = {}
+# A deleted job's Redis clean-up: attempts and the pause between them (the job waits for them).
+FORGET_ATTEMPTS = 5
+FORGET_RETRY_DELAY_S = 2.0
 
 
 def settings_of(memo: kopf.Memo) -> OperatorSettings:
@@ -163,11 +170,24 @@ def pod_event(event: kopf.RawEvent, **_: Any) -> None:
 
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)  # type: ignore[arg-type]
-async def forget(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    url = (spec.get("redis") or {}).get("url") or settings_of(memo).redis_url
-    controller = CONTROLLERS.get((namespace, name))
-    if controller is not None and controller.redis is not None:
-        await controller.redis.forget()
-        return
-    if not (spec.get("redis") or {}).get("passwordSecretRef"):
-        await forget_job(url, namespace, name)
+async def forget(
+    spec: kopf.Spec, name: str, namespace: str, retry: int, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """Remove a deleted job's Redis keys with a client of this handler's own: the job's daemon, stopping at
+    the same moment, closes the controller's. Redis is not the job's record, so an unreachable Redis delays
+    the deletion by a few short retries, never by kopf's default minute, and then lets the job go."""
+    settings = settings_of(memo)
+    try:
+        parsed = api.parse_spec(dict(spec))
+    except PlannerError:  # an invalid job never got a controller; its keys, if any, are under the default URL
+        parsed = None
+    try:
+        if parsed is None:
+            await forget_job(settings.redis_url, namespace, name)
+        else:
+            client = await job_client(_api(), namespace, parsed, settings.redis_url, bounded=False)
+            await forget_keys(client, namespace, name)
+    except (RedisError, kopf.TemporaryError) as exc:  # Redis away, or the password's Secret gone already
+        if retry + 1 < FORGET_ATTEMPTS:
+            raise kopf.TemporaryError(f"Redis clean-up: {exc}", delay=FORGET_RETRY_DELAY_S) from None
+        logger.warning(f"the job's Redis keys were left after {FORGET_ATTEMPTS} attempts: {exc}")

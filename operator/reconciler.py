@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import kopf
 import numpy as np
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
@@ -718,7 +719,11 @@ class JobController:
 
 async def forget_job(redis_url: str, namespace: str, name: str, password: str | None = None) -> int:
     """Delete a deleted job's Redis keys."""
-    client = operator_client(redis_url, password, bounded=False)
+    return await forget_keys(operator_client(redis_url, password, bounded=False), namespace, name)
+
+
+async def forget_keys(client: aioredis.Redis, namespace: str, name: str) -> int:
+    """Delete a deleted job's Redis keys with `client`, then close it."""
     try:
         return await JobRedis(client, JobKeys(namespace, name)).forget()
     finally:

@@ -7,13 +7,24 @@ handles a failure."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
-from _rjob_stack import NAMESPACE, Kube, Operator, Stack, api_server, emulator_only, eventually, job_manifest
+from _rjob_stack import (
+    NAMESPACE,
+    Kube,
+    Operator,
+    Stack,
+    api_server,
+    emulator_only,
+    eventually,
+    job_manifest,
+    redis_client,
+)
 
 from resilientjob.operator._manifests import job_label, pod_name, service_name
 from resilientjob.operator._names import dns1035_errors, label_errors, subdomain_errors
@@ -77,6 +88,36 @@ async def test_a_deleted_jobs_pods_disappear(stack: Stack) -> None:
         await kube.get("services", "gone-workers") is None
         and await kube.get("configmaps", "gone-plan") is None
     )
+    redis = await redis_client(stack.redis_url)
+    try:
+        assert [key async for key in redis.scan_iter(match=f"{stack.keys('gone').prefix}*")] == []
+    finally:
+        await redis.aclose()
+
+
+async def test_a_job_whose_redis_is_unreachable_is_deleted_without_a_long_wait(stack: Stack) -> None:
+    # Redis is a channel, not the job's record: its clean-up gets a few short retries (FORGET_ATTEMPTS x
+    # FORGET_RETRY_DELAY_S, about 8 s), not kopf's default minute per retry, and then lets the job go.
+    kube = stack.kube
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    assert (
+        await kube.create_job(job_manifest("stranded", redis={"url": f"redis://127.0.0.1:{closed}/0"}))
+        is None
+    )
+
+    async def finalized() -> bool:
+        job = await kube.get(PLURAL, "stranded")
+        return bool(job and job["metadata"].get("finalizers"))
+
+    await eventually(finalized, 20, "the operator's finalizer on the job")
+    assert await kube.delete(PLURAL, "stranded")
+
+    async def gone() -> bool:
+        return await kube.get(PLURAL, "stranded") is None
+
+    await eventually(gone, 30, "the job gone though its Redis never answered")
 
 
 @pytest.fixture
