@@ -11,11 +11,10 @@ which mirrors the operator's Redis plan into the job's store), `run_from_plan` t
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +31,6 @@ from resilientjob.protocol.store_keys import (
     applied_key,
     checkin_key,
     event_key,
-    fail_event_key,
     joining_key,
     loss_key,
     plan_key,
@@ -54,11 +52,8 @@ from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
 from .data import TokenDataset, open_dataset
 from .models import ModelSpec, load_model
-from .optim import lr_at, set_lr
 from .p2p import LayerState
 from .runtime import Trainer
-
-FAILURE_EXIT_CODE = 17
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,14 +348,15 @@ def worker_main(
     config: JobConfig,
     host: str,
     port: int,
-    fail_at: int | None,
+    before_step: Callable[[int, Store], None] | None,
     restore: bool,
     local_rank: int = 0,
     store: Store | None = None,
 ) -> dict[str, object]:
     """Entry point of one worker process (started by the launcher through torch elastic): device
     `local_rank` of `node` (the plan's stages span as many devices as the node runs workers). `store`: the
-    job's store at `host:port` as the caller connected it (a pod's worker reconnects: `_store_client`)."""
+    job's store at `host:port` as the caller connected it (a pod's worker reconnects: `_store_client`).
+    `before_step(step, store)` runs before each step (a test harness crashes the worker there)."""
     torch.set_num_threads(1)
     # Each layer is checkpointed by one process (`no_dist=True` on purpose); DCP says so at every save, from
     # its writer thread, which would fill the pod's log.
@@ -421,9 +417,8 @@ def worker_main(
     resumed_generation = -1
     first_grads: dict[int, list[torch.Tensor]] = {}
     while trainer.step < config.steps:
-        if fail_at is not None and trainer.step == fail_at:
-            store.set(fail_event_key(node), repr(time.time()))
-            os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets
+        if before_step is not None:
+            before_step(trainer.step, store)
         step = trainer.step
         began = time.perf_counter()
         try:
@@ -525,7 +520,7 @@ def run_from_plan(
     if restore and not config.checkpoint_dir:
         raise ValueError("checkpoint: the newest plan restarts from a checkpoint but none is configured")
     return worker_main(
-        node, config, host, port, fail_at=None, restore=restore, local_rank=local_rank, store=store
+        node, config, host, port, before_step=None, restore=restore, local_rank=local_rank, store=store
     )
 
 
@@ -538,60 +533,3 @@ def _grads(layers: Mapping[int, LayerState]) -> dict[int, list[torch.Tensor]]:
         ]
         for index, layer in layers.items()
     }
-
-
-def reference_run(
-    config: JobConfig, global_batch: int, microbatch_size: int
-) -> tuple[list[float], dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]]]:
-    """The failure-free single-process run of the same job (same initial weights, data order, global
-    batch, optimizer, schedule, clipping and tied embeddings), written as plainly as possible."""
-    from .data import SampleOrder
-    from .models import lm_loss
-
-    model = config.load_model()
-    dataset = config.open_dataset(model)
-    training = config.workload.training
-    order = SampleOrder(dataset.num_samples, global_batch, seed=dataset.seed)
-    layers = [LayerState(index, model.layer(index), training=training) for index in range(model.num_layers)]
-    tied = [_named(layers[index].module, name) for index, name in model.tied] if model.tied else []
-    losses = []
-    first_grads: dict[int, list[torch.Tensor]] = {}
-    for step in range(config.steps):
-        for layer in layers:
-            layer.zero_grad()
-        total = 0.0
-        for microbatch in range(global_batch // microbatch_size):
-            inputs, targets = dataset.batch(order.microbatch_ids(step, microbatch, microbatch_size))
-            x = inputs
-            for layer in layers:
-                x = layer.module(x)
-            loss = lm_loss(x, targets) / global_batch
-            torch.autograd.backward([loss])
-            total += float(loss.detach())
-        if tied:  # one tensor in the model: both copies get the sum of their gradients
-            summed = sum((p.grad for p in tied if p.grad is not None), torch.zeros_like(tied[0]))
-            for param in tied:
-                param.grad = summed.clone()
-        if step == 0:
-            first_grads = _grads(dict(enumerate(layers)))
-        params = [p for layer in layers for p in layer.module.parameters() if p.grad is not None]
-        if training.grad_clip_norm > 0:
-            # The tied tensor is one parameter of the model: its norm counts once.
-            counted = [p for p in params if all(p is not q for q in tied[1:])]
-            norm = torch.sqrt(sum((p.grad.float().pow(2).sum() for p in counted), torch.zeros(())))  # type: ignore[union-attr]
-            coefficient = min(1.0, training.grad_clip_norm / (float(norm) + 1e-6))
-            for param in params:
-                param.grad.mul_(coefficient)  # type: ignore[union-attr]
-        for layer in layers:
-            set_lr(layer.optimizer, lr_at(training, step))
-            layer.optimizer.step()
-        losses.append(total)
-    params_out = {layer.index: [p.detach().clone() for p in layer.module.parameters()] for layer in layers}
-    return losses, params_out, first_grads
-
-
-def _named(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
-    for pname, param in module.named_parameters():
-        if pname == name:
-            return param
-    raise ValueError(f"tied: no parameter {name!r}")

@@ -45,8 +45,6 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, sta
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recovery import phases  # a sibling script, not a package
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import JobResult, Launcher, NodeAgent
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig, worker_main
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
@@ -58,6 +56,8 @@ from resilientjob.protocol.workload import (
     TrainingSpec,
     Workload,
 )
+from resilientjob.testing.launcher import JobResult, Launcher, NodeAgent
+from resilientjob.testing.plans import RuntimePlanner
 
 PEAK_BF16_DENSE = (  # (substring of torch.cuda.get_device_name(), dense bf16 FLOP/s); first match wins
     ("H100 PCIe", 756e12),
@@ -167,8 +167,9 @@ class PinnedLauncher(Launcher):
         host, port = "127.0.0.1", self.store.port
         for node in nodes:
             agent = _PinnedAgent(node, self.log_dir, self.start_method, node if self.pin else None)
-            fail_at = None if restore else self.fail_at.get(node)
-            agent.start((node, self.config, host, port, fail_at, restore), workers=self.degree)
+            agent.start(
+                (node, self.config, host, port, self.crash(node, restore), restore), workers=self.degree
+            )
             self.agents[node] = agent
 
 

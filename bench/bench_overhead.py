@@ -49,14 +49,14 @@ from torch import nn
 from torch._C._distributed_c10d import TCPStore
 from torch.nn.parallel import DistributedDataParallel
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.data import SampleOrder
-from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.models import lm_loss
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig, publish_plan
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.store_keys import loss_key, steptime_key
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
 
 MODEL: dict[str, object] = {"layers": 6, "hidden": 160, "heads": 4, "seq_len": 64, "vocab": 256}
 GLOBAL_BATCH, MICRO = 16, 2

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import JobResult, Launcher
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig
+from resilientjob.testing.launcher import JobResult, Launcher
+from resilientjob.testing.plans import RuntimePlanner
 
 MODEL = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
 

@@ -24,12 +24,12 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._runtime_commit import CommitVote
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import calibrated_profile, measure_message_latency
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import Plan, Policy
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
 
 MODEL = {"layers": 16, "hidden": 8, "seq_len": 4, "forward_sleep_s": 0.005}
 GLOBAL_BATCH, MICROBATCH = 8, 1

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import calibrated_profile
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import Policy
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
 
 MODEL = {"layers": 16, "hidden": 8, "seq_len": 4, "forward_sleep_s": 0.005}
 NODES, FAILED, FAIL_AT, STEPS = 8, 5, 4, 9

@@ -38,14 +38,9 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     ("bench/bench_emulator.py", "resilientjob.operator._local_api_discovery"),  # the emulator's verbs
     ("bench/bench_straggler_gate.py", "resilientjob.operator._failslow"),  # FailSlowTracker alone
     ("bench/bench_data.py", "resilientjob.agent._data_files"),  # the data loader's file index
-    ("bench/bench_gpu.py", "resilientjob.agent._runtime_plans"),  # RuntimePlanner: the runtime's planning
-    ("bench/bench_overhead.py", "resilientjob.agent._runtime_plans"),
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_commit"),  # the commit vote's cost per step
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
-    ("bench/bench_recovery.py", "resilientjob.agent._runtime_plans"),
     ("bench/bench_runtime_estimator.py", "resilientjob.agent._runtime_commit"),
-    ("bench/bench_runtime_estimator.py", "resilientjob.agent._runtime_plans"),
-    ("bench/bench_runtime_throughput.py", "resilientjob.agent._runtime_plans"),
     ("bench/bench_templates.py", "resilientjob.planner._stage_mapping"),  # StageMapper against the paper's DP
 }
 """(importing file, imported module) pairs exempt from the private-module rule, each with its reason."""

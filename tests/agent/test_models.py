@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent._runtime_schedule import OpKind, build_ops, chain, sync_groups
 from resilientjob.agent.data import SampleOrder, SyntheticDataset
 from resilientjob.agent.models import ModelConfig, ModelKind, load_model
@@ -21,6 +20,7 @@ from resilientjob.cli import main as rjob
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
+from resilientjob.testing.plans import RuntimePlanner
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])

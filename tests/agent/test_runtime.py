@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent.data import SampleOrder
-from resilientjob.agent.launcher import JobResult, Launcher
-from resilientjob.agent.worker import JobConfig, reference_run
+from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
+from resilientjob.testing.launcher import JobResult, Launcher
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
 
 pytestmark = pytest.mark.torch
 

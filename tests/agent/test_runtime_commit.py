@@ -22,7 +22,6 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent._runtime_wait import PeerFailure
 from resilientjob.agent.data import SyntheticDataset
 from resilientjob.agent.models import load_model
@@ -33,12 +32,13 @@ from resilientjob.agent.worker import (
     publish_plan,
     read_generation,
     read_plan,
-    reference_run,
     wait_for_plan_after,
 )
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.protocol.store_keys import vote_key
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
 
 GPT8 = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
 STEPS, FAIL_STEP, VICTIM, NODES = 4, 1, 1, 4

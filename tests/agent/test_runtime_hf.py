@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.models import ModelSpec, load_model
 from resilientjob.agent.profiler import measure_profile
-from resilientjob.agent.worker import JobConfig, reference_run
+from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
 
 transformers = pytest.importorskip("transformers")
 

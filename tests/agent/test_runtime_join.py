@@ -16,12 +16,13 @@ from test_runtime import (
     _assert_matches_reference,
 )
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent._runtime_schedule import held_layers
-from resilientjob.agent.launcher import Launcher
-from resilientjob.agent.worker import JobConfig, reference_run
+from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import ModelProfile
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
 
 pytestmark = pytest.mark.torch
 

@@ -26,10 +26,10 @@ from _training_support import (
     transformers,
 )
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
-from resilientjob.agent.launcher import Launcher
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
 
 
 def _plan(dp: int, pp: int) -> Plan:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilientjob.agent._runtime_plans import RuntimePlanner
 from resilientjob.agent._tensor_parallel import (
     _deinterleave,
     _interleave,
@@ -21,15 +20,17 @@ from resilientjob.agent._tensor_parallel import (
     tp_degree,
 )
 from resilientjob.agent.data import SampleOrder
-from resilientjob.agent.launcher import JobResult, Launcher
 from resilientjob.agent.models import load_model
 from resilientjob.agent.p2p import LayerState, layer_state_bytes
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.runtime import check_supported
-from resilientjob.agent.worker import JobConfig, reference_run
+from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
+from resilientjob.testing.launcher import JobResult, Launcher
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
 
 pytestmark = pytest.mark.torch
 

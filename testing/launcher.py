@@ -1,4 +1,6 @@
-"""Launch and supervise a job's workers with torch elastic; publish plans; fall back to checkpoints.
+"""The test harness's control plane: launch and supervise a job's workers on this machine with torch elastic,
+publish plans, fall back to checkpoints. Tests and benchmarks drive the runtime through it; in a cluster the
+operator, the store pod and each pod's agent play these parts (nothing in the product imports this).
 
 Each node gets its own `torch.distributed.elastic.multiprocessing` process context (`start_processes`, the
 supervision layer `LocalElasticAgent` is built on), exactly as each pod's agent supervises only its own
@@ -11,10 +13,10 @@ Workers are restarted only on the fallback path,
 when the planner answers `checkpoint` (no live replica of some layer remains) or a failure hits a switch in
 progress: every process context is closed and the survivors start again from the last complete checkpoint.
 
-Every decision is the planner's (`_runtime_plans.RuntimePlanner` over `planner.search.replan`): `policy`
+Every decision is the planner's (`plans.RuntimePlanner` over `planner.search.replan`): `policy`
 forces one recovery policy or leaves the choice to Odyssey's score (`auto`). The moment a worker's death is
 seen, the launcher bumps the store's failure counter, so survivors abandon the step at once
-(`_runtime_wait`), and only then waits `grace_s` for simultaneous failures before planning once.
+(`agent._runtime_wait`), and only then waits `grace_s` for simultaneous failures before planning once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from typing import Any
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
+from resilientjob.agent._runtime_schedule import world_nodes
+from resilientjob.agent.runtime import check_supported
+from resilientjob.agent.worker import JobConfig, announce_failures, publish_plan, worker_main
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.store_keys import (
@@ -44,10 +49,8 @@ from resilientjob.protocol.store_keys import (
     steptime_key,
 )
 
-from ._runtime_plans import RuntimePlanner
-from ._runtime_schedule import world_nodes
-from .runtime import check_supported
-from .worker import JobConfig, announce_failures, publish_plan, worker_main
+from .faults import CrashAt
+from .plans import RuntimePlanner
 
 
 @dataclass(slots=True)
@@ -193,12 +196,18 @@ class Launcher:
         return applied >= len(world_nodes(self.plan)) * self.degree
 
     # ---- processes ---------------------------------------------------------------------------------------
+    def crash(self, node: int, restore: bool) -> CrashAt | None:
+        """`worker_main`'s `before_step` hook for `node`: its crash from `fail_at` (never after a restart)."""
+        step = None if restore else self.fail_at.get(node)
+        return None if step is None else CrashAt(node, step)
+
     def _start(self, nodes: list[int], restore: bool) -> None:
         host, port = "127.0.0.1", self.store.port
         for node in nodes:
             agent = NodeAgent(node, self.log_dir, self.start_method)
-            fail_at = None if restore else self.fail_at.get(node)
-            agent.start((node, self.config, host, port, fail_at, restore), workers=self.degree)
+            agent.start(
+                (node, self.config, host, port, self.crash(node, restore), restore), workers=self.degree
+            )
             self.agents[node] = agent
 
     def run(self, timeout_s: float = 120.0) -> JobResult:

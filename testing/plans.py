@@ -1,4 +1,4 @@
-"""The runtime's side of planning: the planner's search (`planner.search`) with what the runtime knows.
+"""The harness's side of planning: the planner's search (`planner.search`) with what the local runtime knows.
 
 Every decision (the initial layout, reroute vs dynamic vs templates vs checkpoint, layer splits, micro-batch
 shares, placement and transfers) is `planner.search.initial_plan` / `replan`, exactly as the operator calls
