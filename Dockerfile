@@ -56,6 +56,9 @@ COPY planner planner
 COPY agent agent
 COPY operator operator
 COPY cli cli
+COPY protocol protocol
+# `rjob local` ships too; its extra (kmock, cel-python) does not: the image runs the operator and the agent.
+COPY localstack localstack
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --no-deps . \
     && python3 -c 'import resilientjob.operator.handlers, resilientjob.agent.telemetry' \

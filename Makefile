@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: bootstrap demo test check bench results clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml testing/pyproject.toml
 	@command -v redis-server >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev]'
+	# The package with its extras, and the test harness (resilientjob.testing: its own distribution, never shipped).
+	$(PY) -m pip install -q -e '.[dev,local]' -e ./testing
 	@touch $(STAMP)
 
 bootstrap: $(STAMP)

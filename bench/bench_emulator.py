@@ -1,5 +1,5 @@
 """The local API server's cost per pod: kmock's plain KubernetesEmulator against our LocalApiServer
-(operator/emulator.py) in one run, creating N pods over HTTP the way the operator and the process kubelet
+(localstack/emulator.py) in one run, creating N pods over HTTP the way the operator and the process kubelet
 touch them (create, status patch, get; 16 requests in flight).
 
     .venv/bin/python bench/bench_emulator.py [--pods 256 1024 4096] [--plain-max 256]
@@ -18,8 +18,8 @@ import time
 import aiohttp
 import kmock
 
-from resilientjob.operator._local_api_discovery import VERBS
-from resilientjob.operator.emulator import CORE_RESOURCES, LocalApiServer
+from resilientjob.localstack._local_api_discovery import VERBS
+from resilientjob.localstack.emulator import CORE_RESOURCES, LocalApiServer
 
 MERGE_PATCH = {"content-type": "application/merge-patch+json"}
 

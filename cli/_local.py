@@ -5,6 +5,7 @@ operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +21,14 @@ from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
 GROUP, VERSION, PLURAL = "resilientjob.io", "v1alpha1", "resilientjobs"
+LOCAL_EXTRA = ("kmock", "celpy", "attrs")
+"""The modules the local stack needs beyond the core install: the `local` extra (pyproject.toml)."""
+
+
+def _check_local_extra() -> None:
+    """One line instead of a stack that dies in the background (`rjob local up`, `rjob demo`)."""
+    if any(importlib.util.find_spec(name) is None for name in LOCAL_EXTRA):
+        raise CliError("rjob local needs: pip install 'resilientjob[local]'")
 
 
 def _state_dir() -> Path:
@@ -99,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _up() -> int:
+    _check_local_extra()
     directory = _state_dir()
     if (directory / "state.json").exists():
         print(f"already up ({directory})")
@@ -106,7 +116,7 @@ def _up() -> int:
     directory.mkdir(parents=True, exist_ok=True)
     with (directory / "stack.log").open("ab") as log:
         subprocess.Popen(
-            [sys.executable, "-m", "resilientjob.operator.localstack", str(directory)],
+            [sys.executable, "-m", "resilientjob.localstack", str(directory)],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -30,7 +30,7 @@ from resilientjob.protocol.messages import PlanAnnouncement
 from . import api
 from ._decide import PodView
 from ._job_view import JobView
-from ._kube import core_path
+from .kube import core_path
 
 
 @dataclass(frozen=True, slots=True)

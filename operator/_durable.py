@@ -29,9 +29,9 @@ from typing import Any
 from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 
 from . import _manifests, metrics
-from ._kube import KubeApi, core_path
 from ._redis_state import JobRedis, RedisPlan
 from ._redis_watch import REDIS_DOWN, RedisWatch
+from .kube import KubeApi, core_path
 
 log = logging.getLogger("resilientjob.operator")
 

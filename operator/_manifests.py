@@ -6,7 +6,6 @@ deletes them."""
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ from resilientjob.protocol.workload import (
 )
 
 from . import api
-from ._names import SUBDOMAIN_MAX, fit
+from .names import SUBDOMAIN_MAX, fit
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -351,8 +350,3 @@ def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redi
             "volumes": [{"name": "scratch", "emptyDir": {}}],
         },
     }
-
-
-def downward_annotations_text(annotations: Mapping[str, str]) -> str:
-    """The downward API's file format for a map: one `key="value"` per line, sorted (json quoting)."""
-    return "".join(f"{key}={json.dumps(value)}\n" for key, value in sorted(annotations.items()))

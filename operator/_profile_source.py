@@ -44,8 +44,8 @@ from resilientjob.protocol.messages import (
 
 from . import _decide, _manifests, api
 from ._job_view import JobView
-from ._kube import KubeApi, core_path
 from ._planning import checked_by_node0, profile_from_pod
+from .kube import KubeApi, core_path
 
 if TYPE_CHECKING:
     import kopf

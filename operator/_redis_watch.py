@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S
 
 from . import api, metrics
-from ._kube import KubeApi, core_path
+from .kube import KubeApi, core_path
 
 log = logging.getLogger("resilientjob.operator")
 

@@ -21,9 +21,9 @@ from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import ModelSource, model_source
 
 from . import _manifests, api
-from ._kube import KubeApi, core_path
 from ._redis_state import announcement
 from ._worker_defaults import load_worker_defaults
+from .kube import KubeApi, core_path
 
 
 def needs_store(spec: api.ResilientJobSpec) -> bool:

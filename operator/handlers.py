@@ -26,10 +26,10 @@ from redis.exceptions import RedisError
 from resilientjob.planner.errors import PlannerError
 
 from . import api
-from ._kube import KubeApi
 from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
 from ._redis_watch import job_client
 from ._worker_defaults import load_worker_defaults
+from .kube import KubeApi
 from .reconciler import InvalidJob, JobController, forget_job, forget_keys
 from .settings import OperatorSettings
 

@@ -37,7 +37,6 @@ from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
-from ._kube import KubeApi, core_path, custom_path
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
@@ -45,6 +44,7 @@ from ._redis_watch import REDIS_DOWN, RedisWatch, job_client, operator_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
+from .kube import KubeApi, core_path, custom_path
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")

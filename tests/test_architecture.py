@@ -5,6 +5,12 @@ The intended shape is operator -> protocol -> planner <- agent (and operator -> 
 `resilientjob.protocol` is the wire contract (messages, Redis and TCPStore keys) that neither the operator
 nor the agent owns. The messages carry the planner's `Plan` and `ModelProfile`, so the protocol sits above
 the planner and the planner, at the bottom, imports no other resilientjob package.
+
+Beside them: `resilientjob.localstack` (a Kubernetes control plane on one machine for `rjob local`) stands
+where a cluster would, so it imports the operator only through the few public modules a cluster side needs
+(`LOCALSTACK_MAY_IMPORT`) and never the agent; nothing in the product imports it (the CLI starts it as a
+process). `resilientjob.testing`, the test harness, is not shipped: tests and benchmarks import it, the
+product never does.
 """
 
 from __future__ import annotations
@@ -17,8 +23,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {"kopf", "kubernetes", "redis", "torch", "httpx", "aiohttp", "prometheus_client"}
-PACKAGES = ("planner", "agent", "operator", "cli", "protocol")
-"""The folders of the `resilientjob.*` packages (mapped in pyproject.toml)."""
+PACKAGES = ("planner", "agent", "operator", "cli", "protocol", "localstack")
+"""The folders of the shipped `resilientjob.*` packages (mapped in pyproject.toml)."""
+HARNESS = "testing"
+"""The folder of `resilientjob.testing`, the test harness (its own distribution: testing/pyproject.toml)."""
+FOLDERS = (*PACKAGES, HARNESS)
+
+LOCALSTACK_MAY_IMPORT = {
+    "resilientjob.operator.crd",  # the API server serves the ResilientJob CRD the operator defines
+    "resilientjob.operator.kube",  # the process kubelet calls the API server with the operator's client
+    "resilientjob.operator.names",  # the API server checks names and label values as kube-apiserver does
+}
+"""The operator modules `resilientjob.localstack` may import (and nothing else of the operator)."""
 
 PROTOCOL_MAY_IMPORT = {
     # The messages carry a plan (`PlanAnnouncement.plan`) and a model profile (`ModelProfileReport.profile`):
@@ -35,13 +51,15 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     # its benchmark would widen the package's API. Product code (planner, agent, operator, cli, protocol,
     # scripts) has no exception.
     ("bench/bench_control_plane.py", "resilientjob.operator._redis_state"),  # the operator's heartbeat scan
-    ("bench/bench_emulator.py", "resilientjob.operator._local_api_discovery"),  # the emulator's verbs
+    ("bench/bench_emulator.py", "resilientjob.localstack._local_api_discovery"),  # the emulator's verbs
     ("bench/bench_straggler_gate.py", "resilientjob.operator._failslow"),  # FailSlowTracker alone
     ("bench/bench_data.py", "resilientjob.agent._data_files"),  # the data loader's file index
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_commit"),  # the commit vote's cost per step
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
     ("bench/bench_runtime_estimator.py", "resilientjob.agent._runtime_commit"),
     ("bench/bench_templates.py", "resilientjob.planner._stage_mapping"),  # StageMapper against the paper's DP
+    # The harness stands in for the pod agents and the store pod, which know when a plan is fully applied.
+    ("testing/launcher.py", "resilientjob.agent._runtime_schedule"),
 }
 """(importing file, imported module) pairs exempt from the private-module rule, each with its reason."""
 
@@ -62,7 +80,7 @@ def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(["resilientjob", *parts]) if parts[0] in PACKAGES else ".".join(parts)
+    return ".".join(["resilientjob", *parts]) if parts[0] in FOLDERS else ".".join(parts)
 
 
 def sources(*folders: str) -> Iterator[Path]:
@@ -70,7 +88,7 @@ def sources(*folders: str) -> Iterator[Path]:
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 
-OURS = {module_name(path) for path in sources(*PACKAGES)}
+OURS = {module_name(path) for path in sources(*FOLDERS)}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -117,7 +135,7 @@ def imports(path: Path) -> list[Import]:
 def package_of(module: str) -> str | None:
     """`planner` for `resilientjob.planner.sim.engine`; None for anything not ours."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "resilientjob" and parts[1] in PACKAGES else None
+    return parts[1] if len(parts) > 1 and parts[0] == "resilientjob" and parts[1] in FOLDERS else None
 
 
 def private_part(module: str) -> str | None:
@@ -165,13 +183,21 @@ def test_protocol_imports_pydantic_the_standard_library_and_the_planners_types_o
 
 def test_packages_depend_in_one_direction() -> None:
     may_not = {
-        "planner": {"agent", "operator", "cli"},  # and not the protocol either: see the cycle test
-        "protocol": {"agent", "operator", "cli"},
-        "operator": {"agent"},
-        "agent": {"operator", "cli"},
+        "planner": {
+            "agent",
+            "operator",
+            "cli",
+            "localstack",
+        },  # and not the protocol either: see the cycle test
+        "protocol": {"agent", "operator", "cli", "localstack"},
+        "operator": {"agent", "localstack"},
+        "agent": {"operator", "cli", "localstack"},
+        "localstack": {"agent", "cli"},
+        "cli": {"localstack"},  # `rjob local up` starts it as a process (`python -m resilientjob.localstack`)
     }
     offenders = []
-    for folder, forbidden in may_not.items():
+    for folder in PACKAGES:  # and no shipped package imports the test harness
+        forbidden = may_not[folder] | {HARNESS}
         for path in sources(folder):
             for imp in imports(path):
                 if package_of(imp.module) in forbidden:
@@ -179,10 +205,20 @@ def test_packages_depend_in_one_direction() -> None:
     assert offenders == []
 
 
+def test_the_local_stack_imports_only_the_operators_public_cluster_side() -> None:
+    offenders = [
+        f"{imp.path}:{imp.line}: {imp.module}"
+        for path in sources("localstack")
+        for imp in imports(path)
+        if package_of(imp.module) == "operator" and imp.module not in LOCALSTACK_MAY_IMPORT
+    ]
+    assert offenders == []
+
+
 def test_nobody_imports_another_packages_private_modules() -> None:
     offenders = []
     used: set[tuple[str, str]] = set()
-    for path in sources(*PACKAGES, "bench", "scripts"):
+    for path in sources(*FOLDERS, "bench", "scripts"):
         own = package_of(module_name(path))
         for imp in imports(path):
             target = package_of(imp.module)
@@ -200,7 +236,7 @@ def import_cycles(module_level_only: bool = True) -> list[list[str]]:
     """Circles of imports among our modules (strongly connected components of two or more): module-level
     imports only, or every import (in functions and under `if TYPE_CHECKING:` too)."""
     graph: dict[str, set[str]] = {}
-    for path in sources(*PACKAGES):
+    for path in sources(*FOLDERS):
         graph[module_name(path)] = {
             imp.module
             for imp in imports(path)

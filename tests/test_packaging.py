@@ -8,24 +8,29 @@ install because kmock came only with `[dev]`)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ("planner", "agent", "operator", "cli", "protocol")
-OPTIONAL = {"torch_npu": "ascend"}
+SHIPPED = ("planner", "agent", "operator", "cli", "protocol", "localstack")
+OPTIONAL = {"torch_npu": "ascend", "kmock": "local", "celpy": "local", "attrs": "local"}
 """Modules imported only where an extra is installed, with the extra that brings them."""
+EXTRA_FOLDERS = {"ascend": {"agent"}, "local": {"localstack"}}
+"""The only shipped folders that may import an extra's modules (the rest must work without the extra)."""
 
 
-def _imported_modules() -> dict[str, str]:
-    found: dict[str, str] = {}
-    for folder in SHIPPED:
-        for path in (ROOT / folder).rglob("*.py"):
+def _imports(folders: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
+    """(module, importing file) for every absolute import in `folders`, in functions too."""
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -34,7 +39,13 @@ def _imported_modules() -> dict[str, str]:
                 else:
                     continue
                 for name in names:
-                    found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+                    yield name, path.relative_to(ROOT)
+
+
+def _imported_modules() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for module, path in _imports(SHIPPED):
+        found.setdefault(module.split(".")[0], str(path))
     return found
 
 
@@ -61,7 +72,9 @@ def test_every_third_party_import_is_a_runtime_dependency() -> None:
         if module in sys.stdlib_module_names or module in ("resilientjob", "__future__"):
             continue
         if module in OPTIONAL:
-            assert module.replace("_", "-") in extras[OPTIONAL[module]], module
+            # The distribution that provides it here, or its own name where it is not installed (torch_npu).
+            names = {_normal(name) for name in providers.get(module, [])} or {_normal(module)}
+            assert names & extras[OPTIONAL[module]], module
             continue
         distributions = {_normal(name) for name in providers.get(module, [])}
         assert distributions, f"{module} (imported in {where}) is not installed"
@@ -77,3 +90,46 @@ def test_every_runtime_dependency_is_imported() -> None:
     providers = packages_distributions()
     imported = {_normal(name) for module in _imported_modules() for name in providers.get(module, [])}
     assert sorted(runtime - imported) == []
+
+
+def test_an_extra_is_imported_only_where_it_is_needed() -> None:
+    """The core install works without the `local` extra: only the local stack imports kmock and cel-python
+    (and `rjob local up` checks for them before it starts the stack in the background)."""
+    offenders = [
+        f"{path}: {module}"
+        for module, path in _imports(SHIPPED)
+        if (top := module.split(".")[0]) in OPTIONAL and path.parts[0] not in EXTRA_FOLDERS[OPTIONAL[top]]
+    ]
+    assert offenders == []
+
+
+def test_rjob_local_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
+    # kmock made unimportable, as in a plain `pip install resilientjob`.
+    code = "import sys; sys.modules['kmock'] = None; from resilientjob.cli import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "local", "up"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RJOB_LOCAL_DIR": str(tmp_path / "stack")},
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "rjob: error: rjob local needs: pip install 'resilientjob[local]'"
+    ]
+    assert not (tmp_path / "stack").exists()  # nothing was started
+
+
+def test_the_test_harness_is_not_shipped() -> None:
+    """`resilientjob.testing` is a distribution of its own (testing/pyproject.toml), installed for development
+    only: the product's package list does not name it and no shipped module imports it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert not [name for name in project["packages"] if name.startswith("resilientjob.testing")]
+    assert "testing" not in project["package-dir"].values()
+    harness = tomllib.loads((ROOT / "testing" / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert harness["packages"] == ["resilientjob.testing"]
+    imported = [
+        f"{path}: {module}" for module, path in _imports(SHIPPED) if module.startswith("resilientjob.testing")
+    ]
+    assert imported == []

@@ -32,7 +32,7 @@ from resilientjob.agent.chaos import (
 from resilientjob.cli import main
 from resilientjob.cli._chaos import parse_duration
 from resilientjob.cli._common import CliError
-from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.localstack.emulator import LocalApiServer
 from resilientjob.protocol.keys import JobKeys
 
 PASSWORD = "chaos-test-secret"

@@ -30,10 +30,10 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from resilientjob.localstack.emulator import LocalApiServer
 from resilientjob.operator import api
-from resilientjob.operator._kube import KubeApi, KubeError
 from resilientjob.operator.crd import CRD_FILE
-from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.operator.kube import KubeApi, KubeError
 from resilientjob.protocol.keys import JobKeys
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from _rjob_stack import api_server, emulator_only, job_manifest, rjob_path
 
-from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.localstack.emulator import LocalApiServer
 
 pytestmark = emulator_only("these test the local API server itself")
 PODS = "/api/v1/namespaces/default/pods"

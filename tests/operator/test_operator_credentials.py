@@ -13,7 +13,7 @@ import kopf
 import pytest
 from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
 
-from resilientjob.operator._kube import KubeApi, KubeError
+from resilientjob.operator.kube import KubeApi, KubeError
 
 pytestmark = [pytest.mark.cluster, emulator_only("the local API server's token file is the test's lever")]
 

@@ -26,10 +26,10 @@ from _rjob_stack import (
     redis_client,
 )
 
+from resilientjob.localstack.emulator import LocalApiServer
 from resilientjob.operator._manifests import job_label, pod_name, service_name
-from resilientjob.operator._names import dns1035_errors, label_errors, subdomain_errors
 from resilientjob.operator.api import PLURAL
-from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.operator.names import dns1035_errors, label_errors, subdomain_errors
 
 pytestmark = pytest.mark.cluster
 LAST_HANDLED = "resilientjob.io/last-handled-configuration"  # kopf's diff-base (operator/handlers.py)

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
 from _support import RedisProcess, free_port
 
+from resilientjob.localstack.kubelet import ProcessKubelet
 from resilientjob.operator import _durable
 from resilientjob.operator._redis_state import RedisPlan, announcement
 from resilientjob.operator._redis_watch import (
@@ -34,7 +35,6 @@ from resilientjob.operator._redis_watch import (
     backoff_s,
     heartbeats_trusted,
 )
-from resilientjob.operator.kubelet import ProcessKubelet
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 from _rjob_stack import eventually, job_manifest, rjob_path
 from _support import redis_server
 
-from resilientjob.operator.emulator import LocalApiServer
+from resilientjob.localstack.emulator import LocalApiServer
 
 Triple = tuple[str, str, str]  # (API group, resource[/subresource], verb)
 OPERATOR_DIR = ROOT / "operator"
@@ -80,8 +80,8 @@ def operator_modules() -> list[Path]:
 
 
 def kube_verbs() -> dict[str, str]:
-    """KubeApi method -> RBAC verb, from the HTTP method each method sends (operator/_kube.py)."""
-    tree = ast.parse((OPERATOR_DIR / "_kube.py").read_text())
+    """KubeApi method -> RBAC verb, from the HTTP method each method sends (operator/kube.py)."""
+    tree = ast.parse((OPERATOR_DIR / "kube.py").read_text())
     http_to_verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}
     verbs: dict[str, str] = {}
     for node in ast.walk(tree):

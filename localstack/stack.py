@@ -1,6 +1,7 @@
 """The local stack behind `rjob local up`: the emulated API server (real HTTP), a real redis-server, the
 real operator process and the process kubelet, supervised by one background process that writes where
-everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`)."""
+everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`). `rjob local up`
+starts it as `python -m resilientjob.localstack <state>`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pathlib import Path
 import kmock
 import kopf
 
-from ._kube import KubeApi
+from resilientjob.operator.kube import KubeApi
+
 from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet, free_port
 
@@ -131,7 +133,3 @@ def _stop(process: subprocess.Popen[bytes] | None) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
-
-
-if __name__ == "__main__":
-    asyncio.run(serve(Path(sys.argv[1])))

@@ -19,20 +19,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._kube import KubeApi, core_path
-from ._manifests import AGENT_METRICS_ENV, LABEL_MANAGED_BY, MANAGER, downward_annotations_text
+from resilientjob.operator.kube import KubeApi, core_path
 
-STORE_PORT_ENV = "RJOB_STORE_PORT"  # agent.store_host.STORE_PORT_ENV (the operator does not import the agent)
+# What the operator writes into its pods and the agent reads (operator/_manifests.py, agent/store_host.py):
+# repeated, not imported, as a kubelet knows nothing of either (tests/operator/test_local_stack.py checks
+# that the copies agree).
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "resilientjob-operator"
+AGENT_METRICS_ENV = "RJOB_AGENT_METRICS_PORT"
+STORE_PORT_ENV = "RJOB_STORE_PORT"
 
 
 def free_port() -> int:
@@ -41,6 +47,11 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def downward_annotations_text(annotations: Mapping[str, str]) -> str:
+    """The downward API's file format for a map: one `key="value"` per line, sorted (json quoting)."""
+    return "".join(f"{key}={json.dumps(value)}\n" for key, value in sorted(annotations.items()))
 
 
 @dataclass(slots=True)

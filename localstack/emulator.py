@@ -115,7 +115,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
                     subresources,
                 )
             )
-        from .crd import crd_manifest
+        from resilientjob.operator.crd import crd_manifest
 
         crd = crd_manifest()
         for served in discovery.kinds_of_crd(crd):

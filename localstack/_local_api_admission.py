@@ -1,9 +1,10 @@
 """Admission in the local API server: what kube-apiserver does to an object between reading the request
 and storing it. A new object gets the fields the server owns (uid, creationTimestamp, generation, namespace,
-a name from generateName); names and label values are checked (`_names`); a custom resource is defaulted,
-pruned and validated against its CRD (`_local_api_schema`), a ConfigMap or Secret decoded as Go would; a
-write keeps the identity fields and, with a status subresource, changes only its own part of the object.
-Every refusal is the Status a real server sends (422 Invalid naming the fields, 400 BadRequest, 415)."""
+a name from generateName); names and label values are checked (`operator.names`); a custom resource is
+defaulted, pruned and validated against its CRD (`_local_api_schema`), a ConfigMap or Secret decoded as Go
+would; a write keeps the identity fields and, with a status subresource, changes only its own part of the
+object. Every refusal is the Status a real server sends (422 Invalid naming the fields, 400 BadRequest,
+415)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import yaml
 from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesError
 
+from resilientjob.operator import names as _names
+
 from . import _local_api_schema as schema
-from . import _names
 from ._local_api_discovery import OPEN_SCHEMA, Kind
 from ._local_api_store import now
 
