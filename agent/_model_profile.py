@@ -24,6 +24,7 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,7 +85,7 @@ def _failed_field(error: Exception) -> str:
 def make_report(
     request: ModelProfileRequest,
     workload: Workload,
-    model_options: dict[str, int | float],
+    model_options: Mapping[str, object],
     node: int,
     cache_dir: Path | None = None,
 ) -> ModelProfileReport:
@@ -150,9 +151,7 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
 class _Answerer:
     """Node 0's side: answer each request once, and again if the report vanished (Redis was emptied)."""
 
-    def __init__(
-        self, telemetry: Telemetry, workload: Workload, model_options: dict[str, int | float]
-    ) -> None:
+    def __init__(self, telemetry: Telemetry, workload: Workload, model_options: Mapping[str, object]) -> None:
         self.telemetry = telemetry
         self.workload = workload
         self.model_options = model_options
@@ -192,7 +191,7 @@ async def wait_for_first_plan(
     telemetry: Telemetry,
     stopped: asyncio.Event,
     workload: Workload,
-    model_options: dict[str, int | float],
+    model_options: Mapping[str, object],
 ) -> PlanAnnouncement | None:
     """The published plan, once there is one (None when `stopped` first); node 0 answers the operator's
     profile requests meanwhile."""

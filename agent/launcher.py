@@ -46,8 +46,9 @@ from resilientjob.protocol.store_keys import (
 
 from ._runtime_plans import RuntimePlanner
 from ._runtime_schedule import world_nodes
+from .config import JobConfig
 from .runtime import check_supported
-from .worker import JobConfig, announce_failures, publish_plan, worker_main
+from .worker import announce_failures, publish_plan, worker_main
 
 
 @dataclass(slots=True)

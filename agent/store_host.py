@@ -3,7 +3,8 @@
 runtime; `operator/_store.py`).
 
 It hosts the job's one `TCPStore` (rendezvous, plans, failure counter, commit votes), mirrors every
-generation the operator commits in Redis into it (`worker.publish_plan`), announces the nodes a generation
+generation the operator commits in Redis into it (`worker.publish_plan`; it watches the small generation key
+and reads a plan once per generation), announces the nodes a generation
 drops without parking them as failures (`worker.announce_failures`) before publishing it, so survivors
 blocked behind a dead peer abandon their step at once, and relays validation (`_validation_relay`). Its
 address (`$POD_IP:$RJOB_STORE_PORT`, port 29500 in a cluster, a free one in the local stack) is the Redis
@@ -91,9 +92,26 @@ class StoreHost:
         self.outage = Outage("store host")
         self._held = -1
         """The generation last held back for joining nodes (told once in the log)."""
+        self._fetched: PlanAnnouncement | None = None
+        """The last announcement read from Redis (`_newer` reads each generation's plan once)."""
 
-    async def _published(self) -> PlanAnnouncement | None:
-        return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
+    async def _newer(self) -> PlanAnnouncement | None:
+        """The committed announcement when it is newer than the store's plan. A poll reads only the small
+        generation key (`JobKeys.plan_generation`, which the operator sets with the plan in one transaction);
+        the plan itself, hundreds of kilobytes at thousands of nodes, only once that number has moved past
+        the store's, and once per generation while a generation waits for joining nodes. Without a readable
+        generation key it reads the plan, as it did before there was one."""
+        raw = await self.client.get(self.keys.plan_generation)
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else ""
+        generation = int(text) if text.isdigit() else None
+        mirrored = self.plan.generation if self.plan is not None else -1
+        if generation is not None and generation <= mirrored:
+            return None
+        fetched = self._fetched
+        if generation is None or fetched is None or fetched.generation != generation:
+            raw_plan = await self.client.get(self.keys.plan)
+            fetched = self._fetched = decode(PlanAnnouncement, raw_plan, "bridge.plan", MAX_PLAN_BYTES)
+        return fetched if fetched is not None and fetched.generation > mirrored else None
 
     def unready(self, announcement: PlanAnnouncement) -> list[int]:
         """Nodes new to the store's world (replacement pods joining) whose workers cannot rendezvous yet:
@@ -165,7 +183,7 @@ class StoreHost:
             try:
                 if not self.seeded:
                     await self._seed()
-                current = await self._published()
+                current = await self._newer()
                 if current is not None and self._due(current):
                     before = self.announced
                     self.mirror(current)
