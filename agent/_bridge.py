@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.models import ModelSource, model_source
 
 from ._model_profile import wait_for_first_plan
@@ -65,7 +65,7 @@ async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout
     outage = Outage(f"agent {pod}")
     while time.monotonic() < deadline:
         try:
-            raw = await client.get(store_key(keys))
+            raw = await client.get(keys.store)
             outage.ok()
         except REDIS_DOWN as exc:
             await asyncio.sleep(outage.failed(exc))

@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from resilientjob.protocol.keys import profile_report_key, profile_request_key
 from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
     PROFILE_NODE,
@@ -159,14 +158,12 @@ class _Answerer:
 
     async def poll(self) -> None:
         client, keys = self.telemetry.client, self.telemetry.keys
-        request = decode(
-            ModelProfileRequest, await client.get(profile_request_key(keys)), "agent.profile_request"
-        )
+        request = decode(ModelProfileRequest, await client.get(keys.profile_request), "agent.profile_request")
         if request is None:
             return
         present = decode(
             ModelProfileReport,
-            await client.get(profile_report_key(keys)),
+            await client.get(keys.profile_report),
             "agent.profile_report",
             MAX_PROFILE_BYTES,
         )
@@ -184,7 +181,7 @@ class _Answerer:
             outcome = failed if report.error else f"{report.num_layers} layers, workload checked"
             print(f"pre-flight: {outcome}", flush=True)
             self.answered = report
-        await client.set(profile_report_key(keys), encode(report))
+        await client.set(keys.profile_report, encode(report))
 
 
 async def wait_for_first_plan(

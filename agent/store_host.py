@@ -33,7 +33,7 @@ from datetime import timedelta
 import redis.asyncio as aioredis
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.keys import JobKeys, failures_key, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 from resilientjob.protocol.store_keys import COMMITTED_KEY, joining_key
 
@@ -87,7 +87,7 @@ class StoreHost:
         self.parked: list[int] = []
         self.announced = 0
         self.seeded = False
-        """Whether the failure counter was taken over from an earlier host (`failures_key`)."""
+        """Whether the failure counter was taken over from an earlier host (`JobKeys.store_failures`)."""
         self.validation = ValidationRelay(client, keys, self.store)
         self.outage = Outage("store host")
         self._held = -1
@@ -153,7 +153,7 @@ class StoreHost:
         """Take the failure count over from the host this one replaces (none: a new job, count 0)."""
         from .worker import announce_failures
 
-        raw = await self.client.get(failures_key(self.keys))
+        raw = await self.client.get(self.keys.store_failures)
         text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
         count = int(text) if text.isdigit() else 0
         if count:
@@ -188,15 +188,15 @@ class StoreHost:
                     before = self.announced
                     self.mirror(current)
                     if self.announced != before:
-                        await self.client.set(failures_key(self.keys), self.announced)
+                        await self.client.set(self.keys.store_failures, self.announced)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
                     # The address appears only once a plan is in the store: workers read it at once (and
                     # workers of a replaced host reconnect only once the plan is back). Rewritten into a
                     # Redis that came back empty, with the failure count.
-                    if await self.client.get(store_key(self.keys)) != self.address.encode():
-                        await self.client.set(failures_key(self.keys), self.announced)
-                        await self.client.set(store_key(self.keys), self.address)
+                    if await self.client.get(self.keys.store) != self.address.encode():
+                        await self.client.set(self.keys.store_failures, self.announced)
+                        await self.client.set(self.keys.store, self.address)
                     registered_at = time.monotonic()
                 alive = await self._anyone_alive()
                 self.outage.ok()
@@ -241,8 +241,8 @@ async def host_main() -> int:
     finally:
         with contextlib.suppress(*REDIS_DOWN):
             # Only our own address: the host that replaces this one must not lose its key.
-            if await client.get(store_key(keys)) == host.address.encode():
-                await client.delete(store_key(keys))
+            if await client.get(keys.store) == host.address.encode():
+                await client.delete(keys.store)
         with contextlib.suppress(Exception):
             await client.aclose()
     return 0

@@ -26,7 +26,7 @@ from resilientjob.agent.config import POD_PLAN_TIMEOUT_S, JobConfig
 from resilientjob.agent.models import ModelKind
 from resilientjob.agent.store_host import dropped_nodes
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import TOY_MODELS, ModelSource, model_source
 from resilientjob.protocol.workload import Workload
@@ -107,7 +107,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
 
     # The demo turns replacement pods off; here node 0's replacement joins.
     manifest, client, keys, store = apply_demo_job(stack, tmp_path, "bridge", replaceFailedNodes=True)
-    address = client.get(store_key(keys))
+    address = client.get(keys.store)
     assert address is not None
     # The store is served by the store pod's process, which registered the address it serves.
     store_log = (stack / "pods" / "bridge-store" / "log").read_text()
@@ -189,7 +189,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     rjob_ok(stack, "chaos", "kill", "bridge-store")
 
     def moved() -> bytes | None:
-        now = client.get(store_key(keys))
+        now = client.get(keys.store)
         return now if now and now != address else None
 
     new_address = until(moved, 60, "the re-created store pod's address").decode()
