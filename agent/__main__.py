@@ -37,7 +37,8 @@ async def main(argv: list[str]) -> int:
     # Imported only on its path: the synthetic agent must not pay for torch.
     from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
 
-    from ._bridge import parse_options, wants_training
+    from ._bridge import wants_training
+    from .config import JobConfig
 
     try:
         workload = (
@@ -47,7 +48,7 @@ async def main(argv: list[str]) -> int:
             else load_workload(json.dumps({"model": env.get("RJOB_MODEL", "")}))
         )
         real = wants_training(workload.model)
-        options = parse_options(argv) if real else None
+        config = JobConfig.from_argv(argv, workload) if real else None
     except ValueError as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
         return 2
@@ -59,17 +60,17 @@ async def main(argv: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
-    if options is not None:
+    if config is not None:
         from ._bridge import preload
 
         preload()
     heartbeat = asyncio.create_task(telemetry.heartbeat_forever(stopped))
     code = 1
     try:
-        if options is not None:
+        if config is not None:
             from ._bridge import train
 
-            code = await train(telemetry, stopped, workload, options)
+            code = await train(telemetry, stopped, config)
         else:
             from .synthetic import train as synthetic_train
 

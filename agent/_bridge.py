@@ -18,7 +18,6 @@ Two parts:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -29,7 +28,6 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,75 +36,23 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.models import ModelSource, model_source
-from resilientjob.protocol.workload import Workload
 
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
+from ._runtime_hooks import StepHooks
+from .config import JobConfig
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from .runtime import Trainer
+    pass
 
 
 def wants_training(model: str) -> bool:
     """Whether the agent trains `model` with the runtime (every model but `synthetic:<profile>`); ValueError
     naming `model` when it names nothing (`protocol.models`: no fallback to the synthetic loop)."""
     return model_source(model) is not ModelSource.SYNTHETIC
-
-
-# ---- options -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class TrainingOptions:
-    """The runtime's own limits from the pod's command line (`spec.command`); what to train comes
-    from the workload (`spec.model`, `spec.data`, `spec.training`)."""
-
-    collective_timeout_s: float = 5.0
-    plan_timeout_s: float = 120.0
-    model_options: dict[str, int | float] = field(default_factory=dict)
-    """Shape overrides of a built-in toy model (`gpt`, `llama`, `sleep`) such as `hidden=32`."""
-
-    def __post_init__(self) -> None:
-        for name in ("collective_timeout_s", "plan_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-
-
-def parse_options(argv: list[str]) -> TrainingOptions:
-    """Parse the agent's flags; raises ValueError naming the flag."""
-    defaults = TrainingOptions()
-    parser = argparse.ArgumentParser(prog="resilientjob.agent", exit_on_error=False, add_help=False)
-    parser.add_argument("--collective-timeout", type=float, default=defaults.collective_timeout_s)
-    parser.add_argument("--plan-timeout", type=float, default=defaults.plan_timeout_s)
-    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
-    try:
-        args, unknown = parser.parse_known_args(argv)
-    except argparse.ArgumentError as exc:
-        raise ValueError(f"{exc.argument_name}: {exc.message}") from None
-    if unknown:
-        moved = {"--steps": "spec.training.steps", "--lr": "spec.training.lr", "--seed": "spec.data.seed"}
-        moved["--num-samples"] = "spec.data.numSamples"
-        where = next((moved[flag] for flag in unknown if flag in moved), None)
-        hint = f" (now {where})" if where else ""
-        raise ValueError(f"arguments: unknown {' '.join(unknown)}{hint}")
-    model_options: dict[str, int | float] = {}
-    for item in args.model_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--model-option: expected KEY=VALUE, got {item!r}")
-        try:
-            model_options[key] = int(value)
-        except ValueError:
-            try:
-                model_options[key] = float(value)
-            except ValueError:
-                raise ValueError(f"--model-option {key}: expected a number, got {value!r}") from None
-    return TrainingOptions(
-        collective_timeout_s=args.collective_timeout,
-        plan_timeout_s=args.plan_timeout,
-        model_options=model_options,
-    )
 
 
 # ---- the store's address ---------------------------------------------------------------------------------
@@ -119,7 +65,7 @@ async def store_address(client: aioredis.Redis, keys: JobKeys, pod: str, timeout
     outage = Outage(f"agent {pod}")
     while time.monotonic() < deadline:
         try:
-            raw = await client.get(store_key(keys))
+            raw = await client.get(keys.store)
             outage.ok()
         except REDIS_DOWN as exc:
             await asyncio.sleep(outage.failed(exc))
@@ -156,42 +102,37 @@ def plan_role(plan: Plan, node: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _instrument(node: int, sink_path: str, keys: JobKeys | None) -> None:
-    """Trace the worker, obey chaos orders, report each committed step (wall, compute and communication
-    from the trace) and a profile every few steps to the agent through the sink file, run validation at
-    its boundary (`_worker_probe`). Done by wrapping `Trainer.run_step` and `Trainer.apply_plan` in this
-    worker process only: the user's training loop and the runtime stay as they are."""
-    from ._worker_probe import WorkerProbe, chaos_client
-    from .runtime import Trainer
+class _ProbeHooks(StepHooks):
+    """The pod's instruments around the runtime (`_worker_probe`): trace the worker, obey chaos orders,
+    report each committed step (wall, compute and communication from the trace) and a profile every few
+    steps to the agent through the sink file, run validation at its boundary."""
 
-    roles: dict[int, str] = {}
-    sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
-    probe = WorkerProbe(node, sink)
-    if keys is not None:
-        probe.start_chaos(keys, chaos_client())
-    original_step, original_apply = Trainer.run_step, Trainer.apply_plan
+    def __init__(self, node: int, sink_path: str, keys: JobKeys | None) -> None:
+        from ._worker_probe import WorkerProbe, chaos_client
 
-    def run_step(self: Trainer, latest_generation: int) -> tuple[float, bool, list[int]]:
+        self.node = node
+        self.roles: dict[int, str] = {}
+        sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
+        self.probe = WorkerProbe(node, sink)
+        if keys is not None:
+            self.probe.start_chaos(keys, chaos_client())
+
+    def on_plan(self, plan: Plan) -> None:
+        self.probe.on_plan(plan)
+
+    def before_step(self, store: Any, generation: int, step: int, world_rank: int | None) -> None:
         # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
-        probe.maybe_validate(self.store, self.generation, self.step, self.world_rank)
-        probe.begin_step()
-        result = original_step(self, latest_generation)
-        plan = self.plan
-        if plan is not None and plan.generation not in roles:
-            roles[plan.generation] = plan_role(plan, node)
-        probe.end_step(self.generation, self.step, len(result[2]), result[0], roles.get(self.generation, ""))
-        return result
+        self.probe.maybe_validate(store, generation, step, world_rank)
+        self.probe.begin_step()
 
-    def apply_plan(self: Trainer, plan: Plan, store: Any) -> bool:
-        probe.on_plan(plan)  # before the layer copy, so that a slowed link already delays its sends
-        return original_apply(self, plan, store)
-
-    setattr(Trainer, "run_step", run_step)  # noqa: B010 - class-level wraps inside this worker process only
-    setattr(Trainer, "apply_plan", apply_plan)  # noqa: B010
+    def after_step(self, plan: Plan | None, generation: int, step: int, loss: float, samples: int) -> None:
+        if plan is not None and plan.generation not in self.roles:
+            self.roles[plan.generation] = plan_role(plan, self.node)
+        self.probe.end_step(generation, step, samples, loss, self.roles.get(generation, ""))
 
 
 def worker_entry(
-    node: int, config: Any, host: str, port: int, sink_path: str, parent: int, local_rank: int = 0
+    node: int, config: JobConfig, host: str, port: int, sink_path: str, parent: int, local_rank: int = 0
 ) -> dict[str, object]:
     """Entry point of one worker process (started by `TrainingAgent` through torch elastic); a node whose
     stages span k devices runs k of them, `local_rank` 0..k-1. Every one is instrumented (all take part in
@@ -208,23 +149,22 @@ def worker_entry(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     job = os.environ.get("RJOB_JOB")
-    _instrument(node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None)
+    hooks = _ProbeHooks(
+        node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None
+    )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)
     store = ReconnectingStore(f"{host}:{port}", address_from_pod_env(), timeout, config.plan_timeout_s)
-    return run_from_plan(node, config, host, port, local_rank, store=store)
+    return run_from_plan(node, config, host, port, local_rank, store=store, hooks=hooks)
 
 
 # ---- the agent's side ------------------------------------------------------------------------------------
 class TrainingAgent:
     """Runs this node's worker (which obeys chaos orders itself) and feeds its reports to the telemetry."""
 
-    def __init__(
-        self, telemetry: Telemetry, options: TrainingOptions, workload: Workload, address: str
-    ) -> None:
+    def __init__(self, telemetry: Telemetry, config: JobConfig, address: str) -> None:
         self.telemetry = telemetry
-        self.options = options
-        self.workload = workload
+        self.config = config
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"store: expected host:port, got {address!r}")
@@ -251,15 +191,7 @@ class TrainingAgent:
         on few cores)."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-        from .worker import JobConfig
-
-        config = JobConfig(
-            workload=self.workload,
-            model_options=dict(self.options.model_options),
-            collective_timeout_s=self.options.collective_timeout_s,
-            plan_timeout_s=self.options.plan_timeout_s,
-        )
-        args = (self.telemetry.node, config, self.host, self.port, str(self.sink), os.getpid())
+        args = (self.telemetry.node, self.config, self.host, self.port, str(self.sink), os.getpid())
         self.context = start_processes(
             name=f"rjob-node{self.telemetry.node}",
             entrypoint=worker_entry,
@@ -357,34 +289,25 @@ def preload() -> None:
     from . import worker  # noqa: F401
 
 
-def _prepare(workload: Workload, options: TrainingOptions) -> int:
-    """The model's layer count (loading it checks the model; the imports are `preload`'s)."""
-    from .models import load_model
-
-    options_with_length = {"seq_len": workload.data.seq_len, **options.model_options}
-    return load_model(workload.model, **options_with_length).num_layers
-
-
-async def train(
-    telemetry: Telemetry, stopped: asyncio.Event, workload: Workload, options: TrainingOptions
-) -> int:
+async def train(telemetry: Telemetry, stopped: asyncio.Event, config: JobConfig) -> int:
     """Run this pod's share of a real training job until it ends or `stopped`; returns the exit status."""
-    model = workload.model
+    workload, model = config.workload, config.workload.model
     # A job whose profile only a pod can make has no plan yet: wait for it as long as it takes (node 0
     # makes the profile meanwhile, and reports a model it cannot load rather than die of it here); the
     # store host registers only once a plan exists.
-    published = await wait_for_first_plan(telemetry, stopped, workload, options.model_options)
+    published = await wait_for_first_plan(telemetry, stopped, workload, config.model_options)
     if published is None:
         return 0
     # Importing torch takes seconds on a loaded machine: off the event loop, or heartbeats would lapse and
     # the operator would fence this pod as dead before it ever trained.
-    layers = await asyncio.to_thread(_prepare, workload, options)
+    # (Loading the model checks it; the imports are `preload`'s.)
+    layers = (await asyncio.to_thread(config.load_model)).num_layers
     if published.plan.num_layers != layers:
         raise ValueError(
             f"model: {model} has {layers} layers but the job's profile has {published.plan.num_layers}"
         )
     address = await store_address(telemetry.client, telemetry.keys, telemetry.pod)
-    agent = TrainingAgent(telemetry, options, workload, address)
+    agent = TrainingAgent(telemetry, config, address)
     # The store host may still be starting: waiting for it on the event loop would stall the heartbeats.
     agent.start(await asyncio.to_thread(agent.devices))
     # torch elastic installs SIGTERM/SIGINT handlers that raise; a pod stops cleanly through `stopped`.

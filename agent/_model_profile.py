@@ -24,10 +24,10 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from resilientjob.protocol.keys import profile_report_key, profile_request_key
 from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
     PROFILE_NODE,
@@ -84,7 +84,7 @@ def _failed_field(error: Exception) -> str:
 def make_report(
     request: ModelProfileRequest,
     workload: Workload,
-    model_options: dict[str, int | float],
+    model_options: Mapping[str, object],
     node: int,
     cache_dir: Path | None = None,
 ) -> ModelProfileReport:
@@ -150,9 +150,7 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
 class _Answerer:
     """Node 0's side: answer each request once, and again if the report vanished (Redis was emptied)."""
 
-    def __init__(
-        self, telemetry: Telemetry, workload: Workload, model_options: dict[str, int | float]
-    ) -> None:
+    def __init__(self, telemetry: Telemetry, workload: Workload, model_options: Mapping[str, object]) -> None:
         self.telemetry = telemetry
         self.workload = workload
         self.model_options = model_options
@@ -160,14 +158,12 @@ class _Answerer:
 
     async def poll(self) -> None:
         client, keys = self.telemetry.client, self.telemetry.keys
-        request = decode(
-            ModelProfileRequest, await client.get(profile_request_key(keys)), "agent.profile_request"
-        )
+        request = decode(ModelProfileRequest, await client.get(keys.profile_request), "agent.profile_request")
         if request is None:
             return
         present = decode(
             ModelProfileReport,
-            await client.get(profile_report_key(keys)),
+            await client.get(keys.profile_report),
             "agent.profile_report",
             MAX_PROFILE_BYTES,
         )
@@ -185,14 +181,14 @@ class _Answerer:
             outcome = failed if report.error else f"{report.num_layers} layers, workload checked"
             print(f"pre-flight: {outcome}", flush=True)
             self.answered = report
-        await client.set(profile_report_key(keys), encode(report))
+        await client.set(keys.profile_report, encode(report))
 
 
 async def wait_for_first_plan(
     telemetry: Telemetry,
     stopped: asyncio.Event,
     workload: Workload,
-    model_options: dict[str, int | float],
+    model_options: Mapping[str, object],
 ) -> PlanAnnouncement | None:
     """The published plan, once there is one (None when `stopped` first); node 0 answers the operator's
     profile requests meanwhile."""

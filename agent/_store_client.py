@@ -51,9 +51,9 @@ def address_from_pod_env(environ: dict[str, str] | None = None) -> Callable[[], 
     import redis
     from redis.exceptions import RedisError
 
-    from resilientjob.protocol.keys import JobKeys, store_key
+    from resilientjob.protocol.keys import JobKeys
 
-    key = store_key(JobKeys(env.get("RJOB_NAMESPACE", "default"), job))
+    key = JobKeys(env.get("RJOB_NAMESPACE", "default"), job).store
     client = redis.Redis.from_url(
         url, password=env.get("RJOB_REDIS_PASSWORD") or None, socket_connect_timeout=2.0, socket_timeout=2.0
     )

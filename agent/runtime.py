@@ -60,6 +60,7 @@ from ._runtime_commit import (
     leave_world,
 )
 from ._runtime_grads import GradientSync
+from ._runtime_hooks import StepHooks
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_mesh, tp_degree
@@ -177,6 +178,8 @@ class Trainer:
     """The job's store (the one `apply_plan` joined through); commit votes go there."""
     fault_hook: FaultHook | None = None
     """Fault injection: called as hook(step, phase) at each `CommitPhase` (tests kill the worker there)."""
+    hooks: StepHooks = field(default_factory=StepHooks)
+    """Called around plans and steps (`_runtime_hooks`): the pod's probe, or nothing."""
     retirement: Retirement = field(default_factory=Retirement)
     _pending: list[object] = field(default_factory=list)
     """Work items of the step in progress (and the transfers of a switch), kept until it commits."""
@@ -295,6 +298,7 @@ class Trainer:
         """Join plan `plan.generation`, copy missing layers, drop surplus ones.
 
         Returns False if this node has no part in the plan."""
+        self.hooks.on_plan(plan)  # before the layer copy, so that a slowed link already delays its sends
         if plan.global_batch != self.global_batch:
             raise ReconfigurationError(
                 f"global_batch: plan has {plan.global_batch}, job runs {self.global_batch}"
@@ -417,11 +421,14 @@ class Trainer:
         """Run and commit one step. Returns (mean loss, whether a newer plan is waiting, sample ids whose
         loss this node computed). Raises RuntimeError if a peer fails and the step is abandoned; every
         survivor then abandons it too (see `_runtime_commit`)."""
+        self.hooks.before_step(self.store, self.generation, self.step, self.world_rank)
         try:
-            return self._run_step(latest_generation)
+            loss, switch, ids = self._run_step(latest_generation)
         except BaseException:
             self._abandoned = True
             raise
+        self.hooks.after_step(self.plan, self.generation, self.step, loss, len(ids))
+        return loss, switch, ids
 
     def _gradient_sync(self) -> GradientSync:
         if self._grads is None:

@@ -3,7 +3,8 @@
 runtime; `operator/_store.py`).
 
 It hosts the job's one `TCPStore` (rendezvous, plans, failure counter, commit votes), mirrors every
-generation the operator commits in Redis into it (`worker.publish_plan`), announces the nodes a generation
+generation the operator commits in Redis into it (`worker.publish_plan`; it watches the small generation key
+and reads a plan once per generation), announces the nodes a generation
 drops without parking them as failures (`worker.announce_failures`) before publishing it, so survivors
 blocked behind a dead peer abandon their step at once, and relays validation (`_validation_relay`). Its
 address (`$POD_IP:$RJOB_STORE_PORT`, port 29500 in a cluster, a free one in the local stack) is the Redis
@@ -32,7 +33,7 @@ from datetime import timedelta
 import redis.asyncio as aioredis
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.keys import JobKeys, failures_key, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, decode
 from resilientjob.protocol.store_keys import COMMITTED_KEY, joining_key
 
@@ -86,14 +87,31 @@ class StoreHost:
         self.parked: list[int] = []
         self.announced = 0
         self.seeded = False
-        """Whether the failure counter was taken over from an earlier host (`failures_key`)."""
+        """Whether the failure counter was taken over from an earlier host (`JobKeys.store_failures`)."""
         self.validation = ValidationRelay(client, keys, self.store)
         self.outage = Outage("store host")
         self._held = -1
         """The generation last held back for joining nodes (told once in the log)."""
+        self._fetched: PlanAnnouncement | None = None
+        """The last announcement read from Redis (`_newer` reads each generation's plan once)."""
 
-    async def _published(self) -> PlanAnnouncement | None:
-        return decode(PlanAnnouncement, await self.client.get(self.keys.plan), "bridge.plan", MAX_PLAN_BYTES)
+    async def _newer(self) -> PlanAnnouncement | None:
+        """The committed announcement when it is newer than the store's plan. A poll reads only the small
+        generation key (`JobKeys.plan_generation`, which the operator sets with the plan in one transaction);
+        the plan itself, hundreds of kilobytes at thousands of nodes, only once that number has moved past
+        the store's, and once per generation while a generation waits for joining nodes. Without a readable
+        generation key it reads the plan, as it did before there was one."""
+        raw = await self.client.get(self.keys.plan_generation)
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else ""
+        generation = int(text) if text.isdigit() else None
+        mirrored = self.plan.generation if self.plan is not None else -1
+        if generation is not None and generation <= mirrored:
+            return None
+        fetched = self._fetched
+        if generation is None or fetched is None or fetched.generation != generation:
+            raw_plan = await self.client.get(self.keys.plan)
+            fetched = self._fetched = decode(PlanAnnouncement, raw_plan, "bridge.plan", MAX_PLAN_BYTES)
+        return fetched if fetched is not None and fetched.generation > mirrored else None
 
     def unready(self, announcement: PlanAnnouncement) -> list[int]:
         """Nodes new to the store's world (replacement pods joining) whose workers cannot rendezvous yet:
@@ -135,7 +153,7 @@ class StoreHost:
         """Take the failure count over from the host this one replaces (none: a new job, count 0)."""
         from .worker import announce_failures
 
-        raw = await self.client.get(failures_key(self.keys))
+        raw = await self.client.get(self.keys.store_failures)
         text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
         count = int(text) if text.isdigit() else 0
         if count:
@@ -165,20 +183,20 @@ class StoreHost:
             try:
                 if not self.seeded:
                     await self._seed()
-                current = await self._published()
+                current = await self._newer()
                 if current is not None and self._due(current):
                     before = self.announced
                     self.mirror(current)
                     if self.announced != before:
-                        await self.client.set(failures_key(self.keys), self.announced)
+                        await self.client.set(self.keys.store_failures, self.announced)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
                     # The address appears only once a plan is in the store: workers read it at once (and
                     # workers of a replaced host reconnect only once the plan is back). Rewritten into a
                     # Redis that came back empty, with the failure count.
-                    if await self.client.get(store_key(self.keys)) != self.address.encode():
-                        await self.client.set(failures_key(self.keys), self.announced)
-                        await self.client.set(store_key(self.keys), self.address)
+                    if await self.client.get(self.keys.store) != self.address.encode():
+                        await self.client.set(self.keys.store_failures, self.announced)
+                        await self.client.set(self.keys.store, self.address)
                     registered_at = time.monotonic()
                 alive = await self._anyone_alive()
                 self.outage.ok()
@@ -223,8 +241,8 @@ async def host_main() -> int:
     finally:
         with contextlib.suppress(*REDIS_DOWN):
             # Only our own address: the host that replaces this one must not lose its key.
-            if await client.get(store_key(keys)) == host.address.encode():
-                await client.delete(store_key(keys))
+            if await client.get(keys.store) == host.address.encode():
+                await client.delete(keys.store)
         with contextlib.suppress(Exception):
             await client.aclose()
     return 0

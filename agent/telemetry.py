@@ -18,18 +18,15 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Hashable, Iterator
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import Counter, Gauge, Histogram
 
 from resilientjob.planner.failslow import ChangeDetector, ChangeEvent, ChangeKind, DetectorConfig
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
 from resilientjob.protocol.messages import (
-    DROPPED_HELP,
     MAX_PLAN_BYTES,
     Heartbeat,
     IterationRecord,
@@ -38,8 +35,8 @@ from resilientjob.protocol.messages import (
     SlowKind,
     SlowReport,
     decode,
-    drop_counts,
     encode,
+    export_drop_counts,
 )
 
 from ._redis import REDIS_DOWN, Outage
@@ -73,19 +70,7 @@ TELEMETRY_DROPPED = Counter(
 )
 
 
-class _DroppedMessages(Collector):
-    """`rjob_telemetry_dropped_total{source,reason}`: the protocol's count of messages it dropped unread."""
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("rjob_telemetry_dropped", DROPPED_HELP, labels=["source", "reason"])
-        for (source, reason), count in sorted(drop_counts().items()):
-            family.add_metric([source, reason], count)
-        yield family
-
-
-# The agent's metrics may share a process with the operator's (the local stack, tests): one exports the count.
-with contextlib.suppress(ValueError):
-    REGISTRY.register(_DroppedMessages())
+export_drop_counts()
 
 PLAN_RECHECK_S = 2.0
 """The plan follower re-reads the plan key this often besides listening on the channel."""

@@ -11,11 +11,9 @@ which mirrors the operator's Redis plan into the job's store), `run_from_plan` t
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,109 +36,15 @@ from resilientjob.protocol.store_keys import (
     samples_key,
     steptime_key,
 )
-from resilientjob.protocol.workload import (
-    DataFormat,
-    DataSpec,
-    TrainingSpec,
-    Workload,
-    WorkloadCheckpoint,
-)
 
 from ._runtime_commit import ReconfigurationError
+from ._runtime_hooks import StepHooks
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
-from .data import TokenDataset, open_dataset
-from .models import ModelSpec, load_model
+from .config import JobConfig
 from .p2p import LayerState
 from .runtime import Trainer
-
-
-@dataclass(frozen=True, slots=True)
-class JobConfig:
-    """What every worker of a job needs besides the plan: the workload the operator hands to every pod
-    (`spec.model`, `spec.data`, `spec.training`, `spec.output`, checkpoints, device) and the runtime's own
-    limits."""
-
-    workload: Workload = field(default_factory=lambda: Workload(model="gpt"))
-    model_options: dict[str, object] = field(default_factory=dict)
-    """Shape overrides of a built-in toy model (`gpt`, `llama`, `sleep`), e.g. hidden=32."""
-    collective_timeout_s: float = 5.0
-    """A collective or receive blocked on a dead peer fails after this long."""
-    plan_timeout_s: float = 60.0
-    """How long a worker waits for the next plan after a failure before giving up."""
-    async_checkpoint: bool = True
-    return_state: bool = False
-    """Return each worker's final layer parameters (tests compare them with the reference run)."""
-    cache_dir: str | None = None
-    """Where a tokenized text data set is cached (None: the temporary directory)."""
-
-    def __post_init__(self) -> None:
-        for name in ("collective_timeout_s", "plan_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        seq_len = self.model_options.get("seq_len")
-        if seq_len is not None and seq_len != self.workload.data.seq_len:
-            raise ValueError(
-                f"model_options: seq_len {seq_len} differs from data.seqLen {self.workload.data.seq_len}"
-            )
-
-    @classmethod
-    def plain(
-        cls,
-        model: str = "gpt",
-        *,
-        steps: int = 10,
-        lr: float = 3e-3,
-        num_samples: int = 256,
-        seed: int = 0,
-        checkpoint_dir: str | None = None,
-        checkpoint_interval: int = 5,
-        model_options: dict[str, object] | None = None,
-        **runtime: object,
-    ) -> JobConfig:
-        """A job on the built-in synthetic data with plain AdamW at a constant `lr` (no weight decay, no
-        clipping), checkpointing every `checkpoint_interval` steps into `checkpoint_dir` if given: what
-        the runtime's tests and benchmarks compare against a single-process reference."""
-        options = dict(model_options or {})
-        seq_len = int(options.get("seq_len", 16))  # type: ignore[call-overload]
-        workload = Workload(
-            model=model,
-            data=DataSpec(format=DataFormat.SYNTHETIC, num_samples=num_samples, seed=seed, seq_len=seq_len),
-            training=TrainingSpec(steps=steps, lr=lr, betas=(0.9, 0.999), weight_decay=0.0, grad_clip_norm=0),
-            checkpoint=WorkloadCheckpoint(
-                path=checkpoint_dir or "", interval_steps=checkpoint_interval, interval_s=604800
-            ),
-        )
-        return cls(workload=workload, model_options=options, **runtime)  # type: ignore[arg-type]
-
-    @property
-    def steps(self) -> int:
-        return self.workload.training.steps
-
-    @property
-    def checkpoint_dir(self) -> str | None:
-        return self.workload.checkpoint.path or None
-
-    def load_model(self) -> ModelSpec:
-        """The job's model, its sequence length the data's."""
-        options = {"seq_len": self.workload.data.seq_len, **self.model_options}
-        return load_model(self.workload.model, **options)
-
-    def open_dataset(self, model: ModelSpec) -> TokenDataset:
-        cache = Path(self.cache_dir) if self.cache_dir else Path(tempfile.gettempdir()) / "rjob-data"
-        return open_dataset(self.workload.data, vocab=model.vocab, cache_dir=cache)
-
-    def checkpointer(self, shard: int, shards: int) -> Checkpointer | None:
-        if not self.workload.checkpoint.path:
-            return None
-        return Checkpointer(
-            Path(self.workload.checkpoint.path),
-            self.workload.checkpoint.interval_steps,
-            self.async_checkpoint,
-            shard=shard,
-            shards=shards,
-        )
 
 
 def worker_device(kind: str, local_rank: int) -> str:
@@ -352,6 +256,7 @@ def worker_main(
     restore: bool,
     local_rank: int = 0,
     store: Store | None = None,
+    hooks: StepHooks | None = None,
 ) -> dict[str, object]:
     """Entry point of one worker process (started by the launcher through torch elastic): device
     `local_rank` of `node` (the plan's stages span as many devices as the node runs workers). `store`: the
@@ -394,6 +299,7 @@ def worker_main(
         device=device,
         checkpoint_interval_s=workload.checkpoint.interval_s if checkpointer is not None else 0.0,
         joining=joining,
+        hooks=hooks or StepHooks(),
     )
     if not joining:  # a joining node gets every layer it holds from its peers (the plan's transfers)
         trainer.init_layers(plan)
@@ -504,7 +410,13 @@ def _export(trainer: Trainer, directory: Path) -> None:
 
 
 def run_from_plan(
-    node: int, config: JobConfig, host: str, port: int, local_rank: int = 0, store: Store | None = None
+    node: int,
+    config: JobConfig,
+    host: str,
+    port: int,
+    local_rank: int = 0,
+    store: Store | None = None,
+    hooks: StepHooks | None = None,
 ) -> dict[str, object]:
     """Train this node's share of the job's newest plan to `steps` committed steps, following every plan
     published after it; the entry point for a pod agent (one call per device, in its own process:
@@ -520,7 +432,15 @@ def run_from_plan(
     if restore and not config.checkpoint_dir:
         raise ValueError("checkpoint: the newest plan restarts from a checkpoint but none is configured")
     return worker_main(
-        node, config, host, port, before_step=None, restore=restore, local_rank=local_rank, store=store
+        node,
+        config,
+        host,
+        port,
+        before_step=None,
+        restore=restore,
+        local_rank=local_rank,
+        store=store,
+        hooks=hooks,
     )
 
 

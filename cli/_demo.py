@@ -125,9 +125,7 @@ class Probe:
 
     def _store(self) -> Any:
         if self.store is None:
-            from resilientjob.protocol.keys import store_key
-
-            raw: Any = self.client.get(store_key(self.keys))
+            raw: Any = self.client.get(self.keys.store)
             if raw:
                 from torch._C._distributed_c10d import TCPStore
 

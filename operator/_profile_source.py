@@ -31,8 +31,6 @@ from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.profile import ModelProfile
-from resilientjob.protocol.keys import profile_report_key as report_key
-from resilientjob.protocol.keys import profile_request_key as request_key
 from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
     PROFILE_NODE,
@@ -192,9 +190,9 @@ async def _exchange(ctl: JobView, request: ModelProfileRequest) -> ModelProfileR
         raise RuntimeError("JobController.setup() must succeed first")
     client, keys = ctl.redis.client, ctl.redis.keys
     wanted = encode(request)
-    if await client.get(request_key(keys)) != wanted:
-        await client.set(request_key(keys), wanted)
-    raw = await client.get(report_key(keys))
+    if await client.get(keys.profile_request) != wanted:
+        await client.set(keys.profile_request, wanted)
+    raw = await client.get(keys.profile_report)
     report = decode(ModelProfileReport, raw, "operator.profile_report", MAX_PROFILE_BYTES)
     return report if report is not None and report.request == request else None
 

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys, failslow_key
+from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
 from resilientjob.protocol.messages import (
     MAX_PLAN_BYTES,
     DropReason,
@@ -251,7 +251,7 @@ class JobRedis:
             pipe.set(self.keys.plan_generation, str(message.generation))
             pipe.publish(self.keys.plan_channel, encode(message))
             if failslow is not None:
-                pipe.set(self.failslow_key, self._failslow_payload(failslow))
+                pipe.set(self.keys.failslow, self._failslow_payload(failslow))
             await pipe.execute()
 
     async def republish(self, message: PlanAnnouncement) -> None:
@@ -368,22 +368,18 @@ class JobRedis:
         await self.client.set(self.keys.validation_request, encode(request))
         return request
 
-    @property
-    def failslow_key(self) -> str:
-        return failslow_key(self.keys)
-
     def _failslow_payload(self, state: dict[str, Any]) -> str:
         payload = {"state": state, "reports_cursor": self.reports_cursor}
         return json.dumps(payload, separators=(",", ":"))
 
     async def save_failslow(self, state: dict[str, Any]) -> None:
         """Store the fail-slow episode's state with the report cursor it is consistent with."""
-        await self.client.set(self.failslow_key, self._failslow_payload(state))
+        await self.client.set(self.keys.failslow, self._failslow_payload(state))
 
     async def load_failslow(self) -> dict[str, Any] | None:
         """The stored episode state, moving the report cursor to where it was saved; None when there is
         none or it is unreadable (counted as dropped: the episode then starts over, as before)."""
-        raw = await self.client.get(self.failslow_key)
+        raw = await self.client.get(self.keys.failslow)
         if raw is None:
             return None
         try:

@@ -16,6 +16,7 @@ activity handler (startup or login, which kopf may run side by side) reads the e
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,29 @@ from .kube import KubeApi
 from .reconciler import InvalidJob, JobController, forget_job, forget_keys
 from .settings import OperatorSettings
 
-CONTROLLERS: dict[tuple[str, str], JobController] = {}
-_API: dict[str, KubeApi] = {}
 # A deleted job's Redis clean-up: attempts and the pause between them (the job waits for them).
 FORGET_ATTEMPTS = 5
 FORGET_RETRY_DELAY_S = 2.0
+
+
+@dataclass(slots=True)
+class Shared:
+    """What the handlers share for the operator's lifetime, in kopf's memo rather than module globals (two
+    operators in one process keep theirs apart). Made by the first activity handler in the operator-wide
+    memo; the memo a resource handler gets is a shallow copy of that one, so every handler sees this
+    object."""
+
+    api: KubeApi | None = None
+    """The operator's own API client (made at login, credentials renewed in place)."""
+    controllers: dict[tuple[str, str], JobController] = field(default_factory=dict)
+    """Each running job's controller by (namespace, name), owned by the job's daemon."""
+
+
+def shared_of(memo: kopf.Memo) -> Shared:
+    """The operator's `Shared` in `memo` (made once: `setdefault` is atomic, and kopf may run the sync
+    activity handlers side by side in threads)."""
+    found = memo.get("rjob_shared")
+    return found if isinstance(found, Shared) else memo.setdefault("rjob_shared", Shared())
 
 
 def settings_of(memo: kopf.Memo) -> OperatorSettings:
@@ -83,18 +102,20 @@ def login(
 ) -> kopf.ConnectionInfo:
     # kopf calls this again when one of its requests gets 401 (credentials rotated); the operator's own
     # client then takes the new credentials in place, as it does itself on a 401 (`KubeApi.relogin`).
-    rjob = settings_of(memo)
+    rjob, shared = settings_of(memo), shared_of(memo)
     info = _connection(settings, logger, rjob)
-    if "api" in _API:
-        _API["api"].use(info)
+    if shared.api is not None:
+        shared.api.use(info)
     else:
-        _API["api"] = KubeApi(info, relogin=lambda: _connection(settings, logger, rjob))
+        shared.api = KubeApi(info, relogin=lambda: _connection(settings, logger, rjob))
     return info
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo | None = None, **_: Any) -> None:
-    rjob = settings_of(memo if memo is not None else kopf.Memo())
+    memo = memo if memo is not None else kopf.Memo()
+    rjob = settings_of(memo)
+    shared_of(memo)
     # Progress and diff-base in annotations: the status schema is strict and belongs to the API models.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="resilientjob.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -117,17 +138,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo | None = None, **
 
 
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
-    for controller in list(CONTROLLERS.values()):
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    shared = shared_of(memo)
+    for controller in list(shared.controllers.values()):
         await controller.close()
-    if "api" in _API:
-        await _API["api"].close()
+    if shared.api is not None:
+        await shared.api.close()
 
 
-def _api() -> KubeApi:
-    if "api" not in _API:
+def _api(shared: Shared) -> KubeApi:
+    if shared.api is None:
         raise kopf.TemporaryError("not logged in yet", delay=1.0)
-    return _API["api"]
+    return shared.api
 
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, cancellation_timeout=2.0, backoff=1.0)  # type: ignore[arg-type]
@@ -141,9 +163,11 @@ async def run_job(
     **_: Any,
 ) -> None:
     """The job's controller for as long as the job exists (restarted by kopf on errors, with backoff)."""
-    key = (namespace, name)
-    controller = CONTROLLERS.get(key) or JobController(_api(), settings_of(memo), namespace, name)
-    CONTROLLERS[key] = controller
+    key, controllers = (namespace, name), shared_of(memo).controllers
+    controller = controllers.get(key) or JobController(
+        _api(shared_of(memo)), settings_of(memo), namespace, name
+    )
+    controllers[key] = controller
     try:
         await controller.setup(body)
         await controller.run(stopped)
@@ -152,19 +176,20 @@ async def run_job(
         await stopped.wait()
     finally:
         if stopped:
-            CONTROLLERS.pop(key, None)
+            controllers.pop(key, None)
             await controller.close()
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGER})
-def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     pod = event["object"]
     meta = pod.get("metadata") or {}
     # The owner names the job (the job label holds a hashed form of a name longer than a label value).
     refs = meta.get("ownerReferences")
     owners = [r.get("name") for r in refs if r.get("kind") == api.KIND] if isinstance(refs, list) else []
     job = owners[0] if owners else (meta.get("labels") or {}).get(LABEL_JOB)
-    controller = CONTROLLERS.get((str(meta.get("namespace")), job)) if job else None
+    controllers = shared_of(memo).controllers
+    controller = controllers.get((str(meta.get("namespace")), job)) if job else None
     if controller is not None:
         controller.observe_pod(pod, deleted=event.get("type") == "DELETED")
 
@@ -185,7 +210,9 @@ async def forget(
         if parsed is None:
             await forget_job(settings.redis_url, namespace, name)
         else:
-            client = await job_client(_api(), namespace, parsed, settings.redis_url, bounded=False)
+            client = await job_client(
+                _api(shared_of(memo)), namespace, parsed, settings.redis_url, bounded=False
+            )
             await forget_keys(client, namespace, name)
     except (RedisError, kopf.TemporaryError) as exc:  # Redis away, or the password's Secret gone already
         if retry + 1 < FORGET_ATTEMPTS:

@@ -6,14 +6,9 @@ the scrape job's name. The worker agents' series get the same `rjob` label from 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from prometheus_client import Counter, Gauge, Histogram
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
-
-from resilientjob.protocol.messages import DROPPED_HELP, drop_counts
+from resilientjob.protocol.messages import export_drop_counts
 
 JOB_LABEL = "rjob"
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120)
@@ -56,16 +51,4 @@ REDIS_REPAIRS = Counter(
 REDIS_OUTAGES = Counter("rjob_redis_outages_total", "Redis outages seen by a job's loop.", [JOB_LABEL])
 
 
-class _DroppedMessages(Collector):
-    """`rjob_telemetry_dropped_total{source,reason}`: the protocol's count of messages it dropped unread."""
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("rjob_telemetry_dropped", DROPPED_HELP, labels=["source", "reason"])
-        for (source, reason), count in sorted(drop_counts().items()):
-            family.add_metric([source, reason], count)
-        yield family
-
-
-# The operator's metrics may share a process with the agents' (the local stack, tests): one exports the count.
-with contextlib.suppress(ValueError):
-    REGISTRY.register(_DroppedMessages())
+export_drop_counts()

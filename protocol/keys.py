@@ -97,28 +97,28 @@ class JobKeys:
         """Fault injection for the local stack: a slowdown factor with an expiry."""
         return f"{self.prefix}chaos:{node}"
 
+    @property
+    def store(self) -> str:
+        """`host:port` of the job's TCPStore (the store pod registers it)."""
+        return f"{self.prefix}store"
 
-def store_key(keys: JobKeys) -> str:
-    """Redis key holding `host:port` of the job's TCPStore."""
-    return f"{keys.prefix}store"
+    @property
+    def store_failures(self) -> str:
+        """The failures the job's store host announced so far: a new host (its pod was replaced) starts its
+        store's failure counter there, so that the workers' failure notices stay right."""
+        return f"{self.prefix}store:failures"
 
+    @property
+    def profile_request(self) -> str:
+        """The operator's `ModelProfileRequest`."""
+        return f"{self.prefix}model-profile:request"
 
-def failures_key(keys: JobKeys) -> str:
-    """Redis key holding the failures the job's store host announced so far: a new host (its pod was
-    replaced) starts its store's failure counter there, so that the workers' failure notices stay right."""
-    return f"{keys.prefix}store:failures"
+    @property
+    def profile_report(self) -> str:
+        """Node 0's `ModelProfileReport`."""
+        return f"{self.prefix}model-profile:report"
 
-
-def profile_request_key(keys: JobKeys) -> str:
-    """Redis key of the operator's `ModelProfileRequest`."""
-    return f"{keys.prefix}model-profile:request"
-
-
-def profile_report_key(keys: JobKeys) -> str:
-    """Redis key of node 0's `ModelProfileReport`."""
-    return f"{keys.prefix}model-profile:report"
-
-
-def failslow_key(keys: JobKeys) -> str:
-    """Redis key of the operator's fail-slow state (its detectors and the report stream's cursor)."""
-    return f"{keys.prefix}failslow"
+    @property
+    def failslow(self) -> str:
+        """The operator's fail-slow state (its detectors and the report stream's cursor)."""
+        return f"{self.prefix}failslow"

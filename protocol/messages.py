@@ -11,8 +11,10 @@ the messages carry (a `Plan`, a `ModelProfile`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from enum import StrEnum
 from typing import TypeVar
 
@@ -57,6 +59,25 @@ def drop_counts() -> dict[tuple[str, DropReason], int]:
     """Every (source, reason) pair seen in this process with its count (what the metric exports)."""
     with _DROPPED_LOCK:
         return dict(_DROPPED)
+
+
+def export_drop_counts() -> None:
+    """Export `drop_counts` as `rjob_telemetry_dropped_total{source,reason}` in prometheus_client's default
+    registry, once per process: the agents' metrics and the operator's may share one (the local stack,
+    tests), and both call this. prometheus_client is imported by that call, so that the protocol itself needs
+    pydantic only."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import CounterMetricFamily
+
+    class DroppedMessages:
+        def collect(self) -> Iterator[CounterMetricFamily]:
+            family = CounterMetricFamily("rjob_telemetry_dropped", DROPPED_HELP, labels=["source", "reason"])
+            for (source, reason), count in sorted(drop_counts().items()):
+                family.add_metric([source, reason], count)
+            yield family
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        REGISTRY.register(DroppedMessages())
 
 
 class _Message(BaseModel):

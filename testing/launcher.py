@@ -33,8 +33,9 @@ from torch._C._distributed_c10d import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
 from resilientjob.agent._runtime_schedule import world_nodes
+from resilientjob.agent.config import JobConfig
 from resilientjob.agent.runtime import check_supported
-from resilientjob.agent.worker import JobConfig, announce_failures, publish_plan, worker_main
+from resilientjob.agent.worker import announce_failures, publish_plan, worker_main
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.store_keys import (

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
+from resilientjob.agent.config import JobConfig
 from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.models import lm_loss
 from resilientjob.agent.optim import lr_at, set_lr
 from resilientjob.agent.p2p import LayerState
-from resilientjob.agent.worker import JobConfig
 
 
 def reference_run(

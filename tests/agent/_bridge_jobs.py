@@ -11,7 +11,7 @@ import redis
 import yaml
 from _support import rjob_ok, until
 
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def apply_demo_job(
     state = json.loads((stack / "state.json").read_text())
     client = redis.Redis.from_url(state["redis_url"])
     keys = JobKeys("default", name)
-    address = until(lambda: client.get(store_key(keys)), 30, "the store host").decode()
+    address = until(lambda: client.get(keys.store), 30, "the store host").decode()
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     return manifest, client, keys, store

@@ -21,13 +21,15 @@ import yaml
 from _bridge_jobs import apply_demo_job
 from _support import rjob_ok, until
 
-from resilientjob.agent._bridge import TrainingOptions, parse_options, wants_training
+from resilientjob.agent._bridge import wants_training
+from resilientjob.agent.config import POD_PLAN_TIMEOUT_S, JobConfig
 from resilientjob.agent.models import ModelKind
 from resilientjob.agent.store_host import dropped_nodes
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import TOY_MODELS, ModelSource, model_source
+from resilientjob.protocol.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,20 +58,23 @@ def test_model_names_say_train_or_simulate_never_a_silent_fallback() -> None:
         model_source("uniform-8")
 
 
-def test_parse_options_reads_flags_and_names_bad_ones() -> None:
-    options = parse_options(
-        ["--collective-timeout", "7", "--model-option", "hidden=64", "--model-option", "x=0.5"]
+def test_a_pods_flags_make_its_config_and_bad_ones_are_named() -> None:
+    workload = Workload(model="gpt")
+    config = JobConfig.from_argv(
+        ["--collective-timeout", "7", "--model-option", "hidden=64", "--model-option", "x=0.5"], workload
     )
-    assert options.collective_timeout_s == 7 and options.model_options == {"hidden": 64, "x": 0.5}
-    assert parse_options([]) == TrainingOptions()
+    assert config.collective_timeout_s == 7 and config.model_options == {"hidden": 64, "x": 0.5}
+    assert config.workload is workload
+    defaults = JobConfig(workload=workload, plan_timeout_s=POD_PLAN_TIMEOUT_S)
+    assert JobConfig.from_argv([], workload) == defaults
     with pytest.raises(ValueError, match="--model-option"):
-        parse_options(["--model-option", "hidden"])
+        JobConfig.from_argv(["--model-option", "hidden"], workload)
     with pytest.raises(ValueError, match="unknown --bogus"):
-        parse_options(["--bogus"])
+        JobConfig.from_argv(["--bogus"], workload)
     with pytest.raises(ValueError, match=r"now spec\.training\.steps"):
-        parse_options(["--steps", "7"])
+        JobConfig.from_argv(["--steps", "7"], workload)
     with pytest.raises(ValueError, match="plan_timeout_s"):
-        parse_options(["--plan-timeout", "0"])
+        JobConfig.from_argv(["--plan-timeout", "0"], workload)
 
 
 def _plan(nodes: list[int], generation: int = 0) -> Plan:
@@ -102,7 +107,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
 
     # The demo turns replacement pods off; here node 0's replacement joins.
     manifest, client, keys, store = apply_demo_job(stack, tmp_path, "bridge", replaceFailedNodes=True)
-    address = client.get(store_key(keys))
+    address = client.get(keys.store)
     assert address is not None
     # The store is served by the store pod's process, which registered the address it serves.
     store_log = (stack / "pods" / "bridge-store" / "log").read_text()
@@ -184,7 +189,7 @@ def test_pod_kill_training_continues_on_the_next_generation(stack: Path, tmp_pat
     rjob_ok(stack, "chaos", "kill", "bridge-store")
 
     def moved() -> bytes | None:
-        now = client.get(store_key(keys))
+        now = client.get(keys.store)
         return now if now and now != address else None
 
     new_address = until(moved, 60, "the re-created store pod's address").decode()

@@ -41,7 +41,7 @@ from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.models import load_model
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
 transformers = pytest.importorskip("transformers")
@@ -99,7 +99,7 @@ class _Job:
         state = json.loads((stack / "state.json").read_text())
         self.client = redis.Redis.from_url(state["redis_url"])
         self.keys = JobKeys("default", name)
-        address = until(lambda: self.client.get(store_key(self.keys)), 60, "the store host")
+        address = until(lambda: self.client.get(self.keys.store), 60, "the store host")
         host, _, port = address.decode().rpartition(":")
         self.store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
 

@@ -19,7 +19,7 @@ from resilientjob.agent.store_host import StoreHost
 from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
-from resilientjob.protocol.keys import JobKeys, store_key
+from resilientjob.protocol.keys import JobKeys
 
 PASSWORD = "blip-password"
 
@@ -93,7 +93,7 @@ async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_emp
     ]
     try:
         await wait_for(lambda: operator.xlen(keys.iterations), 10, "the first steps")
-        await wait_for(lambda: operator.get(store_key(keys)), 10, "the store host's address")
+        await wait_for(lambda: operator.get(keys.store), 10, "the store host's address")
 
         server.kill()
         await asyncio.sleep(1.0)
@@ -109,8 +109,8 @@ async def test_agent_and_store_host_ride_out_a_redis_restart_that_comes_back_emp
         assert await operator.getbit(keys.beaten, 0) == 1
         # The operator publishes the plan again (from its durable state): the follower and the host get it.
         await JobRedis(operator, keys).announce(announcement(plan(1)))
-        await wait_for(lambda: operator.get(store_key(keys)), 5, "the store address re-registered")
-        assert (await operator.get(store_key(keys))).decode() == host.address
+        await wait_for(lambda: operator.get(keys.store), 5, "the store address re-registered")
+        assert (await operator.get(keys.store)).decode() == host.address
         await wait_for(lambda: _at_generation(telemetry, 1), 10, "steps under the re-published plan")
         await wait_for(lambda: operator.xlen(keys.iterations), 5, "iteration records in the new Redis")
         assert host.plan is not None and host.plan.generation == 1

@@ -23,7 +23,7 @@ from resilientjob.agent._store_client import ReconnectingStore
 from resilientjob.agent.store_host import StoreHost
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
-from resilientjob.protocol.keys import JobKeys, failures_key, store_key
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
 
 SERVER = """
@@ -124,13 +124,13 @@ async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> N
         try:
             await JobRedis(client, keys).announce(announcement(_plan(0)))
             # An earlier host announced two failures and died.
-            await client.set(failures_key(keys), 2)
-            await client.set(store_key(keys), "127.0.0.1:1")
+            await client.set(keys.store_failures, 2)
+            await client.set(keys.store, "127.0.0.1:1")
             host = StoreHost(client, keys, "127.0.0.1", poll_s=0.02)
             stopped = asyncio.Event()
             running = asyncio.create_task(host.run(stopped))
             deadline = time.monotonic() + 10
-            while (await client.get(store_key(keys))) != host.address.encode():
+            while (await client.get(keys.store)) != host.address.encode():
                 assert time.monotonic() < deadline, "the new host never registered"
                 await asyncio.sleep(0.02)
             # Registered only with the plan and the count in its store: a reconnecting worker finds both.
@@ -141,6 +141,35 @@ async def test_a_new_store_host_takes_over_the_plan_and_the_failure_count() -> N
             await asyncio.wait_for(running, 5)
         finally:
             await client.aclose()
+
+
+async def test_the_store_host_reads_each_generations_plan_once_not_every_poll() -> None:
+    # Redis's own idle clock of the plan key tells whether anyone read it: the host polls every 20 ms and
+    # must leave the plan alone between generations, and still mirror a new one at once.
+    keys = JobKeys("ns", "follow")
+    with redis_server() as url:
+        client, host_client = connect(url), connect(url)
+        try:
+            await JobRedis(client, keys).announce(announcement(_plan(0)))
+            host = StoreHost(host_client, keys, "127.0.0.1", poll_s=0.02)
+            stopped = asyncio.Event()
+            running = asyncio.create_task(host.run(stopped))
+            deadline = time.monotonic() + 10
+            while host.plan is None:
+                assert time.monotonic() < deadline, "generation 0 never mirrored"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(2.5)
+            assert await client.object("idletime", keys.plan) >= 2, "the plan was read between generations"
+            await JobRedis(client, keys).announce(announcement(_plan(1)))
+            deadline = time.monotonic() + 2
+            while host.store.get("generation") != b"1":
+                assert time.monotonic() < deadline, "generation 1 not mirrored within 2 s"
+                await asyncio.sleep(0.02)
+            stopped.set()
+            await asyncio.wait_for(running, 5)
+        finally:
+            await client.aclose()
+            await host_client.aclose()
 
 
 def test_every_rendezvous_waits_for_every_worker_of_its_world() -> None:

@@ -291,3 +291,23 @@ async def test_profiles_go_to_their_stream(client: aioredis.Redis) -> None:
 def test_bad_detector_settings_name_the_field() -> None:
     with pytest.raises(PlannerError, match="threshold"):
         DetectorConfig(threshold=1.0)
+
+
+def test_dropped_messages_are_exported_once_whoever_imports_the_metrics() -> None:
+    # The agent's and the operator's metrics share a process in the local stack: one family, counting
+    # what `decode` dropped.
+    from prometheus_client import REGISTRY, generate_latest
+
+    import resilientjob.operator.metrics  # noqa: F401 - registers its side too
+    from resilientjob.protocol.messages import Heartbeat, decode
+
+    def dropped() -> float:
+        value = REGISTRY.get_sample_value(
+            "rjob_telemetry_dropped_total", {"source": "test.export", "reason": "malformed"}
+        )
+        return value or 0.0
+
+    before = dropped()
+    assert decode(Heartbeat, b"\xff not json", "test.export") is None
+    assert dropped() == before + 1
+    assert generate_latest(REGISTRY).decode().count("# TYPE rjob_telemetry_dropped_total counter") == 1

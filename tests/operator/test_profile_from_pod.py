@@ -32,8 +32,6 @@ from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._profile_source import NODE0_FAILURES
 from resilientjob.planner.hf_profile import profile_from_hf_config
 from resilientjob.planner.profile import LayerProfile, ModelProfile
-from resilientjob.protocol.keys import profile_report_key as report_key
-from resilientjob.protocol.keys import profile_request_key as request_key
 from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
     ModelProfileReport,
@@ -152,7 +150,7 @@ async def test_node_0_computes_the_profile_the_operator_keeps_it_and_plans(
         keys = stack.keys(name)
         plan = await eventually(lambda: client.get(keys.plan), 30, "the plan re-published from the ConfigMap")
         assert PlanAnnouncement.model_validate_json(plan).plan.num_layers == 4
-        assert await client.get(request_key(keys)) is None
+        assert await client.get(keys.profile_request) is None
     finally:
         await client.aclose()
 
@@ -230,7 +228,7 @@ async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(
     keys = stack.keys(name)
     client = await redis_client(stack.redis_url)
     try:
-        raw = await eventually(lambda: client.get(request_key(keys)), 10, "the profile request")
+        raw = await eventually(lambda: client.get(keys.profile_request), 10, "the profile request")
         request = ModelProfileRequest.model_validate_json(raw)
         assert request == ModelProfileRequest(model=model, seq_len=16, microbatch_size=2)
         # Garbage, and a report to another request: dropped, the job waits on (the operator counts drops in
@@ -252,7 +250,7 @@ async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(
                 )
             ),
         ):
-            await client.set(report_key(keys), raw_report)
+            await client.set(keys.profile_report, raw_report)
             await asyncio.sleep(1.0)
             assert _condition(await stack.kube.job_status(name), "Planned")["reason"] == "WaitingForProfile"
         report = ModelProfileReport(
@@ -262,7 +260,7 @@ async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(
             profile=ModelProfile(layers=(layer,) * 3),
             sent_at=0.0,
         )
-        await client.set(report_key(keys), encode(report))
+        await client.set(keys.profile_report, encode(report))
         status = await _failed(stack, name)
     finally:
         await client.aclose()

@@ -107,7 +107,7 @@ async def test_failslow_state_and_validation_requests_round_trip(client: aioredi
     assert await JobRedis(client, KEYS).load_failslow() == {"slow": {"3": 1.5}}
     assert await state.published() == message
     before = dropped("operator.failslow", DropReason.INVALID)
-    await client.set(state.failslow_key, b'{"state": [], "reports_cursor": "x"}')
+    await client.set(state.keys.failslow, b'{"state": [], "reports_cursor": "x"}')
     assert await JobRedis(client, KEYS).load_failslow() is None
     assert dropped("operator.failslow", DropReason.INVALID) == before + 1
 
