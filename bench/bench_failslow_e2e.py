@@ -319,6 +319,8 @@ def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
     pipeline, else "none"."""
     rows = grid(plan)
     where = {node: (r, c) for r, row in enumerate(rows) for c, node in enumerate(row)}
+    if a not in where or b not in where:  # an end parked (S4) or gone
+        return f"none (node {a if a not in where else b} is out of the plan)"
     (ra, ca), (rb, cb) = where[a], where[b]
     if ca == cb:
         ring = tuple(row[ca] for row in rows)
@@ -329,7 +331,7 @@ def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
 def link_slow(stack: Stack, node: int, peer: int, factor: float) -> float:
     """Congest the link node-peer (the order on `node`); returns when it landed."""
     stack.rjob(
-        "chaos", "slow", f"{JOB}-node-{node}", "--factor", str(factor), "--for", "20m",
+        "chaos", "slow", f"{stack.job}-node-{node}", "--factor", str(factor), "--for", "20m",
         "--link", str(peer), "--latency", str(LINK_LATENCY_S), "--bandwidth", str(LINK_BANDWIDTH_BPS),
     )  # fmt: skip
     return time.time()
@@ -345,8 +347,10 @@ def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
     if before is None:
         raise RuntimeError("no plan published")
     a, b = dp_pair(before)
+    # Steps are read from a node off the slowed link: a mitigation may park one of its ends (S4).
+    watch = next(node for node in before.plan.nodes if node not in (a, b))
     injected = link_slow(stack, a, b, 5.0)
-    inject_step = stack.step(0)
+    inject_step = stack.step(watch)
 
     def detected() -> SlowReport | None:
         found = [r for r in stack.reports() if r.detected_at >= injected and not r.recovered]
@@ -374,16 +378,18 @@ def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
     mitigated_at = time.time()
     slow_to = new.published_at if new is not None else mitigated_at
     if new is not None:
-        after = stack.step(0)
-        wait(lambda: stack.step(0) >= after + 60, 300, "60 steps after the mitigation")
+        after = stack.step(watch)
+        wait(lambda: stack.step(watch) >= after + 60, 300, "60 steps after the mitigation")
     records = stack.iterations()
-    healthy = throughput(records, 0, healthy_from, healthy_to)
-    slow = throughput(records, 0, injected + 0.5, slow_to)
-    mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0
+    healthy = throughput(records, watch, healthy_from, healthy_to)
+    slow = throughput(records, watch, injected + 0.5, slow_to)
+    mitigated_rate = throughput(records, watch, mitigated_at + 5, time.time()) if new is not None else 0.0
     removed = (mitigated_rate - slow) / (healthy - slow) if new is not None and healthy > slow else None
     carried = None if new is None else link_traffic(new, a, b)
     return {
         "link": [a, b],
+        "steps_read_from_node": watch,
+        "mitigation": None if new is None else {"trigger": new.trigger, "strategy": new.strategy},
         "healthy_steps_per_s": healthy,
         "slow_steps_per_s": slow,
         "mitigated_steps_per_s": mitigated_rate,
