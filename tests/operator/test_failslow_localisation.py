@@ -475,3 +475,44 @@ def test_a_recovery_report_of_a_straggler_still_slow_by_the_job_wide_rule_keeps_
     restore = job.tracker.report(back, now=float(job.step))
     assert restore is not None and restore.action is Action.RESTORE
     assert not job.tracker.slow
+
+
+def _link_and_device_named(device_compute_s: float) -> tuple[FailSlowTracker, Mitigation | None]:
+    """A communication report whose validation names the link 0-2 and node 3's device; node 3's compute
+    in the traces is `device_compute_s` against the others' 0.02 s of a 0.2 s step."""
+    spec = FailSlowSpec(min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.1, topology_s=0.5))
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    for step in range(20):
+        for node in range(4):
+            own = device_compute_s if node == 3 else 0.02
+            tracker.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=0.2, samples=1, sent_at=0,
+                    compute_s=own, communication_s=0.2 - own,
+                )
+            )  # fmt: skip
+    tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
+    tracker.validation_sent(1, now=0.0)
+    tracker.validated(result(1, [(0, 2)], nodes=(3,)))
+    tracker.tick(now=1.0)
+    mitigation = None
+    for step in range(21, 40):
+        mitigation = mitigation or tracker.iteration(
+            IterationRecord(node=0, generation=0, step=step, seconds=0.2, samples=1, sent_at=0)
+        )
+    return tracker, mitigation
+
+
+def test_a_device_validation_alone_names_next_to_a_slow_link_needs_its_compute_to_be_slow() -> None:
+    # Measured on the demo's GPT: one GEMM timing on a shared host named a device that no order slowed, the
+    # episode became a compute one and S2 moved work off that node while the link stayed slow.
+    tracker, mitigation = _link_and_device_named(device_compute_s=0.02)
+    assert tracker.active and set(tracker.slow) == {0, 2} and tracker.links == {(0, 2)}
+    dismissed = [f for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    assert [f.nodes for f in dismissed] == [(3,)]
+    assert mitigation is not None and mitigation.action is Action.TOPOLOGY and mitigation.links == ((0, 2),)
+    # A device whose compute is slow in the traces too stays in the episode, a compute cause with the link.
+    tracker, _ = _link_and_device_named(device_compute_s=0.2)
+    assert set(tracker.slow) == {0, 2, 3}
+    assert not [f for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
