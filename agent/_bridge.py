@@ -41,8 +41,8 @@ from resilientjob.protocol.models import ModelSource, model_source
 
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
-from ._runtime_hooks import StepHooks
 from .config import JobConfig
+from .hooks import StepHooks
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:

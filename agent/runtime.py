@@ -60,11 +60,11 @@ from ._runtime_commit import (
     leave_world,
 )
 from ._runtime_grads import GradientSync
-from ._runtime_hooks import StepHooks
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_mesh, tp_degree
 from .data import SampleOrder, TokenDataset
+from .hooks import StepHooks
 from .models import ModelSpec, lm_loss
 from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr
 from .p2p import LayerState, TransferRecord, execute_transfers
@@ -179,7 +179,7 @@ class Trainer:
     fault_hook: FaultHook | None = None
     """Fault injection: called as hook(step, phase) at each `CommitPhase` (tests kill the worker there)."""
     hooks: StepHooks = field(default_factory=StepHooks)
-    """Called around plans and steps (`_runtime_hooks`): the pod's probe, or nothing."""
+    """Called around plans and steps (`hooks`): the pod's probe, or nothing."""
     retirement: Retirement = field(default_factory=Retirement)
     _pending: list[object] = field(default_factory=list)
     """Work items of the step in progress (and the transfers of a switch), kept until it commits."""

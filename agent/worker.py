@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,11 +38,11 @@ from resilientjob.protocol.store_keys import (
 )
 
 from ._runtime_commit import ReconfigurationError
-from ._runtime_hooks import StepHooks
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._tensor_parallel import full_parameters, local, tp_degree
 from .checkpoint import Checkpointer
 from .config import JobConfig
+from .hooks import StepHooks
 from .p2p import LayerState
 from .runtime import Trainer
 
@@ -252,16 +252,16 @@ def worker_main(
     config: JobConfig,
     host: str,
     port: int,
-    before_step: Callable[[int, Store], None] | None,
+    hooks: StepHooks | None,
     restore: bool,
     local_rank: int = 0,
     store: Store | None = None,
-    hooks: StepHooks | None = None,
 ) -> dict[str, object]:
     """Entry point of one worker process (started by the launcher through torch elastic): device
     `local_rank` of `node` (the plan's stages span as many devices as the node runs workers). `store`: the
     job's store at `host:port` as the caller connected it (a pod's worker reconnects: `_store_client`).
-    `before_step(step, store)` runs before each step (a test harness crashes the worker there)."""
+    `hooks`: called around the trainer's plans and steps (`hooks`: the pod's probe, a test
+    harness's crash), or none."""
     torch.set_num_threads(1)
     # Each layer is checkpointed by one process (`no_dist=True` on purpose); DCP says so at every save, from
     # its writer thread, which would fill the pod's log.
@@ -323,8 +323,6 @@ def worker_main(
     resumed_generation = -1
     first_grads: dict[int, list[torch.Tensor]] = {}
     while trainer.step < config.steps:
-        if before_step is not None:
-            before_step(trainer.step, store)
         step = trainer.step
         began = time.perf_counter()
         try:
@@ -436,11 +434,10 @@ def run_from_plan(
         config,
         host,
         port,
-        before_step=None,
+        hooks,
         restore=restore,
         local_rank=local_rank,
         store=store,
-        hooks=hooks,
     )
 
 

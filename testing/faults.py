@@ -2,7 +2,8 @@
 
 torchft's `fail_at(rank, step)` style: the worker leaves through `os._exit` (no clean-up, no flushed
 sockets), exactly as a killed process, so its peers find out from their collectives and the store. The
-product's only seam is `worker.worker_main`'s `before_step` hook; what happens there lives here.
+product's only seam is the trainer's hooks (`agent.hooks.StepHooks`, handed to `worker.worker_main`);
+what happens there lives here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from torch._C._distributed_c10d import Store
 
+from resilientjob.agent.hooks import StepHooks
 from resilientjob.protocol.store_keys import fail_event_key
 
 FAILURE_EXIT_CODE = 17
@@ -20,15 +22,15 @@ FAILURE_EXIT_CODE = 17
 
 
 @dataclass(frozen=True, slots=True)
-class CrashAt:
-    """`worker_main`'s `before_step` hook that kills node `node`'s worker when step `step` begins, after
-    recording the moment in the store (`store_keys.fail_event_key`) for the recovery's timeline. Picklable:
-    torch elastic hands it to the worker process."""
+class CrashAt(StepHooks):
+    """Trainer hooks that kill node `node`'s worker when step `step` begins, after recording the moment in
+    the job's store (`store_keys.fail_event_key`) for the recovery's timeline. Picklable: torch elastic hands
+    it to the worker process."""
 
     node: int
     step: int
 
-    def __call__(self, step: int, store: Store) -> None:
-        if step == self.step:
+    def before_step(self, store: Store | None, generation: int, step: int, world_rank: int | None) -> None:
+        if step == self.step and store is not None:
             store.set(fail_event_key(self.node), repr(time.time()))
             os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets

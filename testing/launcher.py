@@ -198,7 +198,7 @@ class Launcher:
 
     # ---- processes ---------------------------------------------------------------------------------------
     def crash(self, node: int, restore: bool) -> CrashAt | None:
-        """`worker_main`'s `before_step` hook for `node`: its crash from `fail_at` (never after a restart)."""
+        """The trainer hooks for `node`: its crash from `fail_at` (never after a restart), or none."""
         step = None if restore else self.fail_at.get(node)
         return None if step is None else CrashAt(node, step)
 

@@ -1,4 +1,4 @@
-"""The trainer's hooks (`agent/_runtime_hooks.py`) are where the pod's probe plugs into the runtime: each is
+"""The trainer's hooks (`agent/hooks.py`) are where the pod's probe plugs into the runtime: each is
 called at its point of the loop with what it is documented to see. A single-process trainer in a subprocess
 (the default process group is process-wide) applies a plan, runs two steps, applies a second plan and runs
 one more; the hooks record every call."""
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
 
     from torch._C._distributed_c10d import TCPStore
 
-    from resilientjob.agent._runtime_hooks import StepHooks
+    from resilientjob.agent.hooks import StepHooks
     from resilientjob.agent.data import SyntheticDataset
     from resilientjob.agent.models import load_model
     from resilientjob.agent.runtime import Trainer

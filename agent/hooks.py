@@ -1,6 +1,7 @@
 """What a worker's training loop lets an observer do around it, without patching the `Trainer`: the pod's
-probe (`_bridge`: tracing, chaos, telemetry lines, validation passes) plugs in here, the runtime stays as it
-is, and a plain `Trainer` runs with the no-op hooks.
+probe (`_bridge`: tracing, chaos, telemetry lines, validation passes) and the test harness's crashes
+(`resilientjob.testing.faults.CrashAt`) plug in here, the runtime stays as it is, and a plain `Trainer` runs
+with the no-op hooks.
 
 Every hook runs in the worker process, on its training thread, at a point where nothing is in flight: a hook
 that blocks holds training (which is what a validation pass wants), and one that raises fails the step."""
