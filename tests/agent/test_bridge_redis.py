@@ -82,9 +82,16 @@ def test_redis_restarted_empty_while_real_workers_train(stack: Path, tmp_path: P
         end = committed()
         spec = manifest["spec"]
         order = SampleOrder(spec["data"]["numSamples"], spec["globalBatchSize"], seed=0)
-        for step in range(end):
+
+        def recorded(step: int) -> list[int] | None:
+            """The step's sample ids once every worker recorded its share: a worker writes them after the
+            commit, so the last step's may still be on their way when world rank 0 has counted it."""
             entries: list[Any] = [e.split(":") for e in store.get(f"samples/{step}").decode().split(";") if e]
             ids = sorted(int(i) for _, text in entries for i in text.split(","))
+            return ids if len(ids) >= spec["globalBatchSize"] else None
+
+        for step in range(end):
+            ids = until(lambda step=step: recorded(step), 10, f"every worker's samples of step {step}")
             # Each sample of the step's global batch exactly once, through the outage.
             assert ids == sorted(order.step_ids(step)), f"step {step}"
         logs = "".join((stack / "pods" / f"outage-node-{n}" / "log").read_text() for n in range(4))
