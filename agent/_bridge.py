@@ -30,7 +30,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -44,9 +44,6 @@ from ._redis import REDIS_DOWN, Outage
 from .config import JobConfig
 from .hooks import StepHooks
 from .telemetry import Telemetry
-
-if TYPE_CHECKING:
-    pass
 
 
 def wants_training(model: str) -> bool:
