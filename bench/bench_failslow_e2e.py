@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -44,6 +45,7 @@ import redis
 import yaml
 
 from resilientjob.agent import chaos
+from resilientjob.planner.restorer import allreduce_rounds
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, PlanAnnouncement, SlowReport, ValidationResult
 
@@ -314,18 +316,29 @@ def _plan_row(plan: PlanAnnouncement) -> dict[str, Any]:
 
 def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
     """What the link a-b carries under `plan` as the runtime runs it: "data-parallel" when a and b are
-    neighbours in their stage's all-reduce ring (the runtime builds each ring in pipeline order, as the
-    planner's S3 assumes: `_runtime_schedule.sync_groups`), "pipeline" when they are adjacent stages of one
-    pipeline, else "none"."""
-    rows = grid(plan)
-    where = {node: (r, c) for r, row in enumerate(rows) for c, node in enumerate(row)}
-    if a not in where or b not in where:  # an end parked (S4) or gone
-        return f"none (node {a if a not in where else b} is out of the plan)"
-    (ra, ca), (rb, cb) = where[a], where[b]
-    if ca == cb:
-        ring = tuple(row[ca] for row in rows)
-        return "data-parallel" if chaos.ring_neighbours(ring, a, b) else "none"
-    return "pipeline" if ra == rb and abs(ca - cb) == 1 else "none"
+    neighbours in the all-reduce ring of a layer segment they both hold (the runtime builds each ring of
+    holders in pipeline order, as the planner's S3 assumes: `_runtime_schedule.sync_groups`), "pipeline"
+    when they are adjacent stages of one pipeline, else "none". Any layout, symmetric or not."""
+    job = plan.plan
+    if a not in job.nodes or b not in job.nodes:  # an end parked (S4) or gone
+        return f"none (node {a if a not in job.nodes else b} is out of the plan)"
+    rounds = job.allreduce_rounds or allreduce_rounds(job.pipelines)
+    for start, _ in (segment for round_ in rounds for segment in round_):
+        ring = tuple(
+            dict.fromkeys(
+                stage.node
+                for pipeline in job.pipelines
+                for stage in pipeline.stages
+                if not stage.rerouted and stage.layers[0] <= start < stage.layers[1]
+            )
+        )
+        if a in ring and b in ring and chaos.ring_neighbours(ring, a, b):
+            return "data-parallel"
+    for pipeline in job.pipelines:
+        nodes = [stage.node for stage in pipeline.stages]
+        if any({x, y} == {a, b} for x, y in itertools.pairwise(nodes)):
+            return "pipeline"
+    return "none"
 
 
 def link_slow(stack: Stack, node: int, peer: int, factor: float) -> float:

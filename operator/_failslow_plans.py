@@ -2,8 +2,8 @@
 
 - S2 (`microbatch_plan`): the pipelines keep their stages; micro-batches move off the pipelines through slow
   nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed);
-- S3 a (`link_plan`): nodes are swapped so that slow links carry pipeline sends instead of the gradient
-  all-reduce (`failslow.reassign_congested_links`, Falcon Fig. 10; symmetric layouts only);
+- S3 a (`link_plan`): the pipelines are reordered and nodes swapped so that fewer bytes cross the slow links
+  (`failslow.reroute_slow_links`, Falcon Fig. 10; any layout);
 - S3 b (`topology_plan`): stragglers are consolidated into as few stages as possible
   (`failslow.consolidate_stragglers`, Fig. 11);
 - `restored_plan`: the healthy plan from before the episode, when it is estimated faster.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from resilientjob.planner.balance import balance_monotone
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.estimator import pipeline_arrays, pipeline_time
-from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, reassign_congested_links
+from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, reroute_slow_links
 from resilientjob.planner.plan import PipelinePlan, Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.restorer import transfer_list
@@ -152,27 +152,24 @@ def topology_plan(
 def link_plan(
     plan: Plan, profile: ModelProfile, cluster: ClusterSpec, links: Sequence[tuple[int, int]], sync_s: float
 ) -> Plan | str:
-    """S3 a: nodes swapped so that the slow links (node pairs) carry light pipeline sends, not the
-    gradient all-reduce; swaps within a stage are preferred (they move no weights)."""
-    grid = _grid(plan)
-    if isinstance(grid, str):
-        return grid
-    inside = set(grid.nodes)
+    """S3 a: pipelines reordered and nodes swapped so that fewer bytes cross the slow links (node pairs):
+    the gradient rings' hops off them first, pipeline sends where they weigh less; free moves preferred."""
+    if any(stage.rerouted for pipeline in plan.pipelines for stage in pipeline.stages):
+        return "the layout reroutes failed stages"
+    inside = set(plan.nodes)
     congested = [(a, b) for a, b in links if a in inside and b in inside and a != b]
     if not congested:
         return f"the slow links {sorted(links)} do not join two nodes of the layout"
     try:
-        change = reassign_congested_links(grid, congested, profile)
+        change = reroute_slow_links(plan, profile, congested)
     except PlannerError as exc:
         return exc.message
-    if not change.moved or change.score_after >= change.score_before:
-        return "no swap takes traffic off the slow links"
-    moved = _regridded(plan, change.after.rows)
-    return moved.model_copy(
+    if not change.bytes_after < change.bytes_before:
+        return "no move takes bytes off the slow links"
+    return change.plan.model_copy(
         update={
             "generation": plan.generation + 1,
-            "step_time_s": slowed_step_time(moved, profile, cluster, {}) + sync_s,
-            "transfers": change.transfers,
+            "step_time_s": slowed_step_time(change.plan, profile, cluster, {}) + sync_s,
             "transition_s": 0.0,
             "candidates": (),
         }

@@ -3,14 +3,15 @@
 Detection: `iteration_times` (period of the collective-call stream by ACF), `ChangeDetector` and
 `BatchDetector` (BOCD + verification, one stream or many workers), `SlidingWindowDetector` (the baseline).
 Localisation: `suspicious_groups`, `ring_schedule`, `tree_schedule`, `slow_links`, `slow_gpus`.
-Mitigation: `redistribute` (S2), `reassign_congested_links` and `consolidate_stragglers` (S3),
-`MitigationController` (Algorithm 1, which names the nodes S4 hands to the fail-stop path).
+Mitigation: `redistribute` (S2), `reroute_slow_links` (S3 a, scored by `link_load`), `consolidate_stragglers`
+(S3 b), `MitigationController` (Algorithm 1, which names the nodes S4 hands to the fail-stop path).
 Labelled synthetic traces for tests and benchmarks live in `resilientjob.planner.failslow.tracegen`.
 """
 
 from ._acf import CollectiveCall, IterationTimes, acf, encode, iteration_times, recurring_period
 from ._bocd import BatchDetector, ChangeDetector, DetectorConfig
 from ._events import ChangeEvent, ChangeKind
+from ._links import LinkReroute, link_load, reroute_slow_links
 from ._localize import (
     GroupProfile,
     Link,
@@ -23,15 +24,7 @@ from ._localize import (
     suspicious_groups,
     tree_schedule,
 )
-from ._mitigate import (
-    NodeGrid,
-    Redistribution,
-    TopologyChange,
-    Traffic,
-    consolidate_stragglers,
-    reassign_congested_links,
-    redistribute,
-)
+from ._mitigate import NodeGrid, Redistribution, TopologyChange, consolidate_stragglers, redistribute
 from ._skirental import EFFECTIVE, Decision, MitigationController, MitigationCosts, Strategy
 from ._window import SlidingWindowDetector, WindowConfig
 
@@ -47,6 +40,7 @@ __all__ = [
     "GroupProfile",
     "IterationTimes",
     "Link",
+    "LinkReroute",
     "MitigationController",
     "MitigationCosts",
     "NodeGrid",
@@ -56,16 +50,16 @@ __all__ = [
     "Strategy",
     "Suspects",
     "TopologyChange",
-    "Traffic",
     "WindowConfig",
     "acf",
     "binary_tree_parents",
     "consolidate_stragglers",
     "encode",
     "iteration_times",
-    "reassign_congested_links",
+    "link_load",
     "recurring_period",
     "redistribute",
+    "reroute_slow_links",
     "ring_schedule",
     "slow_gpus",
     "slow_links",

@@ -4,14 +4,11 @@ S2, micro-batch redistribution: give data-parallel group i m_i >= 1 micro-batche
 slowest group, max_i t_i m_i, finishes as early as possible. Falcon solves a QP (35.9 s for 512 groups); this
 is exact in well under a millisecond (see `redistribute`).
 
-S3, topology adjustment, on a grid whose row d is data-parallel replica d and whose column p is pipeline
-stage p (all nodes of a column hold the same layers and all-reduce their gradients in a ring, in row order):
-(a) `reassign_congested_links` swaps nodes so that congested links stop carrying heavy data-parallel traffic,
-    ideally carrying only light pipeline traffic or none (Fig. 10);
-(b) `consolidate_stragglers` packs k slow nodes into ceil(k / rows) stages, interior ones first, since a
-    stage is as slow as its slowest node however many slow nodes it holds (Fig. 11).
-Both return the new grid, the node permutation, and the weight moves the new placement needs (the restorer's
-`match_slots` and `transfer_list`).
+S3 (b), topology adjustment for stragglers, on a grid whose row d is data-parallel replica d and whose column
+p is pipeline stage p: `consolidate_stragglers` packs k slow nodes into ceil(k / rows) stages, interior ones
+first, since a stage is as slow as its slowest node however many slow nodes it holds (Fig. 11). It returns the
+new grid, the node permutation, and the weight moves the new placement needs (the restorer's `match_slots`
+and `transfer_list`). S3 (a), for slow links, works on whole plans of any shape (`_links`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -64,19 +60,6 @@ def redistribute(times_s: Sequence[float], microbatches: int, minimum: int = 1) 
     counts = balance_linear(times_s, microbatches, minimum)
     solve_s = time.perf_counter() - started
     return Redistribution(tuple(counts), makespan(times_s, counts), solve_s)
-
-
-class Traffic(StrEnum):
-    """What a link between two nodes of the grid carries."""
-
-    DATA_PARALLEL = "data-parallel"  # gradient all-reduce: heavy, every step
-    PIPELINE = "pipeline"  # activations between adjacent stages: light
-    NONE = "none"
-
-
-# Relative bytes per step on one link (Falcon appendix 9.2: the ring all-reduce of a stage's gradients moves
-# about twice its parameters over every ring link; pipeline sends carry one micro-batch's activations).
-TRAFFIC_WEIGHT = {Traffic.DATA_PARALLEL: 1.0, Traffic.PIPELINE: 0.1, Traffic.NONE: 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +106,6 @@ class NodeGrid:
         """Layers each node holds: its stage's range."""
         return {node: set(range(*self.stage_layers[c])) for node, (_, c) in self.positions().items()}
 
-    def traffic(self, a: int, b: int) -> Traffic:
-        positions = self.positions()
-        return _traffic(positions[a], positions[b], self.replicas)
-
     def moved(self, positions: dict[int, Position]) -> NodeGrid:
         """The grid with nodes at the given positions."""
         rows = [[-1] * self.stages for _ in range(self.replicas)]
@@ -135,22 +114,9 @@ class NodeGrid:
         return NodeGrid(tuple(tuple(row) for row in rows), self.stage_layers)
 
 
-def _traffic(a: Position, b: Position, replicas: int) -> Traffic:
-    (ra, ca), (rb, cb) = a, b
-    if ca == cb:
-        gap = abs(ra - rb)
-        # Ring neighbours: adjacent rows, and the closing link of a ring of three or more.
-        if gap == 1 or (replicas >= 3 and gap == replicas - 1):
-            return Traffic.DATA_PARALLEL
-        return Traffic.NONE
-    if ra == rb and abs(ca - cb) == 1:
-        return Traffic.PIPELINE
-    return Traffic.NONE
-
-
 @dataclass(frozen=True, slots=True)
 class TopologyChange:
-    """S3's answer. `score_*` is the traffic weight on congested links (a) or the straggling stages (b)."""
+    """S3 (b)'s answer. `score_*` counts the stages that hold stragglers."""
 
     before: NodeGrid
     after: NodeGrid
@@ -188,54 +154,6 @@ def _change(
     new = grid.moved(positions)
     transfers = transfer_list(grid.holdings(), new.holdings(), profile)
     return TopologyChange(grid, new, tuple(transfers), before, after)
-
-
-def reassign_congested_links(
-    grid: NodeGrid, congested: Sequence[tuple[int, int]], profile: ModelProfile
-) -> TopologyChange:
-    """Swap nodes until no swap lowers the traffic weight on congested links (Fig. 10).
-
-    Each round tries every swap that moves an endpoint of a congested link (no other swap changes what those
-    links carry) and takes the one that lowers the weight most, preferring fewer bytes to move: swapping two
-    nodes of one stage moves no weights at all. Rounds end when nothing improves; each round removes at least
-    one unit of weight, so there are at most as many rounds as congested links times ten.
-    """
-    positions = grid.positions()
-    links = [(a, b) for a, b in congested]
-    for a, b in links:
-        for node in (a, b):
-            if node not in positions:
-                raise PlannerError("congested", f"node {node} is not in the grid")
-        if a == b:
-            raise PlannerError("congested", f"link ({a}, {b}) joins a node to itself")
-    stage_bytes = _stage_bytes(grid, profile)
-    origin = dict(positions)
-
-    def weight(where: dict[int, Position]) -> float:
-        return sum(TRAFFIC_WEIGHT[_traffic(where[a], where[b], grid.replicas)] for a, b in links)
-
-    def moved_bytes(where: dict[int, Position]) -> int:
-        return sum(stage_bytes[where[n][1]] for n in where if where[n][1] != origin[n][1])
-
-    endpoints = sorted({node for link in links for node in link})
-    start = current = weight(positions)
-    while current > 0:
-        best: tuple[float, int, int, int] | None = None
-        for a in endpoints:
-            for b in sorted(positions):
-                if a == b:
-                    continue
-                positions[a], positions[b] = positions[b], positions[a]
-                key = (weight(positions), moved_bytes(positions), min(a, b), max(a, b))
-                positions[a], positions[b] = positions[b], positions[a]
-                if key[0] < current - 1e-12 and (best is None or key < best):
-                    best = key
-        if best is None:
-            break
-        _, _, a, b = best
-        positions[a], positions[b] = positions[b], positions[a]
-        current = best[0]
-    return _change(grid, positions, profile, start, current)
 
 
 def consolidate_stragglers(

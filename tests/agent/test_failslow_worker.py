@@ -312,7 +312,8 @@ def _pipelines(stages: list[list[tuple[int, int, int]]], microbatches: list[int]
 
 def test_s2_then_s3_plans_apply_live_without_restart(tmp_path: Path, redis_url: str) -> None:
     """The operator's mitigations are ordinary plans: S2 changes micro-batch counts per pipeline, S3 permutes
-    nodes with a transfer list. The same worker processes apply both at a step boundary."""
+    nodes with a transfer list, or reorders the pipelines (S3 (a) on an asymmetric layout: every ring's
+    order changes, no weight moves). The same worker processes apply each at a step boundary."""
     from resilientjob.agent.data import SampleOrder
     from resilientjob.agent.models import load_model
     from resilientjob.agent.profiler import measure_profile
@@ -336,8 +337,9 @@ def test_s2_then_s3_plans_apply_live_without_restart(tmp_path: Path, redis_url: 
         pipelines=_pipelines(swapped, [6, 2]),
         transfers=transfers,
     )
-    assert s2.global_batch == s3.global_batch == healthy.global_batch == 8
-    job = WorkerJob(tmp_path, redis_url, steps=30, plan=healthy)
+    reordered = s3.model_copy(update={"generation": 3, "pipelines": s3.pipelines[::-1], "transfers": ()})
+    assert s2.global_batch == s3.global_batch == reordered.global_batch == healthy.global_batch == 8
+    job = WorkerJob(tmp_path, redis_url, steps=40, plan=healthy)
     try:
         until(lambda: job.step() >= 8, 90, "8 steps")
         job.publish(s2)
@@ -347,13 +349,19 @@ def test_s2_then_s3_plans_apply_live_without_restart(tmp_path: Path, redis_url: 
             "S2",
         )
         job.publish(s3)
+        until(
+            lambda: min(line["generation"] for node in range(NODES) for line in job.lines(node)[-1:]) >= 2,
+            60,
+            "S3",
+        )
+        job.publish(reordered)
         job.finish()
-        samples = {step: job.store.get(f"samples/{step}").decode() for step in range(30)}
+        samples = {step: job.store.get(f"samples/{step}").decode() for step in range(40)}
         received = job.store.get("received/2").decode()
     finally:
         job.kill()
-    for node, process in enumerate(job.processes):  # the same four processes ran all three generations
-        assert {line["generation"] for line in job.lines(node)} == {0, 1, 2}, node
+    for node, process in enumerate(job.processes):  # the same four processes ran all four generations
+        assert {line["generation"] for line in job.lines(node)} == {0, 1, 2, 3}, node
         assert process.returncode == 0, node
 
     def share(generation: int, node: int) -> set[int]:
@@ -363,6 +371,7 @@ def test_s2_then_s3_plans_apply_live_without_restart(tmp_path: Path, redis_url: 
     assert share(0, 1) == share(0, 3) == {4}
     assert share(1, 1) == {6} and share(1, 3) == {2}
     assert share(2, 2) == {6} and share(2, 3) == {2}
+    assert share(3, 2) == {6} and share(3, 3) == {2}  # each pipeline keeps its count in its new place
     order = SampleOrder(4096, 8, seed=0)
     for step, text in samples.items():
         entries = [entry.split(":") for entry in text.split(";") if entry]

@@ -18,6 +18,7 @@ from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.runtime import backend_for
 from resilientjob.cli import main as rjob
 from resilientjob.planner.errors import PlannerError
+from resilientjob.planner.failslow import link_load, reroute_slow_links
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
 from resilientjob.testing.plans import RuntimePlanner
@@ -151,6 +152,41 @@ def test_sync_groups_keep_the_holders_in_pipeline_order() -> None:
     )
     holders = {g.layers: g.holders for g in sync_groups(plan)}
     assert holders == {(0, 2): (6, 0, 4, 2), (2, 4): (1, 7, 3, 5)}
+
+
+def test_the_rings_the_runtime_builds_are_the_rings_s3_scores() -> None:
+    """`planner.failslow.link_load` (what S3 (a) minimises) counts a ring hop exactly where the runtime's
+    all-reduce groups put two holders next to each other, on an asymmetric layout after S3 reordered it."""
+    profile = uniform_profile(4)
+    plan = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=1,
+        step_time_s=1,
+        pipelines=(
+            PipelinePlan(stages=(_stage(0, 2, 0), _stage(2, 4, 1)), microbatches=2),
+            PipelinePlan(stages=(_stage(0, 2, 2), _stage(2, 4, 3)), microbatches=2),
+            PipelinePlan(stages=(_stage(0, 4, 4),), microbatches=2),
+            PipelinePlan(stages=(_stage(0, 4, 5),), microbatches=2),
+        ),
+    )
+    moved = reroute_slow_links(plan, profile, [(0, 2)]).plan
+    for layout in (plan, moved):
+        neighbours = set()
+        for group in sync_groups(layout):
+            ring = group.holders
+            neighbours |= {
+                frozenset((a, ring[(i + 1) % len(ring)])) for i, a in enumerate(ring) if len(ring) > 1
+            }
+        for a in layout.nodes:
+            for b in set(layout.nodes) - {a}:
+                # uniform_profile sends no activations: the load is the ring's alone.
+                on_ring = frozenset((a, b)) in neighbours
+                assert (link_load(layout, profile, [(a, b)]) > 0) == on_ring, (layout.layout, a, b)
+    assert frozenset((0, 2)) not in {
+        frozenset((g.holders[i], g.holders[(i + 1) % len(g.holders)]))
+        for g in sync_groups(moved)
+        for i in range(len(g.holders))
+    }
 
 
 def test_heterogeneous_sync_groups_follow_colour_rounds() -> None:

@@ -29,7 +29,7 @@ from resilientjob.operator._straggler import (
     planned_shares,
 )
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
-from resilientjob.planner.failslow import NodeGrid, RootCause, Strategy, Traffic
+from resilientjob.planner.failslow import RootCause, Strategy, link_load
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.messages import (
     IterationRecord,
@@ -308,24 +308,35 @@ def test_validation_that_finds_nothing_dismisses_and_a_timeout_goes_on() -> None
 
 def test_s3a_moves_a_slow_data_parallel_link_onto_a_pipeline_path() -> None:
     plan = grid_plan([[0, 1, 2], [3, 4, 5]])  # DP2 x PP3: 0-3, 1-4, 2-5 carry the all-reduce
-    grid = NodeGrid(((0, 1, 2), (3, 4, 5)), ((0, 2), (2, 4), (4, 6)))
-    assert grid.traffic(1, 4) is Traffic.DATA_PARALLEL
+    assert link_load(plan, PROFILE, [(1, 4)]) > 0
     moved = link_plan(plan, PROFILE, CLUSTER, [(1, 4)], sync_s=0.0)
     assert isinstance(moved, Plan) and moved.generation == plan.generation + 1
-    rows = tuple(tuple(stage.node for stage in p.stages) for p in moved.pipelines)
-    after = NodeGrid(rows, grid.stage_layers)
-    assert after.traffic(1, 4) is not Traffic.DATA_PARALLEL and sorted(moved.nodes) == list(range(6))
+    # uniform_profile's stages send no activations, so once off the ring the link carries nothing.
+    assert link_load(moved, PROFILE, [(1, 4)]) == 0 and sorted(moved.nodes) == list(range(6))
     assert moved.transfers and {t.dst for t in moved.transfers} <= set(range(6))
     assert "do not join" in str(link_plan(plan, PROFILE, CLUSTER, [(1, 9)], sync_s=0.0))
     # Through the mitigation path: a link and a compute straggler in one generation.
     mixed = Mitigation(Action.TOPOLOGY, {1: 1.5, 4: 1.5, 0: 2.0, 5: 2.0}, "", 1.0, 0.0, ((1, 4),))
     both = topology_change(plan, PROFILE, CLUSTER, mixed, 0.0)
     assert isinstance(both, Plan) and both.generation == plan.generation + 1
-    final = NodeGrid(tuple(tuple(s.node for s in p.stages) for p in both.pipelines), grid.stage_layers)
-    stage_of = {node: c for row in final.rows for c, node in enumerate(row)}
-    assert final.traffic(1, 4) is not Traffic.DATA_PARALLEL and stage_of[0] == stage_of[5]
+    stage_of = {s.node: c for p in both.pipelines for c, s in enumerate(p.stages)}
+    assert link_load(both, PROFILE, [(1, 4)]) == 0 and stage_of[0] == stage_of[5]
     # One set of copies from the current layout to the final one.
     assert {t.dst for t in both.transfers} <= {n for n in range(6) if stage_of[n] != plan_stage(plan, n)}
+
+
+def test_s3a_acts_on_the_demos_asymmetric_layout_without_copies() -> None:
+    # DP4 PP[2,2,1,1] (the shape of the demo's layout): the slow link 0-2 joins the two 2-stage pipelines'
+    # first stages, neighbours on the ring of layers 0-2. S3 (a) reorders the pipelines; nothing is copied.
+    two = grid_plan([[0, 1], [2, 3]], microbatches=2).pipelines
+    one = grid_plan([[4], [5]], microbatches=2).pipelines
+    plan = grid_plan([[0, 1], [2, 3]]).model_copy(update={"pipelines": two + one})
+    assert link_load(plan, PROFILE, [(0, 2)]) > 0
+    moved = link_plan(plan, PROFILE, CLUSTER, [(2, 0)], sync_s=0.0)
+    assert isinstance(moved, Plan) and moved.generation == plan.generation + 1
+    assert link_load(moved, PROFILE, [(0, 2)]) == 0 and moved.transfers == ()
+    assert moved.layers_by_node() == plan.layers_by_node() and moved.layout != plan.layout
+    assert "no move" in str(link_plan(moved, PROFILE, CLUSTER, [(0, 2)], sync_s=0.0))
 
 
 def plan_stage(plan: Plan, node: int) -> int:
