@@ -55,6 +55,7 @@ from ._failslow_job import JobStepTrigger
 from ._failslow_plans import (
     link_plan,
     microbatch_plan,
+    replacement_declined,
     restored_plan,
     slowed_step_time,
     sync_time,
@@ -71,6 +72,7 @@ __all__ = [
     "Mitigation",
     "link_plan",
     "microbatch_plan",
+    "replacement_declined",
     "restored_plan",
     "slowed_step_time",
     "sync_time",
