@@ -5,9 +5,11 @@ go through `rjob local chaos slow`.
 
 Scenarios (`--scenario`):
 - `compute`: node 1's compute slowed 1.5x (4 nodes, DP4; `--factor`, `--slow-node`, and `--manifest` for
-  another job, e.g. the demo's real GPT). Prints the detection delay in iterations (first SlowReport of the
-  slowed node after the order), the mitigation's delay (first step under its plan) and the share of the
-  slowdown the mitigation removed, (mitigated - slow) / (healthy - slow) in throughput.
+  another job, e.g. the demo's real GPT; `--threshold` overrides the job's slowdownThreshold). Prints the
+  detection delay in iterations (first SlowReport of the slowed node after the order, and when the operator
+  opened its episode), the mitigation's delay (first step under its plan), the share of the slowdown the
+  mitigation removed, (mitigated - slow) / (healthy - slow) in throughput, and the rungs the operator
+  declined with its reasons.
 - `link`: the DP4 x PP2 job (8 nodes, `--pipelined` implied; or `--manifest` for another pipelined job,
   e.g. the demo's real GPT): the link between stage 0 of pipelines 0 and 1 (a data-parallel link)
   congested 5x; prints the detection delay, the validation result (the link
@@ -191,6 +193,19 @@ class Stack:
         steps = [record.step for record in self.iterations() if record.node == node]
         return max(steps, default=0)
 
+    def episode(self) -> dict[str, Any] | None:
+        """The operator's fail-slow episode as it stores it (None while none is open): its slow nodes,
+        links and the ski-rental controller's rung."""
+        raw = self.client.get(self.keys.failslow)
+        state = json.loads(raw)["state"] if raw else {}
+        return state if state.get("episode") else None
+
+    def declined(self) -> list[str]:
+        """The operator's log lines of rungs it decided but did not publish, and why."""
+        log = self.directory / "operator.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        return [line.split(": ", 1)[-1] for line in lines if " not applied: " in line]
+
     def down(self) -> None:
         self.rjob("down")
 
@@ -249,13 +264,18 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         return found[0] if found else None
 
     report = wait(detected, 300, f"a SlowReport from node {slow_node}")
+    try:
+        wait(stack.episode, 120, "the operator's episode")
+        opened_at: float | None = time.time()
+    except TimeoutError:
+        opened_at = None
 
     def mitigated() -> PlanAnnouncement | None:
         plan = stack.plan()
         return plan if plan is not None and plan.generation > generation else None
 
     try:
-        new = wait(mitigated, 180, "a mitigation plan")
+        new = wait(mitigated, 180 if opened_at is not None else 10, "a mitigation plan")
     except TimeoutError:
         new = None
     mitigated_at = time.time()
@@ -272,11 +292,20 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         if new is not None
         else None
     )
+    # When the operator opened its episode (its stored state, polled every 0.5 s): the slowed node's step.
+    opened_step = (
+        max((r.step for r in records if r.node == slow_node and r.sent_at <= opened_at), default=inject_step)
+        if opened_at is not None
+        else None
+    )
     healthy = throughput(records, 0, healthy_from, healthy_to)
     slow = throughput(records, 0, injected + 0.5, slow_to)
     mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0
     removed = (mitigated_rate - slow) / (healthy - slow) if new is not None and healthy > slow else None
     return {
+        "job_slowed_by": healthy / slow if slow > 0 else None,
+        "episode_delay_iterations": None if opened_step is None else opened_step - inject_step,
+        "declined": stack.declined(),
         "healthy_steps_per_s": healthy,
         "slow_steps_per_s": slow,
         "mitigated_steps_per_s": mitigated_rate,
@@ -593,6 +622,9 @@ def main() -> None:
     )
     parser.add_argument("--factor", type=float, default=1.5, help="compute: the slowdown ordered")
     parser.add_argument("--slow-node", type=int, default=1, help="compute: the node slowed")
+    parser.add_argument(
+        "--threshold", type=float, default=None, help="override the job's failSlow.slowdownThreshold"
+    )
     parser.add_argument("--minutes", type=float, default=5.0, help="healthy: how long to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "failslow-mixed.png")
     parser.add_argument("--json", type=Path, help="also write the result here")
@@ -606,6 +638,10 @@ def main() -> None:
     job = manifest(nodes, pipelined)
     if args.manifest is not None:
         job = yaml.safe_load(args.manifest.read_text())
+    if args.threshold is not None:
+        if not args.threshold > 1.0:
+            parser.error(f"--threshold: must be > 1, got {args.threshold}")
+        job["spec"].setdefault("failSlow", {})["slowdownThreshold"] = args.threshold
     name = job["metadata"]["name"]
     with tempfile.TemporaryDirectory(prefix="rjob-failslow-") as directory:
         stack = Stack(Path(directory), name)
