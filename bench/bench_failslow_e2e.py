@@ -661,12 +661,23 @@ def main() -> None:
             plan = stack.plan()
             result["layout"] = None if plan is None else plan.layout
             result["wall_s"] = time.time() - began
+            if args.json:
+                # The raw material, to look again at what the detectors saw: every node's steps, and the
+                # operator's log beside the JSON.
+                result["iterations"] = [
+                    [r.node, r.generation, r.step, r.seconds, r.compute_s, r.sent_at]
+                    for r in stack.iterations()
+                ]
+                log = Path(directory) / "operator.log"
+                if log.exists():
+                    args.json.with_suffix(".operator.log").write_text(log.read_text(errors="replace"))
         finally:
             stack.down()
     text = json.dumps(result, indent=1, default=str)
     if args.json:
         args.json.write_text(text)
-    summary = {k: v for k, v in result.items() if k not in ("reports", "slow_reports", "timeline", "report")}
+    hidden = ("reports", "slow_reports", "timeline", "report", "iterations")
+    summary = {k: v for k, v in result.items() if k not in hidden}
     print(json.dumps(summary, indent=1, default=str))
     if "reports" in result or "slow_reports" in result:
         for report in result.get("reports", result.get("slow_reports", [])):
