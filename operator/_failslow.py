@@ -17,7 +17,8 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 2. When the time lost pays for the next strategy, the tracker answers with a `Mitigation`, which the
    reconciler turns into a plan (`_failslow_plans`) and publishes through the same generation path as a
    fail-stop: S2 `microbatch`, S3 `topology` (links first, then stragglers), S4 `replace` (slow nodes out,
-   their pods parked), and `restore` when the last slow node's recovery report ends the episode.
+   their pods parked), and `restore` when the last slow node's recovery report ends the episode; `revert`
+   when the episode's first rung measurably made the job slower (`_failslow_rungs`).
 
 Restart safety: `state()` is everything the episode needs (the controller's level, accumulated loss, causes
 and slow nodes; the tracker's slow nodes, links, candidates and the outstanding validation); the reconciler
@@ -61,6 +62,7 @@ from ._failslow_plans import (
     sync_time,
     topology_plan,
 )
+from ._failslow_rungs import FirstRungCheck
 from ._straggler import StragglerGate, communication_suspects
 from .api import FailSlowSpec
 
@@ -95,6 +97,7 @@ class Action(StrEnum):
     TOPOLOGY = "topology"
     REPLACE = "replace"
     RESTORE = "restore"
+    REVERT = "revert"  # the episode's first rung made the job slower: its plan is undone, the episode goes on
 
 
 _ACTIONS = {
@@ -181,6 +184,8 @@ class FailSlowTracker:
     gate: StragglerGate = field(init=False)
     job: JobStepTrigger = field(init=False)
     """Falcon's trigger on the job's own step time (`_failslow_job`), beside the per-worker rule."""
+    rung_check: FirstRungCheck = field(init=False)
+    """Whether the episode's first rung made the job slower (`_failslow_rungs`)."""
     slow: dict[int, float] = field(default_factory=dict)
     """Nodes of the current episode, with their slowdown (new level / healthy level)."""
     links: set[Link] = field(default_factory=set)
@@ -206,6 +211,7 @@ class FailSlowTracker:
     def __post_init__(self) -> None:
         self.gate = StragglerGate(self.spec.slowdown_threshold)
         self.job = JobStepTrigger(self.spec.slowdown_threshold, self.spec.min_duration_s)
+        self.rung_check = FirstRungCheck(self.spec.slowdown_threshold)
         self.controller = self._fresh_controller()
 
     def _fresh_controller(self) -> MitigationController:
@@ -283,10 +289,24 @@ class FailSlowTracker:
         decision = self.controller.on_iteration(seconds)
         self._recent = [*self._recent[-(RECENT - 1) :], seconds]
         self.changed = True
+        worse = self.rung_check.observe(record.generation, record.seconds)
+        self.rung_check.step(record.seconds)
+        if worse is not None:
+            return Mitigation(
+                Action.REVERT,
+                dict(self.slow),
+                worse,
+                self.controller.loss_s,
+                self._detect_s,
+                tuple(sorted(self.links)),
+                self._measured(),
+            )
         if decision is None or decision.strategy not in _ACTIONS:
             return None
         action = _ACTIONS[decision.strategy]
         measured = self._measured()
+        if not self._rungs:
+            self.rung_check.arm(str(action), record.generation)
         self._rungs.append((str(action), median(self._recent)))
         self._recent = []  # the next rung's "before" is measured on the layout this one publishes
         return Mitigation(
@@ -554,6 +574,7 @@ class FailSlowTracker:
             return None
         self._fed.clear()
         self._recent, self._rungs = [], []
+        self.rung_check.reset()
         decision = self.controller.on_change(_event(report, report.step))
         if decision is None:
             return None
@@ -585,6 +606,7 @@ class FailSlowTracker:
             self._fed.clear()
             self.links.clear()
             self._recent, self._rungs = [], []
+            self.rung_check.reset()
         self.changed = True
 
     def drain_findings(self) -> list[Finding]:
@@ -606,6 +628,7 @@ class FailSlowTracker:
             "compute_episode": self._compute_episode,
             "recent": list(self._recent),
             "rungs": [[action, level] for action, level in self._rungs],
+            "rung_check": self.rung_check.state(),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -625,6 +648,7 @@ class FailSlowTracker:
         self._compute_episode = bool(state.get("compute_episode", True))
         self._recent = [float(v) for v in state.get("recent", [])][-RECENT:]
         self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
+        self.rung_check.resume(state.get("rung_check"))
         self.changed = False
 
 

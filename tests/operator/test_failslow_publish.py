@@ -1,0 +1,67 @@
+"""What the operator publishes for a fail-slow rung (`_mitigation.mitigation_message`), from a parsed spec
+through the planner: a revert brings the healthy plan back under the NodeSlow trigger; S4 that would not pay
+is declined with the estimate."""
+
+from __future__ import annotations
+
+import asyncio
+
+from resilientjob.operator._failslow import Action, Mitigation, microbatch_plan, sync_time
+from resilientjob.operator._mitigation import mitigation_message
+from resilientjob.operator._planning import plan_initial, planner_inputs
+from resilientjob.operator._redis_state import announcement
+from resilientjob.operator.api import Reason, parse_spec
+from resilientjob.planner.plan import Plan
+
+SPEC = parse_spec(
+    {
+        "image": "rjob:test",
+        "model": "synthetic:bert-large",
+        "nodes": 4,
+        "globalBatchSize": 16,
+        "microBatchSize": 1,
+        "faultTolerance": 1,
+    }
+)
+
+
+def _after_s2(factor: float) -> tuple[Plan, Plan]:
+    inputs = planner_inputs(SPEC)
+    healthy = plan_initial(SPEC, inputs)
+    slow = healthy.pipelines[0].stages[0].node
+    split = microbatch_plan(
+        healthy,
+        inputs.profile,
+        inputs.cluster,
+        {slow: factor},
+        sync_time(healthy, inputs.profile, inputs.cluster),
+    )
+    assert isinstance(split, Plan), split
+    return healthy, split
+
+
+def test_a_revert_publishes_the_healthy_plan_again_under_node_slow() -> None:
+    healthy, split = _after_s2(3.0)
+    slow = healthy.pipelines[0].stages[0].node
+    current = announcement(split, strategy="microbatch", restore=healthy)
+    mitigation = Mitigation(Action.REVERT, {slow: 3.0}, "microbatch made the job slower", 5.0, 1.0)
+    message = asyncio.run(mitigation_message(SPEC, planner_inputs(SPEC), current, mitigation, lambda _: True))
+    assert not isinstance(message, str), message
+    assert message.generation == split.generation + 1 and message.strategy == "revert"
+    assert message.trigger == Reason.NODE_SLOW and "made the job slower" in message.reason
+    counts = [p.microbatches for p in message.plan.pipelines]
+    assert counts == [p.microbatches for p in healthy.pipelines] != [p.microbatches for p in split.pipelines]
+    assert message.plan.transfers == ()
+
+
+def test_s4_that_would_not_pay_is_declined_with_its_estimate() -> None:
+    healthy, split = _after_s2(1.6)
+    slow = healthy.pipelines[0].stages[0].node
+    current = announcement(split, strategy="microbatch", restore=healthy)
+    mitigation = Mitigation(Action.REPLACE, {slow: 1.6}, "lost 120 s", 120.0, 1.0)
+    message = asyncio.run(mitigation_message(SPEC, planner_inputs(SPEC), current, mitigation, lambda _: True))
+    assert isinstance(message, str) and f"without nodes [{slow}]" in message and "no shorter" in message
+    much = Mitigation(Action.REPLACE, {slow: 50.0}, "lost 120 s", 120.0, 1.0)
+    published = asyncio.run(mitigation_message(SPEC, planner_inputs(SPEC), current, much, lambda _: True))
+    assert not isinstance(published, str), published
+    assert slow not in published.plan.nodes and published.parked == [slow]
