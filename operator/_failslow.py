@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from statistics import median
 from typing import Any
 
@@ -63,6 +62,7 @@ from ._failslow_plans import (
     topology_plan,
 )
 from ._failslow_rungs import FirstRungCheck
+from ._failslow_types import Action, Finding, FindingKind, Link, Mitigation
 from ._straggler import StragglerGate, communication_suspects
 from .api import FailSlowSpec
 
@@ -71,6 +71,7 @@ __all__ = [
     "Action",
     "FailSlowTracker",
     "Finding",
+    "FindingKind",
     "Mitigation",
     "link_plan",
     "microbatch_plan",
@@ -87,61 +88,11 @@ RECENT = 8
 CANDIDATE_TTL_S = 60.0
 """A report the job-wide rule has not confirmed this long after it came is dismissed as noise."""
 
-Link = tuple[int, int]
-
-
-class Action(StrEnum):
-    """What the reconciler publishes for a mitigation (the strategy names of the status)."""
-
-    MICROBATCH = "microbatch"
-    TOPOLOGY = "topology"
-    REPLACE = "replace"
-    RESTORE = "restore"
-    REVERT = "revert"  # the episode's first rung made the job slower: its plan is undone, the episode goes on
-
-
 _ACTIONS = {
     Strategy.MICROBATCH: Action.MICROBATCH,
     Strategy.TOPOLOGY: Action.TOPOLOGY,
     Strategy.REPLACE: Action.REPLACE,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Mitigation:
-    """Publish `action` for `nodes` (slow node -> slowdown factor), and for slow `links`, now."""
-
-    action: Action
-    factors: dict[int, float]
-    reason: str
-    loss_s: float
-    detect_s: float
-    links: tuple[Link, ...] = ()
-    measured: str = ""
-    """What the tracker measured: the step time now against the healthy one, and what each earlier rung of
-    the episode changed (its step time when decided -> now)."""
-
-    @property
-    def nodes(self) -> tuple[int, ...]:
-        return tuple(sorted(self.factors))
-
-
-class FindingKind(StrEnum):
-    SLOW = "slow"  # an episode took these nodes in (NodeSlow)
-    RECOVERED = "recovered"  # a slow node's recovery report (NodeRecovered)
-    DISMISSED = "dismissed"  # a report the job-wide rule or a validation pass did not confirm
-    SLOW_LINK = "slow-link"  # validation named slow links
-    SLOW_DEVICE = "slow-device"  # validation named slow devices
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """Something the reconciler reports as a Kubernetes Event."""
-
-    kind: FindingKind
-    nodes: tuple[int, ...]
-    message: str
-    links: tuple[Link, ...] = ()
 
 
 @dataclass(slots=True)
