@@ -88,6 +88,8 @@ RECENT = 8
 CANDIDATE_TTL_S = 60.0
 """A report the job-wide rule has not confirmed this long after it came is dismissed as noise."""
 
+SWEPT = " (no agent reported it: the operator's sweep of the job-wide rule found it)"
+
 _ACTIONS = {
     Strategy.MICROBATCH: Action.MICROBATCH,
     Strategy.TOPOLOGY: Action.TOPOLOGY,
@@ -104,6 +106,8 @@ class _Candidate:
     """The node's latest step when the current confirmation began."""
     validated: tuple[int, ...] | None = None
     """Communication: the nodes validation named (None: not validated yet; (): the pass timed out)."""
+    swept: bool = False
+    """Made by the operator's sweep of the job-wide rule, not reported by an agent."""
 
     def state(self) -> dict[str, Any]:
         return {
@@ -112,6 +116,7 @@ class _Candidate:
             "confirmed_since": self.confirmed_since,
             "confirmed_step": self.confirmed_step,
             "validated": None if self.validated is None else list(self.validated),
+            "swept": self.swept,
         }
 
     @classmethod
@@ -123,6 +128,7 @@ class _Candidate:
             None if raw.get("confirmed_since") is None else float(raw["confirmed_since"]),
             int(raw.get("confirmed_step", 0)),
             None if validated is None else tuple(int(n) for n in validated),
+            bool(raw.get("swept", False)),
         )
 
 
@@ -158,6 +164,8 @@ class FailSlowTracker:
     """The last `RECENT` iteration times charged to the episode (its current level)."""
     _rungs: list[tuple[str, float]] = field(default_factory=list)
     """Each rung published in this episode, with the level measured when it was decided."""
+    _swept: dict[int, int] = field(default_factory=dict)
+    """Each node's latest step when the sweep last made it a candidate (once per level window)."""
 
     def __post_init__(self) -> None:
         self.gate = StragglerGate(self.spec.slowdown_threshold)
@@ -295,6 +303,8 @@ class FailSlowTracker:
     def tick(self, now: float | None = None) -> None:
         """Judge the candidates: open the episode for those confirmed long enough, dismiss stale ones."""
         clock = time.time() if now is None else now
+        if self.spec.enabled and not self.controller.active:
+            self._sweep(clock)
         compute = {
             node: candidate.report.onset_step
             for node, candidate in self.candidates.items()
@@ -328,18 +338,48 @@ class FailSlowTracker:
                     self.gate.window if self.spec.min_duration_s > 0 else 0
                 )
                 if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
-                    self._open(node, candidate)
+                    self._open(node, candidate, why=SWEPT if candidate.swept else "")
             elif verdict is False:
                 # The node's level since its onset is within the threshold of the others': noise, or a
                 # slowdown that every node shares (machine-wide). Not a straggler.
                 del self.candidates[node]
                 self.changed = True
-                self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
+                if not candidate.swept:  # the operator's own hypothesis, no agent's report: nothing to tell
+                    self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
                 continue
             if node in self.candidates and clock - candidate.came_at > CANDIDATE_TTL_S:
                 del self.candidates[node]
                 self.changed = True
-                self._dismiss(node, f"not confirmed against the other nodes within {CANDIDATE_TTL_S:.0f}s")
+                if not candidate.swept:
+                    ttl = f"{CANDIDATE_TTL_S:.0f}s"
+                    self._dismiss(node, f"not confirmed against the other nodes within {ttl}")
+
+    def _sweep(self, clock: float) -> None:
+        """Outside an episode, every node with a full level window is judged by the job-wide rule even
+        though its agent reported nothing: a straggler becomes a compute candidate, confirmed like a
+        report. Agents' detectors ignore changes under `AGENT_DETECTOR.min_change` (25%) and miss drifts;
+        a worker ordered 1.3x slower on the demo's GPT ran 1.36x its peers' compute for 550 steps unreported
+        while the whole host drifted 1.2x. Once per level window per node."""
+        skip = set(self.candidates) | set(self._sources)
+        for node, (first, own, reference) in self.gate.sweep(skip).items():
+            latest = self.gate.steps.get(node, first)
+            if latest - self._swept.get(node, -self.gate.window) < self.gate.window:
+                continue
+            self._swept[node] = latest
+            share = self.gate.shares.get(node, 1.0)
+            report = SlowReport(
+                node=node,
+                generation=max(0, self.gate.generation),
+                step=latest,
+                onset_step=first,
+                slowdown=own / reference,
+                baseline_s=reference * share,
+                level_s=own * share,
+                kind=SlowKind.COMPUTE,
+                detected_at=clock,
+            )
+            self.candidates[node] = _Candidate(report, clock, swept=True)
+            self.changed = True
 
     def _dismiss(self, node: int, why: str) -> None:
         self.findings.append(

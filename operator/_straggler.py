@@ -126,7 +126,30 @@ class StragglerGate:
         """`straggler` for many nodes (node -> since_step) at once: the other nodes' levels are computed
         once per distinct onset, so a machine-wide slowdown that every node reports costs O(N log N) per
         onset, not O(N^2)."""
-        verdicts: dict[int, bool | None] = {}
+        return {node: None if found is None else found[0] for node, found in self._judge(candidates).items()}
+
+    def sweep(self, skip: Iterable[int] = ()) -> dict[int, tuple[int, float, float]]:
+        """Stragglers by the rule over each node's whole window, without any report: node -> (the window's
+        first step, its level, the other nodes' median level), levels per planned share. Only nodes with a
+        full window are judged. The operator's catch-all for a slowdown that the agents' own detectors
+        missed: a change inside their jitter band, or one that came as a drift."""
+        skipped = set(skip)
+        full = {
+            node: samples[0][0]
+            for node, samples in self._levels.items()
+            if node not in skipped and len(samples) == self.window
+        }
+        found = self._judge(dict.fromkeys(full, 0))
+        return {
+            node: (full[node], verdict[1], verdict[2])
+            for node, verdict in found.items()
+            if verdict is not None and verdict[0] and verdict[1] > verdict[2]  # not a lone node
+        }
+
+    def _judge(self, candidates: Mapping[int, int]) -> dict[int, tuple[bool, float, float] | None]:
+        """The rule for each node: (straggler, its level, the others' median), or None with too few
+        samples. A one-node job has no others: its reference is its own level and it counts as slow."""
+        verdicts: dict[int, tuple[bool, float, float] | None] = {}
         by_onset: dict[int, list[int]] = {}
         for node, since in candidates.items():
             by_onset.setdefault(since, []).append(node)
@@ -149,12 +172,11 @@ class StragglerGate:
                 reference = _median_without(ordered, skip)
                 # Nothing to compare with (a one-node job): the agent's own before/after ratio stands.
                 if reference is None:
-                    verdicts[node] = True
+                    verdicts[node] = (True, own, own)
                     continue
                 excess_s = (own - reference) * self.shares.get(node, 1.0)
-                verdicts[node] = (
-                    own > self.threshold * reference and excess_s >= (self.threshold - 1) * step_s
-                )
+                slow = own > self.threshold * reference and excess_s >= (self.threshold - 1) * step_s
+                verdicts[node] = (slow, own, reference)
         return verdicts
 
     def _level_or_recent(self, node: int, since_step: int) -> float | None:

@@ -140,6 +140,26 @@ def test_one_node_at_1_5x_amid_noise_is_found_and_mitigated() -> None:
     )
 
 
+def test_a_straggler_no_agent_reported_is_found_by_the_operators_sweep() -> None:
+    # The agents' detectors ignore changes under 25% and miss drifts: a worker 1.35x slower than its peers
+    # may never report. The operator's sweep judges every node's window by the job-wide rule itself.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=2.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    job = Job(spec, seed=4)
+    job.run(300, {}, noise=0.08)  # noise alone, for minutes: nothing opens
+    job.run(20, {}, noise=0.05, machine=1.5)  # nor does the whole machine slowing down
+    assert not job.tracker.active and not job.tracker.candidates
+    assert not job.tracker.drain_findings()  # the sweep's own hypotheses are not reported as dismissals
+    job.run(10, {5: 1.35}, noise=0.05)
+    assert not job.tracker.active  # the window has not turned over yet
+    job.run(30, {5: 1.35}, noise=0.05)
+    assert job.tracker.active and set(job.tracker.slow) == {5}
+    assert 1.2 < job.tracker.slow[5] < 1.6
+    (opened,) = [f for f in job.tracker.drain_findings() if f.kind is FindingKind.SLOW]
+    assert "sweep" in opened.message and opened.nodes == (5,)
+
+
 def test_planned_shares_make_uneven_stages_comparable() -> None:
     # Pipeline 0 runs 8 micro-batches, pipeline 1 only 4 (as after S2): its nodes do half the work.
     plan = grid_plan([[0, 1], [2, 3]], microbatches=4)
