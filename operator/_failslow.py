@@ -62,7 +62,7 @@ from ._failslow_plans import (
     topology_plan,
 )
 from ._failslow_rungs import FirstRungCheck
-from ._failslow_types import Action, Finding, FindingKind, Link, Mitigation
+from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
 from ._straggler import StragglerGate, communication_suspects
 from .api import FailSlowSpec
 
@@ -98,41 +98,6 @@ _ACTIONS = {
 
 
 @dataclass(slots=True)
-class _Candidate:
-    report: SlowReport
-    came_at: float
-    confirmed_since: float | None = None
-    confirmed_step: int = 0
-    """The node's latest step when the current confirmation began."""
-    validated: tuple[int, ...] | None = None
-    """Communication: the nodes validation named (None: not validated yet; (): the pass timed out)."""
-    swept: bool = False
-    """Made by the operator's sweep of the job-wide rule, not reported by an agent."""
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "report": self.report.model_dump(mode="json"),
-            "came_at": self.came_at,
-            "confirmed_since": self.confirmed_since,
-            "confirmed_step": self.confirmed_step,
-            "validated": None if self.validated is None else list(self.validated),
-            "swept": self.swept,
-        }
-
-    @classmethod
-    def of(cls, raw: Mapping[str, Any]) -> _Candidate:
-        validated = raw.get("validated")
-        return cls(
-            SlowReport.model_validate(raw["report"]),
-            float(raw["came_at"]),
-            None if raw.get("confirmed_since") is None else float(raw["confirmed_since"]),
-            int(raw.get("confirmed_step", 0)),
-            None if validated is None else tuple(int(n) for n in validated),
-            bool(raw.get("swept", False)),
-        )
-
-
-@dataclass(slots=True)
 class FailSlowTracker:
     """One job's fail-slow episode: reports, iteration times, profiles and validations in; mitigations out.
     Times (`now`) are wall-clock seconds, so that a restored state keeps its meaning in another process."""
@@ -148,7 +113,7 @@ class FailSlowTracker:
     links: set[Link] = field(default_factory=set)
     """Slow links (sender, receiver) that validation named in this episode."""
     controller: MitigationController = field(init=False)
-    candidates: dict[int, _Candidate] = field(default_factory=dict)
+    candidates: dict[int, Candidate] = field(default_factory=dict)
     awaiting: tuple[int, float] | None = None
     """The outstanding validation request: (id, when it was sent)."""
     profiles: dict[int, ProfileRecord] = field(default_factory=dict)
@@ -200,7 +165,7 @@ class FailSlowTracker:
             return None
         if report.node in self.candidates:
             return None  # a repeated report neither restarts nor extends the pending confirmation
-        self.candidates[report.node] = _Candidate(report, clock)
+        self.candidates[report.node] = Candidate(report, clock)
         self.changed = True
         return None
 
@@ -223,7 +188,7 @@ class FailSlowTracker:
             return
         if report.node in self._sources or report.node in self.candidates:
             return  # the per-worker path has it already
-        candidate = _Candidate(report, report.detected_at)
+        candidate = Candidate(report, report.detected_at)
         self.candidates[report.node] = candidate
         self.changed = True
         if report.kind is SlowKind.COMPUTE:
@@ -378,7 +343,7 @@ class FailSlowTracker:
                 kind=SlowKind.COMPUTE,
                 detected_at=clock,
             )
-            self.candidates[node] = _Candidate(report, clock, swept=True)
+            self.candidates[node] = Candidate(report, clock, swept=True)
             self.changed = True
 
     def _dismiss(self, node: int, why: str) -> None:
@@ -460,7 +425,7 @@ class FailSlowTracker:
                 candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone
         return True
 
-    def _corroborated(self, reporter: int, candidate: _Candidate) -> tuple[int, ...]:
+    def _corroborated(self, reporter: int, candidate: Candidate) -> tuple[int, ...]:
         """The nodes a validated communication episode takes in: those validation named, less a device it
         named alone next to a confirmed slow link when the job-wide compute rule finds that node not slow.
         One GEMM timing on a shared host can name a device by accident, and taking it in would make the
@@ -488,7 +453,7 @@ class FailSlowTracker:
         return tuple(n for n in named if n not in unconfirmed)
 
     # ---- the episode -------------------------------------------------------------------------------------
-    def _open(self, reporter: int, candidate: _Candidate, why: str = "") -> None:
+    def _open(self, reporter: int, candidate: Candidate, why: str = "") -> None:
         del self.candidates[reporter]
         report = candidate.report
         nodes = self._corroborated(reporter, candidate) or (reporter,)
@@ -629,7 +594,7 @@ class FailSlowTracker:
         slow = {int(n): float(f) for n, f in state["slow"].items()}
         links = {(int(a), int(b)) for a, b in state["links"]}
         sources = {int(n): tuple(int(m) for m in led) for n, led in state["sources"].items()}
-        candidates = {int(n): _Candidate.of(c) for n, c in state["candidates"].items()}
+        candidates = {int(n): Candidate.of(c) for n, c in state["candidates"].items()}
         awaiting = state.get("awaiting")
         self.controller, self.slow, self.links, self._sources = controller, slow, links, sources
         self.candidates = candidates

@@ -1,11 +1,15 @@
-"""The fail-slow path's results: what the tracker asks the reconciler to publish (`Mitigation`, by
-`Action`) and to report as Kubernetes Events (`Finding`). Shared by `_failslow`, which makes them, and
-`_mitigation` and the reconciler, which act on them."""
+"""The fail-slow path's types: what the tracker asks the reconciler to publish (`Mitigation`, by `Action`)
+and to report as Kubernetes Events (`Finding`), shared by `_failslow`, which makes them, and `_mitigation` and
+the reconciler, which act on them; and the tracker's pending `Candidate` reports, with their stored form."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from resilientjob.protocol.messages import SlowReport
 
 Link = tuple[int, int]
 """A slow link, (sender, receiver) as validation names it."""
@@ -56,3 +60,40 @@ class Finding:
     nodes: tuple[int, ...]
     message: str
     links: tuple[Link, ...] = ()
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A slow report waiting to be confirmed (or one the operator's sweep made), as the tracker holds it."""
+
+    report: SlowReport
+    came_at: float
+    confirmed_since: float | None = None
+    confirmed_step: int = 0
+    """The node's latest step when the current confirmation began."""
+    validated: tuple[int, ...] | None = None
+    """Communication: the nodes validation named (None: not validated yet; (): the pass timed out)."""
+    swept: bool = False
+    """Made by the operator's sweep of the job-wide rule, not reported by an agent."""
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "report": self.report.model_dump(mode="json"),
+            "came_at": self.came_at,
+            "confirmed_since": self.confirmed_since,
+            "confirmed_step": self.confirmed_step,
+            "validated": None if self.validated is None else list(self.validated),
+            "swept": self.swept,
+        }
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Candidate:
+        validated = raw.get("validated")
+        return cls(
+            SlowReport.model_validate(raw["report"]),
+            float(raw["came_at"]),
+            None if raw.get("confirmed_since") is None else float(raw["confirmed_since"]),
+            int(raw.get("confirmed_step", 0)),
+            None if validated is None else tuple(int(n) for n in validated),
+            bool(raw.get("swept", False)),
+        )
