@@ -260,7 +260,8 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
             # Rerouted micro-batches' gradients accumulate on the peers' own copies, so the holders are the
             # live stages' nodes only. They stay in pipeline order: that is the ring the all-reduce runs
             # (the group is made without sorting its ranks), the order the planner's fail-slow topology
-            # change (Falcon's S3, `reassign_congested_links`) assumes when it moves a slow link off it.
+            # change (Falcon's S3, `planner.failslow.reroute_slow_links`) scores when it moves a slow link
+            # off it.
             holders = dict.fromkeys(
                 stage.node
                 for pipeline in plan.pipelines

@@ -86,7 +86,8 @@ RECENT = 8
 """Iterations whose median is the episode's current level (what a rung measured before and after)."""
 
 CANDIDATE_TTL_S = 60.0
-"""A report the job-wide rule has not confirmed this long after it came is dismissed as noise."""
+"""A report the job-wide rule has not confirmed this long after it came (or twice a level window of the job's
+steps, if longer) is dismissed as noise."""
 
 SWEPT = " (no agent reported it: the operator's sweep of the job-wide rule found it)"
 
@@ -163,7 +164,8 @@ class FailSlowTracker:
             return self._recovered(report)
         if report.slowdown < self.spec.slowdown_threshold or report.node in self._sources:
             return None
-        if report.node in self.candidates:
+        pending = self.candidates.get(report.node)
+        if pending is not None and not pending.swept:
             return None  # a repeated report neither restarts nor extends the pending confirmation
         self.candidates[report.node] = Candidate(report, clock)
         self.changed = True
@@ -210,12 +212,12 @@ class FailSlowTracker:
         # times (a compute straggler's excess is what every peer waits), a step detector's step times.
         compute = self._compute_episode and record.compute_s is not None and record.compute_s > 0
         seconds = record.compute_s if compute and record.compute_s is not None else record.seconds
-        decision = self.controller.on_iteration(seconds)
-        self._recent = [*self._recent[-(RECENT - 1) :], seconds]
         self.changed = True
+        # Judged before the controller sees the step: a revert and a next rung decided on the same step
+        # would leave the controller counting a rung that was never published.
         worse = self.rung_check.observe(record.generation, record.seconds)
-        self.rung_check.step(record.seconds)
         if worse is not None:
+            self._recent = [*self._recent[-(RECENT - 1) :], seconds]
             return Mitigation(
                 Action.REVERT,
                 dict(self.slow),
@@ -225,12 +227,13 @@ class FailSlowTracker:
                 tuple(sorted(self.links)),
                 self._measured(),
             )
+        decision = self.controller.on_iteration(seconds)
+        self._recent = [*self._recent[-(RECENT - 1) :], seconds]
         if decision is None or decision.strategy not in _ACTIONS:
             return None
         action = _ACTIONS[decision.strategy]
         measured = self._measured()
-        if not self._rungs:
-            self.rung_check.arm(str(action), record.generation)
+        self.rung_check.arm(str(action), record.generation)
         self._rungs.append((str(action), median(self._recent)))
         self._recent = []  # the next rung's "before" is measured on the layout this one publishes
         return Mitigation(
@@ -242,6 +245,19 @@ class FailSlowTracker:
             tuple(sorted(self.links)),
             measured,
         )
+
+    def published(self, mitigation: Mitigation, generation: int) -> None:
+        """The reconciler is committing `mitigation` as `generation` (before the commit, so that the stored
+        episode has it): the first-rung check judges that generation's steps."""
+        if mitigation.action in (Action.MICROBATCH, Action.TOPOLOGY, Action.REPLACE):
+            self.rung_check.published(generation)
+            self.changed = True
+
+    def not_published(self, mitigation: Mitigation) -> None:
+        """The decided rung was not published: the first-rung check waits for one that is."""
+        if mitigation.action in (Action.MICROBATCH, Action.TOPOLOGY, Action.REPLACE):
+            self.rung_check.declined()
+            self.changed = True
 
     def _factors(self, action: Action) -> dict[int, float]:
         """The slow nodes a rung acts on. S2 fixes compute only (Falcon Table 3): the ends of slow links are
@@ -312,12 +328,13 @@ class FailSlowTracker:
                 if not candidate.swept:  # the operator's own hypothesis, no agent's report: nothing to tell
                     self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
                 continue
-            if node in self.candidates and clock - candidate.came_at > CANDIDATE_TTL_S:
+            # Confirmation takes a level window of steps: a job of long steps gets as long for it.
+            ttl = max(CANDIDATE_TTL_S, 2 * self.gate.window * self.gate.step_s)
+            if node in self.candidates and clock - candidate.came_at > ttl:
                 del self.candidates[node]
                 self.changed = True
                 if not candidate.swept:
-                    ttl = f"{CANDIDATE_TTL_S:.0f}s"
-                    self._dismiss(node, f"not confirmed against the other nodes within {ttl}")
+                    self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
 
     def _sweep(self, clock: float) -> None:
         """Outside an episode, every node with a full level window is judged by the job-wide rule even

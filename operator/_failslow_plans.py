@@ -194,15 +194,18 @@ def replacement_declined(
     )
 
 
-def restored_plan(current: Plan, healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> Plan | str:
-    """The plan from before the episode as generation current + 1, if every node it needs still runs and it
-    is estimated faster than the mitigated plan once nothing is slow."""
+def restored_plan(
+    current: Plan, healthy: Plan, profile: ModelProfile, cluster: ClusterSpec, *, only_if_faster: bool = True
+) -> Plan | str:
+    """The plan from before the episode as generation current + 1, if every node it needs still runs and
+    (`only_if_faster`, a restore after recovery) it is estimated faster than the mitigated plan once nothing
+    is slow. A revert (the mitigation measurably made the job slower) skips the estimate: it was wrong."""
     missing = set(healthy.nodes) - set(current.nodes)
     if missing:
         return f"nodes {sorted(missing)} of the healthy plan are no longer in the layout"
     healthy_s = slowed_step_time(healthy, profile, cluster, {})
     current_s = slowed_step_time(current, profile, cluster, {})
-    if not healthy_s < current_s * (1 - 1e-9):
+    if only_if_faster and not healthy_s < current_s * (1 - 1e-9):
         # Equal estimates (an S3 permutation): moving weights back would buy nothing.
         return "the mitigated plan is as fast as the healthy one; it stays"
     transfers = transfer_list(current.layers_by_node(), healthy.layers_by_node(), profile)

@@ -121,6 +121,14 @@ def _plan(
         if declined:
             return declined
         parked |= set(out)
+    elif action is Action.REVERT:
+        # The episode's first rung (S2 or S3: the same nodes) made the job slower: its plan goes, whatever
+        # the estimates say, and the episode's healthy plan stays the one to restore.
+        if current.restore is None:
+            return "no mitigation was published; nothing to undo"
+        healthy = current.restore
+        result = _failslow.restored_plan(current.plan, healthy, profile, cluster, only_if_faster=False)
+        return result if isinstance(result, str) else (result, parked, healthy)
     else:
         back = [n for n in sorted(parked) if running(n)]
         if back:

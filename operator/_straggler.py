@@ -96,6 +96,11 @@ class StragglerGate:
             self._levels.clear()
             self._step_s.clear()
 
+    @property
+    def step_s(self) -> float:
+        """The job's median step time (wall, all nodes) in this generation; 0 before any step."""
+        return median(self._step_s) if self._step_s else 0.0
+
     def observe(self, record: IterationRecord) -> None:
         self.steps[record.node] = max(record.step, self.steps.get(record.node, -1))
         if record.generation != self.generation:
@@ -162,7 +167,7 @@ class StragglerGate:
                 if (value := self._level_or_recent(other, since)) is not None
             }
             ordered = sorted(everyone.values())
-            step_s = median(self._step_s) if self._step_s else 0.0
+            step_s = self.step_s
             for node in nodes:
                 own = self.level(node, since)
                 if own is None:

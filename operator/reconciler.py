@@ -472,7 +472,7 @@ class JobController:
             await self.apply(published)
         if not deciding and self.store.replaced:
             self.store.replaced = False
-            self._start(lambda: self._commit_and_apply(rendezvous_again(published), published))
+            self._start(lambda: self._rendezvous_again(published))
             deciding = True
         plan = published.plan
         self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
@@ -644,19 +644,24 @@ class JobController:
         )
         await self._commit_and_apply(message, current)
 
+    async def _rendezvous_again(self, published: PlanAnnouncement) -> None:
+        await self._commit_and_apply(rendezvous_again(published), published)
+
     async def _commit_and_apply(
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None
-    ) -> None:
-        """Commit (durable record, then Redis with the fail-slow episode's state for a mitigation), apply."""
+    ) -> bool:
+        """Commit (durable record, then Redis with the fail-slow episode's state for a mitigation), apply.
+        False when the record had moved on and nothing was committed."""
         redis = self.require()[2]
         committed = await self.record.commit(
             redis, self.body, message, current.generation, self.status.plan_generation, failslow
         )
         if committed is None:
-            return  # decided on a generation the record has already left: the loop decides again
+            return False  # decided on a generation the record has already left: the loop decides again
         self._published = Published.of(committed)
         self.status = self.status.model_copy(update={"phase": api.Phase.RECONFIGURING})
         await self.apply(committed)
+        return True
 
     def start_mitigation(self, current: PlanAnnouncement, mitigation: _failslow.Mitigation) -> None:
         self._start(lambda: self._mitigate(current, mitigation))
@@ -684,10 +689,13 @@ class JobController:
                     api.Reason.NODE_SLOW,
                     f"fail-slow mitigation {mitigation.action} not applied: {message}",
                 )
+                tracker.not_published(mitigation)
                 await redis.save_failslow(tracker.state())
             else:
                 metrics.RECOVERY_SECONDS.labels("plan").observe(message.plan.planning_s)
-                await self._commit_and_apply(message, current, tracker.state())
+                tracker.published(mitigation, message.generation)
+                if not await self._commit_and_apply(message, current, tracker.state()):
+                    tracker.not_published(mitigation)
             tracker.changed = False
         finally:
             self._telemetry.holding = False

@@ -482,11 +482,16 @@ def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
     assert snapshot is not None and set(snapshot["causes"]) == {"communication", "compute"}
 
 
-@pytest.mark.parametrize(("after", "reverted"), [(1.6, True), (0.75, False)])
-def test_a_first_rung_that_made_the_job_slower_is_reverted_once(after: float, reverted: bool) -> None:
+@pytest.mark.parametrize(
+    ("after", "published", "reverted"), [(1.6, True, True), (0.75, True, False), (1.6, False, False)]
+)
+def test_a_first_rung_that_made_the_job_slower_is_reverted_once(
+    after: float, published: bool, reverted: bool
+) -> None:
     # S2 is chosen from estimates; on a noisy host they can be wrong and the job run slower than with the
-    # slowdown left alone. The steps under the rung's plan (a later generation) are compared with those
-    # before it: slower by the threshold, and the plan from before the episode is published again.
+    # slowdown left alone. The steps of the generation that published the rung are compared with those
+    # before it: slower by the threshold, and the plan from before the episode is published again. A rung
+    # that was not published (nothing would help) is not judged: the job's steps then say nothing of it.
     spec = FailSlowSpec(
         slowdown_threshold=1.3,
         min_duration_s=0,
@@ -498,8 +503,15 @@ def test_a_first_rung_that_made_the_job_slower_is_reverted_once(after: float, re
     job.report(5, 2.0)
     job.run(30, {5: 2.0}, noise=0.02)
     assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
-    job.run(3, {5: 2.0}, noise=0.02)  # steps of the old plan while the new one is committed do not count
-    job.generation = 1  # the S2 plan runs: node 5's step (the job's: all wait for it) is `after` x before
+    s2 = job.mitigations[0]
+    if published:
+        job.tracker.published(s2, generation=2)  # a fail-stop took generation 1 meanwhile
+    else:
+        job.tracker.not_published(s2)
+    job.generation = 1  # steps of another generation than the rung's do not count, however slow
+    job.run(12, {5: 2.0 * 3}, noise=0.02)
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    job.generation = 2  # the S2 plan runs: node 5's step (the job's: all wait for it) is `after` x before
     job.run(12, {5: 2.0 * after}, noise=0.02)
     actions = [m.action for m in job.mitigations]
     assert actions == ([Action.MICROBATCH, Action.REVERT] if reverted else [Action.MICROBATCH]), actions
@@ -507,10 +519,13 @@ def test_a_first_rung_that_made_the_job_slower_is_reverted_once(after: float, re
         revert = job.mitigations[-1]
         assert "microbatch made the job slower" in revert.reason and set(revert.factors) == {5}
     assert job.tracker.active  # the episode goes on either way
+    # Judged once, also across an operator restart: the restarted tracker goes on with the job.
     restarted = FailSlowTracker(spec)
     restarted.restore(json.loads(json.dumps(job.tracker.state())))
-    assert restarted.rung_check.judged  # judged once, also across an operator restart
-    job.generation = 2
+    restarted.gate.new_generation(2, {})
+    assert restarted.rung_check.judged is published
+    job.tracker = restarted
+    job.generation = 3
     job.run(20, {5: 4.0 * after}, noise=0.02)
     assert [m.action for m in job.mitigations].count(Action.REVERT) == (1 if reverted else 0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from resilientjob.operator._failslow import Action, Mitigation, microbatch_plan, sync_time
+from resilientjob.operator._failslow import Action, Mitigation, link_plan, microbatch_plan, sync_time
 from resilientjob.operator._mitigation import mitigation_message
 from resilientjob.operator._planning import plan_initial, planner_inputs
 from resilientjob.operator._redis_state import announcement
@@ -52,6 +52,26 @@ def test_a_revert_publishes_the_healthy_plan_again_under_node_slow() -> None:
     counts = [p.microbatches for p in message.plan.pipelines]
     assert counts == [p.microbatches for p in healthy.pipelines] != [p.microbatches for p in split.pipelines]
     assert message.plan.transfers == ()
+
+
+def test_a_revert_of_s3_publishes_the_healthy_placement_although_estimated_as_fast() -> None:
+    # S3 moves nodes, not work: the planner estimates it exactly as fast as the healthy plan, so a restore
+    # (which asks the healthy plan to be faster) would keep it. A revert undoes it anyway, copying back.
+    inputs = planner_inputs(SPEC)
+    healthy = plan_initial(SPEC, inputs)
+    a, b = (pipeline.stages[0].node for pipeline in healthy.pipelines[:2])
+    moved = link_plan(healthy, inputs.profile, inputs.cluster, [(a, b)], sync_s=0.0)
+    assert isinstance(moved, Plan), moved
+    current = announcement(moved, strategy="topology", restore=healthy)
+    mitigation = Mitigation(
+        Action.REVERT, {a: 2.0, b: 2.0}, "topology made the job slower", 5.0, 1.0, ((a, b),)
+    )
+    message = asyncio.run(mitigation_message(SPEC, inputs, current, mitigation, lambda _: True))
+    assert not isinstance(message, str), message
+    assert message.strategy == "revert" and message.restore == healthy
+    assert message.plan.layers_by_node() == healthy.layers_by_node()
+    if moved.layers_by_node() != healthy.layers_by_node():
+        assert message.plan.transfers  # the weights S3 moved go back
 
 
 def test_s4_that_would_not_pay_is_declined_with_its_estimate() -> None:
