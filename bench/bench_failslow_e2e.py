@@ -263,12 +263,15 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         found = [r for r in found if not r.recovered]
         return found[0] if found else None
 
-    report = wait(detected, 300, f"a SlowReport from node {slow_node}")
+    # Either path may see it first: the worker's own detector (a SlowReport) or the operator (its sweep of
+    # the job-wide rule, or the job-level trigger, open an episode without a report of that node).
+    wait(lambda: detected() or stack.episode(), 300, f"a SlowReport from node {slow_node} or an episode")
     try:
         wait(stack.episode, 120, "the operator's episode")
         opened_at: float | None = time.time()
     except TimeoutError:
         opened_at = None
+    report = detected()
 
     def mitigated() -> PlanAnnouncement | None:
         plan = stack.plan()
@@ -311,14 +314,14 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         "mitigated_steps_per_s": mitigated_rate,
         "slowdown_removed": removed,
         "inject_step": inject_step,
-        "detected_step": report.step,
-        "detection_delay_iterations": report.step - inject_step,
+        "detected_step": None if report is None else report.step,
+        "detection_delay_iterations": None if report is None else report.step - inject_step,
         "factor": factor,
         "slow_node": slow_node,
         "mitigation_delay_iterations": None if mitigation_step is None else mitigation_step - inject_step,
-        "detector_onset_step": report.onset_step,
+        "detector_onset_step": None if report is None else report.onset_step,
         "slow_window_s": slow_to - injected - 0.5,
-        "report": report.model_dump(mode="json"),
+        "report": None if report is None else report.model_dump(mode="json"),
         "mitigation": None
         if new is None
         else {
