@@ -55,7 +55,6 @@ from ._failslow_job import JobStepTrigger
 from ._failslow_plans import (
     link_plan,
     microbatch_plan,
-    replacement_declined,
     restored_plan,
     slowed_step_time,
     sync_time,
@@ -75,7 +74,6 @@ __all__ = [
     "Mitigation",
     "link_plan",
     "microbatch_plan",
-    "replacement_declined",
     "restored_plan",
     "slowed_step_time",
     "sync_time",

@@ -6,7 +6,6 @@
   (`failslow.reroute_slow_links`, Falcon Fig. 10; any layout);
 - S3 b (`topology_plan`): stragglers are consolidated into as few stages as possible
   (`failslow.consolidate_stragglers`, Fig. 11);
-- `replacement_declined`: why S4's plan (the slow nodes out, from the fail-stop planner) would not pay;
 - `restored_plan`: the healthy plan from before the episode, when it is estimated faster.
 
 Each returns the next generation's plan (weights copied peer-to-peer as listed in its transfers), or a
@@ -174,23 +173,6 @@ def link_plan(
             "transition_s": 0.0,
             "candidates": (),
         }
-    )
-
-
-def replacement_declined(
-    current: Plan, replaced: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float]
-) -> str:
-    """Why S4's plan should not be published ("" when it should): fewer nodes must be estimated faster than
-    the current layout with its slow nodes slowed. A mild slowdown, or one that S2 already split around,
-    runs faster on every node, so the last rung is declined rather than slow the job down for good."""
-    before = slowed_step_time(current, profile, cluster, factors)
-    after = slowed_step_time(replaced, profile, cluster, factors)
-    if after < before * (1 - 1e-9):
-        return ""
-    out = sorted(set(current.nodes) - set(replaced.nodes))
-    return (
-        f"without nodes {out} the step is estimated no shorter ({before:.3g}s -> {after:.3g}s, pipelines, "
-        "slow nodes slowed)"
     )
 
 

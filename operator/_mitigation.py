@@ -117,9 +117,6 @@ def _plan(
         # steps can show the recovery. The healthy plan cannot come back without them.
         out = [n for n in replaced_nodes(mitigation) if n in current.plan.nodes]
         result = plan_next(spec, inputs, current.plan, failed=out)
-        declined = _failslow.replacement_declined(current.plan, result, profile, cluster, mitigation.factors)
-        if declined:
-            return declined
         parked |= set(out)
     elif action is Action.REVERT:
         # The episode's first rung (S2 or S3: the same nodes) made the job slower: its plan goes, whatever

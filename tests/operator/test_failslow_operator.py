@@ -143,10 +143,8 @@ async def test_a_slow_link_is_validated_named_and_moved_off_the_data_parallel_pa
 
 async def test_an_operator_killed_mid_episode_continues_at_the_same_rung(stack: Stack) -> None:
     kube = stack.kube
-    # The agents step faster than real time (~50 steps/s of 0.7 s excess each): S4's price is high enough
-    # that the kill below comes between S2 and S4. Node 1 is 8x slow: S2 must leave it one of the 16
-    # micro-batches (8 units against 6 for three nodes), so S4 pays; at 4x the split (5 units) would beat
-    # the job on one node fewer, and S4 would rightly be declined.
+    # The agents step faster than real time (~50 steps/s of 0.7 s excess each, node 1 8x slow): S4's price
+    # is high enough that the kill below comes between S2 and S4.
     overheads = {"microbatchS": 0.3, "topologyS": 1.0, "restartS": 140.0}
     await kube.create_job(job_manifest("resume", failSlow={"minDurationS": 0, "overheads": overheads}))
     await _generation(kube, "resume", 0, 20)
