@@ -71,6 +71,13 @@ def _validate_under_chaos(rank: int, world: int) -> dict[str, Any]:
     tree = validate(Topology.TREE, gemm_size=192, link_bytes=1 << 14, repeats=7, gpus=False)
     injector.order = None
     healthy = validate(Topology.RING, gemm_size=192, link_bytes=1 << 14, repeats=7)
+    # On a loaded 2-core host one healthy GEMM or link can time slow by chance (a CI run named GPU 1 once):
+    # a healthy job must come back clean within three passes. Every rank sees the same merged result, so
+    # all of them take the same number of passes.
+    for _ in range(2):
+        if not (healthy.slow_links or healthy.slow_gpus):
+            break
+        healthy = validate(Topology.RING, gemm_size=192, link_bytes=1 << 14, repeats=7)
     traced = len(tracer.ring.records())
     chaos.activate(None, tracer)
     tracing.uninstall()
