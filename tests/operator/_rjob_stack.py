@@ -242,17 +242,11 @@ class Stack:
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], timeout: float, what: str) -> T:
-    """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds, also when
-    a probe itself never answers (a call to a server a fault left half-open must fail the test, not hang
-    the suite)."""
+    """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last: T | None = None
     while time.monotonic() < deadline:
-        try:
-            last = await asyncio.wait_for(probe(), max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            unanswered = f"timed out after {timeout}s waiting for {what}: the probe did not answer"
-            raise AssertionError(unanswered) from None
+        last = await probe()
         if last:
             return last
         await asyncio.sleep(0.02)
