@@ -290,6 +290,8 @@ class FailSlowTracker:
             if candidate.report.kind is SlowKind.COMPUTE
         }
         verdicts = self.gate.judge(compute) if compute else {}
+        # Confirmation takes a level window of steps: a job of long steps gets as long for it.
+        ttl = max(CANDIDATE_TTL_S, 2 * self.gate.window * self.gate.step_s)
         for node, candidate in list(self.candidates.items()):
             report = candidate.report
             if report.kind is SlowKind.COMMUNICATION:
@@ -326,8 +328,6 @@ class FailSlowTracker:
                 if not candidate.swept:  # the operator's own hypothesis, no agent's report: nothing to tell
                     self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
                 continue
-            # Confirmation takes a level window of steps: a job of long steps gets as long for it.
-            ttl = max(CANDIDATE_TTL_S, 2 * self.gate.window * self.gate.step_s)
             if node in self.candidates and clock - candidate.came_at > ttl:
                 del self.candidates[node]
                 self.changed = True
