@@ -406,6 +406,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     batch over pipelines and micro-batches yields the gradient of the same global mean.
     """
     if logits.dim() == 3:
-        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        return per_token.mean(dim=1).sum()
+        # Over (tokens, vocab) rows, not the (batch, vocab, length) layout: CUDA's softmax over a strided
+        # class dimension took a third of a 1.2B Llama's step on an H200 (bench/bench_gpu.py --profile).
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return per_token.view_as(targets).mean(dim=1).sum()
     return F.mse_loss(logits, torch.zeros_like(logits), reduction="sum") / max(1, logits[0].numel())

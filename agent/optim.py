@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from resilientjob.protocol.workload import Schedule, TrainingSpec
 
@@ -39,10 +40,22 @@ def lr_at(training: TrainingSpec, step: int) -> float:
     return training.min_lr + 0.5 * (training.lr - training.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def fused_on(params: Iterable[torch.Tensor]) -> bool:
+    """Whether AdamW runs fused (one kernel per layer) over `params`: on CUDA, for plain tensors.
+
+    The single-tensor loop torch uses elsewhere launches about ten kernels per tensor, a visible share of a
+    GPU step (bench/bench_gpu.py). The CPU keeps the loop: its updates are the ones the reference runs
+    reproduce bit for bit, and a tensor-parallel shard (a DTensor) keeps it too."""
+    params = list(params)
+    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+
+
 def make_adamw(module: nn.Module, training: TrainingSpec) -> torch.optim.AdamW:
-    """AdamW over `module`'s parameters, decaying only tensors of two or more dimensions."""
+    """AdamW over `module`'s parameters, decaying only tensors of two or more dimensions; fused on CUDA
+    (`fused_on`), whose step counts then live on the device."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
     flat = [p for p in module.parameters() if p.dim() < 2]
+    fused = fused_on(module.parameters())
     groups = [
         {"params": params, "weight_decay": weight_decay}
         for params, weight_decay in ((decay, training.weight_decay), (flat, 0.0))
@@ -55,6 +68,7 @@ def make_adamw(module: nn.Module, training: TrainingSpec) -> torch.optim.AdamW:
         eps=training.eps,
         weight_decay=training.weight_decay,
         foreach=False,
+        fused=fused or None,
     )
 
 

@@ -43,10 +43,11 @@ class LayerState:
 
     def __post_init__(self) -> None:
         self.optimizer = make_adamw(self.module, self.training)
+        fused = bool(self.optimizer.defaults.get("fused"))
         for param in self.module.parameters():
             self.optimizer.state[param] = {
-                # On the CPU whatever the default device, as torch keeps a non-capturable AdamW's count.
-                "step": torch.tensor(0.0, device="cpu"),
+                # Where torch keeps it: on the CPU for a non-capturable AdamW, beside the tensor when fused.
+                "step": torch.tensor(0.0, dtype=torch.float32, device=param.device if fused else "cpu"),
                 "exp_avg": torch.zeros_like(param),
                 "exp_avg_sq": torch.zeros_like(param),
             }

@@ -394,6 +394,10 @@ class Trainer:
     def _inputs(self, step: int, microbatch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         ids = self._order.microbatch_ids(step, microbatch, self._current().microbatch_size)
         inputs, targets = self.dataset.batch(ids)
+        if torch.device(self.device).type == "cuda":
+            # From pageable memory the driver may stage the copy synchronously, holding the host until the
+            # device has drained its queue, once per micro-batch; from pinned memory it is queued.
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return ids, inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_recovery import phases  # a sibling script, not a package
+from _gpu_profile import ProfileHooks, StepProfiler  # sibling modules, not a package
+from bench_recovery import phases
 
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig, worker_main
@@ -159,9 +160,16 @@ class _PinnedAgent(NodeAgent):
 class PinnedLauncher(Launcher):
     """The Launcher with node n's worker on GPU n (CUDA only; on the CPU it is the Launcher)."""
 
-    def __init__(self, *args: Any, pin: bool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pin: bool, profiler: ProfileHooks | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pin = pin
+        self.profiler = profiler
+
+    def crash(self, node: int, restore: bool) -> Any:
+        """Node 0's worker is profiled (with --profile); a node to kill gets its crash as the Launcher's."""
+        if node == 0 and self.profiler is not None and not self.fail_at:
+            return self.profiler
+        return super().crash(node, restore)
 
     def _start(self, nodes: list[int], restore: bool) -> None:
         host, port = "127.0.0.1", self.store.port
@@ -223,6 +231,7 @@ def run_ours(
     timeout_s: float,
     log_dir: Path,
     fail_at: dict[int, int] | None = None,
+    hooks: ProfileHooks | None = None,
 ) -> JobResult:
     config = job_config(args, shape, tokens, steps, timeout_s)
     planner = RuntimePlanner.for_job(
@@ -232,7 +241,9 @@ def run_ours(
         microbatch_size=plan.microbatch_size,
         fault_tolerance=0,
     )
-    launcher = PinnedLauncher(config, plan, planner, log_dir, fail_at=fail_at, pin=args.device == "cuda")
+    launcher = PinnedLauncher(
+        config, plan, planner, log_dir, fail_at=fail_at, pin=args.device == "cuda", profiler=hooks
+    )
     return launcher.run(timeout_s=args.job_timeout)
 
 
@@ -276,8 +287,13 @@ def _plain_worker(rank: int, world: int, port: int, job: dict[str, Any], result_
         for _ in range(accumulate)
     ]
     bf16 = job["bf16"]
+    profiler = None
+    if job["profile"] and rank == 0:
+        profiler = StepProfiler(Path(job["profile"]), job["profile_first"], job["profile_steps"])
     times = []
-    for _ in range(job["steps"]):
+    for step in range(job["steps"]):
+        if profiler is not None:
+            profiler.begin(step)
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
@@ -294,6 +310,8 @@ def _plain_worker(rank: int, world: int, port: int, job: dict[str, Any], result_
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
+        if profiler is not None:
+            profiler.end(step)
     if rank == 0:
         memory = torch.cuda.max_memory_allocated() if cuda else 0
         Path(result_path).write_text(json.dumps({"step_times": times, "max_memory_bytes": memory}))
@@ -301,7 +319,7 @@ def _plain_worker(rank: int, world: int, port: int, job: dict[str, Any], result_
 
 
 def run_plain(
-    args: argparse.Namespace, shape: Shape, world: int, global_batch: int, steps: int
+    args: argparse.Namespace, shape: Shape, world: int, global_batch: int, steps: int, profile: str = ""
 ) -> list[float]:
     if global_batch % (world * args.micro_batch):
         raise ValueError(f"global batch {global_batch} does not split into {world} x micro-batches")
@@ -313,6 +331,9 @@ def run_plain(
         "accumulate": global_batch // (world * args.micro_batch),
         "steps": steps,
         "bf16": args.device == "cuda",
+        "profile": profile,
+        "profile_first": args.warmup + args.steps,
+        "profile_steps": args.profile_steps,
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plain.json"
@@ -340,8 +361,10 @@ class Report:
         self.save()
 
 
-def _median_after(times: list[float], warmup: int) -> float:
-    measured = times[warmup:] or times[-1:]
+def _median_after(times: list[float], warmup: int, steps: int | None = None) -> float:
+    """The median of `steps` step times after `warmup` (all after it when None): profiled steps, which run
+    after the measured ones, are left out."""
+    measured = times[warmup : None if steps is None else warmup + steps] or times[-1:]
     return statistics.median(measured)
 
 
@@ -362,13 +385,19 @@ def layouts(gpus: int) -> list[tuple[int, int]]:
     return found
 
 
+class _Skipped(Exception):
+    """A side left out by --sides."""
+
+
 def measure_layout(
     args: argparse.Namespace, report: Report, shape: Shape, tokens: Path, profile: Any, dp: int, pp: int
 ) -> None:
     devices = dp * pp
     microbatches = args.pp_microbatches if pp > 1 else args.microbatches
     plan = make_plan(shape, dp, pp, microbatches, args.micro_batch)
-    steps = args.warmup + args.steps
+    profiled = args.profile_steps if args.profile else 0
+    steps = args.warmup + args.steps + profiled
+    name = f"dp{dp}pp{pp}"
     row: dict[str, Any] = {
         "layout": f"DP{dp} x PP{pp}",
         "devices": devices,
@@ -376,20 +405,34 @@ def measure_layout(
     }
     row["stages"] = [list(b) for b in stage_bounds(shape, pp)]
     tokens_per_step = plan.global_batch * shape.seq
+    sides = set(args.sides.split(","))
     try:
+        if "ours" not in sides:
+            raise _Skipped("ours")
+        hooks = None
+        if args.profile:
+            path = str(report.out / f"profile_{name}_ours.txt")
+            hooks = ProfileHooks(path, args.warmup + args.steps, profiled)
         result = run_ours(
-            args, shape, tokens, plan, profile, steps, args.timeout, report.out / "logs" / f"dp{dp}pp{pp}"
+            args, shape, tokens, plan, profile, steps, args.timeout, report.out / "logs" / name, hooks=hooks
         )
         times = result.step_times[0]
         row["ours"] = {"step_times": times, "wall_s": result.wall_s}
-        row["ours_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup)
+        row["ours_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
+    except _Skipped:
+        pass
     except Exception as exc:  # the plain side still runs; the row says what failed
         row["ours_error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     try:
-        times = run_plain(args, shape, devices, plan.global_batch, steps)
+        if "plain" not in sides:
+            raise _Skipped("plain")
+        trace = str(report.out / f"profile_{name}_plain.txt") if args.profile else ""
+        times = run_plain(args, shape, devices, plan.global_batch, steps, trace)
         row["plain"] = {"step_times": times, "ddp_world": devices}
-        row["plain_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup)
+        row["plain_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
+    except _Skipped:
+        pass
     except Exception as exc:
         row["plain_error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
@@ -399,10 +442,14 @@ def measure_layout(
     row["ours_mfu"] = _mfu(ours, per_token, devices, peak) if ours else None
     row["plain_mfu"] = _mfu(plain, per_token, devices, peak) if plain else None
     report.data["layouts"].append(row)
-    cell = lambda v: f"{v:>12.1f}" if v else f"{'failed':>12}"  # noqa: E731
+
+    def cell(value: float | None, side: str) -> str:
+        return f"{value:>12.1f}" if value else f"{'failed' if side in sides else 'not run':>12}"
+
     ratio = f"{row['ratio']:>8.3f}" if row["ratio"] else f"{'n/a':>8}"
     report.say(
-        f"{row['layout']:<12}{devices:>4}{plan.global_batch:>7}{cell(ours)}{cell(plain)}{ratio}"
+        f"{row['layout']:<12}{devices:>4}{plan.global_batch:>7}"
+        f"{cell(ours, 'ours')}{cell(plain, 'plain')}{ratio}"
         f"{_pct(row['ours_mfu']):>10}{_pct(row['plain_mfu']):>10}"
     )
 
@@ -475,6 +522,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recovery-timeout", type=float, default=20.0, help="collective timeout, recovery")
     parser.add_argument("--job-timeout", type=float, default=540.0, help="seconds before a job is abandoned")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile rank 0 of both sides for --profile-steps steps after the measured ones "
+        "(profile_<layout>_{ours,plain}.txt in --out)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument(
+        "--sides", default="ours,plain", help="which sides run (ours alone: comparing two versions of ours)"
+    )
     args = parser.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
