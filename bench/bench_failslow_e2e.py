@@ -18,7 +18,9 @@ Scenarios (`--scenario`):
   then a GPU slow, both persisting past the escalation to S4; writes throughput over time with the
   injections and mitigations marked to JSON and PNG (`--out`, default docs/img/failslow-mixed.png).
 - `healthy`: no order for `--minutes` (the bench's job, or `--manifest examples/demo.yaml`); counts the
-  SlowReports, those that opened an episode or were dismissed, and the mitigations; ends with a VERDICT line.
+  SlowReports, those that opened an episode or were dismissed, and the mitigations; judges each episode by
+  the job's own step times around its onset; ends with a VERDICT line (CLEAN, REAL SLOWDOWNS ONLY or FALSE
+  ALARM, see `healthy_verdict`).
 
 Usage: .venv/bin/python bench/bench_failslow_e2e.py --scenario compute
        .venv/bin/python bench/bench_failslow_e2e.py --scenario link
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -47,6 +50,7 @@ import redis
 import yaml
 
 from resilientjob.agent import chaos
+from resilientjob.operator.api import FailSlowSpec
 from resilientjob.planner.restorer import allreduce_rounds
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, PlanAnnouncement, SlowReport, ValidationResult
@@ -569,13 +573,59 @@ def plot_mixed(result: dict[str, Any], out: Path) -> None:
     figure.savefig(out, dpi=110)
 
 
-def scenario_healthy(stack: Stack, minutes: float) -> dict[str, Any]:
+EPISODE_ONSET = re.compile(r": NodeSlow: .*? since step (\d+)")
+"""The step an episode's finding dates the slowdown from (the operator's NodeSlow message)."""
+JUDGE_WINDOW = 16
+"""Steps after an episode's onset the bench measures (the operator's level window); 4x as many before."""
+
+
+def job_step_times(steps: dict[tuple[int, int], float]) -> dict[int, float]:
+    """The job's time per step: the median over nodes of each node's wall time of that step ((node, step)
+    -> seconds). In a synchronous job every node's step lasts as long as the job's, give or take noise."""
+    by_step: dict[int, list[float]] = {}
+    for (_, step), seconds in steps.items():
+        by_step.setdefault(step, []).append(seconds)
+    return {step: statistics.median(values) for step, values in by_step.items()}
+
+
+def judge_episode(job: dict[int, float], onset: int, window: int = JUDGE_WINDOW) -> float | None:
+    """How much slower the job ran in the `window` steps from `onset` than in the 4 x `window` before,
+    from the agents' raw step times (the bench's own measure, not the operator's); None without enough
+    steps on either side."""
+    before = [job[s] for s in range(onset - 4 * window, onset) if s in job]
+    after = [job[s] for s in range(onset, onset + window) if s in job]
+    if len(before) < window or len(after) < window // 2:
+        return None
+    return statistics.median(after) / statistics.median(before)
+
+
+def healthy_verdict(ratios: list[float | None], threshold: float, mitigations: int) -> str:
+    """CLEAN: no episode and no mitigation. REAL SLOWDOWNS ONLY: every episode opened on a slowdown of the
+    job by at least `threshold` that the bench measured itself; nothing was ordered, so the host slowed the
+    job (a shared machine does). FALSE ALARM: an episode the bench cannot confirm, or a mitigation without
+    an episode."""
+    if not ratios and not mitigations:
+        return "CLEAN"
+    if ratios and all(r is not None and r >= threshold for r in ratios):
+        return "REAL SLOWDOWNS ONLY"
+    return "FALSE ALARM"
+
+
+def scenario_healthy(stack: Stack, minutes: float, threshold: float) -> dict[str, Any]:
     """(d) no order for `minutes`: every SlowReport, which of them opened an episode (the operator's
-    `NodeSlow` finding) or were dismissed, and every fail-slow mitigation (a plan with a strategy)."""
+    `NodeSlow` finding) or were dismissed, and every fail-slow mitigation (a plan with a strategy). Each
+    episode is judged against the job's own step times around its onset (`judge_episode`), which the bench
+    gathers all along: the telemetry stream keeps only the last 10,000 records."""
     watch = PlanWatch(stack)
     wait(lambda: stack.step(0) >= 10, 300, "10 steps")
     first_step = stack.step(0)
-    time.sleep(minutes * 60)
+    seen: dict[tuple[int, int], float] = {}
+    deadline = time.time() + minutes * 60
+    while True:
+        seen.update({(r.node, r.step): r.seconds for r in stack.iterations()})
+        if time.time() >= deadline:
+            break
+        time.sleep(min(20.0, max(0.0, deadline - time.time())))
     plans = watch.stop()
     records = stack.iterations()
     computes: dict[int, list[float]] = {}
@@ -592,7 +642,17 @@ def scenario_healthy(stack: Stack, minutes: float) -> dict[str, Any]:
     dismissed = [line for line in log if "slow report ignored" in line]
     mitigations = [_plan_row(plan) for plan in plans if plan.strategy]
     reports = stack.reports()
-    clean = not opened and not mitigations
+    job = job_step_times(seen)
+    episodes = []
+    for line in opened:
+        match = EPISODE_ONSET.search(line)
+        onset = int(match.group(1)) if match else None
+        ratio = None if onset is None else judge_episode(job, onset)
+        episodes.append({"onset_step": onset, "job_slowed_by": ratio, "finding": line.split("] ", 2)[-1]})
+    verdict = healthy_verdict([e["job_slowed_by"] for e in episodes], threshold, len(mitigations))
+    measured = ", ".join(
+        "n/a" if e["job_slowed_by"] is None else f"{e['job_slowed_by']:.2f}x" for e in episodes
+    )
     return {
         "minutes": minutes,
         "steps": stack.step(0) - first_step,
@@ -605,10 +665,13 @@ def scenario_healthy(stack: Stack, minutes: float) -> dict[str, Any]:
         "mitigation_plans": mitigations,
         "generations": [plan.generation for plan in plans],
         "compute_cv": spread,
+        "episodes": episodes,
+        "threshold": threshold,
         "verdict": (
-            f"VERDICT: {'CLEAN' if clean else 'FALSE ALARM'}: {minutes:g} min, "
+            f"VERDICT: {verdict}: {minutes:g} min, "
             f"{stack.step(0) - first_step} steps, {len(reports)} SlowReports "
             f"({len(opened)} opened an episode, {len(dismissed)} dismissed), {len(mitigations)} mitigations"
+            + (f"; the job measured slower by {measured} at the episodes' onsets" if episodes else "")
         ),
     }
 
@@ -660,7 +723,9 @@ def main() -> None:
             elif args.scenario == "mixed":
                 result = scenario_mixed(stack, nodes, args.out)
             else:
-                result = scenario_healthy(stack, args.minutes)
+                spec = FailSlowSpec.model_validate(job["spec"].get("failSlow") or {})
+                threshold = spec.slowdown_threshold
+                result = scenario_healthy(stack, args.minutes, threshold)
             plan = stack.plan()
             result["layout"] = None if plan is None else plan.layout
             result["wall_s"] = time.time() - began
