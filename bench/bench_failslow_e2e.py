@@ -643,12 +643,22 @@ def scenario_healthy(stack: Stack, minutes: float, threshold: float) -> dict[str
     mitigations = [_plan_row(plan) for plan in plans if plan.strategy]
     reports = stack.reports()
     job = job_step_times(seen)
-    episodes = []
+    episodes: list[dict[str, Any]] = []
     for line in opened:
         match = EPISODE_ONSET.search(line)
         onset = int(match.group(1)) if match else None
+        logged_at = line.split("]", 1)[0]
+        if any(e["logged_at"] == logged_at and e["onset_step"] == onset for e in episodes):
+            continue  # one finding per reporting node, logged together: one episode
         ratio = None if onset is None else judge_episode(job, onset)
-        episodes.append({"onset_step": onset, "job_slowed_by": ratio, "finding": line.split("] ", 2)[-1]})
+        episodes.append(
+            {
+                "logged_at": logged_at,
+                "onset_step": onset,
+                "job_slowed_by": ratio,
+                "finding": line.split("] ", 2)[-1],
+            }
+        )
     verdict = healthy_verdict([e["job_slowed_by"] for e in episodes], threshold, len(mitigations))
     measured = ", ".join(
         "n/a" if e["job_slowed_by"] is None else f"{e['job_slowed_by']:.2f}x" for e in episodes
