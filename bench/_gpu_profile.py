@@ -2,21 +2,20 @@
 written as text a reader can compare side by side (ours vs plain PyTorch).
 
 Each report says how long the profiled steps took on the wall, how much of that the device was busy with
-kernels, which operators took the most device and host time, and every host-device synchronisation
-(`cudaStreamSynchronize`, `cudaDeviceSynchronize`, blocking copies) with the Python stack that asked for it:
-a step that synchronises per micro-batch or per layer keeps the host from running ahead of the device, which
-shows as a busy fraction well under 1 at an unchanged kernel time."""
+kernels, which operators took the most device and host time, and how often the host called something that
+can wait on the device (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, copies): a step that synchronises
+per micro-batch or per layer keeps the host from running ahead of the device, which shows as a busy fraction
+well under 1 at an unchanged kernel time. No Python stacks are recorded: they slow the host side of the
+profiled steps, and the CUDA runtime's calls do not carry them anyway."""
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from resilientjob.agent.hooks import StepHooks
@@ -24,8 +23,6 @@ from resilientjob.planner.plan import Plan
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 """Host calls that can wait on the device (a `cudaMemcpyAsync` from pageable memory waits too)."""
-PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in |^<string>|^<frozen ")
-"""Python function events (recorded for the stacks); the operator tables leave them out."""
 
 
 class StepProfiler:
@@ -45,7 +42,7 @@ class StepProfiler:
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize()
-        self._profile = profile(activities=activities, with_stack=True)
+        self._profile = profile(activities=activities)
         self._profile.__enter__()
         self._began = time.perf_counter()
 
@@ -63,9 +60,9 @@ class StepProfiler:
 
 
 def report(prof: Any, wall_s: float, steps: int) -> str:
-    averages = EventList([event for event in prof.key_averages() if not PYTHON_FRAME.search(event.key)])
+    averages = prof.key_averages()
     # Kernels only: an operator's row repeats the time of the kernels it launched.
-    device_us = sum(_self_device_us(event) for event in averages if event.device_type == DeviceType.CUDA)
+    device_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
     lines = [
         f"{steps} steps profiled: {wall_s:.3f} s on the wall ({wall_s / steps * 1e3:.1f} ms per step)",
         f"device busy with kernels: {device_us / 1e6:.3f} s ({device_us / 1e6 / wall_s:.1%} of the wall)",
@@ -74,23 +71,14 @@ def report(prof: Any, wall_s: float, steps: int) -> str:
         averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60),
         "== by self host time",
         averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60),
-        "== host calls that can wait on the device, by Python stack",
+        "== host calls that can wait on the device",
     ]
-    by_stack = prof.key_averages(group_by_stack_n=6)
-    syncs = [event for event in by_stack if event.key.startswith(SYNC_OPS)]
+    syncs = [event for event in averages if event.key.startswith(SYNC_OPS)]
     syncs.sort(key=lambda event: event.self_cpu_time_total, reverse=True)
-    for event in syncs[:20]:
-        lines.append(f"{event.key}: {event.count} calls, {event.self_cpu_time_total / 1e3:.1f} ms host")
-        lines.extend(f"    {frame}" for frame in event.stack)
+    lines.extend(
+        f"{event.key}: {event.count} calls, {event.self_cpu_time_total / 1e3:.1f} ms host" for event in syncs
+    )
     return "\n".join(lines) + "\n"
-
-
-def _self_device_us(event: Any) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
 
 
 class ProfileHooks(StepHooks):

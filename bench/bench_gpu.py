@@ -385,10 +385,6 @@ def layouts(gpus: int) -> list[tuple[int, int]]:
     return found
 
 
-class _Skipped(Exception):
-    """A side left out by --sides."""
-
-
 def measure_layout(
     args: argparse.Namespace, report: Report, shape: Shape, tokens: Path, profile: Any, dp: int, pp: int
 ) -> None:
@@ -406,36 +402,29 @@ def measure_layout(
     row["stages"] = [list(b) for b in stage_bounds(shape, pp)]
     tokens_per_step = plan.global_batch * shape.seq
     sides = set(args.sides.split(","))
-    try:
-        if "ours" not in sides:
-            raise _Skipped("ours")
-        hooks = None
-        if args.profile:
-            path = str(report.out / f"profile_{name}_ours.txt")
-            hooks = ProfileHooks(path, args.warmup + args.steps, profiled)
-        result = run_ours(
-            args, shape, tokens, plan, profile, steps, args.timeout, report.out / "logs" / name, hooks=hooks
-        )
-        times = result.step_times[0]
-        row["ours"] = {"step_times": times, "wall_s": result.wall_s}
-        row["ours_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
-    except _Skipped:
-        pass
-    except Exception as exc:  # the plain side still runs; the row says what failed
-        row["ours_error"] = f"{type(exc).__name__}: {exc}"
-        traceback.print_exc()
-    try:
-        if "plain" not in sides:
-            raise _Skipped("plain")
-        trace = str(report.out / f"profile_{name}_plain.txt") if args.profile else ""
-        times = run_plain(args, shape, devices, plan.global_batch, steps, trace)
-        row["plain"] = {"step_times": times, "ddp_world": devices}
-        row["plain_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
-    except _Skipped:
-        pass
-    except Exception as exc:
-        row["plain_error"] = f"{type(exc).__name__}: {exc}"
-        traceback.print_exc()
+    if "ours" in sides:
+        try:
+            hooks = None
+            if args.profile:
+                path = str(report.out / f"profile_{name}_ours.txt")
+                hooks = ProfileHooks(path, args.warmup + args.steps, profiled)
+            logs = report.out / "logs" / name
+            result = run_ours(args, shape, tokens, plan, profile, steps, args.timeout, logs, hooks=hooks)
+            times = result.step_times[0]
+            row["ours"] = {"step_times": times, "wall_s": result.wall_s}
+            row["ours_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
+        except Exception as exc:  # the plain side still runs; the row says what failed
+            row["ours_error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    if "plain" in sides:
+        try:
+            trace = str(report.out / f"profile_{name}_plain.txt") if args.profile else ""
+            times = run_plain(args, shape, devices, plan.global_batch, steps, trace)
+            row["plain"] = {"step_times": times, "ddp_world": devices}
+            row["plain_tokens_per_s"] = tokens_per_step / _median_after(times, args.warmup, args.steps)
+        except Exception as exc:
+            row["plain_error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
     per_token, peak = report.data["flops_per_token"], report.data["peak_flops"]
     ours, plain = row.get("ours_tokens_per_s"), row.get("plain_tokens_per_s")
     row["ratio"] = ours / plain if ours and plain else None
