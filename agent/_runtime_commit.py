@@ -6,7 +6,10 @@ others, so survivors would stand one step apart. The vote makes the decision a p
 
 1. After the gradient sum, every rank of the world votes for step s: `compare_set(commit/<g>/<s>/<rank>,
    "", "<its loss share>,<its squared-gradient-norm share>")`. One store round trip, and the rank's shares
-   travel with it.
+   travel with it. Just before, it appends the ids of the samples it computed losses for to the step's
+   record (`samples/<s>`, under g): a committed step proves every rank voted, so its record is whole even
+   when a voter dies right after voting. An abandoned step's entries are superseded by the later
+   generation that trains it again.
 2. Then the commit all-reduce (loss and "newer plan seen" flag). A rank enters it only after its vote is in,
    so the all-reduce completing anywhere proves that every rank voted: the step is committed, and the
    fast path costs nothing more.
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilientjob.protocol.store_keys import vote_key
+from resilientjob.protocol.store_keys import samples_key, vote_key
 
 from ._runtime_wait import Wait
 
@@ -96,9 +99,13 @@ class CommitVote:
         if self.step < 0:
             raise ValueError(f"step: must be >= 0, got {self.step}")
 
-    def vote(self, shares: Sequence[float]) -> bool:
-        """Record "ready" with this rank's shares of the step's sums (loss, squared gradient norm). False: a
+    def vote(self, shares: Sequence[float], sample_ids: Sequence[int] = ()) -> bool:
+        """Record "ready" with this rank's shares of the step's sums (loss, squared gradient norm), after
+        appending `sample_ids` (the samples whose loss this rank computed) to the step's record. False: a
         closer got there first (abandon the step)."""
+        if sample_ids:
+            record = f"{self.generation}:{','.join(map(str, sample_ids))};"
+            self.store.append(samples_key(self.step), record)  # type: ignore[attr-defined]
         key = vote_key(self.generation, self.step, self.rank)
         text = ",".join(repr(float(value)) for value in shares)
         return bytes(self.store.compare_set(key, "", text)) != _ABORT.encode()
@@ -173,13 +180,14 @@ class VotedStep:
 
     generation: int
     step: int
-    sample_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class CommittedStep:
-    """The last step this rank committed: what a rank left behind needs to apply it the same way."""
+    """The last step this rank committed: what a rank left behind needs to apply it the same way, and what
+    the next world's rank 0 records if the old one died before it could."""
 
+    generation: int
     step: int
     loss: float
     sq_norm: float
@@ -190,11 +198,11 @@ class RolledStep:
     """A step this rank applied at a rendezvous because its peers had committed it (see the module doc)."""
 
     generation: int
-    """The generation that trained it: its records (loss, sample ids) carry that one."""
+    """The generation that trained it: its loss record carries that one (its sample ids were recorded with
+    its vote)."""
     step: int
     loss: float
     sq_norm: float
-    sample_ids: tuple[int, ...]
 
 
 def agree_on_step(
@@ -238,4 +246,4 @@ def agree_on_step(
         )
     if not behind or voted is None:
         return high, None
-    return high, RolledStep(voted.generation, low, loss, sq_norm, voted.sample_ids)
+    return high, RolledStep(voted.generation, low, loss, sq_norm)

@@ -285,6 +285,11 @@ class Trainer:
         self._unsharded.clear()
 
     @property
+    def last_committed(self) -> CommittedStep | None:
+        """The last step this trainer committed itself (not one it applied at a rendezvous)."""
+        return self._committed
+
+    @property
     def world_rank(self) -> int | None:
         """This node's rank in the current plan's process group (None when it has no part in it)."""
         return self._rank_of.get(self.node)
@@ -497,7 +502,7 @@ class Trainer:
         loss, switch, total_sq_norm = self._commit(
             float(loss_sum), latest_generation > self.generation, norm_share, sample_ids
         )
-        self._committed = CommittedStep(step, loss, total_sq_norm)
+        self._committed = CommittedStep(self.generation, step, loss, total_sq_norm)
         self._apply_update(total_sq_norm)
         if not self._abandoned:
             self._pending = []
@@ -528,9 +533,9 @@ class Trainer:
             raise RuntimeError("commit: the trainer has not joined a world")
         vote = CommitVote(self.store, self.generation, self.step, self.world_rank, self._world_size)
         self._fault(CommitPhase.VOTE)
-        if not vote.vote([loss_share, sq_norm_share]):
+        if not vote.vote([loss_share, sq_norm_share], sample_ids):
             raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
-        self._voted = VotedStep(self.generation, self.step, tuple(sample_ids))
+        self._voted = VotedStep(self.generation, self.step)
         self._fault(CommitPhase.VOTED)
         checkpoint = (
             self.world_rank == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +33,6 @@ from resilientjob.protocol.store_keys import (
     loss_key,
     plan_key,
     received_key,
-    samples_key,
     steptime_key,
 )
 
@@ -205,7 +204,7 @@ def _settle(
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
-        _record_rolled(trainer, store)
+        _record_losses(trainer, store)
         store.add(applied_key(generation), 1)  # every worker counts: the launcher expects nodes x degree
         timings = trainer.timings
         for record in trainer.received:
@@ -230,21 +229,17 @@ def _settle(
         return joined
 
 
-def _record_rolled(trainer: Trainer, store: Store) -> None:
-    """Record the steps this worker applied at the rendezvous (its peers had committed them): its sample
-    ids under the generation that trained them, as its peers recorded theirs, and the loss where the store
-    lacks it (a replaced store starts empty)."""
-    for rolled in trainer.rolled:
-        if trainer.local_rank == 0:
-            store.compare_set(loss_key(rolled.step), "", f"{rolled.generation}:{rolled.loss!r}")
-        _record_samples(store, rolled.step, rolled.generation, rolled.sample_ids)
+def _record_losses(trainer: Trainer, store: Store) -> None:
+    """After a rendezvous, record the losses a failure may have kept from the store, where it lacks them:
+    of the steps this worker applied there (its peers had committed them; a replaced store starts empty),
+    and, on the new world's rank 0, of the last step committed before the switch (the old rank 0 may have
+    died between its commit and its record). Sample ids need nothing: they go in with each vote."""
+    if trainer.local_rank == 0:
+        committed = [trainer.last_committed] if trainer.world_rank == 0 else []
+        for record in [*trainer.rolled, *committed]:
+            if record is not None:
+                store.compare_set(loss_key(record.step), "", f"{record.generation}:{record.loss!r}")
     trainer.rolled.clear()
-
-
-def _record_samples(store: Store, step: int, generation: int, ids: Sequence[int]) -> None:
-    """Append the sample ids this worker computed losses for in `step` (trained under `generation`)."""
-    if ids:
-        store.append(samples_key(step), f"{generation}:{','.join(map(str, ids))};")  # type: ignore[attr-defined]
 
 
 def worker_main(
@@ -326,7 +321,7 @@ def worker_main(
         step = trainer.step
         began = time.perf_counter()
         try:
-            loss, switch, ids = trainer.run_step(read_generation(store))
+            loss, switch, _ = trainer.run_step(read_generation(store))
         except ReconfigurationError:
             raise
         except RuntimeError:
@@ -347,7 +342,6 @@ def worker_main(
             store.append(  # type: ignore[attr-defined]
                 steptime_key(trainer.generation), f"{time.perf_counter() - began!r};"
             )
-        _record_samples(store, step, trainer.generation, ids)
         due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due)
         if checkpointer is not None and due and trainer.plan is not None:
             owners = designated_holders(trainer.plan)

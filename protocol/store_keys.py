@@ -12,7 +12,7 @@ library only.
   applied/<g>           count of workers that finished switching to g
   loss/<step>           "<g>:<loss>" written by world rank 0 at each commit
   committed             committed steps so far
-  samples/<step>        "<g>:<ids>;" appended by every node that computed losses in that step
+  samples/<step>        "<g>:<ids>;" appended by every node that computed losses in that step, as it votes
   received/<g>          "<layer>,<src>,<dst>,<bytes>;" appended by receivers of the transfer plan
   event/...             timestamps of failures, aborts and resumes (for the recovery benchmark)
   steptime/<g>          seconds of each committed step under plan g (for the throughput benchmarks)
@@ -60,8 +60,19 @@ def loss_key(step: int) -> str:
 
 
 def samples_key(step: int) -> str:
-    """ "<generation>:<ids>;" appended by every node that computed losses in `step`."""
+    """ "<generation>:<ids>;" appended by every node that computed losses in `step`, just before its commit
+    vote (`agent._runtime_commit`)."""
     return f"samples/{step}"
+
+
+def trained_samples(record: str) -> list[int]:
+    """The sample ids a `samples/<step>` record says the step was trained on: the entries of its newest
+    generation (an abandoned step's entries are superseded by the generation that trained it again)."""
+    entries = [entry.split(":", 1) for entry in record.split(";") if entry]
+    if not entries:
+        return []
+    newest = max(int(generation) for generation, _ in entries)
+    return [int(i) for generation, ids in entries if int(generation) == newest for i in ids.split(",")]
 
 
 def received_key(generation: int) -> str:

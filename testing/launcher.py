@@ -48,6 +48,7 @@ from resilientjob.protocol.store_keys import (
     received_key,
     samples_key,
     steptime_key,
+    trained_samples,
 )
 
 from .faults import CrashAt
@@ -323,13 +324,9 @@ class Launcher:
             text = self._get(loss_key(step))
             if text is not None:
                 losses[step] = float(text.split(":", 1)[1])
-            entries = self._get(samples_key(step))
-            if entries:
-                parsed = [entry.split(":", 1) for entry in entries.split(";") if entry]
-                newest = max(
-                    int(g) for g, _ in parsed
-                )  # a step redone after a restart supersedes the lost one
-                samples[step] = [int(i) for g, ids in parsed if int(g) == newest for i in ids.split(",")]
+            record = self._get(samples_key(step))
+            if record:
+                samples[step] = trained_samples(record)
         received: dict[int, list[tuple[int, int, int, int]]] = {}
         events: dict[str, Any] = {}
         step_times: dict[int, list[float]] = {}

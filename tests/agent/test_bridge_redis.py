@@ -10,7 +10,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -19,6 +18,7 @@ from _support import job_object, until
 
 from resilientjob.agent.data import SampleOrder
 from resilientjob.protocol.messages import PlanAnnouncement
+from resilientjob.protocol.store_keys import samples_key, trained_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 GAP_S = 3.0
@@ -83,17 +83,11 @@ def test_redis_restarted_empty_while_real_workers_train(stack: Path, tmp_path: P
         spec = manifest["spec"]
         order = SampleOrder(spec["data"]["numSamples"], spec["globalBatchSize"], seed=0)
 
-        def recorded(step: int) -> list[int] | None:
-            """The step's sample ids once every worker recorded its share: a worker writes them after the
-            commit, so the last step's may still be on their way when world rank 0 has counted it."""
-            entries: list[Any] = [e.split(":") for e in store.get(f"samples/{step}").decode().split(";") if e]
-            ids = sorted(int(i) for _, text in entries for i in text.split(","))
-            return ids if len(ids) >= spec["globalBatchSize"] else None
-
         for step in range(end):
-            ids = until(lambda step=step: recorded(step), 10, f"every worker's samples of step {step}")
-            # Each sample of the step's global batch exactly once, through the outage.
-            assert ids == sorted(order.step_ids(step)), f"step {step}"
+            # Each sample of the step's global batch exactly once, through the outage (every worker records
+            # its ids before it votes: a counted step's record is whole).
+            ids = trained_samples(store.get(samples_key(step)).decode())
+            assert sorted(ids) == sorted(order.step_ids(step)), f"step {step}"
         logs = "".join((stack / "pods" / f"outage-node-{n}" / "log").read_text() for n in range(4))
         assert "Traceback" not in logs
     finally:

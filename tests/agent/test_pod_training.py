@@ -43,6 +43,7 @@ from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.worker import JobConfig
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
+from resilientjob.protocol.store_keys import samples_key, trained_samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,9 +121,7 @@ class _Job:
         return [float(self.store.get(f"loss/{step}").decode().split(":")[1]) for step in range(steps)]
 
     def samples(self, step: int) -> list[int]:
-        entries = [e.split(":") for e in self.store.get(f"samples/{step}").decode().split(";") if e]
-        newest = max(int(g) for g, _ in entries)  # a step redone under a later generation supersedes
-        return [int(i) for g, text in entries if int(g) == newest for i in text.split(",")]
+        return trained_samples(self.store.get(samples_key(step)).decode())
 
     def close(self) -> None:
         self.client.close()

@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
 from resilientjob.agent._runtime_wait import PeerFailure
-from resilientjob.agent.data import SyntheticDataset
+from resilientjob.agent.data import SampleOrder, SyntheticDataset
 from resilientjob.agent.models import load_model
 from resilientjob.agent.runtime import Trainer
 from resilientjob.agent.worker import (
@@ -36,7 +36,7 @@ from resilientjob.agent.worker import (
 )
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.planner.profile import ModelProfile
-from resilientjob.protocol.store_keys import vote_key
+from resilientjob.protocol.store_keys import samples_key, trained_samples, vote_key
 from resilientjob.testing.plans import RuntimePlanner
 from resilientjob.testing.reference import reference_run
 
@@ -66,6 +66,19 @@ def test_vote_closed_before_a_slow_rank_voted_abandons_everywhere(store: Any) ->
     assert votes[1].close() is None
     # Another generation or step is a separate vote.
     assert CommitVote(store, 1, 5, 2, 3).vote([1.0])
+
+
+def test_a_vote_records_its_samples_and_a_redone_step_supersedes_the_abandoned_one(store: Any) -> None:
+    assert CommitVote(store, 0, 5, 0, 2).vote([1.0], [3, 4])
+    assert CommitVote(store, 0, 5, 0, 2).close() is None  # rank 1 never voted: step 5 is abandoned
+    assert not CommitVote(store, 0, 5, 1, 2).vote([1.0], [7])  # too late, though its ids went in
+    assert trained_samples(store.get(samples_key(5)).decode()) == [3, 4, 7]
+    # Generation 1 trains step 5 again, split otherwise: only its entries count.
+    assert CommitVote(store, 1, 5, 0, 2).vote([1.0], [3])
+    assert CommitVote(store, 1, 5, 1, 2).vote([1.0], [4, 7])
+    assert sorted(trained_samples(store.get(samples_key(5)).decode())) == [3, 4, 7]
+    assert store.get(samples_key(5)) == b"0:3,4;0:7;1:3;1:4,7;"
+    assert CommitVote(store, 1, 6, 1, 2).vote([1.0]) and not store.check([samples_key(6)])  # no ids, no entry
 
 
 def test_vote_rejects_bad_fields(store: Any) -> None:
@@ -162,10 +175,19 @@ def _start_workers(plan: Plan, fault: tuple[Any, ...]) -> tuple[Any, dict[int, A
     return store, workers, results
 
 
+def _assert_each_sample_once(store: Any) -> None:
+    """Every step's record (appended by each rank as it votes) names the step's global batch exactly once."""
+    order = SampleOrder(128, 8, seed=0)  # the workers' SyntheticDataset(128, seed=0), global batch 8
+    for step in range(STEPS):
+        ids = trained_samples(store.get(samples_key(step)).decode())
+        assert sorted(ids) == sorted(order.step_ids(step)), f"step {step}: each sample exactly once"
+
+
 def _run_job(
     planner: RuntimePlanner, fault: tuple[int, int, str], timeout_s: float = 90.0
 ) -> dict[int, tuple[Any, ...]]:
-    """Run NODES workers; on the victim's death announce it and publish the planner's recovery."""
+    """Run NODES workers; on the victim's death announce it and publish the planner's recovery. Checks the
+    samples record before the store goes."""
     plan = planner.initial()
     store, workers, results = _start_workers(plan, fault)
     collected: dict[int, tuple[Any, ...]] = {}
@@ -197,6 +219,7 @@ def _run_job(
                 process.kill()
                 process.join()
     assert recovered, "the victim never died"
+    _assert_each_sample_once(store)
     return collected
 
 
@@ -268,6 +291,7 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
             if process.is_alive():
                 process.kill()
     assert sorted(collected) == list(range(NODES))
+    _assert_each_sample_once(store)
     for node, (_, step, aborted, losses, _, _, rolled) in collected.items():
         assert step == STEPS, collected[node]
         # The victim abandoned step s and applied it at the rendezvous; its peers committed s and
