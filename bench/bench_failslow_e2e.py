@@ -619,11 +619,11 @@ def scenario_healthy(stack: Stack, minutes: float, threshold: float) -> dict[str
     watch = PlanWatch(stack)
     wait(lambda: stack.step(0) >= 10, 300, "10 steps")
     first_step = stack.step(0)
-    seen: dict[tuple[int, int], float] = {}
+    seen: dict[tuple[int, int, int], IterationRecord] = {}
     deadline = time.time() + minutes * 60
     while True:
         records = stack.iterations()  # the last read is the stream at the end, for the compute spread
-        seen.update({(r.node, r.step): r.seconds for r in records})
+        seen.update({(r.node, r.generation, r.step): r for r in records})
         if time.time() >= deadline:
             break
         time.sleep(min(20.0, max(0.0, deadline - time.time())))
@@ -642,7 +642,7 @@ def scenario_healthy(stack: Stack, minutes: float, threshold: float) -> dict[str
     dismissed = [line for line in log if "slow report ignored" in line]
     mitigations = [_plan_row(plan) for plan in plans if plan.strategy]
     reports = stack.reports()
-    job = job_step_times(seen)
+    job = job_step_times({(node, step): r.seconds for (node, _, step), r in seen.items()})
     episodes: list[dict[str, Any]] = []
     for line in opened:
         match = EPISODE_ONSET.search(line)
@@ -677,6 +677,11 @@ def scenario_healthy(stack: Stack, minutes: float, threshold: float) -> dict[str
         "compute_cv": spread,
         "episodes": episodes,
         "threshold": threshold,
+        # The whole run's steps, for bench_failslow_replay.py (the stream alone holds the last 10,000).
+        "iterations": [
+            [r.node, r.generation, r.step, r.seconds, r.compute_s, r.sent_at]
+            for r in sorted(seen.values(), key=lambda r: r.sent_at)
+        ],
         "verdict": (
             f"VERDICT: {verdict}: {minutes:g} min, "
             f"{stack.step(0) - first_step} steps, {len(reports)} SlowReports "
@@ -740,12 +745,13 @@ def main() -> None:
             result["layout"] = None if plan is None else plan.layout
             result["wall_s"] = time.time() - began
             if args.json:
-                # The raw material, to look again at what the detectors saw: every node's steps, and the
-                # operator's log beside the JSON.
-                result["iterations"] = [
-                    [r.node, r.generation, r.step, r.seconds, r.compute_s, r.sent_at]
-                    for r in stack.iterations()
-                ]
+                # The raw material, to look again at what the detectors saw: every node's steps (those the
+                # stream still holds, unless the scenario kept them all), and the operator's log beside it.
+                if "iterations" not in result:
+                    result["iterations"] = [
+                        [r.node, r.generation, r.step, r.seconds, r.compute_s, r.sent_at]
+                        for r in stack.iterations()
+                    ]
                 log = Path(directory) / "operator.log"
                 if log.exists():
                     args.json.with_suffix(".operator.log").write_text(log.read_text(errors="replace"))

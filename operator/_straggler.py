@@ -11,6 +11,13 @@ The rule (what `StragglerGate.straggler` decides):
   step's `seconds` from agents that do not split compute from communication), in the current generation
   only (a new generation changes the work of every node); for the reporting node, only steps from the
   report's onset on count.
+- The **window** is sized from the job's own noise (`window_for`): enough steps that noise alone keeps a
+  node's median 2.5 standard errors under the threshold (`_Z`). A quiet cluster (compute varying 2% from
+  step to step) judges on 4 steps, so a 1.3x straggler opens within about ten iterations; a shared,
+  overloaded host (25-40%, the local stack's real GPT) at threshold 1.2 waits 20-32. The noise is each
+  node's robust spread (1.4826 x the median absolute deviation over its median), pooled as the median over
+  the nodes: one node's level shift does not widen it, a machine-wide transition does (and makes the rule
+  more careful while it lasts).
 - Its **planned share** `w` is its compute per step in the published plan (forward + backward of its layers
   x its pipeline's micro-batches, rerouted stages split over the peers that run them) divided by the median
   over the plan's nodes; 1.0 for every node of a symmetric layout. Dividing by it makes a node with a
@@ -39,6 +46,7 @@ and its nodes are the communication suspects that a validation pass tests.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -49,6 +57,44 @@ from resilientjob.planner.failslow import GroupProfile, suspicious_groups
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.protocol.messages import IterationRecord, ProfileRecord
+
+MIN_WINDOW = 4
+"""Fewest steps a level is judged on, however quiet the job (a median of 4 shrugs off one outlier)."""
+MAX_WINDOW = 32
+"""Most steps a level is judged on, however noisy the job: detection slows with the window, so noise beyond
+this is left to the confirmation (a second, turned-over window) and the materiality rule."""
+NOISE_SAMPLES = 8
+"""Steps a node needs before its spread counts toward the job's noise; until nodes have them, the window is
+`MAX_WINDOW`."""
+NOISE_NODES = 64
+"""Nodes whose spreads are pooled into the job's noise (`StragglerGate.noise`)."""
+_Z = 2.5
+"""Standard errors between the noise-only median and the threshold: a 0.6% chance per check that noise
+alone crosses it, and confirmation asks a second, turned-over window to cross it too. Calibrated on
+Gaussian noise of 2-40% at thresholds 1.1-1.5 (no false episode in 2,000 steps of 8 nodes for any), and on
+the local stack's recorded healthy runs (`bench/bench_failslow_replay.py`)."""
+
+
+def window_for(noise: float, threshold: float) -> int:
+    """Steps a level needs so that noise alone (relative spread `noise` per step) keeps the median of a
+    healthy node `_Z` standard errors below `threshold` times its peers' (a median's standard error is about
+    1.2533 sd / sqrt(n)), within [MIN_WINDOW, MAX_WINDOW]."""
+    if not threshold > 1:
+        raise ValueError(f"threshold: must be > 1, got {threshold}")
+    need = math.ceil((_Z * 1.2533 * max(0.0, noise) / (threshold - 1)) ** 2)
+    return max(MIN_WINDOW, min(MAX_WINDOW, need))
+
+
+def relative_spread(values: Iterable[float]) -> float | None:
+    """1.4826 x MAD / median: the standard deviation relative to the level, for Gaussian noise, and robust
+    to the odd stalled step. None for fewer than `NOISE_SAMPLES` values or a zero median."""
+    ordered = sorted(values)
+    if len(ordered) < NOISE_SAMPLES:
+        return None
+    middle = median(ordered)
+    if middle <= 0:
+        return None
+    return 1.4826 * median(abs(value - middle) for value in ordered) / middle
 
 
 def planned_shares(plan: Plan, profile: ModelProfile) -> dict[int, float]:
@@ -72,7 +118,8 @@ class StragglerGate:
     """Recent compute levels of every node, and the rule above to judge one of them."""
 
     threshold: float
-    window: int = 16
+    fixed_window: int | None = None
+    """Judge levels on this many steps; None sizes the window from the job's noise (`window_for`)."""
     min_samples: int = 4
     shares: dict[int, float] = field(default_factory=dict)
     generation: int = -1
@@ -81,12 +128,39 @@ class StragglerGate:
     """Recent step times (wall) of all nodes in this generation: the job's step, for the materiality rule."""
     steps: dict[int, int] = field(default_factory=dict)
     """Each node's latest step seen (any generation): the loss of a late-opened episode counts from it."""
+    _window: int | None = None
+    """The noise-sized window, cached until the next observation."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1:
             raise ValueError(f"threshold: must be > 1, got {self.threshold}")
-        if self.window < 1 or not 1 <= self.min_samples <= self.window:
-            raise ValueError(f"window/min_samples: need 1 <= min_samples <= window, got {self.window}")
+        low = self.fixed_window if self.fixed_window is not None else MIN_WINDOW
+        if low < 1 or not 1 <= self.min_samples <= low:
+            raise ValueError(f"window/min_samples: need 1 <= min_samples <= window, got {low}")
+
+    @property
+    def window(self) -> int:
+        """Steps a level is judged on now: `fixed_window`, or sized from the job's noise."""
+        if self.fixed_window is not None:
+            return self.fixed_window
+        if self._window is None:
+            noise = self.noise
+            self._window = MAX_WINDOW if noise is None else window_for(noise, self.threshold)
+        return self._window
+
+    @property
+    def noise(self) -> float | None:
+        """The job's pooled relative spread of compute per step (None before any node has enough steps):
+        the median over at most `NOISE_NODES` nodes, evenly picked (a median over more adds nothing but
+        cost on a job of thousands)."""
+        nodes = list(self._levels.values())
+        stride = max(1, len(nodes) // NOISE_NODES)
+        spreads = [
+            spread
+            for samples in nodes[::stride]
+            if (spread := relative_spread(level for _, level in samples)) is not None
+        ]
+        return median(spreads) if spreads else None
 
     def new_generation(self, generation: int, shares: Mapping[int, float]) -> None:
         """The published plan changed: levels measured under the old work no longer compare."""
@@ -95,6 +169,7 @@ class StragglerGate:
             self.shares = dict(shares)
             self._levels.clear()
             self._step_s.clear()
+            self._window = None
 
     @property
     def step_s(self) -> float:
@@ -111,13 +186,20 @@ class StragglerGate:
             return  # a step that was all communication says nothing about compute speed
         samples = self._levels.get(record.node)
         if samples is None:
-            samples = self._levels[record.node] = deque(maxlen=self.window)
+            samples = self._levels[record.node] = deque(maxlen=self.fixed_window or MAX_WINDOW)
         samples.append((record.step, level))
+        self._window = None
+
+    def recent(self, node: int) -> list[tuple[int, float]]:
+        """The node's last `window` (step, compute) samples of this generation."""
+        samples = self._levels.get(node, ())
+        window = self.window
+        return list(samples)[-window:] if len(samples) > window else list(samples)
 
     def level(self, node: int, since_step: int = 0) -> float | None:
-        """The node's recent level (steps >= since_step) divided by its planned share; None with too few
-        samples."""
-        samples = [level for step, level in self._levels.get(node, ()) if step >= since_step]
+        """The node's recent level (its last `window` steps, those >= since_step) divided by its planned
+        share; None with too few samples."""
+        samples = [level for step, level in self.recent(node) if step >= since_step]
         if len(samples) < self.min_samples:
             return None
         return median(samples) / self.shares.get(node, 1.0)
@@ -139,10 +221,11 @@ class StragglerGate:
         full window are judged. The operator's catch-all for a slowdown that the agents' own detectors
         missed: a change inside their jitter band, or one that came as a drift."""
         skipped = set(skip)
+        window = self.window
         full = {
-            node: samples[0][0]
+            node: samples[-window][0]
             for node, samples in self._levels.items()
-            if node not in skipped and len(samples) == self.window
+            if node not in skipped and len(samples) >= window
         }
         found = self._judge(dict.fromkeys(full, 0))
         return {

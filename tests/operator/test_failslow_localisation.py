@@ -151,10 +151,15 @@ def test_a_straggler_no_agent_reported_is_found_by_the_operators_sweep() -> None
     job.run(20, {}, noise=0.05, machine=1.5)  # nor does the whole machine slowing down
     assert not job.tracker.active and not job.tracker.candidates
     assert not job.tracker.drain_findings()  # the sweep's own hypotheses are not reported as dismissals
-    job.run(10, {5: 1.35}, noise=0.05)
-    assert not job.tracker.active  # the window has not turned over yet
-    job.run(30, {5: 1.35}, noise=0.05)
+    onset = job.step
+    job.run(2, {5: 1.35}, noise=0.05)
+    assert not job.tracker.active  # a level takes a window of steps, and confirmation a second one
+    while not job.tracker.active and job.step < onset + 40:
+        job.run(1, {5: 1.35}, noise=0.05)
     assert job.tracker.active and set(job.tracker.slow) == {5}
+    # The window is sized from the noise (`test_straggler_window.py`): the machine's change just before
+    # widened it for a while, and still the episode opened within a few windows of the onset.
+    assert job.step - onset <= 30, job.step - onset
     assert 1.2 < job.tracker.slow[5] < 1.6
     (opened,) = [f for f in job.tracker.drain_findings() if f.kind is FindingKind.SLOW]
     assert "sweep" in opened.message and opened.nodes == (5,)
