@@ -11,6 +11,9 @@ episode opens with no straggler, a detection when it opens on node 5 (steps from
 The report-only rule (before this change) opens an episode for the first report above the threshold; it
 runs on the very same trace and reports in each trial (its outcome is measured, not assumed).
 
+Each row runs twice on the same traces: with the operator's noise-sized level window and with the fixed
+16-step window it replaced.
+
 Run: .venv/bin/python bench/bench_straggler_gate.py [--quick]
 """
 
@@ -29,11 +32,14 @@ NODES = 8
 BASE = 0.1
 
 
-def trial(seed: int, noise: float, straggler: float | None) -> tuple[int | None, int | None]:
-    """For the tracker and for the report-only rule on the same trace: steps from the straggler's onset
-    (step 20) to the episode opening; -1 for an episode on a node that is no straggler; None when none
-    opened."""
+def trial(
+    seed: int, noise: float, straggler: float | None, window: int | None = None
+) -> tuple[int | None, int | None]:
+    """For the tracker (levels over `window` steps; None: sized from the noise, as the operator does) and
+    for the report-only rule on the same trace: steps from the straggler's onset (step 20) to the episode
+    opening; -1 for an episode on a node that is no straggler; None when none opened."""
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.1, min_duration_s=5.0))
+    tracker.gate.fixed_window = window
     tracker.gate.new_generation(0, {})
     rng = random.Random(seed)
     report_only: int | None = None
@@ -78,9 +84,10 @@ def trial(seed: int, noise: float, straggler: float | None) -> tuple[int | None,
     return gated, report_only
 
 
-def judgement_cost(nodes: int) -> float:
+def judgement_cost(nodes: int, window: int | None = None) -> float:
     """Seconds for one tick when all `nodes` report a machine-wide 2x slowdown (three distinct onsets)."""
     tracker = FailSlowTracker(FailSlowSpec())
+    tracker.gate.fixed_window = window
     tracker.gate.new_generation(0, {})
     rng = random.Random(0)
     for step in range(10):
@@ -111,25 +118,31 @@ def judgement_cost(nodes: int) -> float:
 
 def main() -> None:
     trials = 50 if "--quick" in sys.argv else 200
-    header = ("noise", "straggler", "episodes", "report-only (on 5)", "false/found", "delay steps")
-    print("{:>6} {:>9} {:>9} {:>18} {:>11} {:>11}".format(*header))
+    header = ("window", "noise", "straggler", "episodes", "report-only (on 5)", "false/found", "delay steps")
+    print("{:>11} {:>6} {:>9} {:>9} {:>18} {:>11} {:>11}".format(*header))
     for noise in (0.05, 0.15, 0.25):
         for straggler in (None, 1.2, 1.5):
-            both = [trial(seed, noise, straggler) for seed in range(trials)]
-            outcomes = [gated for gated, _ in both]
-            opened = sum(o is not None for o in outcomes)
-            found = [o for o in outcomes if o is not None and o >= 0] if straggler is not None else []
-            old = sum(o is not None for _, o in both)  # the report-only rule, same traces and reports
-            old_right = sum(o is not None and o >= 0 for _, o in both)
-            label = "-" if straggler is None else f"{straggler}x"
-            delay = f"{statistics.median(found):.0f}" if found else "-"
-            counted = f"{opened}/{trials} false" if straggler is None else f"{len(found)}/{trials}"
-            print(
-                f"{noise:>6} {label:>9} {opened:>5}/{trials} {old:>11}/{trials} ({old_right:>3}) "
-                f"{counted:>11} {delay:>11}"
-            )
+            for window in (None, 16):  # the operator's noise-sized window, and the fixed one it replaced
+                both = [trial(seed, noise, straggler, window) for seed in range(trials)]
+                outcomes = [gated for gated, _ in both]
+                opened = sum(o is not None for o in outcomes)
+                found = [o for o in outcomes if o is not None and o >= 0] if straggler is not None else []
+                old = sum(o is not None for _, o in both)  # the report-only rule, same traces and reports
+                old_right = sum(o is not None and o >= 0 for _, o in both)
+                label = "-" if straggler is None else f"{straggler}x"
+                delay = f"{statistics.median(found):.0f}" if found else "-"
+                counted = f"{opened}/{trials} false" if straggler is None else f"{len(found)}/{trials}"
+                name = "noise-sized" if window is None else f"{window} steps"
+                print(
+                    f"{name:>11} {noise:>6} {label:>9} {opened:>5}/{trials} {old:>11}/{trials} "
+                    f"({old_right:>3}) {counted:>11} {delay:>11}"
+                )
     for nodes in (512, 4096):
-        print(f"one judgement pass, {nodes} nodes all reporting: {judgement_cost(nodes) * 1000:.1f} ms")
+        sized, fixed = judgement_cost(nodes), judgement_cost(nodes, 16)
+        print(
+            f"one judgement pass, {nodes} nodes all reporting: {sized * 1000:.1f} ms with the noise-sized "
+            f"window, {fixed * 1000:.1f} ms with a fixed 16-step one"
+        )
 
 
 if __name__ == "__main__":

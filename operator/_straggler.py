@@ -14,10 +14,11 @@ The rule (what `StragglerGate.straggler` decides):
 - The **window** is sized from the job's own noise (`window_for`): enough steps that noise alone keeps a
   node's median 2.5 standard errors under the threshold (`_Z`). A quiet cluster (compute varying 2% from
   step to step) judges on 4 steps, so a 1.3x straggler opens within about ten iterations; a shared,
-  overloaded host (25-40%, the local stack's real GPT) at threshold 1.2 waits 20-32. The noise is each
-  node's robust spread (1.4826 x the median absolute deviation over its median), pooled as the median over
-  the nodes: one node's level shift does not widen it, a machine-wide transition does (and makes the rule
-  more careful while it lasts).
+  overloaded host (20-30% of a node's own, the local stack's real GPT) at threshold 1.2 waits 13-25. The
+  noise is each node's robust spread (1.4826 x the median absolute deviation over the median) of its
+  compute relative to the job's median at the same step, pooled as the median over the nodes: what the
+  whole host does to every node at once cancels, as it does in the rule; one node's level shift does not
+  widen the pooled value.
 - Its **planned share** `w` is its compute per step in the published plan (forward + backward of its layers
   x its pipeline's micro-batches, rerouted stages split over the peers that run them) divided by the median
   over the plan's nodes; 1.0 for every node of a symmetric layout. Dividing by it makes a node with a
@@ -150,16 +151,26 @@ class StragglerGate:
 
     @property
     def noise(self) -> float | None:
-        """The job's pooled relative spread of compute per step (None before any node has enough steps):
-        the median over at most `NOISE_NODES` nodes, evenly picked (a median over more adds nothing but
-        cost on a job of thousands)."""
-        nodes = list(self._levels.values())
-        stride = max(1, len(nodes) // NOISE_NODES)
-        spreads = [
-            spread
-            for samples in nodes[::stride]
-            if (spread := relative_spread(level for _, level in samples)) is not None
-        ]
+        """The job's step-to-step noise as the rule sees it (None before nodes have enough steps): each
+        node's robust spread of its compute relative to the job's median at the same step (a stall of the
+        whole host moves every node alike, and the rule compares nodes over the same steps), pooled as
+        the median over at most `NOISE_NODES` nodes, evenly picked (more adds nothing but cost on a job of
+        thousands)."""
+        nodes = list(self._levels.items())
+        picked = nodes[:: max(1, len(nodes) // NOISE_NODES)]
+        by_step: dict[int, list[float]] = {}
+        for node, samples in picked:
+            share = self.shares.get(node, 1.0)
+            for step, level in samples:
+                by_step.setdefault(step, []).append(level / share)
+        typical = {step: median(values) for step, values in by_step.items() if len(values) > 1}
+        spreads = []
+        for node, samples in picked:
+            share = self.shares.get(node, 1.0)
+            ratios = [level / share / typical[step] for step, level in samples if typical.get(step, 0) > 0]
+            spread = relative_spread(ratios)
+            if spread is not None:
+                spreads.append(spread)
         return median(spreads) if spreads else None
 
     def new_generation(self, generation: int, shares: Mapping[int, float]) -> None:
