@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from resilientjob.operator._failslow import FailSlowTracker
-from resilientjob.operator._failslow_types import FindingKind
+from resilientjob.operator._failslow import FailSlowTracker, FindingKind
 from resilientjob.operator.api import FailSlowSpec
 from resilientjob.protocol.messages import IterationRecord, SlowReport
 
