@@ -208,6 +208,7 @@ class Probe:
             )
             if slow is not None:
                 new.append(seen.event(slow))
+            seen.failslow.dated(seen.recoveries, seen.elapsed())
         return new
 
     def transfers(self, generation: int) -> tuple[float, float, int]:
@@ -266,6 +267,7 @@ def _summary(seen: Observed) -> Any:
         "policy / strategy",
         "layout",
         "detect s",
+        "detect steps",
         "plan s",
         "after fault s",
         "rendezvous s",
@@ -286,6 +288,7 @@ def _summary(seen: Observed) -> Any:
             f"{recovery.get('policy', '')}" + (f" / {strategy}" if strategy else ""),
             str(recovery.get("layout", "")),
             f"{float(recovery.get('detectS', 0.0)):.3f}",
+            _detect_steps(recovery),
             f"{float(recovery.get('planS', 0.0)):.4f}",
             _after_fault(seen, generation, str(recovery.get("trigger", ""))),
             f"{rendezvous:.3f}",
@@ -294,6 +297,14 @@ def _summary(seen: Observed) -> Any:
             str(moved),
         )
     return table
+
+
+def _detect_steps(recovery: dict[str, Any]) -> str:
+    """A fail-slow row's steps from the slowdown's onset to the operator opening the episode."""
+    onset, detected = recovery.get("onsetStep"), recovery.get("detectedStep")
+    if not isinstance(onset, int) or not isinstance(detected, int):
+        return "-"
+    return str(detected - onset)
 
 
 def _after_fault(seen: Observed, generation: int, trigger: str) -> str:

@@ -1,6 +1,9 @@
 """The demo's fail-slow measurement: when the slowdown was ordered, when the operator named the slow node
 (`status.slowNodes`), when the mitigation's plan came, and the throughput before, during and after, so the
-demo ends with the detection delay in iterations after the order and the share of the slowdown removed."""
+demo ends with the detection delay in iterations after the order and the share of the slowdown removed.
+The detection's step is the one the operator recorded when it opened the episode (the NodeSlow recovery
+row's `detectedStep`) once that row is there; until then, the step the demo saw when the status first named
+the node, which lags by the status's update interval."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ class FailSlowWatch:
     slowed_step: int = 0
     detected_at: float | None = None
     detected_step: int = 0
+    detected_exact: bool = False
+    """Whether `detected_step` is the operator's own record of the episode's opening."""
     mitigated_at: float | None = None
     mitigated_step: int = 0
     strategy: str = ""
@@ -38,6 +43,22 @@ class FailSlowWatch:
             return None
         self.detected_at, self.detected_step = at, step
         return f"fail-slow detected: nodes {nodes} ({step - self.slowed_step} steps after the order)"
+
+    def dated(self, recoveries: list[dict[str, object]], at: float) -> None:
+        """Take the operator's step of the detection from the first NodeSlow recovery row for the slowed
+        node after the order (`detectedStep`)."""
+        if self.slowed_at is None or self.detected_exact:
+            return
+        for row in recoveries:
+            step = row.get("detectedStep")
+            nodes = row.get("nodes")
+            if row.get("trigger") != "NodeSlow" or not isinstance(step, int) or step < self.slowed_step:
+                continue
+            if isinstance(nodes, list) and self.node in nodes:
+                if self.detected_at is None:
+                    self.detected_at = at
+                self.detected_step, self.detected_exact = step, True
+                return
 
     def mitigated(self, strategy: str, at: float, step: int = 0, generation: int | None = None) -> None:
         if self.slowed_at is not None and self.mitigated_at is None and strategy and strategy != "restore":

@@ -6,8 +6,8 @@ run only when there is an old value) on a real CEL implementation (cel-python).
 
 Errors are worded as the API server words them (`spec.nodes: Required value`, `spec.policy: Unsupported
 value: "teleport": supported values: "auto", ...`, `spec: Invalid value: "object": <rule's message>`) so that
-a client's message names the field. Kinds and formats the CRD does not use (`x-kubernetes-int-or-string`,
-`format`, `oneOf`) are not checked.
+a client's message names the field. An `x-kubernetes-int-or-string` value (a quantity) must be an integer or
+a string; kinds and formats the CRD does not use (`format`, `oneOf`) are not checked.
 """
 
 from __future__ import annotations
@@ -113,6 +113,15 @@ class _Walk:
                 )
             return
         expected = schema.get("type")
+        if schema.get("x-kubernetes-int-or-string") and not (
+            _type_ok(value, "integer") or isinstance(value, str)
+        ):
+            actual = _GO_TYPE.get(type(value), type(value).__name__)
+            self.errors.append(
+                f"{path}: Invalid value: {_describe(value)}: {path} in body must be of type "
+                f'integer,string: "{actual}"'
+            )
+            return
         if expected and not _type_ok(value, expected):
             actual = _GO_TYPE.get(type(value), type(value).__name__)
             self.errors.append(

@@ -111,6 +111,11 @@ class FailSlowTracker:
     """Nodes of the current episode, with their slowdown (new level / healthy level)."""
     links: set[Link] = field(default_factory=set)
     """Slow links (sender, receiver) that validation named in this episode."""
+    devices: set[int] = field(default_factory=set)
+    """Slow nodes of the episode whose own device is slow (a compute report's, or a device that validation
+    timed slow): S2 balances these, also where one is the end of a slow link as well."""
+    _named_devices: set[int] = field(default_factory=set)
+    """The slow devices the last validation pass named (the candidates it validated open with them)."""
     controller: MitigationController = field(init=False)
     candidates: dict[int, Candidate] = field(default_factory=dict)
     awaiting: tuple[int, float] | None = None
@@ -121,6 +126,8 @@ class FailSlowTracker:
     """Set by every change of `state()`; the reconciler clears it once stored."""
     _sources: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _detect_s: float = 0.0
+    _steps: tuple[int, int] | None = None
+    """The episode's onset step and the step it was opened at (`Mitigation.steps`)."""
     _fed: dict[int, int] = field(default_factory=dict)
     _compute_episode: bool = True
     """Whether the episode was opened by a compute report (its loss is then counted in compute time)."""
@@ -224,6 +231,8 @@ class FailSlowTracker:
                 self._detect_s,
                 tuple(sorted(self.links)),
                 self._measured(),
+                self._steps,
+                tuple(sorted(self.devices)),
             )
         decision = self.controller.on_iteration(seconds)
         self._recent = [*self._recent[-(RECENT - 1) :], seconds]
@@ -242,6 +251,8 @@ class FailSlowTracker:
             self._detect_s,
             tuple(sorted(self.links)),
             measured,
+            self._steps,
+            tuple(sorted(self.devices)),
         )
 
     def published(self, mitigation: Mitigation, generation: int) -> None:
@@ -263,7 +274,9 @@ class FailSlowTracker:
         if action is not Action.MICROBATCH or not self.links:
             return dict(self.slow)
         ends = {node for link in self.links for node in link}
-        compute = {node: factor for node, factor in self.slow.items() if node not in ends}
+        compute = {
+            node: factor for node, factor in self.slow.items() if node not in ends or node in self.devices
+        }
         return compute or dict(self.slow)
 
     def _measured(self) -> str:
@@ -396,6 +409,7 @@ class FailSlowTracker:
         self.changed = True
         links = sorted({(a, b) for a, b in result.slow_links if a != b})
         devices = sorted(set(result.slow_nodes))
+        self._named_devices = set(devices)
         if links:
             self.links.update(links)
             self.findings.append(
@@ -467,6 +481,16 @@ class FailSlowTracker:
             )
         return tuple(n for n in named if n not in unconfirmed)
 
+    def _slow_devices(self, nodes: Iterable[int], since: int) -> set[int]:
+        """The nodes of a validated episode whose own device is slow: those validation timed slow, where a
+        node is also a slow link's end only if the job-wide rule finds its compute slow since `since` too
+        (`_corroborated` judged the others). One GEMM timing on a shared host named the end of a congested
+        link a slow device; counted so, the link episode became a compute one and S2 came first."""
+        named = [n for n in nodes if n in self._named_devices]
+        ends = {n for link in self.links for n in link}
+        judged = self.gate.judge(dict.fromkeys((n for n in named if n in ends), since))
+        return {n for n in named if n not in ends or judged.get(n)}
+
     # ---- the episode -------------------------------------------------------------------------------------
     def _open(self, reporter: int, candidate: Candidate, why: str = "") -> None:
         del self.candidates[reporter]
@@ -478,8 +502,13 @@ class FailSlowTracker:
             self._compute_episode = report.kind is SlowKind.COMPUTE
             level = report.level_s or report.baseline_s * report.slowdown
             self._detect_s = max(1, latest - report.onset_step + 1) * level
+            self._steps = (report.onset_step, latest)
         for node in nodes:
             self.slow[node] = max(self.slow.get(node, 1.0), report.slowdown)
+        if report.kind is SlowKind.COMPUTE:
+            self.devices.update(nodes)
+        elif candidate.validated:
+            self.devices.update(self._slow_devices(nodes, report.onset_step))
         self._fed[reporter] = latest
         self._sources[reporter] = nodes
         causes: set[RootCause] = set()
@@ -491,8 +520,8 @@ class FailSlowTracker:
             endpoints = {n for link in self.links for n in link}
             if endpoints & set(nodes):
                 causes.add(RootCause.COMMUNICATION)
-            if set(nodes) - endpoints:
-                causes.add(RootCause.COMPUTE)  # a device that validation found slow
+            if set(nodes) - endpoints or set(nodes) & self.devices:
+                causes.add(RootCause.COMPUTE)  # a device that validation found slow (a link's end or not)
         self.controller.localized(tuple(sorted(causes)), nodes)
         self.changed = True
         self.findings.append(
@@ -532,6 +561,7 @@ class FailSlowTracker:
         for node in back:
             self.slow.pop(node, None)
         self.links = {link for link in self.links if link[0] in self.slow or link[1] in self.slow}
+        self.devices &= set(self.slow)
         self.changed = True
         if back or report.node not in kept:
             self.findings.append(
@@ -555,7 +585,7 @@ class FailSlowTracker:
         """The compute stragglers among `nodes` (slow nodes that are not ends of a slow link) whose level
         since step `since` the job-wide rule still finds over the threshold of the other nodes'."""
         ends = {n for link in self.links for n in link}
-        compute = {n: since for n in nodes if n in self.slow and n not in ends}
+        compute = {n: since for n in nodes if n in self.slow and (n not in ends or n in self.devices)}
         if not compute:
             return ()
         verdicts = self.gate.judge(compute)
@@ -570,12 +600,14 @@ class FailSlowTracker:
             self.candidates.pop(node, None)
             self._sources.pop(node, None)
         self.links = {link for link in self.links if not set(link) & gone}
+        self.devices -= gone
         self.gate.forget(gone)
         if not self.slow and self.controller.active:
             self.controller = self._fresh_controller()
             self._sources.clear()
             self._fed.clear()
             self.links.clear()
+            self.devices.clear()
             self._recent, self._rungs = [], []
             self.rung_check.reset()
         self.changed = True
@@ -591,10 +623,13 @@ class FailSlowTracker:
             "episode": self.controller.snapshot(),
             "slow": {str(n): f for n, f in self.slow.items()},
             "links": sorted(list(link) for link in self.links),
+            "devices": sorted(self.devices),
+            "named_devices": sorted(self._named_devices),
             "sources": {str(n): list(led) for n, led in self._sources.items()},
             "candidates": {str(n): c.state() for n, c in self.candidates.items()},
             "awaiting": None if self.awaiting is None else list(self.awaiting),
             "detect_s": self._detect_s,
+            "steps": None if self._steps is None else list(self._steps),
             "fed": {str(n): s for n, s in self._fed.items()},
             "compute_episode": self._compute_episode,
             "recent": list(self._recent),
@@ -612,9 +647,13 @@ class FailSlowTracker:
         candidates = {int(n): Candidate.of(c) for n, c in state["candidates"].items()}
         awaiting = state.get("awaiting")
         self.controller, self.slow, self.links, self._sources = controller, slow, links, sources
+        self.devices = {int(n) for n in state.get("devices", [])}
+        self._named_devices = {int(n) for n in state.get("named_devices", [])}
         self.candidates = candidates
         self.awaiting = None if awaiting is None else (int(awaiting[0]), float(awaiting[1]))
         self._detect_s = float(state.get("detect_s", 0.0))
+        steps = state.get("steps")
+        self._steps = None if steps is None else (int(steps[0]), int(steps[1]))
         self._fed = {int(n): int(s) for n, s in state.get("fed", {}).items()}
         self._compute_episode = bool(state.get("compute_episode", True))
         self._recent = [float(v) for v in state.get("recent", [])][-RECENT:]

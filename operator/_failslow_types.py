@@ -38,6 +38,12 @@ class Mitigation:
     measured: str = ""
     """What the tracker measured: the step time now against the healthy one, and what each earlier rung of
     the episode changed (its step time when decided -> now)."""
+    steps: tuple[int, int] | None = None
+    """The episode's (onset step, step at which the operator opened it): the detection delay in iterations
+    that the Recovery row records, exact where sampling the status would not be."""
+    devices: tuple[int, ...] = ()
+    """The slow nodes whose own device is slow (`FailSlowTracker.devices`): S4 parks each of them, also
+    one that is a slow link's end as well."""
 
     @property
     def nodes(self) -> tuple[int, ...]:

@@ -57,6 +57,7 @@ async def mitigation_message(
         reason=why,
         strategy=str(action),
         detect_s=mitigation.detect_s,
+        steps=mitigation.steps,
         parked=parked,
         restore=restore,
     )
@@ -76,13 +77,14 @@ def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mit
 
 
 def replaced_nodes(mitigation: Mitigation) -> list[int]:
-    """The nodes S4 takes out: every slow node that is not only the end of a slow link, and for the slow
-    links as few ends as cover them all (a congested link is gone once either end is; parking both would
-    leave their pipelines short of a node for nothing). Greedy cover: the end on most uncovered links first,
-    the lower node on ties."""
+    """The nodes S4 takes out: every slow node that is not only the end of a slow link (a slow device,
+    also one at a link's end), and for the slow links left as few ends as cover them all (a congested link
+    is gone once either end is; parking both would leave their pipelines short of a node for nothing).
+    Greedy cover: the end on most uncovered links first, the lower node on ties."""
     links = {(a, b) for a, b in mitigation.links if a != b}
     ends = {node for link in links for node in link}
-    out = {node for node in mitigation.factors if node not in ends}
+    devices = set(mitigation.devices)
+    out = {node for node in mitigation.factors if node not in ends or node in devices}
     uncovered = {link for link in links if not set(link) & out}
     while uncovered:
         counts: dict[int, int] = {}

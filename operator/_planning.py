@@ -71,7 +71,9 @@ def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None
 
 def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> PlannerInputs:
     profile = resolve_profile(spec, referenced)
-    cluster = ClusterSpec(nodes=spec.nodes, gpus_per_node=spec.gpus_per_node)
+    cluster = ClusterSpec(
+        nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, device_memory_bytes=spec.device_memory_bytes
+    )
     job = JobSpec(
         global_batch=spec.global_batch_size,
         microbatch_size=spec.micro_batch_size,
@@ -94,11 +96,29 @@ def warm_planner(inputs: PlannerInputs) -> int:
     return warm_up(inputs.profile, inputs.cluster, inputs.job)
 
 
+_SPEC_FIELDS = {
+    "device_memory_bytes": "spec.deviceMemory",
+    "fault_tolerance": "spec.faultTolerance",
+    "global_batch": "spec.globalBatchSize",
+    "microbatch_size": "spec.microBatchSize",
+    "gpus_per_node": "spec.gpusPerNode",
+    "nodes": "spec.nodes",
+}
+"""The spec field behind each planner input a PlannerError can name: what the user must change."""
+
+
 def plan_initial(spec: ResilientJobSpec, inputs: PlannerInputs) -> Plan:
+    """Generation 0; PlannerError naming the spec field (`spec.deviceMemory: the model does not fit ...`)
+    when no layout can run the job."""
     started = time.perf_counter()
-    plan: Plan = initial_plan(
-        inputs.profile, inputs.cluster, inputs.job, policy=spec.policy, costs=inputs.costs
-    )
+    try:
+        plan: Plan = initial_plan(
+            inputs.profile, inputs.cluster, inputs.job, policy=spec.policy, costs=inputs.costs
+        )
+    except PlannerError as exc:
+        if exc.field not in _SPEC_FIELDS:
+            raise
+        raise PlannerError(_SPEC_FIELDS[exc.field], exc.message) from None
     updated: Plan = plan.model_copy(update={"planning_s": time.perf_counter() - started})
     return updated
 

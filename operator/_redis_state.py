@@ -60,6 +60,7 @@ def announcement(
     *,
     strategy: str = "",
     detect_s: float = 0.0,
+    steps: tuple[int, int] | None = None,
     parked: Iterable[int] = (),
     restore: Plan | None = None,
 ) -> PlanAnnouncement:
@@ -74,6 +75,8 @@ def announcement(
         reason=reason,
         strategy=strategy,
         detect_s=round(max(0.0, detect_s), 6),
+        onset_step=None if steps is None else steps[0],
+        detected_step=None if steps is None else steps[1],
         parked=sorted(set(parked)),
         restore=restore,
     )

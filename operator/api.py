@@ -8,11 +8,13 @@ unknown fields, so a typo in a manifest is an error naming the field rather than
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from resilientjob.planner.errors import PlannerError, error_from_validation
@@ -35,6 +37,29 @@ MODEL_PATTERN = (
     r"^(synthetic:[a-z0-9][a-z0-9.-]*|hf:[^\s]+|[a-z0-9][a-z0-9.-]*"
     r"|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 )
+
+
+# A Kubernetes resource quantity without sign or exponent: `80Gi`, `64G`, `1.5Ti`, `85899345920`.
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_QUANTITY_SCALE = {
+    "": 1,
+    **{suffix: 1024 ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{suffix: 1000 ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
+DEFAULT_DEVICE_MEMORY_BYTES = 80 * 2**30
+"""The planner's memory per accelerator when `spec.deviceMemory` is not given (an 80 GB A100/H100)."""
+
+
+def quantity_bytes(value: int | str) -> int:
+    """Bytes of a Kubernetes quantity (an integer, or a string as `QUANTITY_PATTERN`), rounded up."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(QUANTITY_PATTERN, value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a quantity such as 80Gi, 64G or 85899345920")
+    suffix = match.group(2) or ""
+    exact = Decimal(value.removesuffix(suffix)) * _QUANTITY_SCALE[suffix]
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
 
 
 def _immutable(what: str) -> dict[str, Any]:
@@ -256,6 +281,13 @@ class ResilientJobSpec(_Api):
     device_resource: DeviceResource = Field(
         default=DeviceResource.NONE, json_schema_extra=_immutable("deviceResource")
     )
+    device_memory: int | str | None = Field(
+        default=None,
+        description="Memory of one accelerator as a quantity (80Gi, 64G, or bytes): the planner keeps "
+        "every stage's peak within it and splits the model into pipeline stages where a whole replica does "
+        "not fit. Empty: 80Gi.",
+        json_schema_extra={**_immutable("deviceMemory"), "pattern": QUANTITY_PATTERN},
+    )
     global_batch_size: int = Field(ge=1, le=2**24, json_schema_extra=_immutable("globalBatchSize"))
     micro_batch_size: int = Field(ge=1, le=2**20, json_schema_extra=_immutable("microBatchSize"))
     fault_tolerance: int = Field(default=1, ge=0, le=4095, description="f: simultaneous failures to survive.")
@@ -287,6 +319,24 @@ class ResilientJobSpec(_Api):
         description="Claims mounted into every worker pod (model directories, data, outputs).",
         json_schema_extra=_immutable("volumes"),
     )
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _device_memory_quantity(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"{value!r}: a number of bytes or a quantity such as 80Gi")
+        if quantity_bytes(value) < 1:
+            raise ValueError(f"{value!r}: an accelerator has at least one byte")
+        return value
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Bytes of one accelerator's memory, as the planner takes it."""
+        return (
+            DEFAULT_DEVICE_MEMORY_BYTES if self.device_memory is None else quantity_bytes(self.device_memory)
+        )
 
     @model_validator(mode="after")
     def _cross_field(self) -> ResilientJobSpec:
@@ -385,6 +435,12 @@ class Recovery(_Api):
     strategy: str = Field(default="", description="Fail-slow mitigation applied, if any.")
     detect_s: float = Field(
         default=0.0, ge=0, description="Measured: last sign of life (or fail-slow onset) to detection."
+    )
+    onset_step: int | None = Field(
+        default=None, ge=0, description="Fail-slow: the step the slowdown dates from."
+    )
+    detected_step: int | None = Field(
+        default=None, ge=0, description="Fail-slow: the step at which the operator opened the episode."
     )
     plan_s: float = Field(default=0.0, ge=0)
     at: str = ""

@@ -2,9 +2,9 @@
 
 pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema: no `$ref`, no
 `anyOf` for optional fields (use `nullable`), boolean `exclusiveMinimum`, no `title`, and a `type` on every
-node. `openapi_schema` performs exactly those rewrites; `crd_manifest` wraps the result with the printer
-columns, short name and status subresource. `scripts/gen_crds.py` writes it to `crds/`, and a test fails
-when the committed file drifts from this output.
+node but an int-or-string (a quantity, the one union kept). `openapi_schema` performs exactly those
+rewrites; `crd_manifest` wraps the result with the printer columns, short name and status subresource.
+`scripts/gen_crds.py` writes it to `crds/`, and a test fails when the committed file drifts from this output.
 """
 
 from __future__ import annotations
@@ -37,11 +37,19 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         out[key] = _resolve(value, defs)
     if "anyOf" in out:
         variants = [v for v in out.pop("anyOf") if v.get("type") != "null"]
-        if len(variants) != 1:
-            raise ValueError(f"only Optional[X] unions are allowed in the CRD, got {variants}")
-        # A null default on an optional field means "absent" in Kubernetes: no default, no nullable.
         if out.get("default", ...) is None:
             out.pop("default")
+        if sorted(v.get("type") for v in variants) == ["integer", "string"]:
+            # A quantity (`80Gi` or a number): the one union a structural schema allows, as Kubernetes
+            # writes its own (the string's pattern sits beside the anyOf).
+            return {
+                **out,
+                "x-kubernetes-int-or-string": True,
+                "anyOf": [{"type": "integer"}, {"type": "string"}],
+            }
+        if len(variants) != 1:
+            raise ValueError(f"only Optional[X] unions are allowed in the CRD, got {variants}")
+        # A null default on an optional field means "absent" in Kubernetes (dropped above): no nullable.
         out = {**variants[0], **out}
     for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if bound in out and not isinstance(out[bound], bool):

@@ -143,6 +143,12 @@ class PlanAnnouncement(_Message):
     reason: str = Field(default="", max_length=4096)
     strategy: str = Field(default="", max_length=32, description="Fail-slow mitigation, if any.")
     detect_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Measured detection time.")
+    onset_step: int | None = Field(
+        default=None, ge=0, description="Fail-slow: the step the slowdown dates from."
+    )
+    detected_step: int | None = Field(
+        default=None, ge=0, description="Fail-slow: the step at which the operator opened the episode."
+    )
     parked: list[int] = Field(
         default_factory=list, max_length=100_000, description="Slow nodes out of the layout (S4)."
     )

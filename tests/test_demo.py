@@ -94,6 +94,28 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     live = watch.live(timeline, 100.0)
     assert "worker 7 slowed at +50s; detected after 12 steps; microbatch at +10.0s" in live, live
     assert live.endswith("healthy 600 / slowed 400 / mitigated 550 samples/s"), live
+    # Once the NodeSlow row is in the status, the operator's own step of the detection replaces the one the
+    # demo sampled: a row for another node, or from before the order, is not this episode's.
+    watch.dated([{"trigger": "NodeSlow", "nodes": [7], "detectedStep": 990, "onsetStep": 985}], 61.0)
+    watch.dated([{"trigger": "NodeSlow", "nodes": [3], "detectedStep": 1004}], 61.0)
+    watch.dated([{"trigger": "NodeFailed", "nodes": [7]}], 61.0)
+    assert watch.detected_step == 1012 and not watch.detected_exact
+    watch.dated([{"trigger": "NodeSlow", "nodes": [3, 7], "detectedStep": 1006, "onsetStep": 1001}], 61.0)
+    assert "detected 6 iterations (3.0s) after the order" in watch.summary(timeline, end=100.0)
+    watch.dated([{"trigger": "NodeSlow", "nodes": [7], "detectedStep": 1030}], 70.0)  # a later episode
+    assert watch.detected_step == 1006
+    # Dated without the status ever naming the node in a sample: the row alone is the detection.
+    unseen = FailSlowWatch()
+    unseen.slowed(7, at=50.0, step=1000)
+    unseen.dated([{"trigger": "NodeSlow", "nodes": [7], "detectedStep": 1009}], 58.0)
+    assert "detected 9 iterations (8.0s) after the order" in unseen.summary(timeline, end=100.0)
+
+
+def test_the_recoveries_table_counts_the_steps_to_a_fail_slow_detection() -> None:
+    from resilientjob.cli._demo import _detect_steps
+
+    assert _detect_steps({"trigger": "NodeSlow", "onsetStep": 120, "detectedStep": 128}) == "8"
+    assert _detect_steps({"trigger": "NodeFailed", "detectS": 0.4}) == "-"
 
 
 def test_the_recoveries_table_times_each_decision_from_the_fault_it_answers() -> None:

@@ -100,6 +100,12 @@ def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
         assert decision.loss_s >= price - 1e-6 and (step == 21 or decision.loss_s - 0.1 < price + 1e-6)
     assert all(d.nodes == (1,) and d.factors == {1: 2.0} for _, d in decisions)
     assert decisions[0][1].detect_s == pytest.approx(6 * 0.2)  # onset to detection: six slow steps
+    # Every rung of the episode carries its onset and the step it was opened at, and so does a restart.
+    onset = slow_report(1, step=20).onset_step
+    assert all(d.steps == (onset, 20) for _, d in decisions), [d.steps for _, d in decisions]
+    resumed = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
+    resumed.restore(tracker.state())
+    assert resumed.state()["steps"] == [onset, 20]
     restore = tracker.report(slow_report(1, step=300, recovered=True), now=2.0)
     assert restore is not None and restore.action is Action.RESTORE and not tracker.active
 

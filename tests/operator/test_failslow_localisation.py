@@ -4,6 +4,7 @@ link, and the episode's state surviving an operator restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -453,6 +454,11 @@ def test_s4_takes_out_one_end_of_each_slow_link_and_every_slow_device() -> None:
     # Node 3 is on both slow links: taking it out clears them; node 5 is a slow device of its own.
     assert replaced_nodes(mitigation({1: 2.0, 3: 2.0, 4: 2.0, 5: 1.5}, ((1, 3), (3, 4)))) == [3, 5]
     assert replaced_nodes(mitigation({6: 1.5}, ())) == [6]
+    # The mixed bench: links 0-2 (congested) and 4-5 (named by noise), node 5's device slow. Parking 4 for
+    # the link left the slow GPU in the layout, and S4 made the job slower; the device covers its link.
+    both = Mitigation(Action.REPLACE, {0: 1.9, 2: 1.9, 4: 1.9, 5: 2.0}, "", 1.0, 0.0, ((0, 2), (4, 5)))
+    assert replaced_nodes(both) == [0, 4]
+    assert replaced_nodes(dataclasses.replace(both, devices=(5,))) == [0, 5]
 
 
 def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
@@ -485,6 +491,44 @@ def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
     assert "after topology:" in s2.measured and "measured" in s2.measured, s2.measured
     snapshot = job.tracker.controller.snapshot()
     assert snapshot is not None and set(snapshot["causes"]) == {"communication", "compute"}
+
+
+@pytest.mark.parametrize("named_by", ["compute report", "validation"])
+def test_s2_balances_a_slow_device_that_is_also_a_slow_links_end(named_by: str) -> None:
+    # The mixed bench on the local stack: the first pass named the congested link 0->2 and, by noise, 5->6;
+    # then node 5's GPU slowed. Counted only as a link's end, node 5 was left out of S2's balance, S2 fell
+    # back to every slow node's factor and declined ("the current split is already the best"). The first
+    # pass also timed node 2's GEMM slow by noise: the end of a slow link whose compute the job-wide rule
+    # finds healthy is not a slow device (the next run made S2 the link episode's first rung that way).
+    spec = FailSlowSpec(
+        slowdown_threshold=1.3,
+        min_duration_s=0,
+        overheads=StrategyOverheads(microbatch_s=0.5, topology_s=0.3, restart_s=1000.0),
+    )
+    job = Job(spec, seed=3)
+    job.run(20, {}, noise=0.02)
+    job.tracker.report(report(2, job.step, 1.6, SlowKind.COMMUNICATION), now=float(job.step))
+    job.tracker.validation_sent(1, now=float(job.step))
+    job.tracker.validated(result(1, [(0, 2), (5, 6)], nodes=(2,)))
+    job.run(12, {}, noise=0.02)
+    assert job.tracker.links == {(0, 2), (5, 6)} and job.tracker.devices == set()
+    job.run(10, {5: 2.0}, noise=0.02)
+    if named_by == "compute report":
+        job.report(5, 2.0)
+    else:  # a communication report whose pass times node 5's GEMM slow (and, by noise, a link 3->4)
+        job.tracker.report(report(4, job.step, 1.5, SlowKind.COMMUNICATION), now=float(job.step))
+        job.tracker.validation_sent(2, now=float(job.step))
+        job.tracker.validated(result(2, [(3, 4)], nodes=(5,)))
+    job.run(20, {5: 2.0}, noise=0.02)
+    assert 5 in job.tracker.devices
+    actions = [m.action for m in job.mitigations]
+    assert actions[:2] == [Action.TOPOLOGY, Action.MICROBATCH], actions
+    assert set(job.mitigations[1].factors) == {5}, job.mitigations[1].factors
+    assert job.mitigations[1].devices == (5,)  # what S4 will park, should the episode get there
+    # The device's part survives an operator restart.
+    resumed = FailSlowTracker(spec)
+    resumed.restore(json.loads(json.dumps(job.tracker.state())))
+    assert resumed.devices == job.tracker.devices
 
 
 @pytest.mark.parametrize(

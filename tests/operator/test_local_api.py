@@ -96,6 +96,29 @@ async def test_names_versions_and_schema_are_checked_as_the_api_server_does(serv
     assert status == 422 and 'spec.model: Invalid value: "string": model is immutable' in body["message"]
 
 
+async def test_a_quantity_is_an_integer_or_a_string_of_its_pattern(server: Any) -> None:
+    _, client, _ = server
+    status, body = await call(client, "POST", rjob_path(), job_manifest("list", deviceMemory=[80]))
+    assert status == 422
+    assert (
+        'spec.deviceMemory: Invalid value: "array": spec.deviceMemory in body must be of type '
+        in (body["message"])
+    )
+    status, body = await call(client, "POST", rjob_path(), job_manifest("spaced", deviceMemory="80 GB"))
+    assert status == 422 and 'spec.deviceMemory: Invalid value: "80 GB"' in body["message"]
+    for name, memory in (("bytes", 85899345920), ("quantity", "80Gi")):
+        status, body = await call(client, "POST", rjob_path(), job_manifest(name, deviceMemory=memory))
+        assert status == 201 and body["spec"]["deviceMemory"] == memory
+    status, body = await call(
+        client,
+        "PATCH",
+        rjob_path("quantity"),
+        {"spec": {"deviceMemory": "40Gi"}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert status == 422 and "deviceMemory is immutable" in body["message"]
+
+
 async def test_a_stale_resource_version_is_a_conflict(server: Any) -> None:
     _, client, _ = server
     _, created = await call(client, "POST", PODS, pod("p"))

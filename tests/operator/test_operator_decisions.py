@@ -144,6 +144,11 @@ async def test_fail_slow_ladder_s2_then_s4_then_back_when_the_node_recovers(stac
     assert strategies == ["microbatch", "replace", "restore"]
     s2 = status["recoveries"][0]
     assert s2["trigger"] == "NodeSlow" and s2["nodes"] == [1] and s2["detectS"] > 0
+    # The steps from the onset to the episode's opening, as the operator dated them (the demo prints them).
+    assert 0 <= s2["onsetStep"] <= s2["detectedStep"], s2
+    assert all(r.get("detectedStep") is None for r in status["recoveries"] if r["strategy"] == "restore"), (
+        status
+    )
     assert status["parkedNodes"] == [] and status["slowNodes"] == [] and status["layout"] == "DP4 PP[1,1,1,1]"
     assert 1 in {s["node"] for p in plan["plan"]["pipelines"] for s in p["stages"] if not s["rerouted_to"]}
     assert plan["parked"] == [] and plan["restore"] is None and plan["trigger"] == "NodeRecovered"

@@ -23,6 +23,7 @@ BAD = [
     ("encoder", {"model": "bert-large", "profile": None}, "spec.model"),
     ("no-path", {"data": {"format": "tokens"}}, "spec.data"),
     ("training-typo", {"training": {"lrr": 0.1}}, "spec.training.lrr"),
+    ("memory-unit", {"deviceMemory": "80 GB"}, "spec.deviceMemory"),
 ]
 
 
@@ -47,7 +48,15 @@ async def test_bad_manifests_are_refused_naming_the_field_and_make_no_pods(stack
         assert valid["message"].startswith(field), valid["message"]
     # Rules that no schema states reach the operator on any server; those the CRD states never do.
     assert {"bf16-cpu", "encoder"} <= {name for name, _ in by_operator}
-    assert not {"f-too-big", "batch", "no-nodes", "policy", "typo"} & {name for name, _ in by_operator}
+    assert not {"f-too-big", "batch", "no-nodes", "policy", "typo", "memory-unit"} & {
+        name for name, _ in by_operator
+    }
+    # A valid spec no layout can run (1 KiB per device for layers of 3 MiB): Planned=False naming the field.
+    assert await kube.create_job(job_manifest("tiny-memory", deviceMemory="1Ki")) is None
+    status = await eventually(lambda: rejected("tiny-memory"), 20, "tiny-memory failed")
+    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
+    assert planned["status"] == "False" and planned["reason"] == "PlanInfeasible", planned
+    assert planned["message"].startswith("spec.deviceMemory: the model does not fit"), planned["message"]
 
     async def warnings() -> list[dict[str, Any]] | None:
         found = [e for e in await kube.list("events") if e.get("reason") == "InvalidSpec"]
