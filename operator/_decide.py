@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import api
 from ._manifests import ANNOTATION_GENERATION, ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
@@ -223,3 +224,68 @@ def plan_status(
             "estimated_throughput": round(plan.throughput, 3),
         }
     )
+
+
+def still_fenced(fenced: Iterable[int], message: PlanAnnouncement) -> list[int]:
+    """The fenced nodes a generation does not take back (a node in its layout or parked is back)."""
+    back = set(message.plan.nodes) | set(message.parked)
+    return sorted({int(n) for n in fenced} - back)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What a committed generation makes of the status, and the decision its Event tells."""
+
+    status: api.ResilientJobStatus
+    decision: api.Decision
+    trigger: api.Reason
+    first: bool
+    """Generation 0 of the job: planned, not a recovery."""
+
+
+def applied(status: api.ResilientJobStatus, message: PlanAnnouncement, alive: int, wanted: int) -> Applied:
+    """The status once `message` is applied, with `alive` of its nodes' pods running and `wanted` worker
+    pods asked for (`spec.nodes`): the plan's fields, the decision, the Planned and Degraded conditions,
+    the fenced nodes it takes back, and a recovery row for every generation after the first."""
+    first = status.plan_generation < 0
+    planned = plan_status(status, message.plan, alive, message.parked)
+    trigger = api.Reason(message.trigger) if message.trigger in set(api.Reason) else api.Reason.REPLANNED
+    chosen = decision(message.plan, trigger, message.nodes, message.reason, message.strategy)
+    conditions = set_condition(
+        planned.conditions,
+        api.ConditionType.PLANNED,
+        True,
+        api.Reason.PLANNED,
+        f"generation {message.generation}",
+    )
+    # Failed nodes whose places replacements took (`_capacity`) no longer degrade the job.
+    degraded = (bool(message.plan.failed_nodes) and len(message.plan.nodes) < wanted) or bool(message.parked)
+    conditions = set_condition(
+        conditions,
+        api.ConditionType.DEGRADED,
+        degraded,
+        trigger if degraded else api.Reason.ALL_HEALTHY,
+        f"failed nodes {sorted(message.plan.failed_nodes)}" if degraded else "every node in use",
+    )
+    update: dict[str, Any] = {
+        "last_decision": chosen,
+        "conditions": conditions,
+        "phase": api.Phase.RUNNING,
+        "fenced_nodes": still_fenced(planned.fenced_nodes, message),
+    }
+    if not first:
+        recovery = api.Recovery(
+            generation=message.generation,
+            trigger=trigger,
+            nodes=list(message.nodes),
+            policy=message.policy,
+            layout=message.layout,
+            strategy=message.strategy,
+            detect_s=message.detect_s,
+            onset_step=message.onset_step,
+            detected_step=message.detected_step,
+            plan_s=round(message.plan.planning_s, 6),
+            at=chosen.decided_at,
+        )
+        update["recoveries"] = [*planned.recoveries, recovery][-api.RECOVERY_HISTORY :]
+    return Applied(planned.model_copy(update=update), chosen, trigger, first)

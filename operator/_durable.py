@@ -80,12 +80,6 @@ def numbered(message: PlanAnnouncement, generation: int) -> PlanAnnouncement:
     return message.model_copy(update={"generation": generation, "plan": plan})
 
 
-def still_fenced(fenced: Iterable[int], message: PlanAnnouncement) -> list[int]:
-    """The fenced nodes a generation does not take back (a node in its layout or parked is back)."""
-    back = set(message.plan.nodes) | set(message.parked)
-    return sorted({int(n) for n in fenced} - back)
-
-
 def pods_to_create(message: PlanAnnouncement, applied: int, fenced: Iterable[int]) -> list[int]:
     """The worker pods a (re)start creates: the plan's, until a generation was applied (`applied` < 0: the
     first start, or a crash before it finished); none afterwards. Never a fenced node's."""

@@ -7,7 +7,7 @@ needs up to `BACKOFF_CAP_S` to reconnect and then a beat to rewrite its key. Unt
 a missing heartbeat; pod events from Kubernetes still count.
 
 `RedisWatch` also paces the job loop's retries (capped exponential backoff) and logs one line when an
-outage starts and one when it ends, never one per retry.
+outage starts and one when it ends, never one per retry. `forget_job` deletes a deleted job's keys.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import kopf
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S
+from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S, JobKeys
 
 from . import api, metrics
+from ._redis_state import JobRedis
 from .kube import KubeApi, core_path
 
 log = logging.getLogger("resilientjob.operator")
@@ -153,3 +154,16 @@ class RedisWatch:
 
     def heartbeats_trusted(self, now: float | None = None) -> bool:
         return heartbeats_trusted(time.monotonic() if now is None else now, self.back_at)
+
+
+async def forget_job(redis_url: str, namespace: str, name: str, password: str | None = None) -> int:
+    """Delete a deleted job's Redis keys."""
+    return await forget_keys(operator_client(redis_url, password, bounded=False), namespace, name)
+
+
+async def forget_keys(client: aioredis.Redis, namespace: str, name: str) -> int:
+    """Delete a deleted job's Redis keys with `client`, then close it."""
+    try:
+        return await JobRedis(client, JobKeys(namespace, name)).forget()
+    finally:
+        await client.aclose()

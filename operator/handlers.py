@@ -28,10 +28,10 @@ from resilientjob.planner.errors import PlannerError
 
 from . import api
 from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
-from ._redis_watch import job_client
+from ._redis_watch import forget_job, forget_keys, job_client
 from ._worker_defaults import load_worker_defaults
 from .kube import KubeApi
-from .reconciler import InvalidJob, JobController, forget_job, forget_keys
+from .reconciler import InvalidJob, JobController
 from .settings import OperatorSettings
 
 # A deleted job's Redis clean-up: attempts and the pause between them (the job waits for them).

@@ -29,7 +29,6 @@ from typing import Any, cast
 
 import kopf
 import numpy as np
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
@@ -39,8 +38,9 @@ from resilientjob.protocol.messages import PlanAnnouncement
 from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
+from ._pods import WorkerPods
 from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
-from ._redis_watch import REDIS_DOWN, RedisWatch, job_client, operator_client
+from ._redis_watch import REDIS_DOWN, RedisWatch, job_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
@@ -48,10 +48,6 @@ from .kube import KubeApi, core_path, custom_path
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")
-
-_PATCH_CONCURRENCY = 32
-POD_RESYNC_S = 5.0
-"""How often a job's pods are listed again to catch deletions a watch gap hid (see `resync_pods`)."""
 
 
 class InvalidJob(Exception):
@@ -75,9 +71,8 @@ class JobController:
         self.settings = settings
         self.namespace = namespace
         self.name = name
-        self.pods: dict[int, _decide.PodView] = {}
-        self.pod_seen_at: dict[int, float] = {}
         self.wakeup = asyncio.Event()
+        self.workers = WorkerPods(kube, namespace, name, self.wakeup)
         self.spec: api.ResilientJobSpec | None = None
         self.inputs: PlannerInputs | None = None
         self._warm_up: asyncio.Task[int] | None = None
@@ -94,7 +89,6 @@ class JobController:
         self._telemetry = TelemetryPass()
         self._failslow_restored = False
         self.store = StoreKeeper(kube, namespace, name)
-        self._pods_listed_at = time.monotonic()
         self.record = _durable.PlanRecord(kube, namespace, name)
         self.watch = RedisWatch(name)
         self.capacity = _capacity.CapacityKeeper(
@@ -110,40 +104,17 @@ class JobController:
         path = custom_path(api.GROUP, api.VERSION, self.namespace, api.PLURAL, self.name)
         return path + "/status" if status else path
 
-    def _pod_path(self, node: int) -> str:
-        return core_path(self.namespace, "pods", _manifests.pod_name(self.name, node))
+    @property
+    def pods(self) -> dict[int, _decide.PodView]:
+        """The job's worker pods by node, as the watch and the relists left them (`_pods`)."""
+        return self.workers.views
 
     # ---- pod events (from the kopf pod watch) -----------------------------------------------------------
-    async def resync_pods(self) -> None:
-        """Forget pods that are gone without a DELETED event, as an informer's periodic relist does: when
-        a watch expires (410 Gone) kopf lists again and resumes from there, so a pod deleted in the gap
-        only shows as missing from the list. Pods seen after the list started are kept (our own new ones
-        may be newer than the list)."""
-        started = time.monotonic()
-        self._pods_listed_at = started
-        listed = await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.name))
-        present = {str(pod["metadata"].get("uid")) for pod in listed}
-        for node, view in list(self.pods.items()):
-            if view.uid not in present and self.pod_seen_at.get(node, 0.0) < started:
-                del self.pods[node]
-                self.wakeup.set()
-
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
         if self.store.observe(pod, deleted):
             self.wakeup.set()  # a store pod gone or Failed is created again (`reconcile_once`)
             return
-        view = _decide.pod_view(pod, self.name)
-        if view is None:
-            return
-        current = self.pods.get(view.node)
-        if deleted:
-            # A DELETED event for an older incarnation must not hide its replacement.
-            if current is not None and current.uid == view.uid:
-                del self.pods[view.node]
-        else:
-            self.pods[view.node] = view
-        self.pod_seen_at[view.node] = time.monotonic()
-        self.wakeup.set()
+        self.workers.observe(pod, deleted)
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def setup(self, body: Mapping[str, Any]) -> None:
@@ -197,14 +168,6 @@ class JobController:
         except (RedisError, OSError):
             return True  # the pre-flight itself waits for Redis
 
-    async def _delete_pods(self) -> None:
-        """Every pod of a job that failed before its first plan: they never trained and hold devices."""
-        pods = await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.name))
-        await asyncio.gather(
-            *(self.kube.delete(core_path(self.namespace, "pods", p["metadata"]["name"])) for p in pods)
-        )
-        self.pods.clear()
-
     # ---- initial generation --------------------------------------------------------------------------
     async def ensure_started(self) -> PlanAnnouncement:
         """Generation 0 committed, and the Service, plan ConfigMap and pods created (all idempotent)."""
@@ -239,24 +202,18 @@ class JobController:
         spec = self.require_spec()
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
         await self.ensure_store()
-        limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
 
-        async def create(node: int) -> None:
-            manifest = _manifests.pod_manifest(
+        def manifest(node: int) -> dict[str, Any]:
+            made = _manifests.pod_manifest(
                 self.body, spec, node, generation, layout, redis_url=self._redis_url()
             )
             if self.settings.worker_defaults:
-                manifest = load_worker_defaults(self.settings.worker_defaults).apply(manifest)
+                made = load_worker_defaults(self.settings.worker_defaults).apply(made)
             if strikes and strikes.get(node):
-                manifest["metadata"]["annotations"][_manifests.ANNOTATION_STRIKES] = str(strikes[node])
-            async with limit:
-                await self.kube.create(core_path(self.namespace, "pods"), manifest)
+                made["metadata"]["annotations"][_manifests.ANNOTATION_STRIKES] = str(strikes[node])
+            return made
 
-        await asyncio.gather(*(create(node) for node in nodes))
-        for pod in await self.kube.list(
-            core_path(self.namespace, "pods"), _manifests.job_selector(self.name)
-        ):
-            self.observe_pod(pod, deleted=False)
+        await self.workers.create([manifest(node) for node in nodes], self.observe_pod)
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""
@@ -295,74 +252,21 @@ class JobController:
     async def apply(self, message: PlanAnnouncement) -> None:
         """Bring the ConfigMap, pod annotations, status and Events in line with a committed generation."""
         await self.record.write(self.body, message)
-        annotations = {
-            "metadata": {"annotations": _manifests.generation_annotations(message.generation, message.layout)}
-        }
-        limit = asyncio.Semaphore(_PATCH_CONCURRENCY)
-
-        async def annotate(node: int) -> None:
-            async with limit:
-                await self.kube.patch(self._pod_path(node), annotations)
-
         # Parked slow nodes and replacement pods not in the plan yet follow the generations too: they run
-        # probe steps and may (re)join. Pods that already show this generation (created with it, or patched
-        # before a restart) are skipped.
-        live = {node for node, pod in self.pods.items() if pod.failed is None}
+        # probe steps and may (re)join.
+        live = {node for node in self.pods if self.workers.running(node)}
         targets = sorted(set(message.plan.nodes) | set(message.parked) | live)
-        wanted = str(message.generation)
-        await asyncio.gather(
-            *(
-                annotate(node)
-                for node in targets
-                if node in self.pods and self.pods[node].generation != wanted
-            )
-        )
-        first = self.status.plan_generation < 0
-        alive = sum(1 for node in message.plan.nodes if node in self.pods and self.pods[node].failed is None)
-        status = _decide.plan_status(self.status, message.plan, alive, message.parked)
-        trigger = api.Reason(message.trigger) if message.trigger in set(api.Reason) else api.Reason.REPLANNED
-        decision = _decide.decision(message.plan, trigger, message.nodes, message.reason, message.strategy)
-        conditions = _decide.set_condition(
-            status.conditions,
-            api.ConditionType.PLANNED,
-            True,
-            api.Reason.PLANNED,
-            f"generation {message.generation}",
-        )
-        # Failed nodes whose places replacements took (`_capacity`) no longer degrade the job.
-        short = len(message.plan.nodes) < self.require_spec().nodes
-        degraded = (bool(message.plan.failed_nodes) and short) or bool(message.parked)
-        conditions = _decide.set_condition(
-            conditions,
-            api.ConditionType.DEGRADED,
-            degraded,
-            trigger if degraded else api.Reason.ALL_HEALTHY,
-            f"failed nodes {sorted(message.plan.failed_nodes)}" if degraded else "every node in use",
-        )
-        update: dict[str, Any] = {
-            "last_decision": decision,
-            "conditions": conditions,
-            "phase": api.Phase.RUNNING,
-            "fenced_nodes": _durable.still_fenced(status.fenced_nodes, message),
-        }
-        if not first:
-            recovery = api.Recovery(
-                generation=message.generation,
-                trigger=trigger,
-                nodes=list(message.nodes),
-                policy=message.policy,
-                layout=message.layout,
-                strategy=message.strategy,
-                detect_s=message.detect_s,
-                plan_s=round(message.plan.planning_s, 6),
-                at=decision.decided_at,
-            )
-            update["recoveries"] = [*status.recoveries, recovery][-api.RECOVERY_HISTORY :]
+        await self.workers.annotate(targets, message.generation, message.layout)
+        alive = sum(1 for node in message.plan.nodes if self.workers.running(node))
+        done = _decide.applied(self.status, message, alive, self.require_spec().nodes)
+        if not done.first:
             metrics.RECONFIGURATIONS.labels(self.name, message.policy).inc()
-        self.status = status.model_copy(update=update)
+        self.status = done.status
         await self._write_status(force=True)
         metrics.PLAN_GENERATION.labels(self.name).set(message.generation)
-        self.event("Normal", api.Reason.PLANNED if first else trigger, _decide.explain(decision))
+        self.event(
+            "Normal", api.Reason.PLANNED if done.first else done.trigger, _decide.explain(done.decision)
+        )
 
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
@@ -383,11 +287,11 @@ class JobController:
                     }
                 )
                 await self._reject(exc, api.Reason.INVALID_WORKLOAD)
-                await self._delete_pods()
+                await self.workers.delete_all()
                 raise InvalidJob(str(exc)) from None
             except PlannerError as exc:
                 await self._infeasible(exc, api.Reason.PROFILE_FAILED)
-                await self._delete_pods()
+                await self.workers.delete_all()
                 raise InvalidJob(str(exc)) from None
             if report is None:
                 return
@@ -464,8 +368,7 @@ class JobController:
         if self._deciding is not None and self._deciding.done():
             task, self._deciding = self._deciding, None
             task.result()  # InvalidJob (infeasible) and bugs surface here, in the daemon
-        if time.monotonic() - self._pods_listed_at >= POD_RESYNC_S:
-            await self.resync_pods()
+        await self.workers.resync()
         current, scan = await self._current()
         published = current.message
         if not deciding and self.status.plan_generation < published.generation:
@@ -519,7 +422,7 @@ class JobController:
             tracker=self.tracker(),
             profile=inputs.profile,
             validation_timeout_s=spec.fail_slow.validation_timeout_s,
-            running=lambda node: node in self.pods and self.pods[node].failed is None,
+            running=self.workers.running,
             event=self.event,
         )
 
@@ -557,7 +460,7 @@ class JobController:
         confirmed: dict[int, tuple[api.Reason, str]] = {}
         for node, cause in failures.items():
             if cause[0] is api.Reason.NODE_FAILED and node not in self.pods:
-                pod = await self.kube.get(self._pod_path(node))
+                pod = await self.kube.get(self.workers.path(node))
                 if pod is not None and _decide.pod_view(pod, self.name) is not None:
                     self.observe_pod(pod, deleted=False)
                     view = self.pods.get(node)
@@ -587,7 +490,7 @@ class JobController:
         detected = time.monotonic()
         for node, (reason, cause) in failures.items():
             path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
-            since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.pod_seen_at.get(node)
+            since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.workers.seen_at.get(node)
             latency = max(0.0, detected - since) if since is not None else None
             if latency is not None:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)
@@ -598,7 +501,7 @@ class JobController:
                 self.status = self.status.model_copy(update={"fenced_nodes": fenced})
                 await self._write_status(force=True)
             self.capacity.fenced(self, node)
-            await self.kube.delete(self._pod_path(node), grace_period_s=0)
+            await self.kube.delete(self.workers.path(node), grace_period_s=0)
             with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
                 await redis.fence(node)
             self._heartbeat_seen.pop(node, None)
@@ -640,7 +543,7 @@ class JobController:
             nodes=nodes,
             reason=why,
             detect_s=detect_s,
-            parked=[n for n in current.parked if n in self.pods and self.pods[n].failed is None],
+            parked=[n for n in current.parked if self.workers.running(n)],
         )
         await self._commit_and_apply(message, current)
 
@@ -676,7 +579,7 @@ class JobController:
         tracker = self.tracker()
 
         def running(node: int) -> bool:
-            return node in self.pods and self.pods[node].failed is None
+            return self.workers.running(node)
 
         try:
             message = await mitigation_message(spec, inputs, current, mitigation, running)
@@ -723,16 +626,3 @@ class JobController:
         if self.redis is not None:
             await self.redis.close()
             self.redis = None
-
-
-async def forget_job(redis_url: str, namespace: str, name: str, password: str | None = None) -> int:
-    """Delete a deleted job's Redis keys."""
-    return await forget_keys(operator_client(redis_url, password, bounded=False), namespace, name)
-
-
-async def forget_keys(client: aioredis.Redis, namespace: str, name: str) -> int:
-    """Delete a deleted job's Redis keys with `client`, then close it."""
-    try:
-        return await JobRedis(client, JobKeys(namespace, name)).forget()
-    finally:
-        await client.aclose()

@@ -26,7 +26,7 @@ from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, ev
 from _support import RedisProcess, free_port
 
 from resilientjob.localstack.kubelet import ProcessKubelet
-from resilientjob.operator import _durable
+from resilientjob.operator import _decide, _durable
 from resilientjob.operator._redis_state import RedisPlan, announcement
 from resilientjob.operator._redis_watch import (
     HEARTBEAT_GRACE_S,
@@ -376,8 +376,8 @@ class RestoreCases:
 
 def test_a_fenced_node_stays_fenced_until_a_generation_takes_it_back() -> None:
     message = _message(2)  # nodes 0, 1 in the layout, 3 parked
-    assert _durable.still_fenced([1, 2, 3, 5], message) == [2, 5]
-    assert _durable.still_fenced([], message) == []
+    assert _decide.still_fenced([1, 2, 3, 5], message) == [2, 5]
+    assert _decide.still_fenced([], message) == []
 
 
 def test_a_restart_creates_pods_only_before_the_first_generation_applied() -> None:
