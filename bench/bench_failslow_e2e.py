@@ -14,8 +14,9 @@ Scenarios (`--scenario`):
   e.g. the demo's real GPT): the link between stage 0 of pipelines 0 and 1 (a data-parallel link)
   congested 5x; prints the detection delay, the validation result (the link
   named, training held), the plan change and the slowdown removed.
-- `mixed`: Falcon Fig. 17 on the same job, with small strategy overheads (`OVERHEADS`): the DP link slow,
-  then a GPU slow, both persisting past the escalation to S4; writes throughput over time with the
+- `mixed`: Falcon Fig. 17 on the same layout with two micro-batches per pipeline (`MIXED_MICROBATCHES`,
+  held to PP2 by `deviceMemory`) and small strategy overheads (`OVERHEADS`): the DP link slow, then a GPU
+  slow, both persisting past the escalation to S4; writes throughput over time with the
   injections and mitigations marked to JSON and PNG (`--out`, default docs/img/failslow-mixed.png).
 - `healthy`: no order for `--minutes` (the bench's job, or `--manifest examples/demo.yaml`); counts the
   SlowReports, those that opened an episode or were dismissed, and the mitigations; judges each episode by
@@ -84,7 +85,10 @@ bandwidth at which a factor of 5 adds 4 x 128 KB / 2 MB/s = 0.26 s to each all-r
 gradients but 4 x 16 KB / 2 MB/s = 33 ms to a pipeline send."""
 
 
-def manifest(nodes: int, pipelined: bool = False) -> dict[str, Any]:
+def manifest(nodes: int, pipelined: bool = False, mixed: bool = False) -> dict[str, Any]:
+    """The bench's job: DP over `nodes` whole-model replicas, or the DP4 x PP2 job (`pipelined`), or the
+    mixed case's (`mixed`): the pipelined job with `MIXED_MICROBATCHES` micro-batches, held to PP2 by
+    `deviceMemory`, so that S2 can move a micro-batch off a slow pipeline."""
     layers, forward_s = (PIPELINED_LAYERS, PIPELINED_FORWARD_S) if pipelined else (LAYERS, FORWARD_S)
     layer = {
         "forwardS": forward_s,
@@ -122,7 +126,14 @@ def manifest(nodes: int, pipelined: bool = False) -> dict[str, Any]:
             "nodes": nodes,
             "gpusPerNode": 1,
             "deviceResource": "none",
-            "globalBatchSize": GLOBAL_BATCH_PIPELINED if pipelined else MICROBATCHES_PER_NODE * nodes,
+            "globalBatchSize": (
+                MIXED_MICROBATCHES
+                if mixed
+                else GLOBAL_BATCH_PIPELINED
+                if pipelined
+                else MICROBATCHES_PER_NODE * nodes
+            ),
+            **({"deviceMemory": MIXED_DEVICE_MEMORY} if mixed else {}),
             "microBatchSize": 1,
             "faultTolerance": 1,
             "policy": "auto",
@@ -138,6 +149,14 @@ def manifest(nodes: int, pipelined: bool = False) -> dict[str, Any]:
 
 GLOBAL_BATCH_PIPELINED = 4
 """Samples per step of the pipelined job (four micro-batches of one sample)."""
+
+MIXED_MICROBATCHES = 8
+MIXED_DEVICE_MEMORY = "1M"
+"""The mixed case's job: eight micro-batches of one sample, two per pipeline. A whole replica of the 16
+layers needs about 1.3 MB (the planner's peak), so with 1 MB per device the planner keeps PP2 (DP4 x PP2)
+instead of the eight whole-model replicas it picks when memory allows. Two micro-batches per pipeline let
+S2 move one off a pipeline whose device is slow (with one each, as the link job has, S2 has nothing to
+move and the ladder goes from S3 to S4)."""
 
 OVERHEADS = {"microbatchS": 1, "topologyS": 5, "restartS": 30}
 """The ski-rental controller's strategy costs for the pipelined job: small, so that a persisting slowdown
@@ -299,9 +318,14 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         if new is not None
         else None
     )
-    # When the operator opened its episode (its stored state, polled every 0.5 s): the slowed node's step.
+    # When the operator opened its episode: the step it recorded in the mitigation's plan; without one, the
+    # slowed node's step when the bench saw the episode in the operator's stored state (polled every 0.5 s).
     opened_step = (
-        max((r.step for r in records if r.node == slow_node and r.sent_at <= opened_at), default=inject_step)
+        new.detected_step
+        if new is not None and new.detected_step is not None
+        else max(
+            (r.step for r in records if r.node == slow_node and r.sent_at <= opened_at), default=inject_step
+        )
         if opened_at is not None
         else None
     )
@@ -490,8 +514,9 @@ class PlanWatch:
 
 
 def scenario_mixed(stack: Stack, nodes: int, out: Path) -> dict[str, Any]:
-    """(c) Falcon Fig. 17 on the DP4 x PP2 job: a DP link slow, then a GPU slow, both persisting until the
-    ski-rental controller escalates to S4 (small `OVERHEADS`). Throughput over time with markers."""
+    """(c) Falcon Fig. 17 on the DP4 x PP2 job with two micro-batches per pipeline: a DP link slow, then a
+    GPU slow, both persisting until the ski-rental controller escalates to S4 (small `OVERHEADS`).
+    Throughput over time with markers; the rungs each plan took, so that S2 after the link's S3 shows."""
     watch = PlanWatch(stack)
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
     before = stack.plan()
@@ -526,7 +551,7 @@ def scenario_mixed(stack: Stack, nodes: int, out: Path) -> dict[str, Any]:
     plans = watch.stop()
     records = stack.iterations()
     first = min(r.sent_at for r in records)
-    points = [(at, rate * GLOBAL_BATCH_PIPELINED) for at, rate in timeline(records)]
+    points = [(at, rate * MIXED_MICROBATCHES) for at, rate in timeline(records)]
     mitigations = [
         {"at": plan.published_at, "label": plan.strategy or plan.trigger, "generation": plan.generation}
         for plan in plans
@@ -567,7 +592,9 @@ def plot_mixed(result: dict[str, Any], out: Path) -> None:
     axes.set_ylim(0, top)
     axes.set_xlabel("seconds since the first step")
     axes.set_ylabel("samples/s (5 s buckets)")
-    axes.set_title("Fail-slow, mixed case (Falcon Fig. 17): DP link slow, then a GPU slow; DP4 x PP2")
+    axes.set_title(
+        "Fail-slow, mixed case (Falcon Fig. 17): DP link slow, then a GPU slow; DP4 x PP2, 2 micro-batches"
+    )
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)
@@ -709,6 +736,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=5.0, help="healthy: how long to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "failslow-mixed.png")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="run the local stack in this directory and keep it (every pod's log, the operator's log)",
+    )
     args = parser.parse_args()
     pipelined = args.pipelined or args.scenario in ("link", "mixed")
     nodes = args.nodes or (8 if pipelined else 4)
@@ -716,7 +748,7 @@ def main() -> None:
         parser.error("--manifest: the mixed scenario runs its own job (its overheads are tuned to it)")
     if not 1.0 < args.factor <= 10.0:
         parser.error(f"--factor: must be in (1, 10], got {args.factor}")
-    job = manifest(nodes, pipelined)
+    job = manifest(nodes, pipelined, mixed=args.scenario == "mixed")
     if args.manifest is not None:
         job = yaml.safe_load(args.manifest.read_text())
     if args.threshold is not None:
@@ -724,7 +756,10 @@ def main() -> None:
             parser.error(f"--threshold: must be > 1, got {args.threshold}")
         job["spec"].setdefault("failSlow", {})["slowdownThreshold"] = args.threshold
     name = job["metadata"]["name"]
-    with tempfile.TemporaryDirectory(prefix="rjob-failslow-") as directory:
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    kept = contextlib.nullcontext(str(args.workdir)) if args.workdir is not None else None
+    with kept or tempfile.TemporaryDirectory(prefix="rjob-failslow-") as directory:
         stack = Stack(Path(directory), name)
         try:
             path = Path(directory) / "job.yaml"
