@@ -7,6 +7,7 @@ import argparse
 import math
 from typing import Any
 
+from resilientjob.operator.api import quantity_bytes
 from resilientjob.planner import PlannerError
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.planner.profile import ModelProfile
@@ -48,7 +49,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="step of the last checkpoint written (default: none; a restart then redoes every step)",
     )
-    parser.add_argument("--device-memory", type=int, default=None, help="bytes of memory per accelerator")
+    parser.add_argument(
+        "--device-memory", default=None, help="memory per accelerator: a quantity (80Gi, 64G) or bytes"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=guarded(_run))
 
@@ -78,7 +81,10 @@ def _run(args: argparse.Namespace) -> int:
         raise PlannerError("failure_rate_per_node_hour", f"must be a finite number >= 0, got {rate}")
     cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
     if args.device_memory is not None:
-        cluster_fields["device_memory_bytes"] = args.device_memory
+        try:
+            cluster_fields["device_memory_bytes"] = quantity_bytes(args.device_memory)
+        except ValueError as exc:
+            raise PlannerError("device_memory_bytes", str(exc)) from None
     cluster = ClusterSpec(**cluster_fields)
     job = _job(args)
     failed = int_list(args.failed, "failed")

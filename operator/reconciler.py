@@ -178,6 +178,8 @@ class JobController:
                 plan = plan_initial(spec, inputs)
             except PlannerError as exc:
                 await self._infeasible(exc)
+                # The pods of node 0's workload check, if any: they never trained and hold devices.
+                await self.workers.delete_all()
                 raise InvalidJob(str(exc)) from None
             message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
             published = await self.record.commit(redis, self.body, message, None, self.status.plan_generation)

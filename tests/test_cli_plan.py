@@ -154,6 +154,7 @@ def test_human_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         ({"--failed": "1,x"}, "failed"),
         ({"--device-memory": str(GiB // 2)}, "device_memory_bytes"),
         ({"--device-memory": "-1"}, "device_memory_bytes"),
+        ({"--device-memory": "80 GB"}, "device_memory_bytes"),
         ({"--failure-rate": "-0.5"}, "failure_rate_per_node_hour"),
         ({"--microbatch-size": "0"}, "microbatch_size"),
     ],

@@ -218,6 +218,27 @@ async def test_data_node_0_finds_unusable_fails_the_job_before_any_plan(stack: S
     assert "InvalidWorkload" in {e.get("reason") for e in await stack.kube.events_of(name)}
 
 
+async def test_a_checked_workload_no_layout_can_run_fails_and_its_pods_go(stack: Stack) -> None:
+    """Node 0 finds the model and data usable, then no layout fits `deviceMemory`: the job fails naming the
+    field (Planned=False, PlanInfeasible) and the pods of the check are deleted, as a rejected workload's
+    are (they held devices while the job could never train)."""
+    name = "nomemory"
+    await stack.kube.create_job(job_manifest(name, model="gpt", deviceMemory="1Ki"))
+    await _waiting(stack, name, "CheckingWorkload")
+    stopped = asyncio.Event()
+    node0 = asyncio.create_task(_node0(stack, name, stopped))
+    try:
+        status = await _failed(stack, name)
+    finally:
+        stopped.set()
+        await asyncio.wait_for(node0, 10)
+    planned = _condition(status, "Planned")
+    assert planned["reason"] == "PlanInfeasible", planned
+    assert planned["message"].startswith("spec.deviceMemory: the model does not fit"), planned["message"]
+    assert _condition(status, "Valid")["status"] == "True" and status["planGeneration"] == -1
+    assert await eventually(lambda: _no_pods(stack, name), 10, "the pods deleted")
+
+
 async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(
     stack: Stack, tmp_path: Path
 ) -> None:
