@@ -461,10 +461,9 @@ def test_s4_takes_out_one_end_of_each_slow_link_and_every_slow_device() -> None:
     assert replaced_nodes(dataclasses.replace(both, devices=(5,))) == [0, 5]
 
 
-def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
-    # Falcon Fig. 17's mixed case: a slow link opens the episode (S3 moves it off the all-reduce), then a
-    # GPU slows. S2 fixes compute causes: it is the next rung, for that GPU only (the link's ends compute
-    # at full speed), before S4; each decision names what was measured before and after the last rung.
+def _after_a_link_episode(links: list[tuple[int, int]], devices: tuple[int, ...] = ()) -> Job:
+    """Eight nodes 12 steps into an episode that a communication report opened and whose validation pass
+    named `links` (and `devices`); small overheads, so that S2 and S3 come quickly and S4 does not."""
     spec = FailSlowSpec(
         slowdown_threshold=1.3,
         min_duration_s=0,
@@ -475,9 +474,17 @@ def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
     job.tracker.report(report(2, job.step, 1.6, SlowKind.COMMUNICATION), now=float(job.step))
     assert job.tracker.validation_wanted() is not None
     job.tracker.validation_sent(1, now=float(job.step))
-    job.tracker.validated(result(1, [(0, 2)]))
+    job.tracker.validated(result(1, links, nodes=devices))
     # The link slows every step of the job: its ends' walls grow, their compute does not.
     job.run(12, {}, noise=0.02)
+    return job
+
+
+def test_a_compute_straggler_after_a_link_episode_gets_s2_before_s4() -> None:
+    # Falcon Fig. 17's mixed case: a slow link opens the episode (S3 moves it off the all-reduce), then a
+    # GPU slows. S2 fixes compute causes: it is the next rung, for that GPU only (the link's ends compute
+    # at full speed), before S4; each decision names what was measured before and after the last rung.
+    job = _after_a_link_episode([(0, 2)])
     assert job.tracker.active and job.tracker.links == {(0, 2)}
     first = [m.action for m in job.mitigations]
     assert first == [Action.TOPOLOGY], first
@@ -500,17 +507,7 @@ def test_s2_balances_a_slow_device_that_is_also_a_slow_links_end(named_by: str) 
     # back to every slow node's factor and declined ("the current split is already the best"). The first
     # pass also timed node 2's GEMM slow by noise: the end of a slow link whose compute the job-wide rule
     # finds healthy is not a slow device (the next run made S2 the link episode's first rung that way).
-    spec = FailSlowSpec(
-        slowdown_threshold=1.3,
-        min_duration_s=0,
-        overheads=StrategyOverheads(microbatch_s=0.5, topology_s=0.3, restart_s=1000.0),
-    )
-    job = Job(spec, seed=3)
-    job.run(20, {}, noise=0.02)
-    job.tracker.report(report(2, job.step, 1.6, SlowKind.COMMUNICATION), now=float(job.step))
-    job.tracker.validation_sent(1, now=float(job.step))
-    job.tracker.validated(result(1, [(0, 2), (5, 6)], nodes=(2,)))
-    job.run(12, {}, noise=0.02)
+    job = _after_a_link_episode([(0, 2), (5, 6)], devices=(2,))
     assert job.tracker.links == {(0, 2), (5, 6)} and job.tracker.devices == set()
     job.run(10, {5: 2.0}, noise=0.02)
     if named_by == "compute report":
@@ -526,7 +523,7 @@ def test_s2_balances_a_slow_device_that_is_also_a_slow_links_end(named_by: str) 
     assert set(job.mitigations[1].factors) == {5}, job.mitigations[1].factors
     assert job.mitigations[1].devices == (5,)  # what S4 will park, should the episode get there
     # The device's part survives an operator restart.
-    resumed = FailSlowTracker(spec)
+    resumed = FailSlowTracker(job.tracker.spec)
     resumed.restore(json.loads(json.dumps(job.tracker.state())))
     assert resumed.devices == job.tracker.devices
 

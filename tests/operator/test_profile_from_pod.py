@@ -189,6 +189,18 @@ async def _no_pods(stack: Stack, name: str) -> bool:
     return not await stack.kube.job_pods(name)
 
 
+async def _failed_after_node0(stack: Stack, name: str) -> dict[str, Any]:
+    """The job's status once it failed, with node 0's agent checking its workload meanwhile (it never
+    sees a plan)."""
+    stopped = asyncio.Event()
+    node0 = asyncio.create_task(_node0(stack, name, stopped))
+    try:
+        return await _failed(stack, name)
+    finally:
+        stopped.set()
+        assert await asyncio.wait_for(node0, 10) is None
+
+
 async def test_data_node_0_finds_unusable_fails_the_job_before_any_plan(stack: Stack, tmp_path: Path) -> None:
     """A model with a profile (no profile to make) is still checked with its data: a token file shorter than
     one sample fails the job naming `spec.data.path`, nothing is planned and the pods go away."""
@@ -198,13 +210,7 @@ async def test_data_node_0_finds_unusable_fails_the_job_before_any_plan(stack: S
     await stack.kube.create_job(job_manifest(name, model="gpt", data=data))
     await eventually(lambda: _pods_at(stack, name, "-1", 4), 20, "4 pods without a plan")
     await _waiting(stack, name, "CheckingWorkload")
-    stopped = asyncio.Event()
-    node0 = asyncio.create_task(_node0(stack, name, stopped))
-    try:
-        status = await _failed(stack, name)
-    finally:
-        stopped.set()
-        assert await asyncio.wait_for(node0, 10) is None
+    status = await _failed_after_node0(stack, name)
     valid = _condition(status, "Valid")
     assert valid["reason"] == "InvalidWorkload" and valid["message"].startswith("spec.data.path: "), valid
     assert "short.bin" in valid["message"] and "\n" not in valid["message"]
@@ -225,13 +231,7 @@ async def test_a_checked_workload_no_layout_can_run_fails_and_its_pods_go(stack:
     name = "nomemory"
     await stack.kube.create_job(job_manifest(name, model="gpt", deviceMemory="1Ki"))
     await _waiting(stack, name, "CheckingWorkload")
-    stopped = asyncio.Event()
-    node0 = asyncio.create_task(_node0(stack, name, stopped))
-    try:
-        status = await _failed(stack, name)
-    finally:
-        stopped.set()
-        await asyncio.wait_for(node0, 10)
+    status = await _failed_after_node0(stack, name)
     planned = _condition(status, "Planned")
     assert planned["reason"] == "PlanInfeasible", planned
     assert planned["message"].startswith("spec.deviceMemory: the model does not fit"), planned["message"]
