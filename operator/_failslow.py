@@ -582,8 +582,8 @@ class FailSlowTracker:
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
 
     def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
-        """The compute stragglers among `nodes` (slow nodes that are not ends of a slow link) whose level
-        since step `since` the job-wide rule still finds over the threshold of the other nodes'."""
+        """The compute stragglers among `nodes` (slow devices, and slow nodes that are not a slow link's end)
+        whose level since step `since` the job-wide rule still finds over the threshold of the others'."""
         ends = {n for link in self.links for n in link}
         compute = {n: since for n in nodes if n in self.slow and (n not in ends or n in self.devices)}
         if not compute:
