@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -106,11 +106,15 @@ def kube_verbs() -> dict[str, str]:
 
 class _PathResolver:
     """Turns the path argument of a `kube.<method>(...)` call into (group, resource) by reading the code:
-    core_path/custom_path calls, `+ "/status"`, local variables and small path helper methods."""
+    core_path/custom_path calls, `+ "/status"`, local variables and small path helper methods, of this
+    module or of another operator module (`self.workers.path(node)` is `_pods.WorkerPods.path`)."""
 
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, others: Sequence[ast.Module] = ()) -> None:
         self.methods = {
-            n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            n.name: n
+            for module in (*others, tree)  # this module's own helper wins a clash of names
+            for n in ast.walk(module)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
         }
 
     def resolve(self, node: ast.expr, scope: ast.AST, call_keywords: dict[str, ast.expr]) -> tuple[str, str]:
@@ -171,9 +175,9 @@ def static_triples() -> set[Triple]:
     """What the operator's code uses in a watched namespace (namespaced mode, peering on)."""
     verbs = kube_verbs()
     used: set[Triple] = set()
-    for path in operator_modules():
-        tree = ast.parse(path.read_text())
-        resolver = _PathResolver(tree)
+    trees = {path: ast.parse(path.read_text()) for path in operator_modules()}
+    for path, tree in trees.items():
+        resolver = _PathResolver(tree, [other for other_path, other in trees.items() if other_path != path])
         for function in _functions(tree):
             for call in ast.walk(function):
                 if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
