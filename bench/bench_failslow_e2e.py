@@ -320,15 +320,12 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
     )
     # When the operator opened its episode: the step it recorded in the mitigation's plan; without one, the
     # slowed node's step when the bench saw the episode in the operator's stored state (polled every 0.5 s).
-    opened_step = (
-        new.detected_step
-        if new is not None and new.detected_step is not None
-        else max(
-            (r.step for r in records if r.node == slow_node and r.sent_at <= opened_at), default=inject_step
-        )
-        if opened_at is not None
-        else None
-    )
+    opened_step: int | None = None
+    if new is not None and new.detected_step is not None:
+        opened_step = new.detected_step
+    elif opened_at is not None:
+        seen = [r.step for r in records if r.node == slow_node and r.sent_at <= opened_at]
+        opened_step = max(seen, default=inject_step)
     healthy = throughput(records, 0, healthy_from, healthy_to)
     slow = throughput(records, 0, injected + 0.5, slow_to)
     mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0

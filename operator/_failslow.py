@@ -114,8 +114,6 @@ class FailSlowTracker:
     devices: set[int] = field(default_factory=set)
     """Slow nodes of the episode whose own device is slow (a compute report's, or a device that validation
     timed slow): S2 balances these, also where one is the end of a slow link as well."""
-    _named_devices: set[int] = field(default_factory=set)
-    """The slow devices the last validation pass named (the candidates it validated open with them)."""
     controller: MitigationController = field(init=False)
     candidates: dict[int, Candidate] = field(default_factory=dict)
     awaiting: tuple[int, float] | None = None
@@ -273,11 +271,14 @@ class FailSlowTracker:
         left out of its balance (their compute is healthy), unless the episode has no other slow node."""
         if action is not Action.MICROBATCH or not self.links:
             return dict(self.slow)
+        compute = self._compute_slow()
+        return {node: factor for node, factor in self.slow.items() if node in compute} or dict(self.slow)
+
+    def _compute_slow(self) -> set[int]:
+        """The episode's slow nodes whose own compute is slow: its slow devices, and every slow node that
+        is not a slow link's end."""
         ends = {node for link in self.links for node in link}
-        compute = {
-            node: factor for node, factor in self.slow.items() if node not in ends or node in self.devices
-        }
-        return compute or dict(self.slow)
+        return {node for node in self.slow if node not in ends or node in self.devices}
 
     def _measured(self) -> str:
         """The step time the episode runs at now against the healthy one, and each earlier rung's effect."""
@@ -409,7 +410,6 @@ class FailSlowTracker:
         self.changed = True
         links = sorted({(a, b) for a, b in result.slow_links if a != b})
         devices = sorted(set(result.slow_nodes))
-        self._named_devices = set(devices)
         if links:
             self.links.update(links)
             self.findings.append(
@@ -436,7 +436,7 @@ class FailSlowTracker:
             if candidate.report.kind is not SlowKind.COMMUNICATION or candidate.validated is not None:
                 continue
             if named:
-                candidate.validated = named
+                candidate.validated, candidate.devices = named, tuple(devices)
             else:
                 del self.candidates[node]
                 self._dismiss(node, "validation found no slow link or device")
@@ -454,21 +454,24 @@ class FailSlowTracker:
                 candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone
         return True
 
-    def _corroborated(self, reporter: int, candidate: Candidate) -> tuple[int, ...]:
-        """The nodes a validated communication episode takes in: those validation named, less a device it
-        named alone next to a confirmed slow link when the job-wide compute rule finds that node not slow.
-        One GEMM timing on a shared host can name a device by accident, and taking it in would make the
-        episode a compute one whose first rung (S2) moves work off a node that is not slow while the link
-        stays slow (measured on the demo's GPT: 7% of the slowdown removed)."""
+    def _corroborated(self, reporter: int, candidate: Candidate) -> tuple[tuple[int, ...], set[int]]:
+        """The nodes a validated communication episode takes in, and which of them are slow devices.
+        Next to a confirmed slow link, the job-wide compute rule must agree with validation's GEMM, one
+        timing on a shared host that can name a device by accident:
+        - a device named alone that the rule finds not slow is left out. Taken in, it made the episode a
+          compute one whose first rung (S2) moved work off a healthy node while the link stayed slow
+          (measured on the demo's GPT: 7% of the slowdown removed);
+        - a link's end is a slow device only when the rule finds its compute slow. Counted on GEMM alone,
+          the link episode of the mixed bench became a compute one and S2 came before S3."""
         named = candidate.validated
         if candidate.report.kind is not SlowKind.COMMUNICATION or not named:
-            return named or ()
+            return named or (), set()
         ends = {n for link in self.links for n in link}
-        devices = {n for n in named if n not in ends}
-        if not devices or not ends & set(named):
-            return named
+        devices = set(candidate.devices) & set(named)
+        if not ends & set(named):
+            return named, devices  # no slow link among them: the devices stand on their own
         verdicts = self.gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
-        unconfirmed = sorted(n for n in devices if verdicts.get(n) is False)
+        unconfirmed = sorted(n for n in devices if n not in ends and verdicts.get(n) is False)
         if unconfirmed:
             self.findings.append(
                 Finding(
@@ -479,23 +482,15 @@ class FailSlowTracker:
                     "stands",
                 )
             )
-        return tuple(n for n in named if n not in unconfirmed)
-
-    def _slow_devices(self, nodes: Iterable[int], since: int) -> set[int]:
-        """The nodes of a validated episode whose own device is slow: those validation timed slow, where a
-        node is also a slow link's end only if the job-wide rule finds its compute slow since `since` too
-        (`_corroborated` judged the others). One GEMM timing on a shared host named the end of a congested
-        link a slow device; counted so, the link episode became a compute one and S2 came first."""
-        named = [n for n in nodes if n in self._named_devices]
-        ends = {n for link in self.links for n in link}
-        judged = self.gate.judge(dict.fromkeys((n for n in named if n in ends), since))
-        return {n for n in named if n not in ends or judged.get(n)}
+        slow = {n for n in devices if n not in unconfirmed and (n not in ends or verdicts.get(n))}
+        return tuple(n for n in named if n not in unconfirmed), slow
 
     # ---- the episode -------------------------------------------------------------------------------------
     def _open(self, reporter: int, candidate: Candidate, why: str = "") -> None:
         del self.candidates[reporter]
         report = candidate.report
-        nodes = self._corroborated(reporter, candidate) or (reporter,)
+        taken, devices = self._corroborated(reporter, candidate)
+        nodes = taken or (reporter,)
         latest = max(self.gate.steps.get(reporter, report.step), report.step)
         if not self.controller.active:
             self.controller.on_change(_event(report, latest))
@@ -505,10 +500,7 @@ class FailSlowTracker:
             self._steps = (report.onset_step, latest)
         for node in nodes:
             self.slow[node] = max(self.slow.get(node, 1.0), report.slowdown)
-        if report.kind is SlowKind.COMPUTE:
-            self.devices.update(nodes)
-        elif candidate.validated:
-            self.devices.update(self._slow_devices(nodes, report.onset_step))
+        self.devices.update(nodes if report.kind is SlowKind.COMPUTE else devices)
         self._fed[reporter] = latest
         self._sources[reporter] = nodes
         causes: set[RootCause] = set()
@@ -520,7 +512,7 @@ class FailSlowTracker:
             endpoints = {n for link in self.links for n in link}
             if endpoints & set(nodes):
                 causes.add(RootCause.COMMUNICATION)
-            if set(nodes) - endpoints or set(nodes) & self.devices:
+            if set(nodes) & self._compute_slow():
                 causes.add(RootCause.COMPUTE)  # a device that validation found slow (a link's end or not)
         self.controller.localized(tuple(sorted(causes)), nodes)
         self.changed = True
@@ -584,8 +576,8 @@ class FailSlowTracker:
     def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
         """The compute stragglers among `nodes` (slow devices, and slow nodes that are not a slow link's end)
         whose level since step `since` the job-wide rule still finds over the threshold of the others'."""
-        ends = {n for link in self.links for n in link}
-        compute = {n: since for n in nodes if n in self.slow and (n not in ends or n in self.devices)}
+        slow = self._compute_slow()
+        compute = {n: since for n in nodes if n in slow}
         if not compute:
             return ()
         verdicts = self.gate.judge(compute)
@@ -624,7 +616,6 @@ class FailSlowTracker:
             "slow": {str(n): f for n, f in self.slow.items()},
             "links": sorted(list(link) for link in self.links),
             "devices": sorted(self.devices),
-            "named_devices": sorted(self._named_devices),
             "sources": {str(n): list(led) for n, led in self._sources.items()},
             "candidates": {str(n): c.state() for n, c in self.candidates.items()},
             "awaiting": None if self.awaiting is None else list(self.awaiting),
@@ -648,7 +639,6 @@ class FailSlowTracker:
         awaiting = state.get("awaiting")
         self.controller, self.slow, self.links, self._sources = controller, slow, links, sources
         self.devices = {int(n) for n in state.get("devices", [])}
-        self._named_devices = {int(n) for n in state.get("named_devices", [])}
         self.candidates = candidates
         self.awaiting = None if awaiting is None else (int(awaiting[0]), float(awaiting[1]))
         self._detect_s = float(state.get("detect_s", 0.0))

@@ -81,6 +81,9 @@ class Candidate:
     """Communication: the nodes validation named (None: not validated yet; (): the pass timed out)."""
     swept: bool = False
     """Made by the operator's sweep of the job-wide rule, not reported by an agent."""
+    devices: tuple[int, ...] = ()
+    """Communication: the nodes among `validated` whose device validation timed slow (a link's end may be
+    one too)."""
 
     def state(self) -> dict[str, Any]:
         return {
@@ -90,6 +93,7 @@ class Candidate:
             "confirmed_step": self.confirmed_step,
             "validated": None if self.validated is None else list(self.validated),
             "swept": self.swept,
+            "devices": list(self.devices),
         }
 
     @classmethod
@@ -102,4 +106,5 @@ class Candidate:
             int(raw.get("confirmed_step", 0)),
             None if validated is None else tuple(int(n) for n in validated),
             bool(raw.get("swept", False)),
+            tuple(int(n) for n in raw.get("devices", ())),
         )

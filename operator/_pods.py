@@ -58,11 +58,11 @@ class WorkerPods:
         self.seen_at[view.node] = time.monotonic()
         self._wakeup.set()
 
-    async def resync(self, force: bool = False) -> None:
-        """Every `RESYNC_S` (or now, `force`): forget pods the list no longer has. Pods seen after the list
-        started are kept (our own new ones may be newer than the list)."""
+    async def resync(self) -> None:
+        """Every `RESYNC_S`: forget pods the list no longer has. Pods seen after the list started are kept
+        (our own new ones may be newer than the list)."""
         started = time.monotonic()
-        if not force and started - self._listed_at < RESYNC_S:
+        if started - self._listed_at < RESYNC_S:
             return
         self._listed_at = started
         listed = await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.job))
@@ -73,13 +73,11 @@ class WorkerPods:
                 self._wakeup.set()
 
     async def create(
-        self,
-        manifests: Iterable[dict[str, Any]],
-        observe: Callable[[Mapping[str, Any], bool], None] | None = None,
+        self, manifests: Iterable[dict[str, Any]], observe: Callable[[Mapping[str, Any], bool], None]
     ) -> None:
         """Create these pods (an existing one is left as it is), then read the job's pods back through
-        `observe` (default: into the view), so that a pass right after does not take a pod the watch has
-        not delivered yet for gone."""
+        `observe` (the controller's, which also sees its store pod), so that a pass right after does not
+        take a pod the watch has not delivered yet for gone."""
         limit = asyncio.Semaphore(PATCH_CONCURRENCY)
 
         async def create(manifest: dict[str, Any]) -> None:
@@ -88,7 +86,7 @@ class WorkerPods:
 
         await asyncio.gather(*(create(manifest) for manifest in manifests))
         for pod in await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.job)):
-            (observe or self.observe)(pod, False)
+            observe(pod, False)
 
     async def annotate(self, nodes: Iterable[int], generation: int, layout: str) -> None:
         """Patch the generation annotations onto these nodes' pods; a pod that already shows the generation

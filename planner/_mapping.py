@@ -54,6 +54,7 @@ class StageTables(Protocol):
     gpus: int
     """GPUs per node."""
     layers: int
+    """Layers of the model."""
     times: FloatArray
     """[d-1, u, v]: time of stage [u, v) on d GPUs (-inf for v <= u)."""
     candidates: FloatArray
