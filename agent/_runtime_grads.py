@@ -66,8 +66,8 @@ class GradientSync:
         for group in sync_groups(plan):
             for each in range(degree):
                 ranks = [position[holder] * degree + each for holder in group.holders]
-                # In the holders' (pipeline) order, not sorted: the ring follows the plan (see sync_groups).
-                handle = dist.new_group(ranks=ranks, sort_ranks=False) if len(ranks) > 1 else None
+                # Ascending, as `world_nodes` numbers the ranks in pipeline order: the ring is the plan's.
+                handle = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
                 if node in group.holders and each == lane:
                     sync.groups.append((group, handle))
         sync.norm_layers = {layer for layer, holder in sync.designated.items() if holder == node}

@@ -259,9 +259,9 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
         for start, end in segments:
             # Rerouted micro-batches' gradients accumulate on the peers' own copies, so the holders are the
             # live stages' nodes only. They stay in pipeline order: that is the ring the all-reduce runs
-            # (the group is made without sorting its ranks), the order the planner's fail-slow topology
-            # change (Falcon's S3, `planner.failslow.reroute_slow_links`) scores when it moves a slow link
-            # off it.
+            # (ranks are numbered in pipeline order, `world_nodes`), the order the planner's fail-slow
+            # topology change (Falcon's S3, `planner.failslow.reroute_slow_links`) scores when it moves a
+            # slow link off it.
             holders = dict.fromkeys(
                 stage.node
                 for pipeline in plan.pipelines
@@ -273,6 +273,12 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
 
 
 def world_nodes(plan: Plan) -> list[int]:
-    """Nodes in the process group of this plan: every node that runs a stage or sends a layer."""
-    nodes = set(plan.nodes) | {transfer.src for transfer in plan.transfers}
-    return sorted(nodes)
+    """Nodes in the process group of this plan, in rank order: those that run a stage in pipeline order
+    (pipeline by pipeline, stage by stage), then those that only send a layer. So the holders of every
+    gradient ring (`sync_groups`, pipeline order) have ascending ranks, and the group's ring, which gloo and
+    NCCL run in group-rank order, is the plan's on any torch: `new_group` sorts the ranks it is given unless
+    told not to, which torch 2.11 cannot be (no `sort_ranks`; the runtime's groups then died of a TypeError
+    there). The plan's ring is what S3 scores when it moves a slow link off it."""
+    running = [node for pipeline in plan.pipelines for node in pipeline.nodes]
+    senders = {transfer.src for transfer in plan.transfers} - set(running)
+    return [*dict.fromkeys(running), *sorted(senders)]
