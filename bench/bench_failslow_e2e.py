@@ -177,6 +177,10 @@ def dp_pair(plan: PlanAnnouncement) -> tuple[int, int]:
     return rows[0][0], rows[1][0]
 
 
+ORDER_S = 1200
+"""How long each chaos order lasts: past every scenario's end."""
+
+
 class Stack:
     """`rjob local` in a temporary directory, and readers of the job's Redis streams."""
 
@@ -229,6 +233,25 @@ class Stack:
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []
         return [line.split(": ", 1)[-1] for line in lines if " not applied: " in line]
 
+    def slow(self, node: int, factor: float, *options: str) -> float:
+        """`rjob local chaos slow` on `node` for ORDER_S; returns when the order was written (its expiry
+        less ORDER_S), not when the command exited: an interpreter's exit takes a few tenths of a second,
+        which are 5-10 steps of the demo job on a quiet 16-core host."""
+        self.rjob(
+            "chaos",
+            "slow",
+            f"{self.job}-node-{node}",
+            "--factor",
+            str(factor),
+            "--for",
+            f"{ORDER_S}s",
+            *options,
+        )
+        raw = self.client.get(self.keys.chaos(node))
+        if raw is None:
+            raise RuntimeError(f"no chaos order on node {node} after `rjob local chaos slow`")
+        return chaos.ChaosOrder.model_validate_json(raw).until - ORDER_S
+
     def down(self) -> None:
         self.rjob("down")
 
@@ -241,6 +264,24 @@ def wait(probe: Callable[[], Any], timeout_s: float, what: str) -> Any:
             return value
         time.sleep(0.5)
     raise TimeoutError(f"{what}: not within {timeout_s} s")
+
+
+SETTLE_S = 5.0
+MEASURE_S = 5.0
+"""A mitigated rate is measured from SETTLE_S after its plan; every rate over MEASURE_S at least, whatever
+the step rate: on a quiet 16-core host the demo job makes 36 steps/s, and 30 steps are under a second."""
+
+
+def measure(stack: Stack, node: int, steps: int, what: str) -> float:
+    """Steps/s of the job from now over at least `steps` of `node`'s steps and MEASURE_S, read at once: a
+    fast job's iteration stream holds only its last 10,000 records (about 35 s of 8 nodes at 36 steps/s)."""
+    began, first = time.time(), stack.step(node)
+    wait(
+        lambda: stack.step(node) >= first + steps and time.time() >= began + MEASURE_S,
+        300,
+        f"{steps} steps {what}",
+    )
+    return throughput(stack.iterations(), node, began, time.time())
 
 
 def throughput(records: list[IterationRecord], node: int, first: float, last: float) -> float:
@@ -274,12 +315,9 @@ def timeline(
 
 def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> dict[str, Any]:
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
-    healthy_from = time.time()
-    wait(lambda: stack.step(0) >= 70, 300, "70 healthy steps")
-    healthy_to = time.time()
+    healthy = measure(stack, 0, 30, "healthy")
     generation = stack.plan().generation if stack.plan() else 0
-    stack.rjob("chaos", "slow", f"{stack.job}-node-{slow_node}", "--factor", str(factor), "--for", "10m")
-    injected = time.time()  # the order is in Redis now; the worker's watcher reads it within 0.25 s
+    injected = stack.slow(slow_node, factor)  # the worker's watcher reads the order within 0.25 s
 
     def detected() -> SlowReport | None:
         found = [r for r in stack.reports() if r.node == slow_node and r.detected_at >= injected]
@@ -306,15 +344,18 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         new = None
     mitigated_at = time.time()
     slow_to = new.published_at if new is not None else mitigated_at
-    after = stack.step(0)
+    records = stack.iterations()  # the slowed phase's, now, before a fast job's stream drops them
+    slow = throughput(records, 0, injected + 0.5, slow_to)
+    mitigated_rate = 0.0
     if new is not None:
-        wait(lambda: stack.step(0) >= after + 50, 300, "50 steps after the mitigation")
-    records = stack.iterations()
+        time.sleep(max(0.0, mitigated_at + SETTLE_S - time.time()))
+        mitigated_rate = measure(stack, 0, 50, "after the mitigation")
     # The first step of the slowed node that began after the order landed (its watcher polls every 0.25 s).
     inject_step = min(r.step for r in records if r.node == slow_node and r.sent_at >= injected + 0.25) - 1
     # The operator's decision: the first step node 0 reported under the mitigation's plan.
+    latest = stack.iterations()
     mitigation_step = (
-        min((r.step for r in records if r.node == 0 and r.generation >= new.generation), default=None)
+        min((r.step for r in latest if r.node == 0 and r.generation >= new.generation), default=None)
         if new is not None
         else None
     )
@@ -326,9 +367,6 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
     elif opened_at is not None:
         seen = [r.step for r in records if r.node == slow_node and r.sent_at <= opened_at]
         opened_step = max(seen, default=inject_step)
-    healthy = throughput(records, 0, healthy_from, healthy_to)
-    slow = throughput(records, 0, injected + 0.5, slow_to)
-    mitigated_rate = throughput(records, 0, mitigated_at + 5, time.time()) if new is not None else 0.0
     removed = (mitigated_rate - slow) / (healthy - slow) if new is not None and healthy > slow else None
     return {
         "job_slowed_by": healthy / slow if slow > 0 else None,
@@ -399,26 +437,29 @@ def link_traffic(plan: PlanAnnouncement, a: int, b: int) -> str:
 
 
 def link_slow(stack: Stack, node: int, peer: int, factor: float) -> float:
-    """Congest the link node-peer (the order on `node`); returns when it landed."""
-    stack.rjob(
-        "chaos", "slow", f"{stack.job}-node-{node}", "--factor", str(factor), "--for", "20m",
-        "--link", str(peer), "--latency", str(LINK_LATENCY_S), "--bandwidth", str(LINK_BANDWIDTH_BPS),
-    )  # fmt: skip
-    return time.time()
+    """Congest the link node-peer (the order on `node`); returns when the order was written."""
+    return stack.slow(
+        node,
+        factor,
+        "--link",
+        str(peer),
+        "--latency",
+        str(LINK_LATENCY_S),
+        "--bandwidth",
+        str(LINK_BANDWIDTH_BPS),
+    )
 
 
 def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
     """(b) a congested data-parallel link on the DP4 x PP2 job: detection, validation, S3 (a)."""
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
-    healthy_from = time.time()
-    wait(lambda: stack.step(0) >= 80, 300, "80 healthy steps")
-    healthy_to = time.time()
     before = stack.plan()
     if before is None:
         raise RuntimeError("no plan published")
     a, b = dp_pair(before)
     # Steps are read from a node off the slowed link: a mitigation may park one of its ends (S4).
     watch = next(node for node in before.plan.nodes if node not in (a, b))
+    healthy = measure(stack, watch, 40, "healthy")
     injected = link_slow(stack, a, b, 5.0)
     inject_step = stack.step(watch)
 
@@ -447,13 +488,11 @@ def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
         new = None
     mitigated_at = time.time()
     slow_to = new.published_at if new is not None else mitigated_at
+    slow = throughput(stack.iterations(), watch, injected + 0.5, slow_to)
+    mitigated_rate = 0.0
     if new is not None:
-        after = stack.step(watch)
-        wait(lambda: stack.step(watch) >= after + 60, 300, "60 steps after the mitigation")
-    records = stack.iterations()
-    healthy = throughput(records, watch, healthy_from, healthy_to)
-    slow = throughput(records, watch, injected + 0.5, slow_to)
-    mitigated_rate = throughput(records, watch, mitigated_at + 5, time.time()) if new is not None else 0.0
+        time.sleep(max(0.0, mitigated_at + SETTLE_S - time.time()))
+        mitigated_rate = measure(stack, watch, 60, "after the mitigation")
     removed = (mitigated_rate - slow) / (healthy - slow) if new is not None and healthy > slow else None
     carried = None if new is None else link_traffic(new, a, b)
     return {
@@ -536,8 +575,7 @@ def scenario_mixed(stack: Stack, nodes: int, out: Path) -> dict[str, Any]:
     with contextlib.suppress(TimeoutError):
         wait(new_plan(before.generation), 150, "a mitigation of the slow link")
     time.sleep(20)
-    stack.rjob("chaos", "slow", f"{JOB}-node-{gpu}", "--factor", "2", "--for", "20m")
-    events.append({"at": time.time(), "label": f"GPU {gpu} x2"})
+    events.append({"at": stack.slow(gpu, 2.0), "label": f"GPU {gpu} x2"})
 
     def escalated() -> bool:
         return any(plan.strategy == "replace" for plan in watch.plans.values())
