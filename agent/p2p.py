@@ -184,7 +184,9 @@ def execute_transfers(
             for tensor, whole in zip(state.tensors(), state.replicated(), strict=True):
                 if whole:
                     buffer = tensor if tensor.device == comm else tensor.to(comm)
-                    work = dist.broadcast(buffer, group=stage_group, group_src=0, async_op=True)
+                    # From the stage's first lane; `src` is global: torch before 2.6 has no `group_src`.
+                    first = dist.get_global_rank(stage_group, 0)
+                    work = dist.broadcast(buffer, src=first, group=stage_group, async_op=True)
                     wait(work, f"replicated part of layer {record.layer}")
                     if buffer is not tensor:
                         with torch.no_grad():

@@ -27,8 +27,11 @@ exchanges activations with local rank j of the neighbouring stages, sums gradien
 other replicas (one group per colour-round group per lane), and copies shard j of a layer from local rank j
 of the source; only lane 0 reports the loss and the sample ids, and every rank votes. Every live stage must
 have the same k, and k > 1 excludes rerouting (`check_supported`). The tensor-parallel collectives inside a
-block are DTensor's own (blocking, bounded by the gloo/NCCL timeout rather than the `Waiter`): the k ranks
-of a stage live and die with their node, so a dead peer is met first in a wait between nodes.
+block are DTensor's own (blocking, bounded by the stage group's timeout, `collective_timeout_s`, rather
+than the `Waiter`). The k ranks of a stage live and die with their node, but its lanes can part at a wait
+between nodes: a dead peer's lane 1 sent before it died and its lane 0 did not. Lane 0 then abandons the
+step while lane 1 waits for it in the next tensor-parallel collective; that wait fails after the collective
+timeout (the default of 30 minutes held the whole job, a flaky test under load) and lane 1 abandons too.
 """
 
 from __future__ import annotations
@@ -356,8 +359,10 @@ class Trainer:
             self.step, self.joining = agreed, False
         if k > 1:
             for slot, node in enumerate(nodes):
-                # Every rank takes part in creating every node's stage group, as `new_group` requires.
-                group = dist.new_group(ranks=[slot * k + j for j in range(k)])
+                # Every rank takes part in creating every node's stage group, as `new_group` requires. Its
+                # timeout is the collective timeout, not the 30-minute default: see the module docstring.
+                lanes = [slot * k + j for j in range(k)]
+                group = dist.new_group(ranks=lanes, timeout=timedelta(seconds=self.collective_timeout_s))
                 if node == self.node:
                     self._tp_groups.append(group)
                     self._mesh = stage_mesh(group, self.device)
