@@ -353,9 +353,11 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
     # The first step of the slowed node that began after the order landed (its watcher polls every 0.25 s).
     inject_step = min(r.step for r in records if r.node == slow_node and r.sent_at >= injected + 0.25) - 1
     # The operator's decision: the first step node 0 reported under the mitigation's plan.
-    latest = stack.iterations()
     mitigation_step = (
-        min((r.step for r in latest if r.node == 0 and r.generation >= new.generation), default=None)
+        min(
+            (r.step for r in stack.iterations() if r.node == 0 and r.generation >= new.generation),
+            default=None,
+        )
         if new is not None
         else None
     )
@@ -461,7 +463,12 @@ def scenario_link(stack: Stack, nodes: int) -> dict[str, Any]:
     watch = next(node for node in before.plan.nodes if node not in (a, b))
     healthy = measure(stack, watch, 40, "healthy")
     injected = link_slow(stack, a, b, 5.0)
-    inject_step = stack.step(watch)
+    # The last step the watched node finished before the order was written (as the compute scenario
+    # dates it: the CLI's exit comes 5-10 fast steps later).
+    inject_step = max(
+        (r.step for r in stack.iterations() if r.node == watch and r.sent_at <= injected),
+        default=stack.step(watch),
+    )
 
     def detected() -> SlowReport | None:
         found = [r for r in stack.reports() if r.detected_at >= injected and not r.recovered]
