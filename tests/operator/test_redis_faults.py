@@ -11,7 +11,6 @@ are tested at the end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import urllib.request
 from collections.abc import AsyncIterator
@@ -84,9 +83,12 @@ class Faults:
         except ValueError:
             return None
 
-    async def watch_plans(self) -> None:
-        """Sample the plan in Redis and in the ConfigMap for the whole test (both must agree per number)."""
-        while True:
+    async def watch_plans(self, stop: asyncio.Event) -> None:
+        """Sample the plan in Redis and in the ConfigMap until `stop` (both must agree per number).
+
+        It stops on the event, not on a cancel: on Python 3.11 a redis-py command can swallow a cancel that
+        races its `asyncio.wait_for` (CPython gh-86296), and a polling loop would then run on forever."""
+        while not stop.is_set():
             self.saw(await self.plan())
             configmap = await self.kube.get("configmaps", f"{JOB}-plan")
             raw = ((configmap or {}).get("data") or {}).get("plan.json")
@@ -135,7 +137,8 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         stopped = asyncio.Event()
         kubelet = asyncio.create_task(ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
         stack = Faults(kube, server, operator, metrics_port, log)
-        watcher = asyncio.create_task(stack.watch_plans())
+        stop_watching = asyncio.Event()
+        watcher = asyncio.create_task(stack.watch_plans(stop_watching))
         try:
             manifest = job_manifest(JOB, nodes=NODES, failSlow={"enabled": False})
             assert await kube.create_job(manifest) is None
@@ -143,18 +146,34 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
             await eventually(lambda: _all_beating(stack), 90, "every agent beating")
             yield stack
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher  # no request of it may outlive the client closed below
-            with contextlib.suppress(Exception):  # a hung API call must not hang the teardown too
-                print(f"seen: {sorted(stack.seen)}; status: {await asyncio.wait_for(stack.status(), 10)}")
+            # Every wait below is bounded by `_ended`, which never relies on a cancel being honoured.
+            stop_watching.set()
+            await _ended(watcher, 10)  # no request of it may outlive the client closed below
+            status = asyncio.create_task(stack.status())
+            if await _ended(status, 10) and status.exception() is None:
+                print(f"seen: {sorted(stack.seen)}; status: {status.result()}")
             print(log.read_text()[-20000:])  # shown by pytest when the test failed
             operator.stop()
             stopped.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(kubelet, 15)
+            await _ended(kubelet, 15)
             await kube.close()
             server.stop()
+
+
+async def _ended(task: asyncio.Task[Any], timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `task`; cancel it if it is still running then, and say whether it ended.
+
+    `asyncio.wait` returns at the deadline whatever the task does; `asyncio.wait_for` would wait on for a
+    task that swallows its cancel (above)."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    if not task.done():
+        print(f"teardown: {task.get_name()} still running after {timeout_s} s; cancelled", flush=True)
+        task.print_stack()
+        task.cancel()
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        print(f"teardown: {task.get_name()} failed: {task.exception()!r}")
+    return not task.cancelled()
 
 
 async def _generation(stack: Faults, generation: int) -> dict[str, Any] | None:
