@@ -241,6 +241,31 @@ class Stack:
         return JobKeys(NAMESPACE, job)
 
 
+@contextlib.asynccontextmanager
+async def heartbeats(
+    client: aioredis.Redis, keys: JobKeys, nodes: list[int], every_s: float
+) -> AsyncIterator[None]:
+    """Beat for `nodes` every `every_s` seconds, with the agents' 2 s TTL, while the block runs.
+
+    The beating stops on an event, never on a cancel: on Python 3.11 a redis-py command can swallow a cancel
+    (CPython gh-86296), and a loop that missed its cancel would hold the test's event loop open."""
+    stop = asyncio.Event()
+
+    async def beat() -> None:
+        while not stop.is_set():
+            for node in nodes:
+                await client.set(keys.heartbeat(node), b"{}", px=2000)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait({beating}, timeout=5)
+
+
 async def eventually(probe: Callable[[], Awaitable[T | None]], timeout: float, what: str) -> T:
     """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from _rjob_stack import Stack, eventually, job_manifest
+from _rjob_stack import Stack, eventually, heartbeats, job_manifest
 
 from resilientjob.agent.telemetry import Telemetry
-from resilientjob.protocol.keys import JobKeys
 
 pytestmark = pytest.mark.cluster
 
@@ -52,14 +51,13 @@ async def test_more_than_f_failures_losing_a_stage_take_the_checkpoint_path(stac
         # Both replicas of stage 0 stop at once (f = 1): their layers survive nowhere.
         await client.delete(*(keys.heartbeat(node) for node in first_stage))
         survivors = [node for node in range(4) if node not in first_stage]
-        beating = asyncio.create_task(_beat(client, keys, survivors))
 
         async def replanned() -> dict[str, Any] | None:
             status = await kube.job_status("ckpt")
             return status if status.get("planGeneration") == 1 else None
 
-        status = await eventually(replanned, 5, "generation 1")
-        beating.cancel()
+        async with heartbeats(client, keys, survivors, every_s=0.4):
+            status = await eventually(replanned, 5, "generation 1")
     finally:
         await client.aclose()
     decision = status["lastDecision"]
@@ -71,13 +69,6 @@ async def test_more_than_f_failures_losing_a_stage_take_the_checkpoint_path(stac
         assert not by_policy[policy]["feasible"] and "no surviving replica" in by_policy[policy]["reason"]
     assert by_policy["checkpoint"]["feasible"] and by_policy["checkpoint"]["score"] > 0
     assert by_policy["checkpoint"]["transitionS"] > 0
-
-
-async def _beat(client: aioredis.Redis, keys: JobKeys, nodes: list[int]) -> None:
-    while True:
-        for node in nodes:
-            await client.set(keys.heartbeat(node), b"{}", px=2000)
-        await asyncio.sleep(0.4)
 
 
 async def test_fail_slow_ladder_s2_then_s4_then_back_when_the_node_recovers(stack: Stack) -> None:
