@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -123,6 +123,11 @@ class Probe:
     def close(self) -> None:
         self.client.close()
 
+    def committed_step(self) -> int | None:
+        """The job's committed steps now, read from its TCPStore (None before it has one)."""
+        store = self._store()
+        return None if store is None else int(store.add(COMMITTED_KEY, 0))
+
     def _store(self) -> Any:
         if self.store is None:
             raw: Any = self.client.get(self.keys.store)
@@ -185,8 +190,9 @@ class Probe:
         active = sum(1 for n in seen.plan_nodes if n in seen.workers and seen.workers[n].alive)
         seen.timeline.append((now, seen.throughput, active))
         store = self._store()
-        if store is not None:
-            seen.committed = int(store.add(COMMITTED_KEY, 0))
+        committed = self.committed_step()
+        if store is not None and committed is not None:
+            seen.committed = committed
             if seen.committed > 0:
                 seen.loss = float(store.get(loss_key(seen.committed - 1)).decode().split(":")[1])
                 if seen.first_loss is None:
@@ -384,7 +390,10 @@ class Chaos:
             if n in seen.workers and seen.workers[n].alive and n not in self.refused and n != self.killed
         ]
 
-    def step(self, seen: Observed) -> list[str]:
+    def step(self, seen: Observed, committed_step: Callable[[], int | None]) -> list[str]:
+        """Kill or slow a worker when it is time. `committed_step` reads the job's step at once: the
+        slowdown is dated by the step and time right after its order is written, not by the last sample
+        (up to `SAMPLE_S` and the order's own round trip earlier, a few steps of a fast job)."""
         from ._local import _kill, _slow
 
         if seen.training_since is None:
@@ -431,7 +440,8 @@ class Chaos:
                 self.refused.add(node)
                 return [seen.event(f"chaos: worker {node} not slowed ({exc}); trying another")]
             self.slowed = True
-            seen.failslow.slowed(node, now, seen.committed)
+            written = committed_step()
+            seen.failslow.slowed(node, seen.elapsed(), seen.committed if written is None else written)
             return [seen.event(f"slow: worker {node} x{SLOW_FACTOR:g} for {remaining:.0f}s")]
         return []
 
@@ -500,7 +510,7 @@ def _watch(
     from rich.live import Live
 
     def tick() -> list[str]:
-        return probe.sample(seen) + chaos.step(seen)
+        return probe.sample(seen) + chaos.step(seen, probe.committed_step)
 
     if args.no_live:
         last_line = 0.0

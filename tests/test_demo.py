@@ -111,6 +111,35 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     assert "detected 9 iterations (8.0s) after the order" in unseen.summary(timeline, end=100.0)
 
 
+def test_the_slowdown_is_dated_by_the_step_read_right_after_its_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The last sample's step is up to SAMPLE_S and the order's round trip old: a few steps of a fast job,
+    # which the detection delay "after the order" would count against the operator.
+    from resilientjob.cli import _demo, _local
+
+    written: list[str] = []
+    monkeypatch.setattr(_local, "_slow", lambda pod, factor, duration: written.append(pod))
+    seen = _demo.Observed(training_since=0.0, killed_at=0.0, committed=100, plan_nodes=(0, 1, 7))
+    for node in seen.plan_nodes:
+        seen.workers[node] = _demo.Worker(node, alive=True)
+    chaos = _demo.Chaos("demo-gpt", nodes=8, duration=120.0, kill_node=2, killed_at=-30.0, killed=2)
+
+    def committed_step() -> int:
+        assert written, "read before the order was written"
+        return 104
+
+    events = chaos.step(seen, committed_step)
+    assert written == ["demo-gpt-node-7"] and events and events[0].startswith("slow: worker 7")
+    assert seen.failslow.node == 7 and seen.failslow.slowed_step == 104
+    # Before the job has a store to read, the last sample's step stands.
+    again = _demo.Observed(training_since=0.0, committed=100, plan_nodes=(0, 7))
+    again.workers = {0: _demo.Worker(0, alive=True), 7: _demo.Worker(7, alive=True)}
+    chaos = _demo.Chaos("demo-gpt", nodes=8, duration=120.0, kill_node=2, killed_at=-30.0, killed=2)
+    chaos.step(again, lambda: None)
+    assert again.failslow.slowed_step == 100
+
+
 def test_the_recoveries_table_counts_the_steps_to_a_fail_slow_detection() -> None:
     from resilientjob.cli._demo import _detect_steps
 
