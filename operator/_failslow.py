@@ -87,6 +87,13 @@ CANDIDATE_TTL_S = 60.0
 """A report the job-wide rule has not confirmed this long after it came (or twice a level window of the job's
 steps, if longer) is dismissed as noise."""
 
+RECOVERED_WITHIN = 0.5
+"""A compute straggler of the episode is back once its level per planned share is within this share of the
+threshold's excess over the other nodes' (1.25x for a threshold of 1.5). Its speed is judged, not what it
+costs the job: the mitigation that took work off it lowered that (the demo's x3 worker under S2 no longer cost
+the job the threshold, so its own shorter steps counted as a recovery, and the healthy plan brought the
+slowdown straight back). The margin keeps a node hovering at the threshold from flapping between plans."""
+
 SWEPT = " (no agent reported it: the operator's sweep of the job-wide rule found it)"
 
 _ACTIONS = {
@@ -544,8 +551,8 @@ class FailSlowTracker:
                 Finding(
                     FindingKind.DISMISSED,
                     (report.node,),
-                    f"node {report.node}: recovery report ignored for nodes {list(kept)}: the job-wide rule "
-                    f"still finds them over {self.spec.slowdown_threshold}x the other nodes' level",
+                    f"node {report.node}: recovery report ignored for nodes {list(kept)}: still over "
+                    f"{self._recovered_bar:.3g}x the other nodes' level per planned share",
                 )
             )
         still = {n for led in self._sources.values() for n in led}
@@ -573,15 +580,20 @@ class FailSlowTracker:
             return None
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
 
+    @property
+    def _recovered_bar(self) -> float:
+        return 1.0 + RECOVERED_WITHIN * (self.spec.slowdown_threshold - 1.0)
+
     def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
         """The compute stragglers among `nodes` (slow devices, and slow nodes that are not a slow link's end)
-        whose level since step `since` the job-wide rule still finds over the threshold of the others'."""
+        whose level since step `since`, per planned share, is still over `RECOVERED_WITHIN`'s bar of the
+        other nodes'."""
         slow = self._compute_slow()
         compute = {n: since for n in nodes if n in slow}
         if not compute:
             return ()
-        verdicts = self.gate.judge(compute)
-        return tuple(n for n in sorted(compute) if verdicts.get(n))
+        ratios = self.gate.ratios(compute)
+        return tuple(n for n in sorted(compute) if (ratios.get(n) or 0.0) > self._recovered_bar)
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop

@@ -226,6 +226,15 @@ class StragglerGate:
         onset, not O(N^2)."""
         return {node: None if found is None else found[0] for node, found in self._judge(candidates).items()}
 
+    def ratios(self, candidates: Mapping[int, int]) -> dict[int, float | None]:
+        """Each node's level over the other nodes' median (both per planned share; node -> since_step as in
+        `judge`): its speed against theirs, whatever its work costs the job. None with too few samples; 1.0
+        with no other node to compare with."""
+        return {
+            node: None if found is None else found[1] / found[2]
+            for node, found in self._judge(candidates).items()
+        }
+
     def sweep(self, skip: Iterable[int] = ()) -> dict[int, tuple[int, float, float]]:
         """Stragglers by the rule over each node's whole window, without any report: node -> (the window's
         first step, its level, the other nodes' median level), levels per planned share. Only nodes with a

@@ -603,6 +603,84 @@ def test_a_recovery_report_of_a_straggler_still_slow_by_the_job_wide_rule_keeps_
     assert not job.tracker.slow
 
 
+class SynchronousJob:
+    """Eight nodes that wait for the slowest at every step (their walls are the slowest compute plus
+    `comm_s`), under the published plan's shares: a node's compute is BASE x its share x its slowdown."""
+
+    def __init__(self, spec: FailSlowSpec, comm_s: float) -> None:
+        self.tracker = FailSlowTracker(spec)
+        self.tracker.gate.new_generation(0, {})
+        self.comm_s, self.generation, self.step = comm_s, 0, 0
+        self.shares: dict[int, float] = {}
+        self.mitigations: list[Mitigation] = []
+        self.rng = random.Random(7)
+
+    def publish(self, shares: dict[int, float]) -> None:
+        self.generation += 1
+        self.shares = shares
+        self.tracker.published(self.mitigations[-1], self.generation)
+        self.tracker.gate.new_generation(self.generation, shares)
+
+    def run(self, steps: int, slowdown: dict[int, float]) -> None:
+        for _ in range(steps):
+            self.step += 1
+            compute = {
+                node: BASE
+                * self.shares.get(node, 1.0)
+                * slowdown.get(node, 1.0)
+                * (1 + self.rng.gauss(0, 0.02))
+                for node in range(NODES)
+            }
+            wall = max(compute.values()) + self.comm_s
+            for node, own in compute.items():
+                record = IterationRecord(
+                    node=node, generation=self.generation, step=self.step, seconds=wall, samples=4,
+                    sent_at=0.0, compute_s=own, communication_s=wall - own,
+                )  # fmt: skip
+                self.tracker.observe(record)
+                decision = self.tracker.iteration(record)
+                if decision is not None:
+                    self.mitigations.append(decision)
+            self.tracker.tick(now=float(self.step))
+
+    def recovery_report(self, node: int) -> Mitigation | None:
+        back = report(node, self.step, 0.6).model_copy(
+            update={"recovered": True, "generation": self.generation}
+        )
+        return self.tracker.report(back, now=float(self.step))
+
+
+@pytest.mark.parametrize(("after_s2", "restored"), [(3.0, False), (1.35, False), (1.0, True)])
+def test_a_straggler_is_back_when_its_speed_is_not_when_s2_made_it_cheap(
+    after_s2: float, restored: bool
+) -> None:
+    # The demo's job: node 7 slowed x3 costs the job its threshold (1.5); S2 moves half its micro-batches to
+    # node 6. Its steps then cost the job under the threshold, and its agent sees them shorten and reports a
+    # recovery: judged by what it costs, it was taken and the healthy plan brought the slowdown straight
+    # back (restore, then the sweep's new episode, in `rjob demo`). Its speed per planned share decides:
+    # still x3 or x1.35 (under the threshold, over the recovery bar of 1.25) stays; x1.0 is back.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = SynchronousJob(spec, comm_s=0.08)
+    job.run(20, {})
+    job.run(4, {7: 3.0})
+    job.tracker.report(report(7, job.step, 3.0), now=float(job.step))
+    job.run(12, {7: 3.0})
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    job.publish({7: 0.5, 6: 1.5})
+    job.run(12, {7: after_s2})
+    gate = job.tracker.gate
+    assert gate.judge({7: job.step - 8})[7] is False  # whatever its speed, under S2 it costs under 1.5x
+    decision = job.recovery_report(7)
+    if restored:
+        assert decision is not None and decision.action is Action.RESTORE and not job.tracker.slow
+    else:
+        assert decision is None and job.tracker.active and set(job.tracker.slow) == {7}
+        findings = job.tracker.drain_findings()
+        assert any("recovery report ignored for nodes [7]: still over 1.25x" in f.message for f in findings)
+
+
 def _link_and_device_named(device_compute_s: float) -> tuple[FailSlowTracker, Mitigation | None]:
     """A communication report whose validation names the link 0-2 and node 3's device; node 3's compute
     in the traces is `device_compute_s` against the others' 0.02 s of a 0.2 s step."""
