@@ -463,30 +463,29 @@ class FailSlowTracker:
 
     def _corroborated(self, reporter: int, candidate: Candidate) -> tuple[tuple[int, ...], set[int]]:
         """The nodes a validated communication episode takes in, and which of them are slow devices.
-        Next to a confirmed slow link, the job-wide compute rule must agree with validation's GEMM, one
-        timing on a shared host that can name a device by accident:
-        - a device named alone that the rule finds not slow is left out. Taken in, it made the episode a
-          compute one whose first rung (S2) moved work off a healthy node while the link stayed slow
-          (measured on the demo's GPT: 7% of the slowdown removed);
+        Validation's GEMM is one timing on a shared host and can name a device by accident; the job-wide
+        compute rule (the device's compute since the report's onset) must agree:
+        - a device that the rule finds not slow is left out. Taken in, it gets the episode's S2, which moves
+          work off a healthy node: in `rjob demo` GEMM named nodes 1 (1.38x) and 6 (1.90x) beside the x3
+          worker and S2 removed 38% of the slowdown; beside a slow link, the link stayed slow (7%);
         - a link's end is a slow device only when the rule finds its compute slow. Counted on GEMM alone,
-          the link episode of the mixed bench became a compute one and S2 came before S3."""
+          the link episode of the mixed bench became a compute one and S2 came before S3.
+        A device the rule cannot judge yet (too few steps) is taken on validation's word."""
         named = candidate.validated
         if candidate.report.kind is not SlowKind.COMMUNICATION or not named:
             return named or (), set()
         ends = {n for link in self.links for n in link}
         devices = set(candidate.devices) & set(named)
-        if not ends & set(named):
-            return named, devices  # no slow link among them: the devices stand on their own
         verdicts = self.gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
         unconfirmed = sorted(n for n in devices if n not in ends and verdicts.get(n) is False)
         if unconfirmed:
+            stands = "; the slow link stands" if ends & set(named) else ""
             self.findings.append(
                 Finding(
                     FindingKind.DISMISSED,
                     tuple(unconfirmed),
                     f"node {reporter}: slow devices on nodes {unconfirmed} named by validation alone: their "
-                    f"compute is within {self.spec.slowdown_threshold}x of the other nodes'; the slow link "
-                    "stands",
+                    f"compute is within {self.spec.slowdown_threshold}x of the other nodes'{stands}",
                 )
             )
         slow = {n for n in devices if n not in unconfirmed and (n not in ends or verdicts.get(n))}
@@ -497,6 +496,10 @@ class FailSlowTracker:
         del self.candidates[reporter]
         report = candidate.report
         taken, devices = self._corroborated(reporter, candidate)
+        if candidate.validated and not taken:
+            self.changed = True
+            self._dismiss(reporter, "validation named no slow link, and no device the job-wide rule confirms")
+            return
         nodes = taken or (reporter,)
         latest = max(self.gate.steps.get(reporter, report.step), report.step)
         if not self.controller.active:

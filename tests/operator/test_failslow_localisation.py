@@ -681,6 +681,35 @@ def test_a_straggler_is_back_when_its_speed_is_not_when_s2_made_it_cheap(
         assert any("recovery report ignored for nodes [7]: still over 1.25x" in f.message for f in findings)
 
 
+@pytest.mark.parametrize("named", [(1, 6, 7), (1, 6)])
+def test_devices_that_validation_names_alone_must_be_slow_by_the_job_wide_rule(
+    named: tuple[int, ...],
+) -> None:
+    # In `rjob demo` the peers waiting for the x3 worker 7 report communication slowdowns; the validation
+    # pass they ask for timed GEMM on a 2-core host and named nodes 1 (1.38x) and 6 (1.90x) beside 7. All
+    # three went into the episode and S2 moved work off the two healthy ones. Their compute says otherwise.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = SynchronousJob(spec, comm_s=0.08)
+    slow = {7: 3.0} if 7 in named else {}
+    job.run(20, {})
+    job.run(6, slow)
+    waiting = report(3, job.step, 2.4, SlowKind.COMMUNICATION)
+    job.tracker.report(waiting, now=float(job.step))
+    assert job.tracker.validation_wanted() is not None
+    job.tracker.validation_sent(1, now=float(job.step))
+    job.tracker.validated(result(1, [], named))
+    job.tracker.tick(now=float(job.step))
+    findings = job.tracker.drain_findings()
+    assert any("slow devices on nodes [1, 6] named by validation alone" in f.message for f in findings)
+    if 7 in named:
+        assert job.tracker.active and set(job.tracker.slow) == {7} and job.tracker.devices == {7}
+    else:
+        assert not job.tracker.active and not job.tracker.slow and not job.tracker.candidates
+        assert any("validation named no slow link, and no device" in f.message for f in findings)
+
+
 def _link_and_device_named(device_compute_s: float) -> tuple[FailSlowTracker, Mitigation | None]:
     """A communication report whose validation names the link 0-2 and node 3's device; node 3's compute
     in the traces is `device_compute_s` against the others' 0.02 s of a 0.2 s step."""
