@@ -142,6 +142,9 @@ class FailSlowTracker:
     """Each rung published in this episode, with the level measured when it was decided."""
     _swept: dict[int, int] = field(default_factory=dict)
     """Each node's latest step when the sweep last made it a candidate (once per level window)."""
+    _recovering: dict[int, Candidate] = field(default_factory=dict)
+    """Recovery reports of the episode's sources that the job-wide rule could not judge yet (too few of the
+    node's steps since the report's onset had come): judged again by `recheck`."""
 
     def __post_init__(self) -> None:
         self.gate = StragglerGate(self.spec.slowdown_threshold)
@@ -171,7 +174,7 @@ class FailSlowTracker:
             return None
         clock = time.time() if now is None else now
         if report.recovered:
-            return self._recovered(report)
+            return self._recovered(report, clock, clock)
         if report.slowdown < self.spec.slowdown_threshold or report.node in self._sources:
             return None
         pending = self.candidates.get(report.node)
@@ -536,17 +539,39 @@ class FailSlowTracker:
             )
         )
 
-    def _recovered(self, report: SlowReport) -> Mitigation | None:
+    def recheck(self, now: float | None = None) -> Mitigation | None:
+        """Judge the recovery reports that came before the steps to judge them by (the reconciler calls it
+        each pass before the new reports, once the last pass's steps are in the levels)."""
+        clock = time.time() if now is None else now
+        pending, self._recovering = self._recovering, {}
+        decision = None
+        for recovery in pending.values():
+            decision = self._recovered(recovery.report, recovery.came_at, clock) or decision
+        return decision
+
+    def _recovered(self, report: SlowReport, came_at: float, clock: float) -> Mitigation | None:
         dropped = self.candidates.pop(report.node, None)
-        nodes = self._sources.pop(report.node, None)
+        nodes = self._sources.get(report.node)
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
         # A recovery report is a node's own step getting shorter, which a mitigation (S2 moved work off
         # the straggler; the peers that waited for it wait less) or a busy host quietening also cause. A
-        # compute straggler of the episode that the job-wide rule still finds slower than the others stays
-        # in it, as its own source; restoring the healthy plan now would bring the slowdown straight back.
-        kept = self._still_straggling(nodes, report.onset_step)
+        # compute straggler of the episode that is still slower than the others stays in it, as its own
+        # source; restoring the healthy plan now would bring the slowdown straight back. Its speed is
+        # judged on its steps since the report's onset, which reach the levels after the report: until
+        # enough have come (or `CANDIDATE_TTL_S`), the report waits. A node without steps in the levels
+        # (parked by S4: its probe steps are other work) has only its agent's word, which stands.
+        ratios = self._speeds(nodes, report.onset_step)
+        waiting = [n for n, ratio in ratios.items() if ratio is None and self.gate.measures(n)]
+        if waiting and clock - came_at < CANDIDATE_TTL_S:
+            self._recovering[report.node] = Candidate(report, came_at)
+            self.changed = True
+            return None
+        del self._sources[report.node]
+        kept = tuple(
+            n for n, ratio in sorted(ratios.items()) if ratio is not None and ratio > self._recovered_bar
+        )
         for node in kept:
             self._sources[node] = (node,)
         if kept:
@@ -566,17 +591,20 @@ class FailSlowTracker:
         self.devices &= set(self.slow)
         self.changed = True
         if back or report.node not in kept:
+            speeds = ", ".join(f"{n}: {ratios[n]:.2f}x" for n in back if ratios.get(n) is not None)
             self.findings.append(
                 Finding(
                     FindingKind.RECOVERED,
                     back,
-                    f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}",
+                    f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}"
+                    + (f" (level vs the other nodes' per planned share: {speeds})" if speeds else ""),
                 )
             )
         if self.slow:
             return None
         self._fed.clear()
         self._recent, self._rungs = [], []
+        self._recovering.clear()
         self.rung_check.reset()
         decision = self.controller.on_change(_event(report, report.step))
         if decision is None:
@@ -587,16 +615,12 @@ class FailSlowTracker:
     def _recovered_bar(self) -> float:
         return 1.0 + RECOVERED_WITHIN * (self.spec.slowdown_threshold - 1.0)
 
-    def _still_straggling(self, nodes: Iterable[int], since: int) -> tuple[int, ...]:
+    def _speeds(self, nodes: Iterable[int], since: int) -> dict[int, float | None]:
         """The compute stragglers among `nodes` (slow devices, and slow nodes that are not a slow link's end)
-        whose level since step `since`, per planned share, is still over `RECOVERED_WITHIN`'s bar of the
-        other nodes'."""
+        with their level since step `since` over the other nodes', per planned share (None: too few steps)."""
         slow = self._compute_slow()
         compute = {n: since for n in nodes if n in slow}
-        if not compute:
-            return ()
-        ratios = self.gate.ratios(compute)
-        return tuple(n for n in sorted(compute) if (ratios.get(n) or 0.0) > self._recovered_bar)
+        return self.gate.ratios(compute) if compute else {}
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop
@@ -606,6 +630,7 @@ class FailSlowTracker:
             self.slow.pop(node, None)
             self.candidates.pop(node, None)
             self._sources.pop(node, None)
+            self._recovering.pop(node, None)
         self.links = {link for link in self.links if not set(link) & gone}
         self.devices -= gone
         self.gate.forget(gone)
@@ -633,6 +658,7 @@ class FailSlowTracker:
             "devices": sorted(self.devices),
             "sources": {str(n): list(led) for n, led in self._sources.items()},
             "candidates": {str(n): c.state() for n, c in self.candidates.items()},
+            "recovering": {str(n): c.state() for n, c in self._recovering.items()},
             "awaiting": None if self.awaiting is None else list(self.awaiting),
             "detect_s": self._detect_s,
             "steps": None if self._steps is None else list(self._steps),
@@ -655,6 +681,7 @@ class FailSlowTracker:
         self.controller, self.slow, self.links, self._sources = controller, slow, links, sources
         self.devices = {int(n) for n in state.get("devices", [])}
         self.candidates = candidates
+        self._recovering = {int(n): Candidate.of(c) for n, c in state.get("recovering", {}).items()}
         self.awaiting = None if awaiting is None else (int(awaiting[0]), float(awaiting[1]))
         self._detect_s = float(state.get("detect_s", 0.0))
         steps = state.get("steps")

@@ -226,6 +226,10 @@ class StragglerGate:
         onset, not O(N^2)."""
         return {node: None if found is None else found[0] for node, found in self._judge(candidates).items()}
 
+    def measures(self, node: int) -> bool:
+        """Whether the node has steps in this generation's levels (parked nodes' probe steps are not fed)."""
+        return bool(self._levels.get(node))
+
     def ratios(self, candidates: Mapping[int, int]) -> dict[int, float | None]:
         """Each node's level over the other nodes' median (both per planned share; node -> since_step as in
         `judge`): its speed against theirs, whatever its work costs the job. None with too few samples; 1.0

@@ -88,7 +88,9 @@ class TelemetryPass:
             tracker.gate.new_generation(published.generation, planned_shares(published.plan, ctl.profile))
         mitigation, self.deferred = self.deferred, None
         slow_before = set(tracker.slow)
-        # Reports first: a recovery closes the episode before more iterations are charged to it.
+        # Reports first: a recovery closes the episode before more iterations are charged to it. Those that
+        # came before the steps to judge them by are judged now, on the last pass's steps.
+        mitigation = tracker.recheck() or mitigation
         for report in await redis.new_reports():
             if report.node in watched and report.generation <= published.generation:
                 mitigation = tracker.report(report) or mitigation

@@ -3,6 +3,8 @@ and the S2 / S3 / restore plans it publishes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from resilientjob.operator._failslow import (
@@ -106,8 +108,20 @@ def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
     resumed = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
     resumed.restore(tracker.state())
     assert resumed.state()["steps"] == [onset, 20]
-    restore = tracker.report(slow_report(1, step=300, recovered=True), now=2.0)
-    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
+    # The recovery report comes before its steps reach the levels (the reconciler reads reports first): it
+    # waits for them, and survives a restart meanwhile...
+    assert tracker.report(slow_report(1, step=300, recovered=True), now=2.0) is None and tracker.active
+    assert tracker.recheck(now=2.5) is None and tracker.active
+    resumed = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
+    resumed.restore(json.loads(json.dumps(tracker.state())))
+    # ...then node 1's steps since the onset (295) are at the others' level: the healthy plan comes back.
+    for tracked in (tracker, resumed):
+        tracked.gate.new_generation(0, {})
+        for step in range(290, 301):
+            for node in (0, 1, 2):
+                tracked.observe(record(node, step, 0.1))
+        restore = tracked.recheck(now=3.0)
+        assert restore is not None and restore.action is Action.RESTORE and not tracked.active
 
 
 def test_min_duration_and_threshold_gate_the_episode() -> None:

@@ -643,11 +643,14 @@ class SynchronousJob:
                     self.mitigations.append(decision)
             self.tracker.tick(now=float(self.step))
 
-    def recovery_report(self, node: int) -> Mitigation | None:
-        back = report(node, self.step, 0.6).model_copy(
-            update={"recovered": True, "generation": self.generation}
-        )
-        return self.tracker.report(back, now=float(self.step))
+    def recovery_report(self, node: int, slowdown: dict[int, float]) -> Mitigation | None:
+        """Node's agent reports a recovery with its onset at the latest step, before the steps since then
+        have reached the tracker (the reconciler reads reports first): it is judged once they have."""
+        onset = {"recovered": True, "generation": self.generation, "onset_step": self.step + 1}
+        back = report(node, self.step + 1, 0.6).model_copy(update=onset)
+        assert self.tracker.report(back, now=float(self.step)) is None and self.tracker.active
+        self.run(6, slowdown)
+        return self.tracker.recheck(now=float(self.step))
 
 
 @pytest.mark.parametrize(("after_s2", "restored"), [(3.0, False), (1.35, False), (1.0, True)])
@@ -672,7 +675,7 @@ def test_a_straggler_is_back_when_its_speed_is_not_when_s2_made_it_cheap(
     job.run(12, {7: after_s2})
     gate = job.tracker.gate
     assert gate.judge({7: job.step - 8})[7] is False  # whatever its speed, under S2 it costs under 1.5x
-    decision = job.recovery_report(7)
+    decision = job.recovery_report(7, {7: after_s2})
     if restored:
         assert decision is not None and decision.action is Action.RESTORE and not job.tracker.slow
     else:
