@@ -244,7 +244,7 @@ def _render(seen: Observed, duration: float, job: str) -> Any:
         f"[bold]{job}[/]  phase {seen.phase or '-'}  generation {seen.generation}  "
         f"layout {seen.layout or '-'}  policy {seen.policy or '-'}\n"
         f"step {seen.committed}  loss {loss}  throughput {seen.throughput:.1f} samples/s\n"
-        f"{seen.failslow.live(seen.timeline, seen.elapsed())}"
+        f"{seen.failslow.live(seen.samples, seen.elapsed())}"
     )
     workers = Table(title="workers", expand=True)
     for column in ("node", "state", "generation", "step", "compute s/step"):
@@ -541,7 +541,7 @@ def _report(seen: Observed, out: Path, console: Any) -> int:
     console.print(f"peer-to-peer: {layers} layer copies planned, {copied} bytes copied by the workers")
     if seen.first_loss is not None and seen.loss is not None:
         console.print(f"loss {seen.first_loss:.4f} at step 0 -> {seen.loss:.4f} at step {seen.committed - 1}")
-    console.print(seen.failslow.summary(seen.timeline, seen.elapsed()))
+    console.print(seen.failslow.summary(seen.samples, seen.elapsed()))
     path = out / "demo.png"
     _plot(seen, path)
     console.print(f"wrote {path}")

@@ -8,12 +8,15 @@ the node, which lags by the status's update interval."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import mean
 
-SETTLE_S = 3.0
-"""Throughput windows skip this long after each change (the 2 s rate window and the plan switch)."""
+ONSET_S = 0.5
+"""The slowed throughput counts from this long after the order (the worker polls its order every 0.25 s)."""
+SETTLE_S = 2.0
+"""The mitigated throughput counts from this long after the mitigation's plan (the workers' switch)."""
 BASELINE_S = 10.0
-"""The healthy throughput is the mean over this long before the order."""
+"""The healthy throughput is measured over this long before the order."""
+SHORTEST_S = 1.5
+"""A window shorter than this gives no rate: a fast mitigation leaves little slowed time to measure."""
 
 
 @dataclass(slots=True)
@@ -69,9 +72,10 @@ class FailSlowWatch:
         """Seconds from the order to `at` (None before the order)."""
         return None if self.slowed_at is None else at - self.slowed_at
 
-    def live(self, timeline: list[tuple[float, float, int]], now: float) -> str:
+    def live(self, samples: list[tuple[float, int]], now: float) -> str:
         """One line for the live table: the order, the detection, the mitigation and the throughput before
-        the order, while slowed and since the mitigation (each averaged over its settled part)."""
+        the order, while slowed and since the mitigation (each counted from the steps
+        in its window: `_rate`)."""
         if self.slowed_at is None:
             return "fail-slow: none ordered yet"
         order = self.slowed_at
@@ -82,10 +86,10 @@ class FailSlowWatch:
             parts.append(f"detected after {self.detected_step - self.slowed_step} steps")
         if self.mitigated_at is not None:
             parts.append(f"{self.strategy} at +{self.mitigated_at - order:.1f}s")
-        healthy = _rate(timeline, order - BASELINE_S, order - 1.0)
+        healthy = _rate(samples, order - BASELINE_S, order)
         slow_end = self.mitigated_at if self.mitigated_at is not None else now
-        slowed = _rate(timeline, order + SETTLE_S, slow_end)
-        after = None if self.mitigated_at is None else _rate(timeline, self.mitigated_at + SETTLE_S, now)
+        slowed = _rate(samples, order + ONSET_S, slow_end)
+        after = None if self.mitigated_at is None else _rate(samples, self.mitigated_at + SETTLE_S, now)
         rates = [
             f"{name} {value:.0f}"
             for name, value in (("healthy", healthy), ("slowed", slowed), ("mitigated", after))
@@ -95,18 +99,18 @@ class FailSlowWatch:
             parts.append(" / ".join(rates) + " samples/s")
         return "; ".join(parts)
 
-    def summary(self, timeline: list[tuple[float, float, int]], end: float) -> str:
+    def summary(self, samples: list[tuple[float, int]], end: float) -> str:
         """One line: detection delay and the share of the throughput loss the mitigation won back."""
         if self.slowed_at is None:
             return "fail-slow: no slowdown was injected"
 
         def rate(begin: float, finish: float) -> float | None:
-            return _rate(timeline, begin, finish)
+            return _rate(samples, begin, finish)
 
         order = self.slowed_at
-        healthy = rate(order - BASELINE_S, order - 1.0)
+        healthy = rate(order - BASELINE_S, order)
         slow_end = self.mitigated_at if self.mitigated_at is not None else end
-        slowed = rate(order + SETTLE_S, slow_end)
+        slowed = rate(order + ONSET_S, slow_end)
         after = rate(self.mitigated_at + SETTLE_S, end) if self.mitigated_at is not None else None
         parts = [f"fail-slow on worker {self.node}:"]
         if self.detected_at is None:
@@ -131,9 +135,19 @@ class FailSlowWatch:
                     )
             else:
                 parts.append("samples/s, no mitigation")
+        elif healthy is not None and self.mitigated_at is not None and slowed is None:
+            parts.append(
+                f"throughput {healthy:.0f} healthy samples/s; the mitigation came too soon after the order "
+                f"to measure the slowed rate (under {SHORTEST_S:g} s)"
+            )
         return " ".join(parts).replace(" ,", ",").replace(" :", ":")
 
 
-def _rate(timeline: list[tuple[float, float, int]], begin: float, finish: float) -> float | None:
-    values = [r for t, r, _ in timeline if begin <= t < finish]
-    return mean(values) if values else None
+def _rate(samples: list[tuple[float, int]], begin: float, finish: float) -> float | None:
+    """Samples the workers reported as trained in [begin, finish), per second; None for a window under
+    `SHORTEST_S` or with no step in it. Counted from the steps themselves, not from the live table's 2 s
+    sliding rate, whose window would straddle the order or the mitigation."""
+    if finish - begin < SHORTEST_S:
+        return None
+    counted = [count for at, count in samples if begin <= at < finish]
+    return sum(counted) / (finish - begin) if counted else None

@@ -82,13 +82,19 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     assert watch.detected([7], 53.0, 1012) == "fail-slow detected: nodes [7] (12 steps after the order)"
     watch.mitigated("microbatch", 60.0)
     watch.mitigated("restore", 80.0)  # the episode's end is not its mitigation
-    # 600 samples/s healthy, 400 slowed, 550 after the mitigation: 75% of the loss won back.
-    timeline = [(t / 2, 600.0 if t < 100 else 400.0 if t < 120 else 550.0, 8) for t in range(200)]
+    # A step every 0.5 s: 600 samples/s healthy, 400 slowed, 550 after the mitigation: 75% of the loss won
+    # back. Rates are counted from the steps in each window (the order at 50 s, the mitigation at 60 s).
+    timeline = [(t / 2, 300 if t < 100 else 200 if t < 120 else 275) for t in range(200)]
     line = watch.summary(timeline, end=100.0)
     assert "detected 12 iterations (3.0s) after the order" in line
     assert "microbatch at +10.0s" in line
     assert "600 healthy, 400 slowed, 550 mitigated samples/s: 75% of the slowdown removed" in line, line
     assert "not detected" in FailSlowWatch(node=7, slowed_at=50.0).summary(timeline, end=100.0)
+    # A mitigation within a second of the order leaves no slowed window to measure: said, not made up.
+    quick = FailSlowWatch(node=7, slowed_at=50.0, mitigated_at=51.0, strategy="microbatch")
+    assert "the mitigation came too soon after the order to measure the slowed rate" in quick.summary(
+        timeline, end=100.0
+    )
     # The live table's line: the same episode as it unfolds.
     assert FailSlowWatch().live(timeline, 10.0) == "fail-slow: none ordered yet"
     live = watch.live(timeline, 100.0)
