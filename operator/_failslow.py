@@ -637,6 +637,7 @@ class FailSlowTracker:
         if not self.slow and self.controller.active:
             self.controller = self._fresh_controller()
             self._sources.clear()
+            self._recovering.clear()
             self._fed.clear()
             self.links.clear()
             self.devices.clear()
