@@ -217,9 +217,11 @@ class TrainingAgent:
     async def _forward(self, event: dict[str, Any]) -> None:
         kind = event.get("kind", "step")
         if kind == "step":
+            chaos = float(event.get("chaos_s") or 0.0)
             print(
                 f"step {event['step']} gen {event['generation']} loss {event['loss']:.4f} "
-                f"wall {event['wall_s']:.3f}s compute {event['compute_s']:.3f}s",
+                f"wall {event['wall_s']:.3f}s compute {event['compute_s']:.3f}s"
+                + (f" (chaos {chaos:.3f}s)" if chaos > 0 else ""),
                 flush=True,
             )
             await self.telemetry.record_iteration(

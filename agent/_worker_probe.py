@@ -228,6 +228,9 @@ class WorkerProbe:
             # A slow device: the step's compute took F times as long (the sleep is compute, not a call).
             ended = time.perf_counter()
             wall = max(1e-6, ended - self._step_began)
+        # What a chaos order cost this step: its compute delays count as compute, its link delays as
+        # communication; the rest of compute_s is the worker's own (what an ordered factor multiplies).
+        chaos_s = injector.injected_s - self._step_injected if injector is not None else 0.0
         line: dict[str, Any] = {
             "kind": "step",
             "generation": generation,
@@ -235,6 +238,7 @@ class WorkerProbe:
             "wall_s": wall,
             "compute_s": max(1e-6, wall - communication),
             "communication_s": communication,
+            "chaos_s": chaos_s,
             "samples": samples,
             "loss": loss,
             "role": role,

@@ -180,6 +180,11 @@ def test_compute_order_slows_one_node_detected_as_compute_then_validation_names_
         for node in range(NODES)
     }
     assert 1.3 < ratios[1] < 1.8, ratios
+    # Per step, the order multiplies the worker's own compute (compute_s less the chaos delays it holds) by
+    # its factor, within 10%; an unordered worker holds no delay.
+    own = [s["compute_s"] / (s["compute_s"] - s["chaos_s"]) for s in lines[1][settled : settled + 12]]
+    assert 1.35 <= statistics.median(own) <= 1.65, own
+    assert all(step["chaos_s"] == 0 for node in (0, 2, 3) for step in lines[node]), "chaos on unordered nodes"
     for node in (0, 2, 3):
         assert ratios[node] < 1.2, ratios
         waited = _median(lines[node], "communication_s", settled, settled + 12)
