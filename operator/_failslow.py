@@ -370,7 +370,7 @@ class FailSlowTracker:
             if latest - self._swept.get(node, -self.gate.window) < self.gate.window:
                 continue
             self._swept[node] = latest
-            share = self.gate.shares.get(node, 1.0)
+            share = self.gate.share(node)
             report = SlowReport(
                 node=node,
                 generation=max(0, self.gate.generation),

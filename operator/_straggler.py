@@ -131,6 +131,8 @@ class StragglerGate:
     """Each node's latest step seen (any generation): the loss of a late-opened episode counts from it."""
     _window: int | None = None
     """The noise-sized window, cached until the next observation."""
+    _walls: set[int] = field(default_factory=set)
+    """Nodes whose levels are step walls (agents that do not split compute from communication)."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1:
@@ -160,13 +162,13 @@ class StragglerGate:
         picked = nodes[:: max(1, len(nodes) // NOISE_NODES)]
         by_step: dict[int, list[float]] = {}
         for node, samples in picked:
-            share = self.shares.get(node, 1.0)
+            share = self.share(node)
             for step, level in samples:
                 by_step.setdefault(step, []).append(level / share)
         typical = {step: median(values) for step, values in by_step.items() if len(values) > 1}
         spreads = []
         for node, samples in picked:
-            share = self.shares.get(node, 1.0)
+            share = self.share(node)
             ratios = [level / share / typical[step] for step, level in samples if typical.get(step, 0) > 0]
             spread = relative_spread(ratios)
             if spread is not None:
@@ -180,7 +182,15 @@ class StragglerGate:
             self.shares = dict(shares)
             self._levels.clear()
             self._step_s.clear()
+            self._walls.clear()
             self._window = None
+
+    def share(self, node: int) -> float:
+        """The node's planned share of the work, as its levels measure it: 1.0 where a level is the step's
+        wall (the synthetic loop sleeps the plan's step time on every node, whatever its stages; divided
+        by a share, the nodes with lighter stages looked 1.19x slow on `examples/local-cpu.yaml` and the
+        sweep opened an episode on them at start-up that nothing ended)."""
+        return 1.0 if node in self._walls else self.shares.get(node, 1.0)
 
     @property
     def step_s(self) -> float:
@@ -193,6 +203,8 @@ class StragglerGate:
             return
         self._step_s.append(record.seconds)
         level = record.compute_s if record.compute_s is not None else record.seconds
+        if record.compute_s is None:
+            self._walls.add(record.node)
         if level <= 0:
             return  # a step that was all communication says nothing about compute speed
         samples = self._levels.get(record.node)
@@ -213,7 +225,7 @@ class StragglerGate:
         samples = [level for step, level in self.recent(node) if step >= since_step]
         if len(samples) < self.min_samples:
             return None
-        return median(samples) / self.shares.get(node, 1.0)
+        return median(samples) / self.share(node)
 
     def straggler(self, node: int, since_step: int = 0) -> bool | None:
         """True/False by the rule; None when the node itself has too few samples to judge. `since_step`
@@ -286,7 +298,7 @@ class StragglerGate:
                 if reference is None:
                     verdicts[node] = (True, own, own)
                     continue
-                excess_s = (own - reference) * self.shares.get(node, 1.0)
+                excess_s = (own - reference) * self.share(node)
                 slow = own > self.threshold * reference and excess_s >= (self.threshold - 1) * step_s
                 verdicts[node] = (slow, own, reference)
         return verdicts

@@ -167,7 +167,8 @@ def test_a_straggler_no_agent_reported_is_found_by_the_operators_sweep() -> None
 
 
 def test_planned_shares_make_uneven_stages_comparable() -> None:
-    # Pipeline 0 runs 8 micro-batches, pipeline 1 only 4 (as after S2): its nodes do half the work.
+    # Pipeline 0 runs 8 micro-batches, pipeline 1 only 4 (as after S2): its nodes do half the work, and
+    # their compute (the runtime's split; step walls are not divided by shares) takes half the time.
     plan = grid_plan([[0, 1], [2, 3]], microbatches=4)
     pipelines = (plan.pipelines[0].model_copy(update={"microbatches": 8}), plan.pipelines[1])
     skewed = plan.model_copy(update={"pipelines": pipelines})
@@ -178,16 +179,22 @@ def test_planned_shares_make_uneven_stages_comparable() -> None:
     for step in range(10):
         for node, seconds in {0: 0.2, 1: 0.2, 2: 0.1, 3: 0.1}.items():
             tracker.observe(
-                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0)
-            )
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0,
+                    compute_s=seconds, communication_s=0.0,
+                )
+            )  # fmt: skip
     assert [tracker.gate.straggler(node) for node in range(4)] == [False] * 4  # 2x the work, 2x the time
     unscaled = FailSlowTracker(FailSlowSpec(min_duration_s=0))
     unscaled.gate.new_generation(0, {})
     for step in range(10):
         for node, seconds in {0: 0.2, 1: 0.2, 2: 0.1, 3: 0.1}.items():
             unscaled.observe(
-                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0)
-            )
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=seconds, samples=1, sent_at=0,
+                    compute_s=seconds, communication_s=0.0,
+                )
+            )  # fmt: skip
     assert unscaled.gate.straggler(0) is True  # without the plan's shares it would be a false alarm
 
 

@@ -113,3 +113,34 @@ def test_a_noisy_job_takes_a_long_window_and_noise_alone_opens_nothing() -> None
     short.tracker.gate.fixed_window = MIN_WINDOW
     short.run(2000, {}, noise=0.3)
     assert short.tracker.active  # the same noise, judged on 4 steps, opened an episode
+
+
+def test_step_walls_are_not_divided_by_planned_shares() -> None:
+    # The synthetic loop (`examples/local-cpu.yaml`) reports no compute split: every node's level is its
+    # step's wall, the plan's step time on every node, whatever its stages. Divided by the planned shares of
+    # DP2 PP[2,2] (the first stages lighter), nodes 0 and 2 looked 1.19x slow, and the sweep opened an
+    # episode on them at start-up that no report ever ended. With the compute split, the shares apply.
+    shares = {0: 0.84, 1: 1.0, 2: 0.84, 3: 1.0}
+    for split in (False, True):
+        gate = StragglerGate(1.1)
+        gate.new_generation(0, shares)
+        for step in range(40):
+            for node, share in shares.items():
+                compute = 0.01 * share if split else None
+                record = IterationRecord(
+                    node=node, generation=0, step=step, seconds=0.0171, samples=4, sent_at=0.0,
+                    compute_s=compute, communication_s=None if compute is None else 0.0171 - compute,
+                )  # fmt: skip
+                gate.observe(record)
+        assert gate.sweep() == {}, split
+        assert gate.share(0) == (0.84 if split else 1.0)
+    # A wall-only node that is really slower is still found.
+    gate = StragglerGate(1.1)
+    gate.new_generation(0, shares)
+    for step in range(40):
+        for node in shares:
+            seconds = 0.0171 * (1.5 if node == 3 else 1.0)
+            gate.observe(
+                IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=4, sent_at=0)
+            )
+    assert set(gate.sweep()) == {3}
