@@ -55,6 +55,9 @@ class ModelConfig:
     seed: int = 0
     forward_sleep_s: float = 0.0
     """Sleep layers only: seconds per forward per micro-batch (backward sleeps twice as long)."""
+    sleep_samples: int = 0
+    """Sleep layers only: the samples `forward_sleep_s` is for, so that a micro-batch of m samples sleeps
+    m / sleep_samples times it, as a device's compute grows with the batch (0: per micro-batch, any size)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ModelKind):
@@ -70,6 +73,8 @@ class ModelConfig:
             raise ValueError(f"heads: must divide hidden={self.hidden}, got {self.heads}")
         if self.forward_sleep_s < 0:
             raise ValueError(f"forward_sleep_s: must be >= 0, got {self.forward_sleep_s}")
+        if self.sleep_samples < 0:
+            raise ValueError(f"sleep_samples: must be >= 0, got {self.sleep_samples}")
 
 
 # ---- layers ----------------------------------------------------------------------------------------------
@@ -201,19 +206,22 @@ class _SleepFn(torch.autograd.Function):
 
 
 class SleepLayer(nn.Module):
-    """A tiny affine layer whose compute is a calibrated sleep (so many emulated workers fit on 2 cores)."""
+    """A tiny affine layer whose compute is a calibrated sleep (so many emulated workers fit on 2 cores):
+    per micro-batch, or per `samples` samples of it when `samples` > 0."""
 
-    def __init__(self, hidden: int, forward_s: float, backward_s: float) -> None:
+    def __init__(self, hidden: int, forward_s: float, backward_s: float, samples: int = 0) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(hidden))
         self.forward_s = forward_s
         self.backward_s = backward_s
+        self.samples = samples
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.shape[0] / self.samples if self.samples else 1.0
         if x.dtype == torch.long:  # first layer: token ids -> a float hidden state
             x = F.one_hot(x, self.scale.numel()).float()
         out: torch.Tensor = _SleepFn.apply(  # type: ignore[no-untyped-call]
-            x * self.scale, self.forward_s, self.backward_s
+            x * self.scale, self.forward_s * scale, self.backward_s * scale
         )
         return out
 
@@ -276,7 +284,9 @@ def builtin_model(config: ModelConfig) -> ModelSpec:
         # Seeding per layer makes layer i's initial weights independent of which other layers a worker holds.
         torch.manual_seed(config.seed * 100_003 + index)
         if config.kind == ModelKind.SLEEP:
-            return SleepLayer(hidden, config.forward_sleep_s, 2 * config.forward_sleep_s)
+            return SleepLayer(
+                hidden, config.forward_sleep_s, 2 * config.forward_sleep_s, config.sleep_samples
+            )
         llama = config.kind == ModelKind.LLAMA
         if index == 0:
             return Embedding(config.vocab, hidden, config.seq_len, positions=not llama)

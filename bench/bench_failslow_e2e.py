@@ -85,20 +85,28 @@ bandwidth at which a factor of 5 adds 4 x 128 KB / 2 MB/s = 0.26 s to each all-r
 gradients but 4 x 16 KB / 2 MB/s = 33 ms to a pipeline send."""
 
 
-def manifest(nodes: int, pipelined: bool = False, mixed: bool = False) -> dict[str, Any]:
+def manifest(
+    nodes: int, pipelined: bool = False, mixed: bool = False, microbatch_size: int = 1, split: int = 1
+) -> dict[str, Any]:
     """The bench's job: DP over `nodes` whole-model replicas, or the DP4 x PP2 job (`pipelined`), or the
     mixed case's (`mixed`): the pipelined job with `MIXED_MICROBATCHES` micro-batches, held to PP2 by
-    `deviceMemory`, so that S2 can move a micro-batch off a slow pipeline."""
+    `deviceMemory`, so that S2 can move a micro-batch off a slow pipeline. `microbatch_size` > 1 (the
+    replicas' job only): the same samples per node in micro-batches of that size, the sleeps per sample (a
+    device whose compute grows with the batch); `split`: the job's `failSlow.microBatchSplit`."""
     layers, forward_s = (PIPELINED_LAYERS, PIPELINED_FORWARD_S) if pipelined else (LAYERS, FORWARD_S)
+    if microbatch_size > 1 and pipelined:
+        raise ValueError("microbatch_size: only the replicas' job takes micro-batches of several samples")
     layer = {
-        "forwardS": forward_s,
-        "backwardS": 2 * forward_s,
+        "forwardS": forward_s * microbatch_size,
+        "backwardS": 2 * forward_s * microbatch_size,
         "paramBytes": 4352,
         "optimizerBytes": 8716,
-        "activationBytes": 1024,
-        "outputBytes": 1024,
+        "activationBytes": 1024 * microbatch_size,
+        "outputBytes": 1024 * microbatch_size,
     }
     options = ["--model-option", f"forward_sleep_s={forward_s}", "--model-option", f"layers={layers}"]
+    if microbatch_size > 1:
+        options += ["--model-option", "sleep_samples=1"]
     if pipelined:
         size = PIPELINED_HIDDEN * 4  # float32 bytes of one layer's scale, and of a 1 x 1 x hidden activation
         layer.update(paramBytes=size, optimizerBytes=2 * size + 4, activationBytes=size, outputBytes=size)
@@ -134,12 +142,13 @@ def manifest(nodes: int, pipelined: bool = False, mixed: bool = False) -> dict[s
                 else MICROBATCHES_PER_NODE * nodes
             ),
             **({"deviceMemory": MIXED_DEVICE_MEMORY} if mixed else {}),
-            "microBatchSize": 1,
+            "microBatchSize": microbatch_size,
             "faultTolerance": 1,
             "policy": "auto",
             "failSlow": {
                 "slowdownThreshold": 1.3,
                 "minDurationS": 2,
+                "microBatchSplit": split,
                 **({"overheads": OVERHEADS} if pipelined else {}),
             },
             "chaos": {"enabled": True},
@@ -775,6 +784,15 @@ def main() -> None:
     parser.add_argument(
         "--threshold", type=float, default=None, help="override the job's failSlow.slowdownThreshold"
     )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="the replicas' job: micro-batches of this many samples (sleeps per sample)",
+    )
+    parser.add_argument(
+        "--split", type=int, default=1, help="the job's failSlow.microBatchSplit (S2 may cut micro-batches)"
+    )
     parser.add_argument("--minutes", type=float, default=5.0, help="healthy: how long to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "failslow-mixed.png")
     parser.add_argument("--json", type=Path, help="also write the result here")
@@ -790,7 +808,17 @@ def main() -> None:
         parser.error("--manifest: the mixed scenario runs its own job (its overheads are tuned to it)")
     if not 1.0 < args.factor <= 10.0:
         parser.error(f"--factor: must be in (1, 10], got {args.factor}")
-    job = manifest(nodes, pipelined, mixed=args.scenario == "mixed")
+    if args.micro_batch_size != 1 and (pipelined or args.manifest is not None):
+        parser.error(
+            "--micro-batch-size: only for the replicas' job (not --pipelined, link, mixed, --manifest)"
+        )
+    if args.micro_batch_size < 1 or MICROBATCHES_PER_NODE % args.micro_batch_size:
+        parser.error(f"--micro-batch-size: must divide {MICROBATCHES_PER_NODE}, got {args.micro_batch_size}")
+    if not 1 <= args.split <= 8:
+        parser.error(f"--split: must be in [1, 8], got {args.split}")
+    job = manifest(nodes, pipelined, args.scenario == "mixed", args.micro_batch_size, args.split)
+    if args.manifest is not None and args.split != 1:
+        parser.error("--split: set failSlow.microBatchSplit in the manifest instead")
     if args.manifest is not None:
         job = yaml.safe_load(args.manifest.read_text())
     if args.threshold is not None:

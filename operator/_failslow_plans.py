@@ -1,7 +1,9 @@
 """The plans of Falcon's mitigations for a running job (S2, S3 a and b, restore), pure: no I/O.
 
 - S2 (`microbatch_plan`): the pipelines keep their stages; micro-batches move off the pipelines through slow
-  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed);
+  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed), split into
+  into smaller micro-batches when whole ones are too coarse to balance and the job allows it
+  (`spec.failSlow.microBatchSplit`, `FINER_GAIN`);
 - S3 a (`link_plan`): the pipelines are reordered and nodes swapped so that fewer bytes cross the slow links
   (`failslow.reroute_slow_links`, Falcon Fig. 10; any layout);
 - S3 b (`topology_plan`): stragglers are consolidated into as few stages as possible
@@ -25,6 +27,11 @@ from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.restorer import transfer_list
 from resilientjob.planner.spec import ClusterSpec
 
+FINER_GAIN = 0.1
+"""S2 splits micro-batches finer than the current ones only when that split is estimated this much faster
+than the best one of whole micro-batches: the estimate scales a micro-batch's time with its samples, and a
+smaller micro-batch's fixed costs (kernel launches, per-message latency) do not shrink."""
+
 
 def _pipeline_time(
     profile: ModelProfile,
@@ -33,7 +40,8 @@ def _pipeline_time(
     microbatches: int,
     factors: dict[int, float],
 ) -> float:
-    """Exact 1F1B makespan of one pipeline with the stages on slow nodes slowed by their factor."""
+    """Exact 1F1B makespan of one pipeline with the stages on slow nodes slowed by their factor (`profile`
+    already at the plan's micro-batch size)."""
     forward, backward, sends = pipeline_arrays(profile, cluster, pipeline, compute=factors)
     return pipeline_time(forward, backward, microbatches, sends)
 
@@ -43,10 +51,22 @@ def slowed_step_time(
 ) -> float:
     """The plan's pipeline makespan (no gradient sync) with slow nodes slowed: the quantity S2 and S3
     minimise, and, with no factors, the healthy estimate a restore compares."""
+    sized = profile.at_microbatch(plan.microbatch_size)
     return max(
-        _pipeline_time(profile, cluster, pipeline, pipeline.microbatches, factors)
+        _pipeline_time(sized, cluster, pipeline, pipeline.microbatches, factors)
         for pipeline in plan.pipelines
     )
+
+
+def microbatch_sizes(plan: Plan, profile: ModelProfile, split: int = 1) -> list[int]:
+    """The micro-batch sizes S2 may give `plan`, the largest first: the divisors of the job's own size (the
+    profile's) down to a `split`th of it (never under one sample). Only the plan's size when the profile's
+    is unknown."""
+    base = profile.microbatch_size
+    if base is None or split < 2:
+        return [base or plan.microbatch_size]
+    smallest = -(-base // split)  # a micro-batch cut into at most `split` parts
+    return [size for size in range(base, smallest - 1, -1) if base % size == 0]
 
 
 def sync_time(healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> float:
@@ -56,34 +76,47 @@ def sync_time(healthy: Plan, profile: ModelProfile, cluster: ClusterSpec) -> flo
 
 
 def microbatch_plan(
-    plan: Plan, profile: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], sync_s: float
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    factors: dict[int, float],
+    sync_s: float,
+    split: int = 1,
 ) -> Plan | str:
-    """S2: the same stages with micro-batches re-split to minimise the slowed makespan; or why not."""
+    """S2: the same stages with micro-batches re-split to minimise the slowed makespan; or why not. Whole
+    micro-batches of the job's size first; where the job allows (`split` > 1) smaller ones
+    (`microbatch_sizes`) when they are estimated `FINER_GAIN` faster still: with two micro-batches per
+    replica a 1.5x slow replica can give away none (one would leave a healthy replica with three), with
+    eight quarter-size ones it can give away two."""
     if len(plan.pipelines) < 2:
         return "one pipeline only: there is no other pipeline to take micro-batches"
-    total = sum(pipeline.microbatches for pipeline in plan.pipelines)
-    cache: dict[tuple[int, int], float] = {}
-
-    def cost(index: int, count: int) -> float:
-        key = (index, count)
-        if key not in cache:
-            cache[key] = _pipeline_time(profile, cluster, plan.pipelines[index], count, factors)
-        return cache[key]
-
-    counts = balance_monotone(cost, len(plan.pipelines), total)
-    if tuple(counts) == tuple(p.microbatches for p in plan.pipelines):
+    samples = plan.global_batch
+    sizes = [size for size in microbatch_sizes(plan, profile, split) if samples % size == 0]
+    if not sizes:  # the profile's size does not divide the plan's batch: keep the plan's own size
+        sizes = [plan.microbatch_size]
+    splits = {
+        size: _best_split(plan, profile.at_microbatch(size), cluster, factors, samples // size)
+        for size in sizes
+    }
+    # The fastest split, the larger micro-batches on a tie; a finer one only if it beats the job's own size
+    # by the margin its unmodelled fixed costs ask.
+    size = min(sizes, key=lambda size: (splits[size][0], -size))
+    if size != sizes[0] and not splits[size][0] < splits[sizes[0]][0] * (1 - FINER_GAIN):
+        size = sizes[0]
+    after, counts = splits[size]
+    if size == plan.microbatch_size and tuple(counts) == tuple(p.microbatches for p in plan.pipelines):
         return "the current split is already the best for these slowdowns"
     pipelines = tuple(
         pipeline.model_copy(update={"microbatches": count})
         for pipeline, count in zip(plan.pipelines, counts, strict=True)
     )
     before = slowed_step_time(plan, profile, cluster, factors)
-    after = max(cost(index, count) for index, count in enumerate(counts))
     if after >= before * (1 - 1e-9):
         return "no split is faster than the current one"
     return plan.model_copy(
         update={
             "generation": plan.generation + 1,
+            "microbatch_size": size,
             "pipelines": pipelines,
             "step_time_s": after + sync_s,
             "transfers": (),
@@ -91,6 +124,23 @@ def microbatch_plan(
             "candidates": (),
         }
     )
+
+
+def _best_split(
+    plan: Plan, sized: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], total: int
+) -> tuple[float, list[int]]:
+    """The slowed makespan and micro-batch counts per pipeline of the best split of `total` micro-batches
+    (of the size `sized` is for) over `plan`'s pipelines."""
+    cache: dict[tuple[int, int], float] = {}
+
+    def cost(index: int, count: int) -> float:
+        key = (index, count)
+        if key not in cache:
+            cache[key] = _pipeline_time(sized, cluster, plan.pipelines[index], count, factors)
+        return cache[key]
+
+    counts = balance_monotone(cost, len(plan.pipelines), total)
+    return max(cost(index, count) for index, count in enumerate(counts)), counts
 
 
 def _grid(plan: Plan) -> NodeGrid | str:
@@ -130,7 +180,7 @@ def topology_plan(
     if isinstance(grid, str):
         return grid
     stragglers = [node for node in factors if node in set(grid.nodes)]
-    change = consolidate_stragglers(grid, stragglers, profile)
+    change = consolidate_stragglers(grid, stragglers, profile.at_microbatch(plan.microbatch_size))
     if not change.moved:
         return "the stragglers already sit in as few stages as they can"
     moved = _regridded(plan, change.after.rows)
@@ -161,7 +211,7 @@ def link_plan(
     if not congested:
         return f"the slow links {sorted(links)} do not join two nodes of the layout"
     try:
-        change = reroute_slow_links(plan, profile, congested)
+        change = reroute_slow_links(plan, profile.at_microbatch(plan.microbatch_size), congested)
     except PlannerError as exc:
         return exc.message
     if not change.bytes_after < change.bytes_before:
@@ -187,7 +237,11 @@ def restored_plan(
         return f"nodes {sorted(missing)} of the healthy plan are no longer in the layout"
     healthy_s = slowed_step_time(healthy, profile, cluster, {})
     current_s = slowed_step_time(current, profile, cluster, {})
-    if only_if_faster and not healthy_s < current_s * (1 - 1e-9):
+    # S2's finer micro-batches were for the slow node only: the job's own size comes back with it, even where
+    # the linear estimate prices the finer split's smaller pipeline bubble as faster (it ignores the fixed
+    # costs per micro-batch that the user's size pays for).
+    finer = current.microbatch_size != healthy.microbatch_size
+    if only_if_faster and not finer and not healthy_s < current_s * (1 - 1e-9):
         # Equal estimates (an S3 permutation): moving weights back would buy nothing.
         return "the mitigated plan is as fast as the healthy one; it stays"
     transfers = transfer_list(current.layers_by_node(), healthy.layers_by_node(), profile)

@@ -73,7 +73,12 @@ def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mit
         new = _failslow.slowed_step_time(after, inputs.profile, inputs.cluster, mitigation.factors)
     except PlannerError:
         return ""
-    return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed)"
+    finer = (
+        f"; micro-batches of {before.microbatch_size} -> {after.microbatch_size} samples"
+        if after.microbatch_size != before.microbatch_size
+        else ""
+    )
+    return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed){finer}"
 
 
 def replaced_nodes(mitigation: Mitigation) -> list[int]:
@@ -110,7 +115,9 @@ def _plan(
     profile, cluster = inputs.profile, inputs.cluster
     if action is Action.MICROBATCH:
         sync_s = _failslow.sync_time(healthy, profile, cluster)
-        result = _failslow.microbatch_plan(current.plan, profile, cluster, mitigation.factors, sync_s)
+        result = _failslow.microbatch_plan(
+            current.plan, profile, cluster, mitigation.factors, sync_s, spec.fail_slow.micro_batch_split
+        )
     elif action is Action.TOPOLOGY:
         sync_s = _failslow.sync_time(healthy, profile, cluster)
         result = topology_change(current.plan, profile, cluster, mitigation, sync_s)

@@ -87,7 +87,10 @@ def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None 
         restart_s=overheads.topology_s,
         checkpoint_load_s=overheads.restart_s,
     )
-    return PlannerInputs(profile=profile, cluster=cluster, job=job, costs=costs)
+    # The profile's figures are per micro-batch of the spec's size; saying so lets S2's finer splits be priced
+    return PlannerInputs(
+        profile=profile.measured_at(spec.micro_batch_size), cluster=cluster, job=job, costs=costs
+    )
 
 
 def warm_planner(inputs: PlannerInputs) -> int:

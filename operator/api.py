@@ -191,6 +191,15 @@ class FailSlowSpec(_Api):
         le=3600,
         description="How long to wait for a validation pass's result before the episode goes on without it.",
     )
+    micro_batch_split: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description="Mitigation S2 may cut micro-batches into up to this many smaller ones when whole "
+        "ones are too coarse to balance a slow worker (1: never). Worth it where a micro-batch's fixed "
+        "costs are small against its compute (large models, long sequences); on tiny ones the extra "
+        "micro-batches cost more than they win.",
+    )
     overheads: StrategyOverheads = Field(default_factory=StrategyOverheads)
 
 

@@ -56,6 +56,7 @@ def reroute(current: Plan, failed: Collection[int], profile: ModelProfile, clust
     pipelines = current.pipelines
     if profile.num_layers != current.num_layers:
         raise PlannerError("profile", f"has {profile.num_layers} layers, the plan {current.num_layers}")
+    profile = profile.at_microbatch(current.microbatch_size)  # S2 may have split the micro-batches finer
 
     def intact(pipeline: PipelinePlan, layers: tuple[int, int]) -> bool:
         return all(

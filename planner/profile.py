@@ -4,6 +4,10 @@ A profile lists the model's layers in execution order (embedding ... blocks ... 
 micro-batch at the job's micro-batch size; bytes are per layer (activations per micro-batch). Profiles load
 from JSON or YAML with exactly the field names below; unknown keys are ignored so that profilers can attach
 their own metadata.
+
+A profile that knows its micro-batch size (`microbatch_size`, set by the operator from the job's spec) can be
+rescaled to another (`at_microbatch`): fail-slow mitigation S2 may split micro-batches finer than the spec's
+to balance a slow replica, and every estimate of such a plan must price its smaller micro-batches.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ class ModelProfile(BaseModel):
     multi_gpu_speedup: dict[int, float] = Field(
         default_factory=dict, description="Measured speed-up per GPU count; overrides the efficiency rule."
     )
+    microbatch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Samples per micro-batch the per-micro-batch figures are for (None: unknown, so the "
+        "profile cannot be rescaled to another size).",
+    )
 
     @field_validator("multi_gpu_speedup")
     @classmethod
@@ -99,6 +109,47 @@ class ModelProfile(BaseModel):
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
             raise PlannerError("profile", f"{str(path)!r} is not valid JSON/YAML: {exc}") from None
         return cls.from_mapping(data, source="profile")
+
+    # ---- micro-batch size ----------------------------------------------------------------------------
+    def measured_at(self, microbatch_size: int) -> ModelProfile:
+        """This profile, declared to be per micro-batch of `microbatch_size` samples."""
+        return ModelProfile(
+            name=self.name,
+            layers=self.layers,
+            multi_gpu_efficiency=self.multi_gpu_efficiency,
+            multi_gpu_speedup=self.multi_gpu_speedup,
+            microbatch_size=microbatch_size,
+        )
+
+    def at_microbatch(self, size: int) -> ModelProfile:
+        """This profile for micro-batches of `size` samples: per-micro-batch times and activation and output
+        bytes scale with the samples, parameter and optimizer bytes do not. The time model is linear, which
+        is optimistic for small micro-batches (their fixed costs, kernel launches and per-message latency,
+        do not shrink); callers that choose a size ask a margin for it. Itself when the size is the same
+        or its own is unknown."""
+        if self.microbatch_size is None or size == self.microbatch_size:
+            return self
+        if size < 1:
+            raise PlannerError("microbatch_size", f"must be >= 1, got {size}")
+        ratio = size / self.microbatch_size
+        layers = tuple(
+            layer.model_copy(
+                update={
+                    "forward_s": layer.forward_s * ratio,
+                    "backward_s": layer.backward_s * ratio,
+                    "activation_bytes": round(layer.activation_bytes * ratio),
+                    "output_bytes": round(layer.output_bytes * ratio),
+                }
+            )
+            for layer in self.layers
+        )
+        return ModelProfile(
+            name=self.name,
+            layers=layers,
+            multi_gpu_efficiency=self.multi_gpu_efficiency,
+            multi_gpu_speedup=self.multi_gpu_speedup,
+            microbatch_size=size,
+        )
 
     # ---- derived quantities --------------------------------------------------------------------------
     @property

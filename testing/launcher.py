@@ -138,12 +138,15 @@ class Launcher:
         on_plan: Callable[[Plan], None] | None = None,
         live: bool = True,
         joins: Mapping[int, int] | None = None,
+        publish_at: Mapping[int, Plan] | None = None,
     ) -> None:
         """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
         steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change).
         `joins`: new node id -> committed step after which the planner takes that node in (a replacement
         pod joining, as the operator plans it); its workers start with the job, load the model and wait to be
-        taken in (`store_keys.joining_key`), as a replacement pod that is running before its plan does."""
+        taken in (`store_keys.joining_key`), as a replacement pod that is running before its plan does.
+        `publish_at`: committed step -> a plan of the same nodes to publish then as the next generation (what
+        the operator publishes for a fail-slow mitigation)."""
         self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
@@ -165,6 +168,7 @@ class Launcher:
         self.on_plan = on_plan
         self.live = live
         self.joins = dict(joins or {})
+        self.publish_at = dict(publish_at or {})
         # live=False sends every failure down the checkpoint-restart path: the benchmark's baseline.
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -233,6 +237,9 @@ class Launcher:
             elif self._upgrade_at is not None and self._committed() >= self._upgrade_at:
                 self._upgrade_at = None
                 self.publish(self.planner.upgrade(self.plan))
+            elif self.publish_at and self._committed() >= min(self.publish_at):
+                planned = self.publish_at.pop(min(self.publish_at))
+                self.publish(planned.model_copy(update={"generation": self.plan.generation + 1}))
             elif joined := self._due_joins():
                 for node in joined:
                     del self.joins[node]

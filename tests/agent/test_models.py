@@ -74,6 +74,22 @@ def test_sleep_layers_take_calibrated_time() -> None:
     assert 0.03 <= elapsed < 0.2  # 10 ms forward + 20 ms backward
 
 
+def test_sleep_layers_per_sample_take_time_in_proportion_to_the_micro_batch() -> None:
+    spec = load_model("sleep", layers=2, hidden=8, forward_sleep_s=0.005, sleep_samples=1)
+
+    def seconds(samples: int) -> float:
+        x = spec.layer(0)(torch.randint(8, (samples, 4)))
+        begin = time.perf_counter()
+        spec.layer(1)(x).sum().backward()
+        return time.perf_counter() - begin
+
+    one, four = seconds(1), seconds(4)
+    assert 0.015 <= one < 0.1 and 0.06 <= four < 0.3  # 5 ms forward + 10 ms backward per sample
+    assert four > 2.5 * one
+    with pytest.raises(ValueError, match="sleep_samples"):
+        load_model("sleep", sleep_samples=-1)
+
+
 def test_dataset_is_deterministic_and_learnable_shape() -> None:
     data = SyntheticDataset(num_samples=10, seq_len=8, vocab=5, seed=3)
     assert torch.equal(data.sample(4), SyntheticDataset(10, 8, 5, seed=3).sample(4))

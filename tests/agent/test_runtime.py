@@ -80,6 +80,38 @@ def test_heterogeneous_update_equals_the_symmetric_one(
     assert {layer for v in result.return_values.values() for layer in v["params"]} == set(range(8))
 
 
+def test_finer_micro_batches_published_mid_run_keep_the_update_and_each_sample_once(
+    tmp_path: Path, job_config: Callable[..., JobConfig]
+) -> None:
+    # What fail-slow S2 publishes when whole micro-batches are too coarse to balance a slow pipeline: the
+    # same stages, micro-batches of 1 instead of 2, 6 of them on one pipeline and 2 on the other. The loss is
+    # the sum of per-sample losses over the global batch, so the update must not change.
+    def plan(size: int, counts: tuple[int, int]) -> Plan:
+        return Plan(
+            policy=Policy.DYNAMIC,
+            microbatch_size=size,
+            step_time_s=1.0,
+            pipelines=tuple(
+                PipelinePlan(
+                    stages=(StagePlan(layers=(0, 4), node=2 * i), StagePlan(layers=(4, 8), node=2 * i + 1)),
+                    microbatches=count,
+                )
+                for i, count in enumerate(counts)
+            ),
+        )
+
+    healthy, finer = plan(2, (2, 2)), plan(1, (6, 2))
+    steps = 6
+    config = job_config(steps=steps)
+    reference, _, _ = reference_run(config, healthy.global_batch, healthy.microbatch_size)
+    planner = RuntimePlanner.for_job(uniform_profile(8), nodes=4, global_batch=8, microbatch_size=2)
+    result = Launcher(config, healthy, planner, tmp_path, publish_at={1: finer}).run(timeout_s=90)
+    assert [p.microbatch_size for p in result.plans] == [2, 1]
+    assert len(result.step_times.get(1, [])) >= 2, result.step_times  # steps ran in the finer layout
+    _assert_matches_reference(result, reference, steps)
+    _assert_each_sample_once(result, healthy, steps)
+
+
 def test_kill_one_of_eight_continues_on_seven(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:

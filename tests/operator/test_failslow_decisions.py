@@ -161,6 +161,78 @@ def test_s2_moves_microbatches_off_the_slow_pipeline() -> None:
     assert "one pipeline" in str(microbatch_plan(single, PROFILE, CLUSTER, {1: 2.0}, 0.0))
 
 
+def test_s2_splits_micro_batches_finer_when_whole_ones_cannot_balance_a_mild_slowdown() -> None:
+    # Three 2-stage pipelines of two micro-batches of 4 samples, one of them 1.5x slow. A whole micro-batch
+    # moved off it leaves a healthy pipeline with three (3 > 2 x 1.5): no whole split helps. In micro-batches
+    # of 1 the slow pipeline keeps 6 samples and the others take 9 each (and the bubble shrinks).
+    plan = grid_plan([[0, 1], [2, 3], [4, 5]], microbatches=2).model_copy(update={"microbatch_size": 4})
+    factors = {3: 1.5}
+    profile = PROFILE.measured_at(4)
+    whole = microbatch_plan(plan, profile, CLUSTER, factors, sync_s=0.0)  # the job does not allow a split
+    assert isinstance(whole, str), whole
+    unknown = microbatch_plan(plan, PROFILE, CLUSTER, factors, sync_s=0.0, split=4)  # the profile's size?
+    assert isinstance(unknown, str), unknown
+    finer = microbatch_plan(plan, profile, CLUSTER, factors, sync_s=0.0, split=4)
+    assert isinstance(finer, Plan), finer
+    assert finer.microbatch_size < 4 and finer.global_batch == plan.global_batch == 24
+    samples = [p.microbatches * finer.microbatch_size for p in finer.pipelines]
+    assert finer.microbatch_size == 1 and samples == [9, 6, 9]
+    before = slowed_step_time(plan, profile, CLUSTER, factors)
+    after = slowed_step_time(finer, profile, CLUSTER, factors)
+    healthy = slowed_step_time(plan, profile, CLUSTER, {})
+    assert (before - after) / (before - healthy) >= 0.5
+    # Once the node is back the job's own size returns with the healthy plan, although the linear estimate
+    # prices the finer split's smaller pipeline bubble as faster.
+    assert slowed_step_time(finer, profile, CLUSTER, {}) < slowed_step_time(plan, profile, CLUSTER, {})
+    back = restored_plan(finer, plan, profile, CLUSTER)
+    assert isinstance(back, Plan) and back.microbatch_size == 4 and back.pipelines == plan.pipelines
+    # Never finer than the job allows: halves at most with split=2.
+    halves = microbatch_plan(plan, profile, CLUSTER, factors, sync_s=0.0, split=2)
+    assert isinstance(halves, Plan) and halves.microbatch_size == 2
+
+
+def test_s2_keeps_whole_micro_batches_unless_a_finer_split_wins_its_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two whole-model replicas of 4 micro-batches of 4, one 2x slow. Whole ones: the slow replica keeps 3
+    # (6 units of time), the other takes 5: 6 units. In micro-batches of 2 the slow one keeps 5 half-size ones
+    # and the other 11: 5.5 units, 8% less, under FINER_GAIN: S2 keeps the job's size. With no margin it
+    # takes the finer split.
+    from resilientjob.operator import _failslow_plans
+
+    plan = grid_plan([[0], [1]], microbatches=4).model_copy(update={"microbatch_size": 4})
+    profile = PROFILE.measured_at(4)
+    assert _failslow_plans.microbatch_sizes(plan, profile, 4) == [4, 2, 1]
+    assert _failslow_plans.microbatch_sizes(plan, profile, 3) == [4, 2]
+    assert _failslow_plans.microbatch_sizes(plan, profile) == [4]
+    assert _failslow_plans.microbatch_sizes(plan, PROFILE, 4) == [4]
+    whole = microbatch_plan(plan, profile, CLUSTER, {1: 2.0}, sync_s=0.0, split=4)
+    assert isinstance(whole, Plan)
+    assert whole.microbatch_size == 4 and [p.microbatches for p in whole.pipelines] == [5, 3]
+    monkeypatch.setattr(_failslow_plans, "FINER_GAIN", 0.0)
+    finer = microbatch_plan(plan, profile, CLUSTER, {1: 2.0}, sync_s=0.0, split=4)
+    assert isinstance(finer, Plan)
+    assert finer.microbatch_size == 2 and [p.microbatches for p in finer.pipelines] == [11, 5]
+    assert slowed_step_time(finer, profile, CLUSTER, {1: 2.0}) == pytest.approx(
+        slowed_step_time(whole, profile, CLUSTER, {1: 2.0}) * 5.5 / 6
+    )
+
+
+def test_s2_takes_the_finest_split_that_wins_not_the_first_finer_one() -> None:
+    # The bench's job: four replicas of two micro-batches of 4, one 1.5x slow (12 units of time per step,
+    # 8 healthy). Halves: [10, 6, 8, 8] samples, 10 units; quarters: [9, 6, 9, 8], 9 units. The margin is
+    # asked against the job's own size (12), not against the halves.
+    plan = grid_plan([[0], [1], [2], [3]], microbatches=2).model_copy(update={"microbatch_size": 4})
+    profile = PROFILE.measured_at(4)
+    healthy = slowed_step_time(plan, profile, CLUSTER, {})
+    for split, size, samples, slowed in ((2, 2, [10, 6, 8, 8], 1.25), (4, 1, [9, 6, 9, 8], 1.125)):
+        result = microbatch_plan(plan, profile, CLUSTER, {1: 1.5}, sync_s=0.0, split=split)
+        assert isinstance(result, Plan), result
+        assert result.microbatch_size == size
+        assert [p.microbatches * size for p in result.pipelines] == samples
+        assert slowed_step_time(result, profile, CLUSTER, {1: 1.5}) == pytest.approx(slowed * healthy)
+
+
 def test_s3_consolidates_stragglers_into_one_stage_and_lists_copies() -> None:
     plan = grid_plan([[0, 1, 2], [3, 4, 5]])
     factors = {0: 2.0, 5: 2.0}  # stragglers in stages 0 and 2 slow two stages

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import yaml
+from _support import ROOT
+
 from resilientjob.operator._failslow import Action, Mitigation, link_plan, microbatch_plan, sync_time
 from resilientjob.operator._mitigation import mitigation_message
 from resilientjob.operator._planning import plan_initial, planner_inputs
@@ -71,3 +74,25 @@ def test_a_revert_of_s3_publishes_the_healthy_placement_although_estimated_as_fa
     assert message.plan.layers_by_node() == healthy.layers_by_node()
     if moved.layers_by_node() != healthy.layers_by_node():
         assert message.plan.transfers  # the weights S3 moved go back
+
+
+def test_s2_splits_micro_batches_only_where_the_spec_allows_and_says_so() -> None:
+    # The demo's first plan with worker 7 (a whole-model replica of two micro-batches of 4) at x1.5. Whole
+    # micro-batches: it keeps one. With `microBatchSplit: 4` S2 cuts them to balance finer, and says so.
+    body = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["spec"]
+    published = {}
+    for split in (1, 4):
+        spec = parse_spec({**body, "failSlow": {**body["failSlow"], "microBatchSplit": split}})
+        inputs = planner_inputs(spec)
+        current = announcement(plan_initial(spec, inputs), strategy="")
+        mitigation = Mitigation(Action.MICROBATCH, {7: 1.5}, "node slow", 5.0, 1.0)
+        message = asyncio.run(mitigation_message(spec, inputs, current, mitigation, lambda _: True))
+        assert not isinstance(message, str), message
+        assert message.plan.global_batch == 48
+        published[split] = message
+    assert published[1].plan.microbatch_size == 4 and "micro-batches of" not in published[1].reason
+    finer = published[4].plan
+    assert finer.microbatch_size < 4
+    assert f"micro-batches of 4 -> {finer.microbatch_size} samples" in published[4].reason
+    mine = [p.microbatches * finer.microbatch_size for p in finer.pipelines if 7 in p.nodes]
+    assert mine == [min(p.microbatches * finer.microbatch_size for p in finer.pipelines)]  # the least work

@@ -89,6 +89,22 @@ def test_multi_gpu_stage_is_faster() -> None:
     assert four == pytest.approx(one / (1 + 3 * 0.9))
 
 
+def test_a_profile_rescaled_to_smaller_micro_batches_scales_time_and_activations_not_state() -> None:
+    profile = uniform_profile(4, activation_bytes=1000).measured_at(4)
+    half = profile.at_microbatch(2)
+    assert half.microbatch_size == 2
+    assert half.stage_times(0, 4) == pytest.approx(tuple(t / 2 for t in profile.stage_times(0, 4)))
+    assert half.prefix("activation")[-1] == pytest.approx(profile.prefix("activation")[-1] / 2)
+    assert half.state_bytes(0, 4) == profile.state_bytes(0, 4)  # weights do not shrink with the batch
+    assert profile.at_microbatch(4) is profile
+    # A profile that does not know its size cannot be rescaled: it is used as it is.
+    unknown = uniform_profile(4)
+    assert unknown.at_microbatch(1) is unknown
+    with pytest.raises(PlannerError, match="microbatch_size"):
+        profile.at_microbatch(0)
+    assert profile == uniform_profile(4, activation_bytes=1000).measured_at(4)
+
+
 def test_job_spec_rejects_indivisible_batch() -> None:
     with pytest.raises(ValidationError, match="not a multiple of microbatch_size"):
         JobSpec(global_batch=10, microbatch_size=4)
