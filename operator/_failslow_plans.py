@@ -1,7 +1,7 @@
 """The plans of Falcon's mitigations for a running job (S2, S3 a and b, restore), pure: no I/O.
 
 - S2 (`microbatch_plan`): the pipelines keep their stages; micro-batches move off the pipelines through slow
-  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed), split into
+  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed), cut
   into smaller micro-batches when whole ones are too coarse to balance and the job allows it
   (`spec.failSlow.microBatchSplit`, `FINER_GAIN`);
 - S3 a (`link_plan`): the pipelines are reordered and nodes swapped so that fewer bytes cross the slow links
@@ -28,7 +28,7 @@ from resilientjob.planner.restorer import transfer_list
 from resilientjob.planner.spec import ClusterSpec
 
 FINER_GAIN = 0.1
-"""S2 splits micro-batches finer than the current ones only when that split is estimated this much faster
+"""S2 cuts micro-batches smaller than the job's own only when that split is estimated this much faster
 than the best one of whole micro-batches: the estimate scales a micro-batch's time with its samples, and a
 smaller micro-batch's fixed costs (kernel launches, per-message latency) do not shrink."""
 
