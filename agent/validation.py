@@ -190,6 +190,36 @@ def _name(values: Mapping[Key, float], slow: Sequence[Key], floor_s: float) -> l
     return [key for key in slow if values[key] - median >= floor_s]
 
 
+def _gemm_round(
+    ranks: Sequence[int],
+    me: int,
+    group: dist.ProcessGroup | None,
+    device: str,
+    gemm_size: int,
+    repeats: int,
+) -> dict[int, GemmResult]:
+    """Every rank's GEMM benchmark, gathered to every rank."""
+    mine: GemmResult | None = None
+    if device == "cpu":
+        # Everyone idle first: ranks reach the pass as they finish their last step, and the first turn,
+        # timed while the others still computed beside it on the same cores, measured world rank 0 at 3.8x
+        # the median in the demo (named a slow device with the really slow one).
+        dist.barrier(group=group)
+        for turn in ranks:
+            if turn == me:
+                mine = gemm_benchmark(gemm_size, repeats, device, me)
+            dist.barrier(group=group)
+    else:
+        mine = gemm_benchmark(gemm_size, repeats, device, me)
+    gathered: list[GemmResult | None] = [None] * len(ranks)
+    dist.all_gather_object(gathered, mine, group=group)
+    return {result.rank: result for result in gathered if result is not None}
+
+
+def _seconds(gemm: Mapping[int, GemmResult]) -> dict[int, float]:
+    return {rank: result.seconds for rank, result in gemm.items()}
+
+
 def validate(
     topology: Topology = Topology.RING,
     group: dist.ProcessGroup | None = None,
@@ -215,28 +245,24 @@ def validate(
     measured: dict[Link, LinkResult] = {}
     with _untraced():
         if gpus:
-            mine: GemmResult | None = None
-            if device == "cpu":
-                # Everyone idle first: ranks reach the pass as they finish their last step, and the first
-                # turn, timed while the others still computed beside it on the same cores, measured world
-                # rank 0 at 3.8x the median in the demo (named a slow device with the really slow one).
-                dist.barrier(group=group)
-                for turn in ranks:
-                    if turn == me:
-                        mine = gemm_benchmark(gemm_size, repeats, device, me)
-                    dist.barrier(group=group)
-            else:
-                mine = gemm_benchmark(gemm_size, repeats, device, me)
-            gathered: list[GemmResult | None] = [None] * len(ranks)
-            dist.all_gather_object(gathered, mine, group=group)
-            gemm = {result.rank: result for result in gathered if result is not None}
+            gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+            if _name(_seconds(gemm), slow_gpus(_seconds(gemm), factor), gemm_floor_s):
+                # A device named slow is timed again, with every other (the median must stay comparable),
+                # and each keeps its better round: a stall of a shared host's core during one turn does
+                # not come back in the next, a slow device does. Every rank sees the same gathered times,
+                # so all of them decide alike.
+                again = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+                gemm = {
+                    rank: min(result, again.get(rank, result), key=lambda r: r.seconds)
+                    for rank, result in gemm.items()
+                }
         if links:
             own = link_tests(schedule(topology, len(ranks)), link_bytes, repeats, group)
             parts: list[dict[Link, tuple[float, float]] | None] = [None] * len(ranks)
             dist.all_gather_object(parts, own, group=group)
             for link, (latency, seconds) in merge_views([part or {} for part in parts]).items():
                 measured[link] = LinkResult(link, latency, seconds, link_bytes)
-    gemm_s = {rank: result.seconds for rank, result in gemm.items()}
+    gemm_s = _seconds(gemm)
     link_s = {link: result.seconds for link, result in measured.items()}
     named_gpus = _name(gemm_s, slow_gpus(gemm_s, factor), gemm_floor_s) if gemm_s else []
     named_links = _name(link_s, slow_links(link_s, factor), link_floor_s) if link_s else []
