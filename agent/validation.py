@@ -248,10 +248,11 @@ def validate(
             gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
             if _name(_seconds(gemm), slow_gpus(_seconds(gemm), factor), gemm_floor_s):
                 # A device named slow is timed again, with every other (the median must stay comparable),
-                # and each keeps its better round: a stall of a shared host's core during one turn does
-                # not come back in the next, a slow device does. Every rank sees the same gathered times,
-                # so all of them decide alike.
-                again = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+                # turns in reverse order (interference tied to a moment of the pass hits another rank), and
+                # each keeps its better round: a stall of a shared host's core during one turn does not
+                # come back in the next, a slow device does. Every rank sees the same gathered times, so
+                # all of them decide alike.
+                again = _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats)
                 gemm = {
                     rank: min(result, again.get(rank, result), key=lambda r: r.seconds)
                     for rank, result in gemm.items()
