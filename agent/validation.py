@@ -216,8 +216,10 @@ def _gemm_round(
     return {result.rank: result for result in gathered if result is not None}
 
 
-def _seconds(gemm: Mapping[int, GemmResult]) -> dict[int, float]:
-    return {rank: result.seconds for rank, result in gemm.items()}
+def _slow_devices(gemm: Mapping[int, GemmResult], factor: float, floor_s: float) -> list[int]:
+    """The ranks whose GEMM is `factor` x the median and at least `floor_s` slower than it."""
+    seconds = {rank: result.seconds for rank, result in gemm.items()}
+    return _name(seconds, slow_gpus(seconds, factor), floor_s) if seconds else []
 
 
 def validate(
@@ -246,7 +248,7 @@ def validate(
     with _untraced():
         if gpus:
             gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
-            if _name(_seconds(gemm), slow_gpus(_seconds(gemm), factor), gemm_floor_s):
+            if _slow_devices(gemm, factor, gemm_floor_s):
                 # A device named slow is timed again, with every other (the median must stay comparable),
                 # turns in reverse order (interference tied to a moment of the pass hits another rank), and
                 # each keeps its better round: a stall of a shared host's core during one turn does not
@@ -263,9 +265,8 @@ def validate(
             dist.all_gather_object(parts, own, group=group)
             for link, (latency, seconds) in merge_views([part or {} for part in parts]).items():
                 measured[link] = LinkResult(link, latency, seconds, link_bytes)
-    gemm_s = _seconds(gemm)
     link_s = {link: result.seconds for link, result in measured.items()}
-    named_gpus = _name(gemm_s, slow_gpus(gemm_s, factor), gemm_floor_s) if gemm_s else []
+    named_gpus = _slow_devices(gemm, factor, gemm_floor_s)
     named_links = _name(link_s, slow_links(link_s, factor), link_floor_s) if link_s else []
     return ValidationReport(
         gemm=gemm,

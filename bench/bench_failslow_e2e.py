@@ -816,9 +816,9 @@ def main() -> None:
         parser.error(f"--micro-batch-size: must divide {MICROBATCHES_PER_NODE}, got {args.micro_batch_size}")
     if not 1 <= args.split <= 8:
         parser.error(f"--split: must be in [1, 8], got {args.split}")
-    job = manifest(nodes, pipelined, args.scenario == "mixed", args.micro_batch_size, args.split)
     if args.manifest is not None and args.split != 1:
         parser.error("--split: set failSlow.microBatchSplit in the manifest instead")
+    job = manifest(nodes, pipelined, args.scenario == "mixed", args.micro_batch_size, args.split)
     if args.manifest is not None:
         job = yaml.safe_load(args.manifest.read_text())
     if args.threshold is not None:

@@ -100,8 +100,8 @@ def relative_spread(values: Iterable[float]) -> float | None:
 
 def planned_shares(plan: Plan, profile: ModelProfile) -> dict[int, float]:
     """Each node's compute per step in `plan`, relative to the median over the plan's nodes."""
+    # Ratios: a plan in S2's smaller micro-batches scales every stage alike, so the profile needs no rescale.
     work: dict[int, float] = {}
-    profile = profile.at_microbatch(plan.microbatch_size)
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
             forward, backward = profile.stage_times(stage.layers[0], stage.layers[1], len(stage.gpus))

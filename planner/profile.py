@@ -113,9 +113,13 @@ class ModelProfile(BaseModel):
     # ---- micro-batch size ----------------------------------------------------------------------------
     def measured_at(self, microbatch_size: int) -> ModelProfile:
         """This profile, declared to be per micro-batch of `microbatch_size` samples."""
+        return self._rebuilt(self.layers, microbatch_size)
+
+    def _rebuilt(self, layers: tuple[LayerProfile, ...], microbatch_size: int) -> ModelProfile:
+        # A new model, not `model_copy`: that would carry this one's cached prefix sums to other layers.
         return ModelProfile(
             name=self.name,
-            layers=self.layers,
+            layers=layers,
             multi_gpu_efficiency=self.multi_gpu_efficiency,
             multi_gpu_speedup=self.multi_gpu_speedup,
             microbatch_size=microbatch_size,
@@ -143,13 +147,7 @@ class ModelProfile(BaseModel):
             )
             for layer in self.layers
         )
-        return ModelProfile(
-            name=self.name,
-            layers=layers,
-            multi_gpu_efficiency=self.multi_gpu_efficiency,
-            multi_gpu_speedup=self.multi_gpu_speedup,
-            microbatch_size=size,
-        )
+        return self._rebuilt(layers, size)
 
     # ---- derived quantities --------------------------------------------------------------------------
     @property
