@@ -14,7 +14,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S
+from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_ceiling_s
 
 REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, OSError)
 """What a Redis call raises while the server is away or not ready (ConnectionError, TimeoutError,
@@ -29,12 +29,21 @@ class Outage:
     closed" while the server is already back, and a retry on a new connection succeeds. An outage starts at
     the second failure in a row (about `base_s` later); its time counts from the first."""
 
-    def __init__(self, what: str, *, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
+    def __init__(
+        self,
+        what: str,
+        *,
+        base_s: float = BACKOFF_BASE_S,
+        cap_s: float = BACKOFF_CAP_S,
+        jitter: random.Random | None = None,
+    ) -> None:
         if not 0 < base_s <= cap_s:
             raise ValueError(f"backoff: expected 0 < base_s <= cap_s, got {base_s} and {cap_s}")
         self.what = what
         self.base_s = base_s
         self.cap_s = cap_s
+        self.jitter = jitter or random.Random()
+        """Where the wait is drawn from; a test passes its own to see the ceiling."""
         self.failures = 0
         """Failures in a row."""
         self.first_failed_at = 0.0
@@ -55,8 +64,11 @@ class Outage:
             self.outages += 1
             reason = str(exc).splitlines()[0][:200] if str(exc) else ""
             print(f"{self.what}: Redis unreachable ({type(exc).__name__}: {reason}); retrying", flush=True)
-        ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 30))
-        return random.uniform(self.base_s / 2, ceiling)
+        return self.jitter.uniform(self.base_s / 2, self.ceiling())
+
+    def ceiling(self) -> float:
+        """The longest wait after the failures so far: doubling from `base_s`, capped at `cap_s`."""
+        return backoff_ceiling_s(self.failures, self.base_s, self.cap_s)
 
     def ok(self) -> bool:
         """Note a success; True when it ends an outage."""

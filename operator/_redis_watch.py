@@ -22,7 +22,13 @@ import kopf
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, HEARTBEAT_TTL_S, JobKeys
+from resilientjob.protocol.keys import (
+    BACKOFF_BASE_S,
+    BACKOFF_CAP_S,
+    HEARTBEAT_TTL_S,
+    JobKeys,
+    backoff_ceiling_s,
+)
 
 from . import api, metrics
 from ._redis_state import JobRedis
@@ -85,8 +91,7 @@ def backoff_s(failures: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACK
     """The wait before the next try after `failures` failures in a row: capped exponential, full jitter."""
     if failures <= 0:
         return 0.0
-    ceiling = min(cap_s, base_s * 2 ** min(failures - 1, 30))
-    return random.uniform(base_s / 2, ceiling)
+    return random.uniform(base_s / 2, backoff_ceiling_s(failures, base_s, cap_s))
 
 
 @dataclass(slots=True)

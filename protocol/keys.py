@@ -27,6 +27,12 @@ BACKOFF_CAP_S = 2.0
 """Longest retry delay of an agent's Redis loop during an outage."""
 
 
+def backoff_ceiling_s(failures: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> float:
+    """The longest wait before the next Redis try after `failures` failures in a row: doubling from
+    `base_s`, capped at `cap_s`. Both sides draw their wait between `base_s / 2` and this (full jitter)."""
+    return min(cap_s, base_s * 2.0 ** min(max(failures - 1, 0), 30))
+
+
 @dataclass(frozen=True, slots=True)
 class JobKeys:
     """Names of one job's Redis keys."""

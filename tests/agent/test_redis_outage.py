@@ -7,6 +7,7 @@ them logs the outage once, not once per retry."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterator
 
@@ -56,10 +57,15 @@ async def wait_for(probe, timeout: float, what: str):  # type: ignore[no-untyped
 
 
 def test_backoff_is_capped_jittered_and_logs_once_per_outage(capsys: pytest.CaptureFixture[str]) -> None:
-    outage = Outage("unit", base_s=0.1, cap_s=1.0)
-    waits = [outage.failed(ConnectionError("refused")) for _ in range(12)]
-    assert all(0.05 <= wait <= 1.0 for wait in waits)
-    assert max(waits[6:]) > 0.5  # grew towards the cap
+    # The ceiling doubles to the cap; each wait is drawn between base/2 and it (a seeded draw keeps it exact).
+    outage = Outage("unit", base_s=0.1, cap_s=1.0, jitter=random.Random(7))
+    ceilings, waits = [], []
+    for _ in range(12):
+        waits.append(outage.failed(ConnectionError("refused")))
+        ceilings.append(outage.ceiling())
+    assert ceilings[:5] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0]) and set(ceilings[4:]) == {1.0}
+    assert all(0.05 <= wait <= ceiling for wait, ceiling in zip(waits, ceilings, strict=True))
+    assert len({round(wait, 6) for wait in waits[4:]}) == 8  # jittered: agents do not retry in step
     assert outage.down and outage.ok() and not outage.ok()
     # One failure between successes (a pooled connection the restart closed) is no outage.
     outage.failed(ConnectionError("Connection closed by server."))
