@@ -167,6 +167,9 @@ class Probe:
                     f"generation {plan.generation}: {why} {plan.nodes} -> {plan.layout} ({what}{moved})"
                 )
             )
+            if plan.strategy and plan.reason:
+                # A fail-slow rung says what it measured and what it expects: the user sees why it acted.
+                new.append(seen.event(f"decision: {plan.reason[:600]}"))
         beats = self.client.mget([self.keys.heartbeat(n) for n in range(self.nodes)])
         for node, raw in enumerate(beats):
             worker = seen.workers.setdefault(node, Worker(node))

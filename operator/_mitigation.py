@@ -73,12 +73,17 @@ def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mit
         new = _failslow.slowed_step_time(after, inputs.profile, inputs.cluster, mitigation.factors)
     except PlannerError:
         return ""
+    moved = ""
+    if mitigation.action is Action.MICROBATCH:
+        # Samples per replica, not micro-batches: a finer split changes the count but not the work.
+        samples = [[p.microbatches * plan.microbatch_size for p in plan.pipelines] for plan in (before, after)]
+        moved = f"; samples per replica {samples[0]} -> {samples[1]}"
     finer = (
         f"; micro-batches of {before.microbatch_size} -> {after.microbatch_size} samples"
         if after.microbatch_size != before.microbatch_size
         else ""
     )
-    return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed){finer}"
+    return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed){moved}{finer}"
 
 
 def replaced_nodes(mitigation: Mitigation) -> list[int]:

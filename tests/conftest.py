@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from resilientjob.planner import ClusterSpec, JobSpec, ModelProfile, uniform_profile
@@ -21,3 +25,48 @@ def cluster9() -> ClusterSpec:
 @pytest.fixture
 def job() -> JobSpec:
     return JobSpec(global_batch=48, microbatch_size=1, fault_tolerance=1)
+
+
+# Processes a test module left running. A leftover worker or server keeps taking CPU from every later test,
+# and timing-sensitive tests (validation's GEMMs on two shared cores) then fail far from the cause. The
+# summary names the module that left each one.
+_LEFTOVERS: list[str] = []
+
+
+def _processes() -> dict[int, str]:
+    """pid -> command line of every process visible now, keyed with its start time so a reused pid differs."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            started = (entry / "stat").read_text().rsplit(")", 1)[1].split()[19]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue  # exited while being read
+        if command:
+            found[int(entry.name) * 10**12 + int(started)] = command
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not Path("/proc/self/stat").exists():
+        yield
+        return
+    before = _processes()
+    yield
+    deadline = time.monotonic() + 3.0  # a process sent SIGTERM at teardown may take a moment to go
+    while (left := {key: cmd for key, cmd in _processes().items() if key not in before}) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    for key, command in sorted(left.items()):
+        _LEFTOVERS.append(f"{request.module.__name__}: pid {key // 10**12}: {command[:160]}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _LEFTOVERS:
+        terminalreporter.section("processes left running by a test module")
+        for line in _LEFTOVERS:
+            terminalreporter.write_line(line)

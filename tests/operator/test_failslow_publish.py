@@ -88,8 +88,13 @@ def test_s2_splits_micro_batches_only_where_the_spec_allows_and_says_so() -> Non
         mitigation = Mitigation(Action.MICROBATCH, {7: 1.5}, "node slow", 5.0, 1.0)
         message = asyncio.run(mitigation_message(spec, inputs, current, mitigation, lambda _: True))
         assert not isinstance(message, str), message
-        assert message.plan.global_batch == 48
+        assert message.plan.global_batch == spec.global_batch_size
         published[split] = message
+        # The decision names the samples each replica had and has: what moved off the slow one.
+        had = [p.microbatches * 4 for p in current.plan.pipelines]
+        has = [p.microbatches * message.plan.microbatch_size for p in message.plan.pipelines]
+        assert f"samples per replica {had} -> {has}" in message.reason, message.reason
+        assert sum(has) == sum(had) and has != had
     assert published[1].plan.microbatch_size == 4 and "micro-batches of" not in published[1].reason
     finer = published[4].plan
     assert finer.microbatch_size < 4
