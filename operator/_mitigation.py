@@ -76,14 +76,18 @@ def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mit
     moved = ""
     if mitigation.action is Action.MICROBATCH:
         # Samples per replica, not micro-batches: a finer split changes the count but not the work.
-        samples = [[p.microbatches * plan.microbatch_size for p in plan.pipelines] for plan in (before, after)]
-        moved = f"; samples per replica {samples[0]} -> {samples[1]}"
+        had, has = (_samples_per_replica(plan) for plan in (before, after))
+        moved = f"; samples per replica {had} -> {has}"
     finer = (
         f"; micro-batches of {before.microbatch_size} -> {after.microbatch_size} samples"
         if after.microbatch_size != before.microbatch_size
         else ""
     )
     return f"estimated {old:.3g}s -> {new:.3g}s per step (pipelines, slow nodes slowed){moved}{finer}"
+
+
+def _samples_per_replica(plan: Plan) -> list[int]:
+    return [pipeline.microbatches * plan.microbatch_size for pipeline in plan.pipelines]
 
 
 def replaced_nodes(mitigation: Mitigation) -> list[int]:
