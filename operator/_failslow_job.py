@@ -10,8 +10,9 @@ one) to a `ChangeDetector`. A verified slowdown of at least the spec's threshold
 
 Localisation then says whose it is, from the same records, before and after the onset:
 - a node whose own compute rose by more than `SUSPICION_FACTOR` x the other nodes' median rise, and whose
-  extra compute explains at least `EXPLAINED` of the job's extra step time, is a compute straggler (the
-  report names it, with its own compute levels as baseline and level, so S2 balances by its real factor);
+  extra compute beyond that rise explains at least `EXPLAINED` of the job's extra step time, is a compute
+  straggler (the report names it, with its own compute levels as baseline and level, so S2 balances by its
+  real factor);
 - when every node's compute rose alike the slowdown is machine-wide (no node to mitigate): dismissed;
 - otherwise the job waits in communication: a communication report, which asks for a validation pass to
   name the slow link(s) or device(s).
@@ -132,10 +133,12 @@ class JobStepTrigger:
         if rises:
             worst = max(rises, key=lambda node: (rises[node][0], -node))
             ratio, prior, after = rises[worst]
-            others = [rises[node][0] for node in rises if node != worst] or [1.0]
-            if ratio > SUSPICION_FACTOR * statistics.median(others) and after - prior >= EXPLAINED * (
-                level - before
-            ):
+            others = statistics.median([rises[node][0] for node in rises if node != worst] or [1.0])
+            # Only its compute beyond the others' rise is its own: on a host that slows every node (the
+            # 2-core host's step drifted 1.6x in 30 healthy minutes) every node's extra compute "explains"
+            # the job's extra step, and the noisiest node would be named.
+            excess = after - prior * max(others, 1.0)
+            if ratio > SUSPICION_FACTOR * others and excess >= EXPLAINED * (level - before):
                 report = SlowReport(
                     node=worst,
                     generation=self.generation,

@@ -96,6 +96,21 @@ def test_a_machine_wide_slowdown_is_dismissed() -> None:
     )
 
 
+def test_a_host_that_slows_every_node_is_no_straggler_of_the_noisiest_node() -> None:
+    # The 30-minute healthy run of the demo job: the whole host drifted, the job's step 1.5x, every node's
+    # compute ~1.45x and one noisy node's 1.7x. Its own share of the rise (0.25x of 0.05s) explains a quarter
+    # of the job's extra step, not half: no compute episode for it; every node rose alike: machine-wide.
+    tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.5))
+    rng = np.random.default_rng(7)
+    _run(tracker, range(60), rng)
+    drifted = {**dict.fromkeys(range(NODES), COMPUTE_S * 1.45), 5: COMPUTE_S * 1.7}
+    assert _run(tracker, range(60, 200), rng, wall=WALL_S * 1.5, compute=drifted) is None
+    assert not tracker.slow and not tracker.active
+    assert any(
+        f.kind is FindingKind.DISMISSED and "machine-wide" in f.message for f in tracker.drain_findings()
+    )
+
+
 def test_a_smaller_job_slowdown_or_a_spike_opens_nothing() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=0.5))
     rng = np.random.default_rng(4)
