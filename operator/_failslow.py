@@ -10,10 +10,11 @@ Agents run the planner's BOCD + verification on their own iteration times and se
    at once). One check that finds it within the threshold dismisses it (its level counts only steps from
    its onset, so this is the evidence of the change itself), as does `CANDIDATE_TTL_S` without enough steps
    to judge.
-   A communication report asks for a validation pass (`validation_wanted`): suspects are the reporter and the
-   nodes of the groups its profiles flag. The result names slow links (S3 a moves them off the
-   data-parallel path) and slow devices (compute stragglers); a result that finds nothing dismisses the
-   report; a result that never comes (`validation_timeout_s`) lets the episode go on with the reporter.
+   A communication report asks for a validation pass (`validation_wanted`; `_failslow_validation`): suspects
+   are the reporter and the nodes of the groups its profiles flag. The result names slow links (S3 a moves
+   them off the data-parallel path) and slow devices (compute stragglers); a result that finds nothing
+   dismisses the report; a result that never comes (`validation_timeout_s`) lets the episode go on with the
+   reporter.
 2. When the time lost pays for the next strategy, the tracker answers with a `Mitigation`, which the
    reconciler turns into a plan (`_failslow_plans`) and publishes through the same generation path as a
    fail-stop: S2 `microbatch`, S3 `topology` (links first, then stragglers), S4 `replace` (slow nodes out,
@@ -51,6 +52,7 @@ from resilientjob.protocol.messages import (
     ValidationResult,
 )
 
+from . import _failslow_validation as _validation
 from ._failslow_job import JobStepTrigger
 from ._failslow_plans import (
     link_plan,
@@ -62,7 +64,7 @@ from ._failslow_plans import (
 )
 from ._failslow_rungs import FirstRungCheck
 from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
-from ._straggler import StragglerGate, communication_suspects
+from ._straggler import StragglerGate
 from .api import FailSlowSpec
 
 __all__ = [
@@ -393,19 +395,7 @@ class FailSlowTracker:
     # ---- validation --------------------------------------------------------------------------------------
     def validation_wanted(self) -> list[int] | None:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
-        if self.awaiting is not None:
-            return None
-        waiting = [
-            node
-            for node, candidate in self.candidates.items()
-            if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None
-        ]
-        if not waiting:
-            return None
-        suspects = set(waiting)
-        for nodes in communication_suspects(self.profiles).values():
-            suspects.update(nodes)
-        return sorted(suspects)
+        return None if self.awaiting is not None else _validation.suspects(self.candidates, self.profiles)
 
     def validation_sent(self, request_id: int, now: float | None = None) -> None:
         self.awaiting = (request_id, time.time() if now is None else now)
@@ -418,29 +408,9 @@ class FailSlowTracker:
             return
         self.awaiting = None
         self.changed = True
-        links = sorted({(a, b) for a, b in result.slow_links if a != b})
-        devices = sorted(set(result.slow_nodes))
-        if links:
-            self.links.update(links)
-            self.findings.append(
-                Finding(
-                    FindingKind.SLOW_LINK,
-                    tuple(sorted({n for link in links for n in link})),
-                    "validation at step {} (training held {:.2f}s) found slow links {}".format(
-                        result.step, result.held_s, ", ".join(f"{a}->{b}" for a, b in links)
-                    ),
-                    tuple(links),
-                )
-            )
-        if devices:
-            self.findings.append(
-                Finding(
-                    FindingKind.SLOW_DEVICE,
-                    tuple(devices),
-                    f"validation at step {result.step} (training held {result.held_s:.2f}s) found slow "
-                    f"devices on nodes {devices}{_gemm_ratios(result.gemm_s, devices)}",
-                )
-            )
+        links, devices, findings = _validation.named_by(result)
+        self.links.update(links)
+        self.findings.extend(findings)
         named = tuple(sorted({n for link in links for n in link} | set(devices)))
         for node, candidate in list(self.candidates.items()):
             if candidate.report.kind is not SlowKind.COMMUNICATION or candidate.validated is not None:
@@ -465,34 +435,14 @@ class FailSlowTracker:
         return True
 
     def _corroborated(self, reporter: int, candidate: Candidate) -> tuple[tuple[int, ...], set[int]]:
-        """The nodes a validated communication episode takes in, and which of them are slow devices.
-        Validation's GEMM is one timing on a shared host and can name a device by accident; the job-wide
-        compute rule (the device's compute since the report's onset) must agree:
-        - a device that the rule finds not slow is left out. Taken in, it gets the episode's S2, which moves
-          work off a healthy node: in `rjob demo` GEMM named nodes 1 (1.38x) and 6 (1.90x) beside the x3
-          worker and S2 removed 38% of the slowdown; beside a slow link, the link stayed slow (7%);
-        - a link's end is a slow device only when the rule finds its compute slow. Counted on GEMM alone,
-          the link episode of the mixed bench became a compute one and S2 came before S3.
-        A device the rule cannot judge yet (too few steps) is taken on validation's word."""
-        named = candidate.validated
-        if candidate.report.kind is not SlowKind.COMMUNICATION or not named:
-            return named or (), set()
-        ends = {n for link in self.links for n in link}
-        devices = set(candidate.devices) & set(named)
-        verdicts = self.gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
-        unconfirmed = sorted(n for n in devices if n not in ends and verdicts.get(n) is False)
-        if unconfirmed:
-            stands = "; the slow link stands" if ends & set(named) else ""
-            self.findings.append(
-                Finding(
-                    FindingKind.DISMISSED,
-                    tuple(unconfirmed),
-                    f"node {reporter}: slow devices on nodes {unconfirmed} named by validation alone: their "
-                    f"compute is within {self.spec.slowdown_threshold}x of the other nodes'{stands}",
-                )
-            )
-        slow = {n for n in devices if n not in unconfirmed and (n not in ends or verdicts.get(n))}
-        return tuple(n for n in named if n not in unconfirmed), slow
+        """The nodes a validated communication episode takes in, and which are slow devices
+        (`_failslow_validation.corroborated`)."""
+        named, slow, finding = _validation.corroborated(
+            reporter, candidate, self.links, self.gate, self.spec.slowdown_threshold
+        )
+        if finding is not None:
+            self.findings.append(finding)
+        return named, slow
 
     # ---- the episode -------------------------------------------------------------------------------------
     def _open(self, reporter: int, candidate: Candidate, why: str = "") -> None:
@@ -693,16 +643,6 @@ class FailSlowTracker:
         self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
         self.rung_check.resume(state.get("rung_check"))
         self.changed = False
-
-
-def _gemm_ratios(gemm_s: Mapping[int, float], devices: list[int]) -> str:
-    if not gemm_s:
-        return ""
-    middle = median(gemm_s.values())
-    if middle <= 0:
-        return ""
-    parts = [f"{node}: {gemm_s[node] / middle:.2f}x" for node in devices if node in gemm_s]
-    return f" (GEMM vs median: {', '.join(parts)})" if parts else ""
 
 
 def _event(report: SlowReport, detected_at: int) -> ChangeEvent:

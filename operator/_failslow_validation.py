@@ -1,0 +1,99 @@
+"""What a fail-slow episode's validation pass asks and what its answer is worth (Falcon 4.3), pure.
+
+A communication report says that a worker waits, not what it waits for. A validation pass (the agents'
+`validation`) then times each suspect's GEMM and each suspect link. These functions pick the suspects, turn a
+pass's result into findings, and check the devices it names against the job-wide compute rule: one GEMM
+timing on a shared host can name a healthy device. `FailSlowTracker` keeps the episode and applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from statistics import median
+
+from resilientjob.protocol.messages import ProfileRecord, SlowKind, ValidationResult
+
+from ._failslow_types import Candidate, Finding, FindingKind, Link
+from ._straggler import StragglerGate, communication_suspects
+
+
+def suspects(candidates: Mapping[int, Candidate], profiles: Mapping[int, ProfileRecord]) -> list[int] | None:
+    """The nodes to test: every communication candidate still waiting for a pass, and the nodes of the
+    groups the agents' profiles flag. None when no candidate waits."""
+    waiting = [
+        node
+        for node, candidate in candidates.items()
+        if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None
+    ]
+    if not waiting:
+        return None
+    found = set(waiting)
+    for nodes in communication_suspects(profiles).values():
+        found.update(nodes)
+    return sorted(found)
+
+
+def named_by(result: ValidationResult) -> tuple[list[Link], list[int], list[Finding]]:
+    """The slow links (sender, receiver) and slow devices a pass named, and a finding for each kind."""
+    links = sorted({(a, b) for a, b in result.slow_links if a != b})
+    devices = sorted(set(result.slow_nodes))
+    held = f"validation at step {result.step} (training held {result.held_s:.2f}s)"
+    findings = []
+    if links:
+        ends = tuple(sorted({n for link in links for n in link}))
+        named = ", ".join(f"{a}->{b}" for a, b in links)
+        findings.append(
+            Finding(FindingKind.SLOW_LINK, ends, f"{held} found slow links {named}", tuple(links))
+        )
+    if devices:
+        ratios = _gemm_ratios(result.gemm_s, devices)
+        findings.append(
+            Finding(
+                FindingKind.SLOW_DEVICE,
+                tuple(devices),
+                f"{held} found slow devices on nodes {devices}{ratios}",
+            )
+        )
+    return links, devices, findings
+
+
+def corroborated(
+    reporter: int, candidate: Candidate, links: set[Link], gate: StragglerGate, threshold: float
+) -> tuple[tuple[int, ...], set[int], Finding | None]:
+    """The nodes a validated communication episode takes in, which of them are slow devices, and the
+    finding for devices left out. Validation's GEMM is one timing on a shared host and can name a device by
+    accident; the job-wide compute rule (the device's compute since the report's onset) must agree:
+    - a device that the rule finds not slow is left out. Taken in, it gets the episode's S2, which moves
+      work off a healthy node: in `rjob demo` GEMM named nodes 1 (1.38x) and 6 (1.90x) beside the x3
+      worker and S2 removed 38% of the slowdown; beside a slow link, the link stayed slow (7%);
+    - a link's end is a slow device only when the rule finds its compute slow. Counted on GEMM alone,
+      the link episode of the mixed bench became a compute one and S2 came before S3.
+    A device the rule cannot judge yet (too few steps) is taken on validation's word."""
+    named = candidate.validated
+    if candidate.report.kind is not SlowKind.COMMUNICATION or not named:
+        return named or (), set(), None
+    ends = {n for link in links for n in link}
+    devices = set(candidate.devices) & set(named)
+    verdicts = gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
+    unconfirmed = sorted(n for n in devices if n not in ends and verdicts.get(n) is False)
+    finding = None
+    if unconfirmed:
+        stands = "; the slow link stands" if ends & set(named) else ""
+        finding = Finding(
+            FindingKind.DISMISSED,
+            tuple(unconfirmed),
+            f"node {reporter}: slow devices on nodes {unconfirmed} named by validation alone: their "
+            f"compute is within {threshold}x of the other nodes'{stands}",
+        )
+    slow = {n for n in devices if n not in unconfirmed and (n not in ends or verdicts.get(n))}
+    return tuple(n for n in named if n not in unconfirmed), slow, finding
+
+
+def _gemm_ratios(gemm_s: Mapping[int, float], devices: list[int]) -> str:
+    if not gemm_s:
+        return ""
+    middle = median(gemm_s.values())
+    if middle <= 0:
+        return ""
+    parts = [f"{node}: {gemm_s[node] / middle:.2f}x" for node in devices if node in gemm_s]
+    return f" (GEMM vs median: {', '.join(parts)})" if parts else ""
