@@ -14,7 +14,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_ceiling_s
+from resilientjob.protocol.keys import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_ceiling_s, backoff_wait_s
 
 REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, OSError)
 """What a Redis call raises while the server is away or not ready (ConnectionError, TimeoutError,
@@ -64,7 +64,7 @@ class Outage:
             self.outages += 1
             reason = str(exc).splitlines()[0][:200] if str(exc) else ""
             print(f"{self.what}: Redis unreachable ({type(exc).__name__}: {reason}); retrying", flush=True)
-        return self.jitter.uniform(self.base_s / 2, self.ceiling())
+        return backoff_wait_s(self.failures, self.base_s, self.cap_s, self.jitter.uniform)
 
     def ceiling(self) -> float:
         """The longest wait after the failures so far: doubling from `base_s`, capped at `cap_s`."""

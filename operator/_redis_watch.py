@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +26,7 @@ from resilientjob.protocol.keys import (
     BACKOFF_CAP_S,
     HEARTBEAT_TTL_S,
     JobKeys,
-    backoff_ceiling_s,
+    backoff_wait_s,
 )
 
 from . import api, metrics
@@ -91,7 +90,7 @@ def backoff_s(failures: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACK
     """The wait before the next try after `failures` failures in a row: capped exponential, full jitter."""
     if failures <= 0:
         return 0.0
-    return random.uniform(base_s / 2, backoff_ceiling_s(failures, base_s, cap_s))
+    return backoff_wait_s(failures, base_s, cap_s)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ library only); the Redis clients themselves stay with the agent and the operator
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 HEARTBEAT_TTL_S = 2.0
@@ -29,8 +31,19 @@ BACKOFF_CAP_S = 2.0
 
 def backoff_ceiling_s(failures: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> float:
     """The longest wait before the next Redis try after `failures` failures in a row: doubling from
-    `base_s`, capped at `cap_s`. Both sides draw their wait between `base_s / 2` and this (full jitter)."""
+    `base_s`, capped at `cap_s`."""
     return min(cap_s, base_s * 2.0 ** min(max(failures - 1, 0), 30))
+
+
+def backoff_wait_s(
+    failures: int,
+    base_s: float = BACKOFF_BASE_S,
+    cap_s: float = BACKOFF_CAP_S,
+    draw: Callable[[float, float], float] = random.uniform,
+) -> float:
+    """The wait before the next Redis try, drawn between `base_s / 2` and the ceiling (full jitter, so that
+    a job's agents do not all reconnect in the same instant); `draw` is `random.uniform` or a seeded one."""
+    return draw(base_s / 2, backoff_ceiling_s(failures, base_s, cap_s))
 
 
 @dataclass(frozen=True, slots=True)

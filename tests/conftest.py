@@ -33,19 +33,20 @@ def job() -> JobSpec:
 _LEFTOVERS: list[str] = []
 
 
-def _processes() -> dict[int, str]:
-    """pid -> command line of every process visible now, keyed with its start time so a reused pid differs."""
-    found: dict[int, str] = {}
+def _processes() -> dict[tuple[int, int], str]:
+    """(pid, start time) -> command line of every process visible now: a reused pid is another process."""
+    found: dict[tuple[int, int], str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            started = (entry / "stat").read_text().rsplit(")", 1)[1].split()[19]
+            started = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[19])
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue  # exited while being read
-        if command:
-            found[int(entry.name) * 10**12 + int(started)] = command
+        # multiprocessing's forkserver and resource tracker serve pytest itself for the rest of the session.
+        if command and "from multiprocessing." not in command:
+            found[(int(entry.name), started)] = command
     return found
 
 
@@ -61,8 +62,8 @@ def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         time.monotonic() < deadline
     ):
         time.sleep(0.2)
-    for key, command in sorted(left.items()):
-        _LEFTOVERS.append(f"{request.module.__name__}: pid {key // 10**12}: {command[:160]}")
+    for (pid, _), command in sorted(left.items()):
+        _LEFTOVERS.append(f"{request.module.__name__}: pid {pid}: {command[:160]}")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
