@@ -233,6 +233,7 @@ class TrainingAgent:
                 compute_s=event["compute_s"],
                 communication_s=event["communication_s"],
                 loss=event["loss"],
+                chaos_s=chaos,
             )
         elif kind == "profile":
             await self.telemetry.record_profile(

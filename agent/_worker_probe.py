@@ -211,6 +211,7 @@ class WorkerProbe:
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.tracer.compute_begins()  # the wait since the last step's end is not compute to stretch
         self._step_began = time.perf_counter()
         self._step_cursor = self.tracer.ring.head
         self._step_injected = self.watcher.injector.injected_s if self.watcher is not None else 0.0

@@ -87,12 +87,15 @@ async def train(telemetry: Telemetry, stopped: asyncio.Event, time_scale: float 
                 continue
             samples = samples_of(plan, telemetry.node)
             started = time.perf_counter()
-            await asyncio.sleep(step_seconds(plan, time_scale) * await slowdown(telemetry))
+            nominal, factor = step_seconds(plan, time_scale), await slowdown(telemetry)
+            await asyncio.sleep(nominal * factor)
             elapsed = time.perf_counter() - started
             step += 1
             role = role_of(plan, telemetry.node)
             log.step(plan, role, step, elapsed)
-            await telemetry.record_iteration(plan.generation, step, elapsed, samples or 0, role)
+            await telemetry.record_iteration(
+                plan.generation, step, elapsed, samples or 0, role, chaos_s=nominal * (factor - 1)
+            )
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):

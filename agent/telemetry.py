@@ -197,6 +197,7 @@ class Telemetry:
         compute_s: float | None = None,
         communication_s: float | None = None,
         loss: float | None = None,
+        chaos_s: float | None = None,
     ) -> SlowReport | None:
         """Append one step to the job's iteration stream; report a change point when a detector sees one.
 
@@ -210,7 +211,10 @@ class Telemetry:
         does not use it); detection starts over when it changes, since the normal step time changes with
         it, and ignores the first `warmup` steps after (start-up noise). Without a role every new generation
         starts over. Keeping the detectors across generations that leave this worker's work alone matters:
-        a detector in its warm-up cannot see a change yet."""
+        a detector in its warm-up cannot see a change yet.
+
+        `chaos_s` (the delay a chaos order added to the step) travels in the record for whoever measures a
+        slowdown ordered on purpose (`rjob demo`, the benches); the detectors never read it."""
         key = role if role is not None else generation
         if generation != self.generation or key != self._role:
             if key != self._role:
@@ -235,6 +239,7 @@ class Telemetry:
             compute_s=compute_s,
             communication_s=communication_s,
             loss=loss,
+            chaos_s=chaos_s or None,
         )
         await self._send(self.keys.iterations, encode(record), keep=False)
         if self._skipped < self.warmup:

@@ -284,6 +284,13 @@ class Tracer:
         self._originals: dict[str, Callable[..., Any]] = {}
         self._group_cache: dict[object, tuple[int, ...]] = {}
 
+    def compute_begins(self) -> None:
+        """The caller starts computing now (a training step begins): what came before since the last call
+        (waiting between steps for the commit or the peers) was not compute, so the next call's compute
+        interval counts from here. Without it a worker that waits long between steps (the fast one after a
+        re-balance) would have that wait stretched by a chaos order as if it were compute."""
+        self.last_end = max(self.last_end, time.perf_counter())
+
     # ---- install / uninstall ----------------------------------------------------------------------------
     @property
     def installed(self) -> bool:

@@ -1,9 +1,19 @@
-"""The demo's fail-slow measurement: when the slowdown was ordered, when the operator named the slow node
+"""The demo's fail-slow measurement: when the slowdown was ordered, when it took effect (the slowed worker's
+first step that held chaos delay, `IterationRecord.chaos_s`), when the operator named the slow node
 (`status.slowNodes`), when the mitigation's plan came, and the throughput before, during and after, so the
-demo ends with the detection delay in iterations after the order and the share of the slowdown removed.
+demo ends with the detection delay in iterations after the slowdown's onset and after the order, and the
+share of the slowdown removed.
+
 The detection's step is the one the operator recorded when it opened the episode (the NodeSlow recovery
 row's `detectedStep`) once that row is there; until then, the step the demo saw when the status first named
-the node, which lags by the status's update interval."""
+the node, which lags by the status's update interval.
+
+The slowdown is measured as Falcon measures it (section 6, "1.9x to 1.2x"): the job's step time against
+the healthy one. The global batch is fixed, so a step time ratio is the inverse of the throughput ratio;
+the share removed is (slowed - mitigated) / (slowed - 1) of those ratios. The share of the lost throughput
+won back, (mitigated - slowed) / (healthy - slowed) of the rates, is smaller for a large slowdown (x3 on one
+of six replicas with two micro-batches each: a perfect S2 halves the step, 75% of the slowdown, and wins
+back 50% of the throughput) and is printed beside it."""
 
 from __future__ import annotations
 
@@ -26,6 +36,8 @@ class FailSlowWatch:
     node: int | None = None
     slowed_at: float | None = None
     slowed_step: int = 0
+    onset_step: int | None = None
+    """The slowed worker's first step at or after the order that held chaos delay: when it took effect."""
     detected_at: float | None = None
     detected_step: int = 0
     detected_exact: bool = False
@@ -38,6 +50,13 @@ class FailSlowWatch:
 
     def slowed(self, node: int, at: float, step: int) -> None:
         self.node, self.slowed_at, self.slowed_step = node, at, step
+
+    def took_effect(self, node: int, step: int, chaos_s: float | None) -> None:
+        """A step record of a worker: the first of the slowed worker's with chaos delay is the onset."""
+        if self.slowed_at is None or self.onset_step is not None or node != self.node:
+            return
+        if chaos_s and step >= self.slowed_step:
+            self.onset_step = step
 
     def detected(self, nodes: list[int], at: float, step: int) -> str | None:
         """The operator's status names slow nodes; the first time after the order that they include the
@@ -116,10 +135,18 @@ class FailSlowWatch:
         if self.detected_at is None:
             parts.append("not detected")
         else:
-            parts.append(
-                f"detected {self.detected_step - self.slowed_step} iterations "
-                f"({self.detected_at - order:.1f}s) after the order;"
+            after_order = (
+                f"{self.detected_step - self.slowed_step} iterations ({self.detected_at - order:.1f}s) after "
+                "the order;"
             )
+            if self.onset_step is None:
+                parts.append(f"detected {after_order}")
+            else:
+                parts.append(
+                    f"in effect from step {self.onset_step} ({self.onset_step - self.slowed_step} after the "
+                    f"order); detected {self.detected_step - self.onset_step} iterations after its onset, "
+                    f"{after_order}"
+                )
         if self.mitigated_at is not None:
             parts.append(
                 f"{self.strategy} at +{self.mitigated_at - order:.1f}s "
@@ -130,8 +157,12 @@ class FailSlowWatch:
             if after is not None:
                 parts.append(f", {after:.0f} mitigated samples/s")
                 if healthy - slowed > 0:
+                    before, now = healthy / slowed, healthy / after
+                    won_back = (after - slowed) / (healthy - slowed)
                     parts.append(
-                        f": {100 * (after - slowed) / (healthy - slowed):.0f}% of the slowdown removed"
+                        f": step time {before:.2f}x -> {now:.2f}x of healthy, "
+                        f"{100 * (before - now) / (before - 1):.0f}% of the slowdown removed "
+                        f"({100 * won_back:.0f}% of the lost throughput won back)"
                     )
             else:
                 parts.append("samples/s, no mitigation")

@@ -6,7 +6,11 @@ Falcon's detector watches the iteration time of the job itself, which is what th
 does the same on the operator's side: every node's `IterationRecord` feeds the step time of the job (the
 median of the nodes' walls for a step, fed once the step is complete, i.e. when any node reports a later
 one) to a `ChangeDetector`. A verified slowdown of at least the spec's threshold that holds for
-`minDurationS` (the median step since the onset, re-checked on every step) is a job-level slowdown.
+`minDurationS` (the median step since the onset, re-checked on every step) is a job-level slowdown. Its
+duration is the job's own time since the onset, the sum of the step times from the onset step on: the
+detector's verification already waits for `min_after` slowed steps, and a further `minDurationS` on the
+operator's clock after it counted the same slowed steps twice (the demo's x3 order was confirmed 5 steps
+after its onset and opened 4 steps later).
 
 Localisation then says whose it is, from the same records, before and after the onset:
 - a node whose own compute rose by more than `SUSPICION_FACTOR` x the other nodes' median rise, and whose
@@ -62,8 +66,8 @@ class JobStepTrigger:
     """Step number of the detector's sample 0 (its events' indices count from there)."""
     _job: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _compute: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
-    _onset: tuple[int, float, float] | None = None
-    """The pending slowdown: (onset step, job step time before, wall time it was first confirmed)."""
+    _onset: tuple[int, float] | None = None
+    """The pending slowdown: (onset step, job step time before)."""
 
     @property
     def _bar(self) -> float:
@@ -105,17 +109,18 @@ class JobStepTrigger:
         event = self.detector.feed(seconds)
         if event is not None:
             if event.kind is ChangeKind.SLOWDOWN and event.ratio >= self._bar:
-                self._onset = (self._first_step + event.index, event.before_s, now)
+                self._onset = (self._first_step + event.index, event.before_s)
             elif event.kind is ChangeKind.RECOVERY:
                 self._onset = None
         if self._onset is None:
             return None
-        onset, before, since = self._onset
-        level = statistics.median(s for st, s in self._job if st >= onset)
+        onset, before = self._onset
+        slowed = [s for st, s in self._job if st >= onset]
+        level = statistics.median(slowed)
         if level < self._bar * before:
             self._onset = None  # the job is back within the threshold: a passing slowdown
             return None
-        if now - since < self.min_duration_s:
+        if sum(slowed) < self.min_duration_s:
             return None
         self._onset = None
         return self._localize(step, onset, before, level, now)

@@ -108,6 +108,14 @@ class IterationRecord(_Message):
     loss: float | None = Field(
         default=None, ge=-1e9, le=1e9, allow_inf_nan=False, description="The job's loss of this step."
     )
+    chaos_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Of `compute_s`, the delay a chaos order (`rjob chaos slow`) added in this step: when a "
+        "slowdown ordered on purpose took effect. Measurement only; detection never reads it.",
+    )
 
 
 class SlowKind(StrEnum):

@@ -64,7 +64,11 @@ def test_demo_recovers_from_a_kill_mitigates_the_slowdown_and_writes_the_plot(tm
     assert mitigation is not None and slowed[1] in mitigation[1].split(", "), output
     rows = [line for line in output.splitlines() if "NodeSlow" in line and "│" in line]
     assert rows and any(slowed[1] in cell.strip().split(",") for cell in rows[0].split("│")), output
-    closing = re.search(rf"fail-slow on worker {slowed[1]}: detected \d+ iterations .* microbatch at", output)
+    closing = re.search(
+        rf"fail-slow on worker {slowed[1]}: in effect from step \d+ \(\d+ after the order\); detected \d+ "
+        r"iterations after its onset, \d+ iterations .* microbatch at .*% of the slowdown removed",
+        " ".join(output.split()),  # the console wraps the closing line at its width
+    )
     assert closing is not None, output
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -88,7 +92,11 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     line = watch.summary(timeline, end=100.0)
     assert "detected 12 iterations (3.0s) after the order" in line
     assert "microbatch at +10.0s" in line
-    assert "600 healthy, 400 slowed, 550 mitigated samples/s: 75% of the slowdown removed" in line, line
+    # The step time went 1.5x -> 1.09x of healthy: 82% of the slowdown removed, as Falcon measures it.
+    assert (
+        "600 healthy, 400 slowed, 550 mitigated samples/s: step time 1.50x -> 1.09x of healthy, 82% of the "
+        "slowdown removed (75% of the lost throughput won back)"
+    ) in line, line
     assert "not detected" in FailSlowWatch(node=7, slowed_at=50.0).summary(timeline, end=100.0)
     # A mitigation within a second of the order leaves no slowed window to measure: said, not made up.
     quick = FailSlowWatch(node=7, slowed_at=50.0, mitigated_at=51.0, strategy="microbatch")
@@ -115,6 +123,18 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     unseen.slowed(7, at=50.0, step=1000)
     unseen.dated([{"trigger": "NodeSlow", "nodes": [7], "detectedStep": 1009}], 58.0)
     assert "detected 9 iterations (8.0s) after the order" in unseen.summary(timeline, end=100.0)
+    # The slowed worker's first step with chaos delay at or after the order is the onset: the detection
+    # counts from there too (the worker polls its order every 0.25 s, a few steps of a fast job).
+    unseen.took_effect(7, 1001, 0.0)  # not slowed yet
+    unseen.took_effect(3, 1002, 0.2)  # another worker
+    unseen.took_effect(7, 999, 0.2)  # before the order (a stale record)
+    unseen.took_effect(7, 1003, 0.2)
+    unseen.took_effect(7, 1004, 0.2)
+    assert unseen.onset_step == 1003
+    assert (
+        "in effect from step 1003 (3 after the order); detected 6 iterations after its onset, 9 iterations "
+        "(8.0s) after the order;"
+    ) in unseen.summary(timeline, end=100.0)
 
 
 def test_the_slowdown_is_dated_by_the_step_read_right_after_its_order(

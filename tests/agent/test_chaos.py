@@ -452,3 +452,50 @@ def test_a_compute_order_slows_the_reported_step_compute_by_the_factor(
         tracing.uninstall()
     assert factor * 0.9 <= slowed / healthy <= factor * 1.1
     assert after < healthy * 1.5
+
+
+@pytest.mark.torch
+def test_a_compute_order_does_not_stretch_the_wait_between_steps(redis_url: str, tmp_path: Path) -> None:
+    """A slowed worker that waits between steps (for the commit, for slower peers: the fast one after S2
+    re-balanced) must be slowed by the factor of its compute, not of its wait. The wait used to count as the
+    compute before the step's first traced call: the demo's x3 worker, given half the work, waited longer and
+    was delayed more, and S2 won nothing back."""
+    import io
+    import statistics
+
+    from resilientjob.agent._worker_probe import WorkerProbe
+
+    client = redis.Redis.from_url(redis_url, password=PASSWORD)
+    write_order(client, KEYS, 0, ChaosOrder(factor=3.0, until=time.time() + 120))
+    client.close()
+
+    def body(rank: int, world: int) -> list[tuple[float, float]]:
+        import os
+
+        os.environ[ALLOW_ENV] = "1"
+        probe = WorkerProbe(0, io.StringIO())
+        connection = redis.Redis.from_url(redis_url, password=PASSWORD)
+        probe.start_chaos(KEYS, connection)
+        tensor = torch.ones(4)
+        lines = []
+        try:
+            for step in range(8):
+                time.sleep(0.1)  # between steps: waiting, not compute
+                probe.begin_step()
+                time.sleep(0.02)  # compute, then a traced call, then compute
+                dist.all_reduce(tensor)
+                time.sleep(0.02)
+                line = probe.end_step(1, step, 8, 0.0, "")
+                lines.append((line["compute_s"], line["chaos_s"]))
+        finally:
+            probe.stop()
+            tracing.uninstall()
+            connection.close()
+        return lines
+
+    (lines,) = run_gloo(tmp_path, 1, body)
+    own = statistics.median(compute - delay for compute, delay in lines[1:])
+    delay = statistics.median(delay for _, delay in lines[1:])
+    assert 0.035 <= own <= 0.06, lines
+    # x3: twice the worker's own 40 ms of compute (the 100 ms waits would have added 200 ms).
+    assert 1.7 * own <= delay <= 2.4 * own, lines

@@ -151,7 +151,10 @@ def test_a_straggler_no_agent_reported_is_found_by_the_operators_sweep() -> None
     job.run(300, {}, noise=0.08)  # noise alone, for minutes: nothing opens
     job.run(20, {}, noise=0.05, machine=1.5)  # nor does the whole machine slowing down
     assert not job.tracker.active and not job.tracker.candidates
-    assert not job.tracker.drain_findings()  # the sweep's own hypotheses are not reported as dismissals
+    # The sweep's own hypotheses are not reported as dismissals; the job-level trigger may say that the
+    # machine slowed (1.5x for 20 steps of ~0.15s outlasts minDurationS), and nothing else.
+    findings = job.tracker.drain_findings()
+    assert all(f.kind is FindingKind.DISMISSED and "machine-wide" in f.message for f in findings), findings
     onset = job.step
     job.run(2, {5: 1.35}, noise=0.05)
     assert not job.tracker.active  # a level takes a window of steps, and confirmation a second one
