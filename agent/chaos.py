@@ -6,7 +6,9 @@ The order lives at `JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`)
 "until": <unix time>, "link": PEER?, "latency_s": ..., "bandwidth_bps": ...}`; `factor` and `until` are the
 format the synthetic loop of the local stack already reads. Without `link` the worker's compute slows down:
 after every compute interval (the time between two traced `torch.distributed` calls, or a span the runtime
-passes to `after_compute`), the worker sleeps (F - 1) x that interval, so compute takes F times as long.
+passes to `after_compute`), the worker sleeps (F - 1) x that interval, so compute takes F times as long. A
+step's first interval counts from the step's start (`Tracer.compute_begins`): the wait between steps is not
+compute, and stretching it slowed a worker more the less work S2 left it.
 A worker that reports committed steps (the runtime's, through `_worker_probe`) is topped up per step as
 well (`stretch_step`): at the end of each step it sleeps what is missing for the step's compute, as its
 own trace measures it (wall time less the time held by communication), to be F times the compute without

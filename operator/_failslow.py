@@ -347,12 +347,12 @@ class FailSlowTracker:
                 if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
                     self._open(node, candidate, why=SWEPT if candidate.swept else "")
             elif verdict is False:
-                # The node's level since its onset is within the threshold of the others': noise, or a
-                # slowdown that every node shares (machine-wide). Not a straggler.
+                # The node's level since its onset is within the threshold of the others' (noise, or a
+                # slowdown that every node shares: machine-wide), or its excess costs the job too little.
                 del self.candidates[node]
                 self.changed = True
                 if not candidate.swept:  # the operator's own hypothesis, no agent's report: nothing to tell
-                    self._dismiss(node, f"its level is within {self.spec.slowdown_threshold}x of the others'")
+                    self._dismiss(node, self.gate.why_not(node, report.onset_step))
                 continue
             if node in self.candidates and clock - candidate.came_at > ttl:
                 del self.candidates[node]

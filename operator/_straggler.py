@@ -239,6 +239,21 @@ class StragglerGate:
         onset, not O(N^2)."""
         return {node: None if found is None else found[0] for node, found in self._judge(candidates).items()}
 
+    def why_not(self, node: int, since_step: int = 0) -> str:
+        """Which part of the rule a node that is no straggler fails, in words for its dismissal."""
+        found = self._judge({node: since_step}).get(node)
+        if found is None:
+            return "too few steps to judge"
+        _, own, reference = found
+        ratio = own / reference if reference > 0 else 1.0
+        if ratio <= self.threshold:
+            return f"its level is {ratio:.2f}x the others', within {self.threshold:g}x"
+        excess = (own - reference) * self.share(node)
+        return (
+            f"its level is {ratio:.2f}x the others', but its extra {excess:.3g}s a step is under "
+            f"{self.threshold - 1:g} of the job's {self.step_s:.3g}s step"
+        )
+
     def measures(self, node: int) -> bool:
         """Whether the node has steps in this generation's levels (parked nodes' probe steps are not fed)."""
         return bool(self._levels.get(node))

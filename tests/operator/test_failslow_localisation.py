@@ -224,6 +224,13 @@ def test_a_straggler_must_cost_the_job_a_threshold_of_its_step() -> None:
                 )
         assert tracker.gate.straggler(3) is expected, compute_s
         assert tracker.gate.straggler(0) is False
+        # A dismissal says which part of the rule failed.
+        assert tracker.gate.why_not(0) == "its level is 1.00x the others', within 1.5x"
+        if not expected:
+            assert tracker.gate.why_not(3) == (
+                "its level is 2.50x the others', but its extra 0.0075s a step is under 0.5 of the job's "
+                "0.04s step"
+            )
 
 
 def profile(node: int, groups: dict[str, float]) -> ProfileRecord:
