@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,21 +34,37 @@ def job() -> JobSpec:
 _LEFTOVERS: list[str] = []
 
 
-def _processes() -> dict[tuple[int, int], str]:
-    """(pid, start time) -> command line of every process visible now: a reused pid is another process."""
-    found: dict[tuple[int, int], str] = {}
+def _processes() -> dict[tuple[int, int], tuple[int, str]]:
+    """(pid, start time) -> (parent pid, command line) of every process visible now: a reused pid is
+    another process."""
+    found: dict[tuple[int, int], tuple[int, str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            started = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[19])
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parent, started = int(fields[1]), int(fields[19])
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except (OSError, IndexError, ValueError):
             continue  # exited while being read
         # multiprocessing's forkserver and resource tracker serve pytest itself for the rest of the session.
         if command and "from multiprocessing." not in command:
-            found[(int(entry.name), started)] = command
+            found[(int(entry.name), started)] = (parent, command)
     return found
+
+
+def _from_the_tests(pid: int, parents: dict[int, int]) -> bool:
+    """Whether a process is pytest's descendant, or an orphan (its parent is init: a test's daemon, or a
+    child whose parent exited). Processes that other programs on the machine start meanwhile are neither."""
+    if parents.get(pid) == 1:
+        return True
+    seen: set[int] = set()
+    while pid in parents and pid not in seen:
+        if pid == os.getpid():
+            return True
+        seen.add(pid)
+        pid = parents[pid]
+    return False
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,9 +75,16 @@ def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     before = _processes()
     yield
     deadline = time.monotonic() + 3.0  # a process sent SIGTERM at teardown may take a moment to go
-    while (left := {key: cmd for key, cmd in _processes().items() if key not in before}) and (
-        time.monotonic() < deadline
-    ):
+    while True:
+        now = _processes()
+        parents = {pid: parent for (pid, _), (parent, _) in now.items()}
+        left = {
+            key: command
+            for key, (_, command) in now.items()
+            if key not in before and _from_the_tests(key[0], parents)
+        }
+        if not left or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
     for (pid, _), command in sorted(left.items()):
         _LEFTOVERS.append(f"{request.module.__name__}: pid {pid}: {command[:160]}")
