@@ -55,6 +55,7 @@ import redis
 import yaml
 
 from resilientjob.agent import chaos
+from resilientjob.cli._demo_failslow import slowdown_removed
 from resilientjob.operator.api import FailSlowSpec
 from resilientjob.planner.restorer import allreduce_rounds
 from resilientjob.protocol.keys import JobKeys
@@ -298,13 +299,9 @@ def measure(stack: Stack, node: int, steps: int, what: str) -> float:
 
 
 def step_time_share(healthy: float, slow: float, mitigated: float) -> float | None:
-    """Share of the step time's slowdown a mitigation removed, from the three rates (steps/s): the slowed
-    and mitigated step times against the healthy one, (slowed - mitigated) / (slowed - 1), Falcon's measure.
-    None when nothing was slowed or the mitigated rate is missing."""
-    if not 0 < slow < healthy or mitigated <= 0:
-        return None
-    before, after = healthy / slow, healthy / mitigated
-    return (before - after) / (before - 1)
+    """Falcon's share of the slowdown removed, in step time (`rjob demo`'s `slowdown_removed`)."""
+    shares = slowdown_removed(healthy, slow, mitigated)
+    return None if shares is None else shares[0]
 
 
 def throughput(records: list[IterationRecord], node: int, first: float, last: float) -> float:

@@ -156,12 +156,12 @@ class FailSlowWatch:
             parts.append(f"throughput {healthy:.0f} healthy, {slowed:.0f} slowed")
             if after is not None:
                 parts.append(f", {after:.0f} mitigated samples/s")
-                if healthy - slowed > 0:
-                    before, now = healthy / slowed, healthy / after
-                    won_back = (after - slowed) / (healthy - slowed)
+                shares = slowdown_removed(healthy, slowed, after)
+                if shares is not None:
+                    step_time, won_back = shares
                     parts.append(
-                        f": step time {before:.2f}x -> {now:.2f}x of healthy, "
-                        f"{100 * (before - now) / (before - 1):.0f}% of the slowdown removed "
+                        f": step time {healthy / slowed:.2f}x -> {healthy / after:.2f}x of healthy, "
+                        f"{100 * step_time:.0f}% of the slowdown removed "
                         f"({100 * won_back:.0f}% of the lost throughput won back)"
                     )
             else:
@@ -172,6 +172,17 @@ class FailSlowWatch:
                 f"to measure the slowed rate (under {SHORTEST_S:g} s)"
             )
         return " ".join(parts).replace(" ,", ",").replace(" :", ":")
+
+
+def slowdown_removed(healthy: float, slowed: float, mitigated: float) -> tuple[float, float] | None:
+    """The share of the slowdown a mitigation removed, from three rates (samples or steps per second): in
+    step time, Falcon's measure, (slowed - mitigated) / (slowed - 1) of the step times against the healthy
+    one; and of the lost throughput, (mitigated - slowed) / (healthy - slowed). None when nothing was slowed
+    or no mitigated rate was measured."""
+    if not 0 < slowed < healthy or mitigated <= 0:
+        return None
+    before, after = healthy / slowed, healthy / mitigated
+    return (before - after) / (before - 1), (mitigated - slowed) / (healthy - slowed)
 
 
 def _rate(samples: list[tuple[float, int]], begin: float, finish: float) -> float | None:

@@ -248,7 +248,7 @@ class StragglerGate:
         ratio = own / reference if reference > 0 else 1.0
         if ratio <= self.threshold:
             return f"its level is {ratio:.2f}x the others', within {self.threshold:g}x"
-        excess = (own - reference) * self.share(node)
+        excess = self._excess_s(node, own, reference)
         return (
             f"its level is {ratio:.2f}x the others', but its extra {excess:.3g}s a step is under "
             f"{self.threshold - 1:g} of the job's {self.step_s:.3g}s step"
@@ -314,10 +314,16 @@ class StragglerGate:
                 if reference is None:
                     verdicts[node] = (True, own, own)
                     continue
-                excess_s = (own - reference) * self.share(node)
-                slow = own > self.threshold * reference and excess_s >= (self.threshold - 1) * step_s
+                slow = (
+                    own > self.threshold * reference
+                    and self._excess_s(node, own, reference) >= (self.threshold - 1) * step_s
+                )
                 verdicts[node] = (slow, own, reference)
         return verdicts
+
+    def _excess_s(self, node: int, own: float, reference: float) -> float:
+        """Seconds per step the node's compute exceeds the others' level by (levels are per planned share)."""
+        return (own - reference) * self.share(node)
 
     def _level_or_recent(self, node: int, since_step: int) -> float | None:
         level = self.level(node, since_step)
