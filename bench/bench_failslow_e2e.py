@@ -55,8 +55,8 @@ import redis
 import yaml
 
 from resilientjob.agent import chaos
-from resilientjob.cli._demo_failslow import slowdown_removed
 from resilientjob.operator.api import FailSlowSpec
+from resilientjob.planner.failslow import slowdown_removed
 from resilientjob.planner.restorer import allreduce_rounds
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, PlanAnnouncement, SlowReport, ValidationResult
@@ -299,7 +299,7 @@ def measure(stack: Stack, node: int, steps: int, what: str) -> float:
 
 
 def step_time_share(healthy: float, slow: float, mitigated: float) -> float | None:
-    """Falcon's share of the slowdown removed, in step time (`rjob demo`'s `slowdown_removed`)."""
+    """Falcon's share of the slowdown removed, in step time, as `rjob demo` prints it."""
     shares = slowdown_removed(healthy, slow, mitigated)
     return None if shares is None else shares[0]
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..planner.failslow import slowdown_removed
+
 ONSET_S = 0.5
 """The slowed throughput counts from this long after the order (the worker polls its order every 0.25 s)."""
 SETTLE_S = 2.0
@@ -172,17 +174,6 @@ class FailSlowWatch:
                 f"to measure the slowed rate (under {SHORTEST_S:g} s)"
             )
         return " ".join(parts).replace(" ,", ",").replace(" :", ":")
-
-
-def slowdown_removed(healthy: float, slowed: float, mitigated: float) -> tuple[float, float] | None:
-    """The share of the slowdown a mitigation removed, from three rates (samples or steps per second): in
-    step time, Falcon's measure, (slowed - mitigated) / (slowed - 1) of the step times against the healthy
-    one; and of the lost throughput, (mitigated - slowed) / (healthy - slowed). None when nothing was slowed
-    or no mitigated rate was measured."""
-    if not 0 < slowed < healthy or mitigated <= 0:
-        return None
-    before, after = healthy / slowed, healthy / mitigated
-    return (before - after) / (before - 1), (mitigated - slowed) / (healthy - slowed)
 
 
 def _rate(samples: list[tuple[float, int]], begin: float, finish: float) -> float | None:

@@ -4,7 +4,8 @@ Detection: `iteration_times` (period of the collective-call stream by ACF), `Cha
 `BatchDetector` (BOCD + verification, one stream or many workers), `SlidingWindowDetector` (the baseline).
 Localisation: `suspicious_groups`, `ring_schedule`, `tree_schedule`, `slow_links`, `slow_gpus`.
 Mitigation: `redistribute` (S2), `reroute_slow_links` (S3 a, scored by `link_load`), `consolidate_stragglers`
-(S3 b), `MitigationController` (Algorithm 1, which names the nodes S4 hands to the fail-stop path).
+(S3 b), `MitigationController` (Algorithm 1, which names the nodes S4 hands to the fail-stop path);
+`slowdown_removed` measures what a mitigation won back.
 Labelled synthetic traces for tests and benchmarks live in `resilientjob.planner.failslow.tracegen`.
 """
 
@@ -24,7 +25,14 @@ from ._localize import (
     suspicious_groups,
     tree_schedule,
 )
-from ._mitigate import NodeGrid, Redistribution, TopologyChange, consolidate_stragglers, redistribute
+from ._mitigate import (
+    NodeGrid,
+    Redistribution,
+    TopologyChange,
+    consolidate_stragglers,
+    redistribute,
+    slowdown_removed,
+)
 from ._skirental import EFFECTIVE, Decision, MitigationController, MitigationCosts, Strategy
 from ._window import SlidingWindowDetector, WindowConfig
 
@@ -63,6 +71,7 @@ __all__ = [
     "ring_schedule",
     "slow_gpus",
     "slow_links",
+    "slowdown_removed",
     "suspicious_groups",
     "tree_schedule",
 ]

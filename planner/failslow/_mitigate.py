@@ -219,3 +219,14 @@ def consolidate_stragglers(
             placed[node] = (r, c)
     after = float(len({placed[n][1] for n in slow}))
     return _change(grid, placed, profile, before, after)
+
+
+def slowdown_removed(healthy: float, slowed: float, mitigated: float) -> tuple[float, float] | None:
+    """The share of the slowdown a mitigation removed, from three rates (samples or steps per second): in
+    step time, Falcon's measure, (slowed - mitigated) / (slowed - 1) of the step times against the healthy
+    one; and of the lost throughput, (mitigated - slowed) / (healthy - slowed). None when nothing was slowed
+    or no mitigated rate was measured."""
+    if not 0 < slowed < healthy or mitigated <= 0:
+        return None
+    before, after = healthy / slowed, healthy / mitigated
+    return (before - after) / (before - 1), (mitigated - slowed) / (healthy - slowed)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilientjob.planner import PlannerError, uniform_profile
-from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, redistribute
+from resilientjob.planner.failslow import NodeGrid, consolidate_stragglers, redistribute, slowdown_removed
 
 
 @settings(max_examples=150, deadline=None)
@@ -96,3 +96,16 @@ def test_grid_validation_names_the_field() -> None:
         with pytest.raises(PlannerError) as info:
             NodeGrid(rows, ranges)
         assert info.value.field == field
+
+
+def test_the_slowdown_removed_is_measured_in_step_time_and_in_throughput() -> None:
+    # A 4x slowdown (100 -> 25 samples/s) that a mitigation brings back to 50: the step went 4x -> 2x the
+    # healthy one, two thirds of the slowdown; the throughput won back a third of what was lost.
+    step_time, throughput = slowdown_removed(100.0, 25.0, 50.0) or (None, None)
+    assert step_time == pytest.approx(2 / 3)
+    assert throughput == pytest.approx(1 / 3)
+    assert slowdown_removed(100.0, 25.0, 100.0) == pytest.approx((1.0, 1.0))
+    worse = slowdown_removed(100.0, 25.0, 20.0)  # a mitigation that made it worse
+    assert worse is not None and worse[0] < 0 and worse[1] < 0
+    assert slowdown_removed(100.0, 100.0, 90.0) is None  # nothing was slowed
+    assert slowdown_removed(100.0, 25.0, 0.0) is None  # no mitigated rate
