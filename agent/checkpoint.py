@@ -7,23 +7,23 @@ any new layout loads exactly the layers each worker holds: layer `i` of step `s`
 `dcp.async_save` (a background thread, after a private copy so training can go on updating the weights);
 DCP writes a layer's `.metadata` last, so a step counts as complete only when every layer has one.
 `no_dist=True` because each layer is written by one process: no collective may block a checkpoint on a peer
-that has just died. With k devices per stage (tensor parallelism) each layer is k shards: local rank j of
-the designated node writes shard j to `layer<i>-tp<j>of<k>/`, and local rank j loads that shard back.
+that has just died (`_dcp_compat` finds the entry points of this torch that take it). With k devices per
+stage (tensor parallelism) each layer is k shards: local rank j of the designated node writes shard j to
+`layer<i>-tp<j>of<k>/`, and local rank j loads that shard back.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
+from . import _dcp_compat
 from .p2p import LayerState
 
 _STEP = re.compile(r"^step(\d+)$")
@@ -44,6 +44,8 @@ class Checkpointer:
     shards: int = 1
     """Shards per layer (devices per stage)."""
     _pending: list[Future[Any]] = field(default_factory=list)
+    _writer: ThreadPoolExecutor | None = None
+    """Our own background writer where this torch's `async_save` cannot skip collectives."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -76,10 +78,14 @@ class Checkpointer:
             # Clone: the async writer must see the weights of this step, not of the steps that follow.
             state = {name: tensor.detach().clone() for name, tensor in layers[index].named_tensors().items()}
             target = self.directory / f"step{step}" / self._layer_dirs(index)[self.shard]
-            if self.asynchronous:
-                self._pending.append(async_save(state, checkpoint_id=target, no_dist=True))  # type: ignore[arg-type]
+            if self.asynchronous and _dcp_compat.ASYNC_SAVE_NO_DIST:
+                self._pending.append(_dcp_compat.async_save_local(state, target))
+            elif self.asynchronous:
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+                self._pending.append(self._writer.submit(_dcp_compat.save_local, state, target))
             else:
-                save(state, checkpoint_id=target, no_dist=True)
+                _dcp_compat.save_local(state, target)
 
     def _reap(self) -> None:
         done = [future for future in self._pending if future.done()]
@@ -117,8 +123,5 @@ class Checkpointer:
         """Overwrite `layer`'s parameters and optimizer state in place from checkpoint `step`."""
         state = layer.named_tensors()
         with torch.no_grad():
-            dcp_load(
-                state,
-                checkpoint_id=self.directory / f"step{step}" / self._layer_dirs(layer.index)[self.shard],
-                no_dist=True,
-            )
+            source = self.directory / f"step{step}" / self._layer_dirs(layer.index)[self.shard]
+            _dcp_compat.load_local(state, source)
