@@ -32,6 +32,8 @@ from typing import Any
 
 from resilientjob.operator.kube import KubeApi, core_path
 
+from ._tether import tethered
+
 # What the operator writes into its pods and the agent reads (operator/_manifests.py, agent/store_host.py):
 # repeated, not imported, as a kubelet knows nothing of either (tests/operator/test_local_stack.py checks
 # that the copies agree).
@@ -178,7 +180,7 @@ class ProcessKubelet:
             (directory / "metrics-port").write_text(str(metrics_port))
         with self.log_path(name).open("ab") as log:
             process = subprocess.Popen(
-                command,
+                tethered(command),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

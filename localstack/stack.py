@@ -1,6 +1,7 @@
 """The local stack behind `rjob local up`: the emulated API server (real HTTP), a real redis-server, the
 real operator process and the process kubelet, supervised by one background process that writes where
-everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`). `rjob local up`
+everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`); killed outright, it
+takes its children with it (`_tether`). `rjob local up`
 starts it as `python -m resilientjob.localstack <state>`."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import kopf
 
 from resilientjob.operator.kube import KubeApi
 
+from ._tether import tethered
 from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet, free_port
 
@@ -44,17 +46,19 @@ async def serve(state_dir: Path) -> None:
         loop.add_signal_handler(signum, stopped.set)
     redis_port = free_port()
     redis = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
+        tethered(
+            [
+                "redis-server",
+                "--port",
+                str(redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ]
+        ),
         stdout=(state_dir / "redis.log").open("ab"),
         stderr=subprocess.STDOUT,
     )
@@ -74,7 +78,7 @@ async def serve(state_dir: Path) -> None:
                 "RJOB_HEALTH_PORT": str(health_port),
             }
             operator = subprocess.Popen(
-                [sys.executable, "-m", "resilientjob.cli", "operator"],
+                tethered([sys.executable, "-m", "resilientjob.cli", "operator"]),
                 env=env,
                 stdout=(state_dir / "operator.log").open("ab"),
                 stderr=subprocess.STDOUT,

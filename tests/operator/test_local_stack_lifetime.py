@@ -1,0 +1,92 @@
+"""The local stack's processes end with its supervisor, however it ends: SIGKILLed, it can clean nothing up,
+and its redis-server, operator and pods must not run on as orphans (`resilientjob.localstack._tether`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from resilientjob.localstack import kubelet
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(child) for child in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (this sandbox's init may never reap one)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _create_pod(api_url: str, name: str) -> None:
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+        "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}]},
+    }
+    request = urllib.request.Request(
+        f"{api_url}/api/v1/namespaces/default/pods",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 201
+
+
+def test_a_killed_supervisor_takes_redis_the_operator_and_the_pods_with_it(tmp_path: Path) -> None:
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "resilientjob.localstack", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    children: set[int] = set()
+    try:
+        _until((tmp_path / "state.json").exists, 60, "the stack's state.json")
+        state = json.loads((tmp_path / "state.json").read_text())
+        _create_pod(state["api_url"], "sleeper")
+        pid_file = tmp_path / "pods" / "sleeper" / "pid"
+        _until(pid_file.exists, 30, "the kubelet to start the pod")
+        pod_pid = int(pid_file.read_text())
+        # The pod runs its own command under its own pid (the prologue exec'd it), not a wrapper.
+        _until(lambda: Path(f"/proc/{pod_pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep", 10, "exec")
+        children = _children(supervisor.pid)
+        assert {pod_pid, int(state["operator_pid"])} <= children and len(children) >= 3  # and redis-server
+
+        supervisor.kill()
+        supervisor.wait(10)
+        _until(lambda: not any(_alive(pid) for pid in children), 10, f"the children {children} to end")
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
