@@ -39,6 +39,7 @@ from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.models import ModelSource, model_source
 
+from . import _parked
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
 from .config import JobConfig
@@ -252,7 +253,8 @@ class TrainingAgent:
 
     async def supervise(self, stopped: asyncio.Event) -> int:
         """Exit status of the pod: 0 when training finished, 1 when the worker failed. A worker the plan
-        left out (parked by fail-slow mitigation) ends cleanly; the pod stays up and keeps heartbeating."""
+        left out (parked by fail-slow mitigation) ends cleanly; the pod stays up, keeps heartbeating and
+        probes its device (`_parked`) until a generation takes the node back, then starts a new worker."""
         while not stopped.is_set():
             result = self.context.wait(timeout=0) if self.context is not None else None
             if result is not None:
@@ -263,12 +265,26 @@ class TrainingAgent:
                 if not value.get("left"):
                     return 0
                 self.left = True
-                print("worker left: this node has no part in the current plan", flush=True)
-                await stopped.wait()
-                return 0
+                print("worker left: no part for this node in the plan; probing its device", flush=True)
+                back = await _parked.until_taken_back(
+                    self.telemetry, stopped, self.probe_device(), self.telemetry.step
+                )
+                if back is None:
+                    return 0
+                self.left = False
+                self.context.close()
+                print(f"generation {back.generation} takes this node back: starting its worker", flush=True)
+                self.start(await asyncio.to_thread(self.devices))
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), 0.2)
         return 0
+
+    def probe_device(self) -> str:
+        """The device a parked node probes: its first accelerator, as its first worker used it."""
+        from .worker import worker_device
+
+        return worker_device(self.config.workload.device, 0)
 
     def stop(self) -> None:
         if self.context is not None:

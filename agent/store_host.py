@@ -114,14 +114,15 @@ class StoreHost:
         return fetched if fetched is not None and fetched.generation > mirrored else None
 
     def unready(self, announcement: PlanAnnouncement) -> list[int]:
-        """Nodes new to the store's world (replacement pods joining) whose workers cannot rendezvous yet:
-        the generation waits for them (`store_keys.joining_key`), and the workers keep training meanwhile. A
-        new host (no plan yet) and parked nodes coming back wait for nobody."""
+        """Nodes new to the store's world whose workers cannot rendezvous yet: replacement pods joining, and
+        parked nodes coming back (their worker left when they were parked, and a new one starts when the
+        node is taken back, `_parked`). The generation waits for them (`store_keys.joining_key`), and the
+        workers keep training meanwhile. A new host (no plan yet) waits for nobody."""
         from ._runtime_schedule import world_nodes
 
         if self.plan is None:
             return []
-        new = set(world_nodes(announcement.plan)) - set(world_nodes(self.plan)) - set(self.parked)
+        new = set(world_nodes(announcement.plan)) - set(world_nodes(self.plan))
         return sorted(node for node in new if not self.store.check([joining_key(node)]))
 
     def _due(self, current: PlanAnnouncement) -> bool:
@@ -142,6 +143,10 @@ class StoreHost:
         if dead:
             self.announced = announce_failures(self.store, len(dead))
         publish_plan(self.store, announcement.plan, self.announced)
+        for node in set(announcement.parked) - set(self.parked):
+            # A parked node's worker leaves; the one that starts when the node is taken back says anew
+            # when it can rendezvous.
+            self.store.delete_key(joining_key(node))
         self.plan, self.parked = announcement.plan, list(announcement.parked)
         print(
             f"store host: generation {announcement.generation} {announcement.layout} "

@@ -1,0 +1,102 @@
+"""What a node's agent does while the plan leaves the node out: measure its device, and come back when asked.
+
+Fail-slow mitigation S4 parks a slow node: the new generation runs without it, its worker leaves (the
+runtime's worker exits when a plan has no part for its node) and its pod stays up. The operator gives the
+node its place back only on the node's own recovery report, so a parked node must go on measuring itself,
+as Falcon keeps profiling a replaced node. Until a generation takes the node back, the agent times one
+matrix product on the node's device every `PROBE_INTERVAL_S`, stretched by the node's compute chaos order
+as the worker's compute would be, and reports it as a probe step: zero samples, and a new role, so its
+change-point detector starts over on the probe's level and reports the recovery when that level falls.
+When a generation takes the node back, the caller starts a new worker, which joins as a replacement node
+does: the plan copies its layers to it from its peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from resilientjob.protocol.messages import PlanAnnouncement
+
+from . import chaos
+from ._redis import REDIS_DOWN
+from .telemetry import Telemetry
+
+PROBE_ROLE = "probe"
+"""The role of a probe step (`Telemetry.record_iteration`): not the work of any plan."""
+PROBE_SIZE = 384
+"""Side of the probe's square matrices: a few milliseconds on one CPU core, far less on an accelerator."""
+PROBE_INTERVAL_S = 0.2
+"""Between probe starts: a parked node leaves its cores to whatever else runs there."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeStep:
+    seconds: float
+    """The probe's time, the chaos order's stretch included."""
+    chaos_s: float
+    """What the chaos order added (0 without one)."""
+
+
+def taken_back(announcement: PlanAnnouncement | None, node: int) -> bool:
+    """Whether `announcement`'s plan runs `node` again (a parked node stays out of `plan.nodes`)."""
+    return announcement is not None and node in announcement.plan.nodes
+
+
+async def compute_factor(telemetry: Telemetry) -> float:
+    """This node's compute chaos order (a link order slows no compute), 1.0 when none or Redis is away."""
+    if telemetry.outage.down:
+        return 1.0
+    try:
+        raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
+    except REDIS_DOWN as exc:
+        telemetry.outage.failed(exc)
+        return 1.0
+    order = chaos.parse_order(raw)
+    return order.factor if order is not None and order.link is None and order.active() else 1.0
+
+
+def measure(device: str, size: int = PROBE_SIZE) -> float:
+    """Seconds of one `size` x `size` matrix product on `device` (the validation pass's GEMM)."""
+    from .validation import gemm_benchmark
+
+    return gemm_benchmark(size=size, repeats=1, device=device).seconds
+
+
+async def probe(telemetry: Telemetry, device: str) -> ProbeStep:
+    """One probe step: the product timed off the event loop, then the chaos order's stretch slept."""
+    seconds = await asyncio.to_thread(measure, device)
+    delay = seconds * (await compute_factor(telemetry) - 1.0)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    return ProbeStep(seconds + delay, delay)
+
+
+async def until_taken_back(
+    telemetry: Telemetry, stopped: asyncio.Event, device: str, step: int
+) -> PlanAnnouncement | None:
+    """Probe and report until a generation runs this node again (returned) or `stopped` (None). `step`: the
+    node's last reported step; probe steps count on from it."""
+    current: PlanAnnouncement | None = None
+    while not stopped.is_set():
+        with contextlib.suppress(*REDIS_DOWN):  # the telemetry's own calls ride the outage out
+            current = await telemetry.current_plan() or current
+        if taken_back(current, telemetry.node):
+            return current
+        started = time.monotonic()
+        measured = await probe(telemetry, device)
+        step += 1
+        await telemetry.record_iteration(
+            current.generation if current is not None else telemetry.generation,
+            step,
+            measured.seconds,
+            0,
+            PROBE_ROLE,
+            compute_s=measured.seconds,
+            chaos_s=measured.chaos_s,
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), max(0.0, PROBE_INTERVAL_S - (time.monotonic() - started)))
+    return None

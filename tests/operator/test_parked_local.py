@@ -1,0 +1,93 @@
+"""A node that fail-slow mitigation S4 parks comes back when it recovers, with the real training runtime, the
+way a user sees it: `rjob local up`, apply the demo's GPT on four workers with S4 priced low, slow worker 3
+with `rjob local chaos slow` for a while. The operator parks it (the job runs DP3 without it); its agent
+probes its device meanwhile (`agent._parked`) and reports the recovery once the order ends; the operator
+restores the four-worker plan, and a new worker on node 3 joins it and trains."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _rjob_stack import emulator_only
+from _support import job_object, rjob_local, until
+
+ROOT = Path(__file__).resolve().parents[2]
+SLOWED_S = 25
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),
+]
+
+
+def rjob(state: Path, *args: str) -> str:
+    done: subprocess.CompletedProcess[str] = rjob_local(state, *args)
+    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "local"
+    rjob(state, "up")
+    try:
+        yield state
+    finally:
+        rjob_local(state, "down")
+
+
+def _status(state: Path) -> dict[str, Any]:
+    status: dict[str, Any] = job_object(state, "demo-gpt").get("status") or {}
+    return status
+
+
+def test_a_parked_worker_recovers_and_trains_again(stack: Path, tmp_path: Path) -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    manifest["spec"]["nodes"] = 4  # DP4: the job is faster with node 3 than without it
+    # S4 right after S2: parking is what this test is about.
+    manifest["spec"]["failSlow"]["overheads"] = {"microbatchS": 1, "topologyS": 30, "restartS": 2}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    rjob(stack, "apply", "-f", str(path))
+    until(lambda: _status(stack).get("step", 0) > 50, 120, "50 steps of the 4-worker job")
+    assert _status(stack)["layout"] == "DP4 PP[1,1,1,1]"
+
+    rjob(stack, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", f"{SLOWED_S}s")
+    parked = until(lambda: (s := _status(stack)).get("parkedNodes") == [3] and s, SLOWED_S, "node 3 parked")
+    parked_generation = parked["planGeneration"]
+    assert parked["layout"] == "DP3 PP[1,1,1]"
+
+    def restored() -> dict[str, Any] | None:
+        status = _status(stack)
+        back = [
+            r
+            for r in status.get("recoveries") or []
+            if r["generation"] > parked_generation and r["trigger"] == "NodeRecovered" and 3 in r["nodes"]
+        ]
+        return (
+            status
+            if back and not status.get("parkedNodes") and status["layout"] == "DP4 PP[1,1,1,1]"
+            else None
+        )
+
+    status = until(restored, SLOWED_S + 60, "node 3's recovery and the four-worker plan back")
+    generation = status["planGeneration"]
+
+    def trains_again() -> list[int] | None:
+        log = rjob(stack, "logs", "demo-gpt-node-3")
+        steps = [int(m.group(1)) for m in re.finditer(rf"^step (\d+) gen {generation} ", log, re.MULTILINE)]
+        return (
+            steps
+            if "probing its device" in log and "takes this node back" in log and len(steps) > 5
+            else None
+        )
+
+    until(trains_again, 60, f"node 3's new worker training in generation {generation}")
+    assert _status(stack)["workers"] == "4/4"
