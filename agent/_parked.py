@@ -45,16 +45,22 @@ def taken_back(announcement: PlanAnnouncement | None, node: int) -> bool:
     return announcement is not None and node in announcement.plan.nodes
 
 
-async def compute_factor(telemetry: Telemetry) -> float:
-    """This node's compute chaos order (a link order slows no compute), 1.0 when none or Redis is away."""
+async def current_order(telemetry: Telemetry) -> chaos.ChaosOrder | None:
+    """This node's chaos order as stored (validated), None when none, malformed or Redis is away (the
+    telemetry's outage: the heartbeat loop finds out when it is back)."""
     if telemetry.outage.down:
-        return 1.0
+        return None
     try:
         raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
     except REDIS_DOWN as exc:
         telemetry.outage.failed(exc)
-        return 1.0
-    order = chaos.parse_order(raw)
+        return None
+    return chaos.parse_order(raw)
+
+
+async def compute_factor(telemetry: Telemetry) -> float:
+    """This node's live compute chaos order (a link order slows no compute); 1.0 when none."""
+    order = await current_order(telemetry)
     return order.factor if order is not None and order.link is None and order.active() else 1.0
 
 

@@ -11,33 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Hashable
 
 from resilientjob.protocol.messages import PlanAnnouncement
 
-from ._redis import REDIS_DOWN
+from ._parked import current_order
 from .telemetry import Telemetry
 
 
 async def slowdown(telemetry: Telemetry) -> float:
-    """The chaos factor injected for this node (`rjob local chaos slow`), 1.0 when none, expired or while
-    Redis is away (the telemetry's outage: the heartbeat loop finds out when it is back)."""
-    if telemetry.outage.down:
-        return 1.0
-    try:
-        raw = await telemetry.client.get(telemetry.keys.chaos(telemetry.node))
-    except REDIS_DOWN as exc:
-        telemetry.outage.failed(exc)
-        return 1.0
-    if raw is None:
-        return 1.0
-    with contextlib.suppress(ValueError, TypeError, KeyError):
-        chaos = json.loads(raw)
-        if float(chaos["until"]) > time.time():
-            return max(1.0, min(100.0, float(chaos["factor"])))
-    return 1.0
+    """The chaos factor injected for this node (`rjob local chaos slow`, a link order too: the synthetic
+    loop has no links), 1.0 when none, expired or while Redis is away."""
+    order = await current_order(telemetry)
+    return order.factor if order is not None and order.active() else 1.0
 
 
 def step_seconds(announcement: PlanAnnouncement, time_scale: float) -> float:
