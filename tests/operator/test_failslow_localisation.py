@@ -769,3 +769,50 @@ def test_a_device_validation_alone_names_next_to_a_slow_link_needs_its_compute_t
     tracker, _ = _link_and_device_named(device_compute_s=0.2)
     assert set(tracker.slow) == {0, 2, 3}
     assert not [f for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+
+
+def _device_named_then_a_new_generation(device_compute_s: float) -> tuple[FailSlowTracker, list[bool]]:
+    """Validation names node 3's device for node 2's communication report; before the episode opens, a
+    kill publishes generation 1 (the levels start over); then 20 steps come in which node 3's compute is
+    `device_compute_s` against the others' 0.02 s. Returns the tracker and whether an episode was active
+    after the first tick and after the new steps."""
+    spec = FailSlowSpec(min_duration_s=0)
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+
+    def steps(generation: int, first: int, device_s: float) -> None:
+        for step in range(first, first + 20):
+            for node in (0, 2, 3):
+                own = device_s if node == 3 else 0.02
+                tracker.observe(
+                    IterationRecord(
+                        node=node, generation=generation, step=step, seconds=0.2, samples=1, sent_at=0,
+                        compute_s=own, communication_s=0.2 - own,
+                    )
+                )  # fmt: skip
+
+    steps(0, 0, 0.02)
+    tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
+    tracker.validation_sent(1, now=0.0)
+    tracker.validated(result(1, [], nodes=(3,)))
+    tracker.forget([1])  # node 1 killed: the fail-stop replan publishes generation 1
+    tracker.gate.new_generation(1, {})
+    tracker.tick(now=1.0)
+    active = [tracker.active]
+    steps(1, 21, device_compute_s)
+    tracker.tick(now=2.0)
+    active.append(tracker.active)
+    return tracker, active
+
+
+def test_validations_devices_wait_for_the_job_wide_rule_after_a_new_generation() -> None:
+    # Measured in `rjob demo` (fresh clone, 2026-11-27): a pass named node 4 at 1.14x GEMM and the rule
+    # found it not slow; a worker was killed the next second, and another report waiting on the same pass
+    # opened an episode on node 4, taken on validation's word because the kill had cleared the levels.
+    tracker, active = _device_named_then_a_new_generation(device_compute_s=0.02)
+    assert active == [False, False] and not tracker.slow and not tracker.candidates
+    dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    assert any("named by validation alone" in message for message in dismissed), dismissed
+    # A device that the new steps show slow opens the episode once they are in.
+    tracker, active = _device_named_then_a_new_generation(device_compute_s=0.2)
+    assert active == [False, True] and set(tracker.slow) == {3}
