@@ -66,7 +66,9 @@ class FailSlowWatch:
         if self.slowed_at is None or self.detected_at is not None or self.node not in nodes:
             return None
         self.detected_at, self.detected_step = at, step
-        return f"fail-slow detected: nodes {nodes} ({step - self.slowed_step} steps after the order)"
+        # When the demo saw it: the summary dates the detection by the operator's own record once it has it.
+        after = step - self.slowed_step
+        return f"fail-slow detected: nodes {nodes} (in the job's status {after} steps after the order)"
 
     def dated(self, recoveries: list[dict[str, object]], at: float) -> None:
         """Take the operator's step of the detection from the first NodeSlow recovery row for the slowed

@@ -83,7 +83,8 @@ def test_the_fail_slow_summary_measures_detection_and_the_slowdown_removed() -> 
     watch.slowed(7, at=50.0, step=1000)
     assert watch.detected([], 52.0, 1010) is None
     assert watch.detected([3], 52.5, 1011) is None  # another node: not the ordered slowdown's detection
-    assert watch.detected([7], 53.0, 1012) == "fail-slow detected: nodes [7] (12 steps after the order)"
+    seen = watch.detected([7], 53.0, 1012)
+    assert seen == "fail-slow detected: nodes [7] (in the job's status 12 steps after the order)"
     watch.mitigated("microbatch", 60.0)
     watch.mitigated("restore", 80.0)  # the episode's end is not its mitigation
     # A step every 0.5 s: 600 samples/s healthy, 400 slowed, 550 after the mitigation: 75% of the loss won
