@@ -26,10 +26,17 @@ from .telemetry import Telemetry
 
 PROBE_ROLE = "probe"
 """The role of a probe step (`Telemetry.record_iteration`): not the work of any plan."""
-PROBE_SIZE = 384
-"""Side of the probe's square matrices: a few milliseconds on one CPU core, far less on an accelerator."""
+PROBE_SIZE = 512
+"""Side of the probe's square matrices: a few milliseconds on a CPU core, far less on an accelerator."""
+PROBE_REPEATS = 5
+"""Products timed per probe step, the fastest kept."""
 PROBE_INTERVAL_S = 0.2
 """Between probe starts: a parked node leaves its cores to whatever else runs there."""
+SETTLE_S = 3.0
+"""Probing starts this long after the node was parked: right after, the job switches layouts and this node's
+worker exits, and probe steps timed in that turmoil would make the detector's baseline (wall-time probes
+on the local stack read 10-15x the later ones there, and the first quiet steps were reported as the node's
+recovery while it was still ordered x4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +71,27 @@ async def compute_factor(telemetry: Telemetry) -> float:
     return order.factor if order is not None and order.link is None and order.active() else 1.0
 
 
-def measure(device: str, size: int = PROBE_SIZE) -> float:
-    """Seconds of one `size` x `size` matrix product on `device` (the validation pass's GEMM)."""
-    from .validation import gemm_benchmark
+def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
+    """Seconds of the fastest of `repeats` `size` x `size` matrix products on `device`: on an accelerator its
+    wall time (the validation pass's GEMM); on the CPU the thread's own CPU time, on one thread. A parked
+    node's probe measures its device, not what else shares the device's cores: on the local stack the other
+    nodes' workers run on the same cores, and wall time there followed their load, not the node's speed (a
+    CPU that a throttle slows still takes longer in CPU time)."""
+    if device != "cpu":
+        from .validation import gemm_benchmark
 
-    return gemm_benchmark(size=size, repeats=1, device=device).seconds
+        return gemm_benchmark(size=size, repeats=repeats, device=device).seconds
+    import torch
+
+    torch.set_num_threads(1)  # the agent trains nothing itself; its workers set their own threads
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.thread_time()
+        torch.matmul(a, b)
+        best = min(best, time.thread_time() - started)
+    return best
 
 
 async def probe(telemetry: Telemetry, device: str) -> ProbeStep:
@@ -86,6 +109,8 @@ async def until_taken_back(
     """Probe and report until a generation runs this node again (returned) or `stopped` (None). `step`: the
     node's last reported step; probe steps count on from it."""
     current: PlanAnnouncement | None = None
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopped.wait(), SETTLE_S)
     while not stopped.is_set():
         with contextlib.suppress(*REDIS_DOWN):  # the telemetry's own calls ride the outage out
             current = await telemetry.current_plan() or current

@@ -21,7 +21,7 @@ from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, SlowReport
 
-SLOWED_S = 4.0
+SLOWED_S = _parked.SETTLE_S + 5.0
 
 
 @pytest.fixture(scope="module")

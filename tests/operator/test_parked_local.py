@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -61,26 +63,29 @@ def test_a_parked_worker_recovers_and_trains_again(stack: Path, tmp_path: Path) 
     until(lambda: _status(stack).get("step", 0) > 50, 120, "50 steps of the 4-worker job")
     assert _status(stack)["layout"] == "DP4 PP[1,1,1,1]"
 
+    ordered_at = time.time()
     rjob(stack, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", f"{SLOWED_S}s")
     parked = until(lambda: (s := _status(stack)).get("parkedNodes") == [3] and s, SLOWED_S, "node 3 parked")
     parked_generation = parked["planGeneration"]
     assert parked["layout"] == "DP3 PP[1,1,1]"
 
     def restored() -> dict[str, Any] | None:
+        """The first generation after the parking that took node 3 back on its recovery, once the job's
+        status shows its layout with no node parked."""
         status = _status(stack)
         back = [
             r
             for r in status.get("recoveries") or []
             if r["generation"] > parked_generation and r["trigger"] == "NodeRecovered" and 3 in r["nodes"]
         ]
-        return (
-            status
-            if back and not status.get("parkedNodes") and status["layout"] == "DP4 PP[1,1,1,1]"
-            else None
-        )
+        whole = not status.get("parkedNodes") and status["layout"] == "DP4 PP[1,1,1,1]"
+        return back[0] if back and whole else None
 
-    status = until(restored, SLOWED_S + 60, "node 3's recovery and the four-worker plan back")
-    generation = status["planGeneration"]
+    back = until(restored, SLOWED_S + 60, "node 3's recovery and the four-worker plan back")
+    generation = back["generation"]
+    # Back once the order has ended, not before: the probe measures the device, not the host's load.
+    at = datetime.strptime(back["at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    assert at >= ordered_at + SLOWED_S - 1, (at - ordered_at, back)
 
     def trains_again() -> list[int] | None:
         log = rjob(stack, "logs", "demo-gpt-node-3")
