@@ -7,7 +7,6 @@ restores the four-worker plan, and a new worker on node 3 joins it and trains.""
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from _rjob_stack import emulator_only
-from _support import job_object, rjob_local, until
+from _support import job_object, rjob_local, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWED_S = 40
@@ -31,16 +30,11 @@ pytestmark = [
 ]
 
 
-def rjob(state: Path, *args: str) -> str:
-    done: subprocess.CompletedProcess[str] = rjob_local(state, *args)
-    assert done.returncode == 0, f"rjob local {' '.join(args)}: {done.stdout}{done.stderr}"
-    return done.stdout
-
-
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Path]:
+def local(tmp_path: Path) -> Iterator[Path]:
+    """`rjob local up` under a fresh state folder; `down` after the test."""
     state = tmp_path / "local"
-    rjob(state, "up")
+    rjob_ok(state, "up")
     try:
         yield state
     finally:
@@ -52,27 +46,27 @@ def _status(state: Path) -> dict[str, Any]:
     return status
 
 
-def test_a_parked_worker_recovers_and_trains_again(stack: Path, tmp_path: Path) -> None:
+def test_a_parked_worker_recovers_and_trains_again(local: Path, tmp_path: Path) -> None:
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     manifest["spec"]["nodes"] = 4  # DP4: the job is faster with node 3 than without it
     # S4 right after S2: parking is what this test is about.
     manifest["spec"]["failSlow"]["overheads"] = {"microbatchS": 1, "topologyS": 30, "restartS": 2}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    rjob(stack, "apply", "-f", str(path))
-    until(lambda: _status(stack).get("step", 0) > 50, 120, "50 steps of the 4-worker job")
-    assert _status(stack)["layout"] == "DP4 PP[1,1,1,1]"
+    rjob_ok(local, "apply", "-f", str(path))
+    until(lambda: _status(local).get("step", 0) > 50, 120, "50 steps of the 4-worker job")
+    assert _status(local)["layout"] == "DP4 PP[1,1,1,1]"
 
     ordered_at = time.time()
-    rjob(stack, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", f"{SLOWED_S}s")
-    parked = until(lambda: (s := _status(stack)).get("parkedNodes") == [3] and s, SLOWED_S, "node 3 parked")
+    rjob_ok(local, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", f"{SLOWED_S}s")
+    parked = until(lambda: (s := _status(local)).get("parkedNodes") == [3] and s, SLOWED_S, "node 3 parked")
     parked_generation = parked["planGeneration"]
     assert parked["layout"] == "DP3 PP[1,1,1]"
 
     def restored() -> dict[str, Any] | None:
         """The first generation after the parking that took node 3 back on its recovery, once the job's
         status shows its layout with no node parked."""
-        status = _status(stack)
+        status = _status(local)
         back = [
             r
             for r in status.get("recoveries") or []
@@ -88,7 +82,7 @@ def test_a_parked_worker_recovers_and_trains_again(stack: Path, tmp_path: Path) 
     assert at >= ordered_at + SLOWED_S - 1, (at - ordered_at, back)
 
     def trains_again() -> list[int] | None:
-        log = rjob(stack, "logs", "demo-gpt-node-3")
+        log = rjob_ok(local, "logs", "demo-gpt-node-3")
         steps = [int(m.group(1)) for m in re.finditer(rf"^step (\d+) gen {generation} ", log, re.MULTILINE)]
         return (
             steps
@@ -97,4 +91,4 @@ def test_a_parked_worker_recovers_and_trains_again(stack: Path, tmp_path: Path) 
         )
 
     until(trains_again, 60, f"node 3's new worker training in generation {generation}")
-    assert _status(stack)["workers"] == "4/4"
+    assert _status(local)["workers"] == "4/4"
