@@ -171,7 +171,6 @@ class TrainingAgent:
         self.sink = self.directory / "steps.jsonl"
         self.sink.touch()
         self.context: Any = None
-        self.left = False
 
     def devices(self) -> int:
         """Workers this node starts: one per device of its stages in the store's current plan. Blocks until
@@ -264,14 +263,12 @@ class TrainingAgent:
                 value = result.return_values.get(0) or {}
                 if not value.get("left"):
                     return 0
-                self.left = True
                 print("worker left: no part for this node in the plan; probing its device", flush=True)
                 back = await _parked.until_taken_back(
                     self.telemetry, stopped, self.probe_device(), self.telemetry.step
                 )
                 if back is None:
                     return 0
-                self.left = False
                 self.context.close()
                 print(f"generation {back.generation} takes this node back: starting its worker", flush=True)
                 self.start(await asyncio.to_thread(self.devices))

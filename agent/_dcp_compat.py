@@ -28,7 +28,7 @@ def _takes_no_dist(function: Callable[..., Any]) -> bool:
 
 
 ASYNC_SAVE_NO_DIST = _takes_no_dist(_saver.async_save)
-"""Whether this torch's `async_save` can skip collectives (torch >= 2.7)."""
+"""Whether this torch's `async_save` can skip collectives (2.13 can; 2.5.1 cannot)."""
 SAVE_NO_DIST = _takes_no_dist(_saver.save)
 LOAD_NO_DIST = _takes_no_dist(_loader.load)
 

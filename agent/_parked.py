@@ -72,26 +72,19 @@ async def compute_factor(telemetry: Telemetry) -> float:
 
 
 def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
-    """Seconds of the fastest of `repeats` `size` x `size` matrix products on `device`: on an accelerator its
-    wall time (the validation pass's GEMM); on the CPU the thread's own CPU time, on one thread. A parked
+    """Seconds of the fastest of `repeats` `size` x `size` matrix products on `device` (the validation pass's
+    GEMM): on an accelerator its wall time; on the CPU the thread's own CPU time, on one thread. A parked
     node's probe measures its device, not what else shares the device's cores: on the local stack the other
     nodes' workers run on the same cores, and wall time there followed their load, not the node's speed (a
     CPU that a throttle slows still takes longer in CPU time)."""
-    if device != "cpu":
-        from .validation import gemm_benchmark
+    from .validation import gemm_benchmark
 
+    if device != "cpu":
         return gemm_benchmark(size=size, repeats=repeats, device=device).seconds
     import torch
 
     torch.set_num_threads(1)  # the agent trains nothing itself; its workers set their own threads
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.matmul(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.thread_time()
-        torch.matmul(a, b)
-        best = min(best, time.thread_time() - started)
-    return best
+    return gemm_benchmark(size=size, repeats=repeats, device=device, clock=time.thread_time).seconds
 
 
 async def probe(telemetry: Telemetry, device: str) -> ProbeStep:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -98,10 +98,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gemm_benchmark(size: int = 256, repeats: int = 5, device: str = "cpu", rank: int = 0) -> GemmResult:
+def gemm_benchmark(
+    size: int = 256,
+    repeats: int = 5,
+    device: str = "cpu",
+    rank: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> GemmResult:
     """Time `size` x `size` matrix products on `device` (best of `repeats` after a warm-up); 2 n^3 FLOPs each.
 
-    A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would."""
+    A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would.
+    `clock`: wall time by default; `time.thread_time` times a CPU product by the thread's own CPU time."""
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats: must be >= 1, got {size} and {repeats}")
     target = torch.device(device)
@@ -111,11 +118,11 @@ def gemm_benchmark(size: int = 256, repeats: int = 5, device: str = "cpu", rank:
     _sync(target)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         torch.matmul(a, b)
         _sync(target)
-        chaos.after_compute(time.perf_counter() - start)
-        best = min(best, time.perf_counter() - start)
+        chaos.after_compute(clock() - start)
+        best = min(best, clock() - start)
     return GemmResult(rank=rank, seconds=best, flops_per_s=2.0 * size**3 / best)
 
 

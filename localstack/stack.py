@@ -1,8 +1,8 @@
 """The local stack behind `rjob local up`: the emulated API server (real HTTP), a real redis-server, the
 real operator process and the process kubelet, supervised by one background process that writes where
 everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`); killed outright, it
-takes its children with it (`_tether`). `rjob local up`
-starts it as `python -m resilientjob.localstack <state>`."""
+takes its children with it (`_tether`). `rjob local up` starts it as `python -m resilientjob.localstack
+<state>`."""
 
 from __future__ import annotations
 

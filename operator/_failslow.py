@@ -323,7 +323,8 @@ class FailSlowTracker:
             if report.kind is SlowKind.COMMUNICATION:
                 if candidate.validated is None:
                     continue  # waiting for validation (or its timeout)
-                if self._unjudged_devices(candidate) and clock - candidate.came_at <= ttl:
+                young = clock - candidate.came_at <= ttl
+                if young and _validation.unjudged(candidate, self.links, self.gate):
                     continue  # the job-wide rule has too few steps to check validation's devices yet
                 verdict: bool | None = True
             else:
@@ -361,19 +362,6 @@ class FailSlowTracker:
                 self.changed = True
                 if not candidate.swept:
                     self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
-
-    def _unjudged_devices(self, candidate: Candidate) -> list[int]:
-        """Devices validation named for a communication candidate that the job-wide rule cannot judge yet
-        (too few steps since the report's onset: a new generation clears the levels). Judged now, they would
-        be taken on validation's word alone, one GEMM timing. In `rjob demo` a pass named node 4 at 1.14x,
-        the rule found it not slow, a worker was killed the next second, and the same pass's names opened an
-        episode on node 4 for another waiting report: the kill's new generation had left no steps to judge."""
-        ends = {n for link in self.links for n in link}
-        devices = [n for n in candidate.devices if n not in ends]
-        if not devices:
-            return []
-        verdicts = self.gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
-        return [n for n in devices if verdicts.get(n) is None]
 
     def _sweep(self, clock: float) -> None:
         """Outside an episode, every node with a full level window is judged by the job-wide rule even

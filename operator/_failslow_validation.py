@@ -68,7 +68,8 @@ def corroborated(
       worker and S2 removed 38% of the slowdown; beside a slow link, the link stayed slow (7%);
     - a link's end is a slow device only when the rule finds its compute slow. Counted on GEMM alone,
       the link episode of the mixed bench became a compute one and S2 came before S3.
-    A device the rule cannot judge yet (too few steps) is taken on validation's word."""
+    A device the rule cannot judge (too few steps) is taken on validation's word; the tracker first waits,
+    within the candidate's time to live, for the rule to have the steps (`unjudged`)."""
     named = candidate.validated
     if candidate.report.kind is not SlowKind.COMMUNICATION or not named:
         return named or (), set(), None
@@ -87,6 +88,20 @@ def corroborated(
         )
     slow = {n for n in devices if n not in unconfirmed and (n not in ends or verdicts.get(n))}
     return tuple(n for n in named if n not in unconfirmed), slow, finding
+
+
+def unjudged(candidate: Candidate, links: set[Link], gate: StragglerGate) -> list[int]:
+    """Devices validation named for a communication candidate, link ends aside, that the job-wide rule
+    cannot judge yet (too few steps since the report's onset: a new generation clears the levels).
+    `corroborated` would take them on validation's word alone, one GEMM timing. In `rjob demo` a pass named
+    node 4 at 1.14x, the rule found it not slow, a worker was killed the next second, and the same pass's
+    names opened an episode on node 4 for another waiting report: the kill had left no steps to judge."""
+    ends = {n for link in links for n in link}
+    devices = [n for n in candidate.devices if n not in ends]
+    if not devices:
+        return []
+    verdicts = gate.judge(dict.fromkeys(devices, candidate.report.onset_step))
+    return [n for n in devices if verdicts.get(n) is None]
 
 
 def _gemm_ratios(gemm_s: Mapping[int, float], devices: list[int]) -> str:
