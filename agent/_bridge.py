@@ -44,7 +44,7 @@ from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
 from .config import JobConfig
 from .hooks import StepHooks
-from .telemetry import Telemetry
+from .telemetry import DRAINED_ROLE, Telemetry
 
 
 def wants_training(model: str) -> bool:
@@ -92,10 +92,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def plan_role(plan: Plan, node: int) -> str:
-    """What this node computes under `plan` (its ops), as a short key: the detector restarts on change."""
+    """What this node computes under `plan` (its ops), as a short key: the detector restarts on change.
+    `DRAINED_ROLE` for a node in the plan that computes nothing (S2 drained its replica)."""
     from ._runtime_schedule import build_ops
 
     ops = build_ops(plan).get(node, [])
+    if not ops and node in plan.idle_nodes:
+        return DRAINED_ROLE
     text = repr([(op.kind.value, op.pipeline, op.stage, op.microbatch, op.layers) for op in ops])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -105,10 +108,12 @@ class _ProbeHooks(StepHooks):
     report each committed step (wall, compute and communication from the trace) and a profile every few
     steps to the agent through the sink file, run validation at its boundary."""
 
-    def __init__(self, node: int, sink_path: str, keys: JobKeys | None) -> None:
+    def __init__(self, node: int, sink_path: str, keys: JobKeys | None, device: str = "cpu") -> None:
         from ._worker_probe import WorkerProbe, chaos_client
 
         self.node = node
+        self.device = device
+        """Where a drained node's probe products run (`WorkerProbe.end_step`)."""
         self.roles: dict[int, str] = {}
         sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
         self.probe = WorkerProbe(node, sink)
@@ -126,7 +131,9 @@ class _ProbeHooks(StepHooks):
     def after_step(self, plan: Plan | None, generation: int, step: int, loss: float, samples: int) -> None:
         if plan is not None and plan.generation not in self.roles:
             self.roles[plan.generation] = plan_role(plan, self.node)
-        self.probe.end_step(generation, step, samples, loss, self.roles.get(generation, ""))
+        role = self.roles.get(generation, "")
+        drained_on = self.device if role == DRAINED_ROLE else None
+        self.probe.end_step(generation, step, samples, loss, role, drained_on=drained_on)
 
 
 def worker_entry(
@@ -147,8 +154,12 @@ def worker_entry(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     job = os.environ.get("RJOB_JOB")
+    kind = config.workload.device
     hooks = _ProbeHooks(
-        node, sink_path, JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None
+        node,
+        sink_path,
+        JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None,
+        device="cpu" if kind == "cpu" else f"{kind}:{local_rank}",  # as `worker.worker_device` names it
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)

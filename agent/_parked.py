@@ -22,10 +22,8 @@ from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import chaos
 from ._redis import REDIS_DOWN
-from .telemetry import Telemetry
+from .telemetry import PARKED_ROLE, Telemetry
 
-PROBE_ROLE = "probe"
-"""The role of a probe step (`Telemetry.record_iteration`): not the work of any plan."""
 PROBE_SIZE = 512
 """Side of the probe's square matrices: a few milliseconds on a CPU core, far less on an accelerator."""
 PROBE_REPEATS = 5
@@ -117,7 +115,7 @@ async def until_taken_back(
             step,
             measured.seconds,
             0,
-            PROBE_ROLE,
+            PARKED_ROLE,
             compute_s=measured.seconds,
             chaos_s=measured.chaos_s,
         )

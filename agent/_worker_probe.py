@@ -44,6 +44,24 @@ from ._runtime_schedule import world_nodes
 
 PROFILE_EVERY = 10
 """Steps between two per-group profiles (`ProfileRecord`)."""
+DRAINED_PROBE_SIZE = 384
+DRAINED_PROBE_REPEATS = 3
+"""A drained node probes once per training step, between steps, while its peers compute: products of 384,
+the best of 3 (about a millisecond each on one CPU core, far less on an accelerator), stay hidden there and
+take little from peers that share the node's cores. Products of 256 timed too noisily (a cold cache after
+the step's wait moved the best of 3 by up to 20%)."""
+
+
+def probe_product_s(device: str) -> float:
+    """Seconds of the fastest of `DRAINED_PROBE_REPEATS` products of `DRAINED_PROBE_SIZE` on `device`: wall
+    time on an accelerator, the thread's CPU time on the CPU (a worker computes on one thread,
+    `worker.run_from_plan`; on the local stack the other nodes' workers share the cores, and wall time
+    follows their load, not this node's speed). The chaos order's stretch is the caller's: it is not slept
+    (the node is idle, and on the local stack its peers share its cores)."""
+    clock = time.perf_counter if device != "cpu" else time.thread_time
+    return validation.gemm_benchmark(
+        size=DRAINED_PROBE_SIZE, repeats=DRAINED_PROBE_REPEATS, device=device, clock=clock, stretched=False
+    ).seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,28 +234,49 @@ class WorkerProbe:
         self._step_cursor = self.tracer.ring.head
         self._step_injected = self.watcher.injector.injected_s if self.watcher is not None else 0.0
 
-    def end_step(self, generation: int, step: int, samples: int, loss: float, role: str) -> dict[str, Any]:
-        """The committed step's line: wall time, and its compute and communication split from the trace."""
+    def end_step(
+        self,
+        generation: int,
+        step: int,
+        samples: int,
+        loss: float,
+        role: str,
+        *,
+        drained_on: str | None = None,
+    ) -> dict[str, Any]:
+        """The committed step's line: wall time, and its compute and communication split from the trace.
+
+        `drained_on`: the device of a node the plan runs no micro-batch on (S2 drained its replica). Its
+        step is all waiting, which says nothing of its device, so its compute is a probe product timed
+        there, stretched by the node's compute chaos order as its training would be: the node's agent
+        reports the recovery from these steps, as a parked node's does from its own probes."""
         ended = time.perf_counter()
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
         communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
         injector = self.watcher.injector if self.watcher is not None else None
-        if injector is not None and injector.stretch_step(
+        compute = max(1e-6, wall - communication)
+        stretch = 0.0
+        if drained_on is not None:
+            factor = injector.compute_factor() if injector is not None else 1.0
+            product = probe_product_s(drained_on)
+            compute, stretch = product * factor, product * (factor - 1.0)  # the wall is the job's: as it was
+        elif injector is not None and injector.stretch_step(
             wall - communication, injector.injected_s - self._step_injected
         ):
             # A slow device: the step's compute took F times as long (the sleep is compute, not a call).
             ended = time.perf_counter()
             wall = max(1e-6, ended - self._step_began)
+            compute = max(1e-6, wall - communication)
         # What a chaos order cost this step: its compute delays count as compute, its link delays as
         # communication; the rest of compute_s is the worker's own (what an ordered factor multiplies).
-        chaos_s = injector.injected_s - self._step_injected if injector is not None else 0.0
+        chaos_s = (injector.injected_s - self._step_injected if injector is not None else 0.0) + stretch
         line: dict[str, Any] = {
             "kind": "step",
             "generation": generation,
             "step": step,
             "wall_s": wall,
-            "compute_s": max(1e-6, wall - communication),
+            "compute_s": compute,
             "communication_s": communication,
             "chaos_s": chaos_s,
             "samples": samples,

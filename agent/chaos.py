@@ -221,6 +221,11 @@ class ChaosInjector:
         self.injected_s += delay
         return delay
 
+    def compute_factor(self) -> float:
+        """The live compute order's factor; 1.0 without one (a link order slows no compute)."""
+        order = self._current()
+        return order.factor if order is not None and order.link is None else 1.0
+
     def after_compute(self, seconds: float) -> None:
         """Stretch an explicit compute span (a step, a GEMM benchmark) when compute is slowed."""
         order = self._current()

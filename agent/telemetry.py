@@ -47,6 +47,16 @@ WARMUP_STEPS = 5
 """Steps not fed to the detectors after (re)starting detection: the first steps of a worker or of a new
 role carry start-up costs (allocations, first collectives of new groups) that are no fail-slow."""
 
+PARKED_ROLE = "probe"
+"""The role of a parked node's probe step (`_parked`): the plan leaves the node out."""
+DRAINED_ROLE = "drained"
+"""The role of a step on a node whose replica fail-slow S2 drained (`_worker_probe`): the plan runs no
+micro-batch there, and the step's compute is a probe product on the node's device."""
+WALL_BLIND_ROLES = frozenset({DRAINED_ROLE})
+"""Roles whose step wall says nothing of the node: a drained node waits out its peers' step, so only its
+compute (the probe) is watched. (A change in the job's step would read as the node's recovery, and the
+operator, which has no level of a drained node to weigh it against, would take its word.)"""
+
 AGENT_DETECTOR = DetectorConfig(min_change=0.25)
 """Detector settings of a live worker. The level check is 25%, not Falcon's 10%: on a loaded 2-core machine
 every worker's compute moved 13-34% at once for tens of steps (scheduling delays stretching short sleeps
@@ -249,7 +259,7 @@ class Telemetry:
         if compute_s is not None:
             self._computes.append(compute_s)
             compute_event = self.compute_detector.feed(compute_s)
-        step_event = self.detector.feed(seconds)
+        step_event = None if key in WALL_BLIND_ROLES else self.detector.feed(seconds)
         if compute_event is not None:
             return await self._report(generation, step, compute_event, SlowKind.COMPUTE)
         if step_event is None:

@@ -104,10 +104,13 @@ def gemm_benchmark(
     device: str = "cpu",
     rank: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    stretched: bool = True,
 ) -> GemmResult:
     """Time `size` x `size` matrix products on `device` (best of `repeats` after a warm-up); 2 n^3 FLOPs each.
 
-    A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would.
+    A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would
+    (`stretched=False`: the caller applies the order, as a drained node's probe does; the sleeps between
+    products also slowed the products themselves by 20-30% in CPU time, cold caches after each).
     `clock`: wall time by default; `time.thread_time` times a CPU product by the thread's own CPU time."""
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats: must be >= 1, got {size} and {repeats}")
@@ -121,7 +124,8 @@ def gemm_benchmark(
         start = clock()
         torch.matmul(a, b)
         _sync(target)
-        chaos.after_compute(clock() - start)
+        if stretched:
+            chaos.after_compute(clock() - start)
         best = min(best, clock() - start)
     return GemmResult(rank=rank, seconds=best, flops_per_s=2.0 * size**3 / best)
 

@@ -144,6 +144,8 @@ class FailSlowTracker:
     """Each rung published in this episode, with the level measured when it was decided."""
     _swept: dict[int, int] = field(default_factory=dict)
     """Each node's latest step when the sweep last made it a candidate (once per level window)."""
+    idle: frozenset[int] = frozenset()
+    """Nodes of the current plan that compute nothing (S2 drained their replica; set per generation)."""
     _recovering: dict[int, Candidate] = field(default_factory=dict)
     """Recovery reports of the episode's sources that the job-wide rule could not judge yet (too few of the
     node's steps since the report's onset had come): judged again by `recheck`."""
@@ -219,7 +221,12 @@ class FailSlowTracker:
         training every node waits for it, so its excess over the healthy step is the time the job loses."""
         if not self.controller.active or not self.slow:
             return None
-        slowest = max(self.slow, key=lambda node: (self.slow[node], -node))
+        # A drained slow node holds nobody up: its steps are probe products, and its step's wall is the
+        # job's. The slowest node that still computes is charged; with none, the job has lost only the
+        # drained replicas' share of the work, which S3 and S4 could not win back: nothing is charged,
+        # and only the first-rung check reads the (job's) step times.
+        computing = [node for node in self.slow if node not in self.idle]
+        slowest = max(computing or self.slow, key=lambda node: (self.slow[node], -node))
         if record.node != slowest or record.step <= self._fed.get(record.node, -1):
             return None
         self._fed[record.node] = record.step
@@ -244,6 +251,8 @@ class FailSlowTracker:
                 self._steps,
                 tuple(sorted(self.devices)),
             )
+        if not computing:
+            return None
         decision = self.controller.on_iteration(seconds)
         self._recent = [*self._recent[-(RECENT - 1) :], seconds]
         if decision is None or decision.strategy not in _ACTIONS:

@@ -1,9 +1,9 @@
 """The plans of Falcon's mitigations for a running job (S2, S3 a and b, restore), pure: no I/O.
 
 - S2 (`microbatch_plan`): the pipelines keep their stages; micro-batches move off the pipelines through slow
-  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed), cut
-  into smaller micro-batches when whole ones are too coarse to balance and the job allows it
-  (`spec.failSlow.microBatchSplit`, `FINER_GAIN`);
+  nodes (`balance.balance_monotone` over the exact 1F1B makespans with the slow stages slowed), all of them
+  where that is fastest (`drain_floors`), cut into smaller micro-batches when whole ones are too coarse to
+  balance and the job allows it (`spec.failSlow.microBatchSplit`, `FINER_GAIN`);
 - S3 a (`link_plan`): the pipelines are reordered and nodes swapped so that fewer bytes cross the slow links
   (`failslow.reroute_slow_links`, Falcon Fig. 10; any layout);
 - S3 b (`topology_plan`): stragglers are consolidated into as few stages as possible
@@ -139,8 +139,21 @@ def _best_split(
             cache[key] = _pipeline_time(sized, cluster, plan.pipelines[index], count, factors)
         return cache[key]
 
-    counts = balance_monotone(cost, len(plan.pipelines), total)
+    counts = balance_monotone(cost, len(plan.pipelines), total, drain_floors(plan, factors))
     return max(cost(index, count) for index, count in enumerate(counts)), counts
+
+
+def drain_floors(plan: Plan, factors: dict[int, float]) -> list[int]:
+    """The fewest micro-batches S2 leaves each pipeline: none for one through a slow node, one for the others.
+
+    Falcon's S2 keeps every replica at one micro-batch or more (its eq. 1, m_i in N+). A replica whose one
+    micro-batch alone takes longer than the others' whole step then sets the job's pace however the rest are
+    split: x4 with two micro-batches per replica keeps the step at 2x healthy. Drained, it runs no
+    micro-batch, keeps its weights current through the gradient sum (so the restore copies nothing) and
+    probes its device for the recovery. Healthy pipelines keep one: draining them would win nothing the
+    estimate can see and leave nodes idle that nothing slows."""
+    slow = {node for node, factor in factors.items() if factor > 1.0}
+    return [0 if slow & set(pipeline.nodes) else 1 for pipeline in plan.pipelines]
 
 
 def _grid(plan: Plan) -> NodeGrid | str:

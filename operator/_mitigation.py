@@ -78,6 +78,9 @@ def _estimated(before: Plan, after: Plan, inputs: PlannerInputs, mitigation: Mit
         # Samples per replica, not micro-batches: a finer split changes the count but not the work.
         had, has = (_samples_per_replica(plan) for plan in (before, after))
         moved = f"; samples per replica {had} -> {has}"
+        drained = [node for node in after.idle_nodes if node not in before.idle_nodes]
+        if drained:
+            moved += f"; nodes {drained} drained (they keep their weights and probe their devices)"
     finer = (
         f"; micro-batches of {before.microbatch_size} -> {after.microbatch_size} samples"
         if after.microbatch_size != before.microbatch_size

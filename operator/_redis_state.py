@@ -192,6 +192,8 @@ class Published:
     nodes: np.ndarray
     nodes_arg: str
     plan_nodes: frozenset[int]
+    idle: frozenset[int]
+    """Plan nodes that compute nothing (a replica S2 drained): their steps are probe products."""
     watched: frozenset[int]
     size: int
     """Bytes of the plan key holding it (a scan that finds another size finds the key overwritten)."""
@@ -204,6 +206,7 @@ class Published:
             nodes=np.asarray(nodes, dtype=np.int64),
             nodes_arg=node_list(nodes),
             plan_nodes=frozenset(nodes),
+            idle=frozenset(message.plan.idle_nodes),
             watched=frozenset(nodes) | frozenset(message.parked),
             size=len(encode(message)),
         )

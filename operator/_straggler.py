@@ -109,6 +109,9 @@ def planned_shares(plan: Plan, profile: ModelProfile) -> dict[int, float]:
             runners = stage.rerouted_to or (stage.node,)
             for node in runners:
                 work[node] = work.get(node, 0.0) + seconds / len(runners)
+    # A drained replica's nodes do no work: their steps are probes (`TelemetryPass` keeps them out of the
+    # levels), and a share of 0 would divide by zero.
+    work = {node: value for node, value in work.items() if value > 0}
     middle = median(work.values()) if work else 0.0
     if middle <= 0:
         return dict.fromkeys(work, 1.0)

@@ -86,6 +86,7 @@ class TelemetryPass:
         watched = current.watched
         if tracker.gate.generation != published.generation:
             tracker.gate.new_generation(published.generation, planned_shares(published.plan, ctl.profile))
+            tracker.idle = current.idle
         mitigation, self.deferred = self.deferred, None
         slow_before = set(tracker.slow)
         # Reports first: a recovery closes the episode before more iterations are charged to it. Those that
@@ -99,8 +100,9 @@ class TelemetryPass:
                 self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)
-            if record.node in current.plan_nodes:
-                tracker.observe(record)  # parked nodes' probe steps are other work: not in the levels
+            if record.node in current.plan_nodes and record.node not in current.idle:
+                # Parked and drained nodes' probe steps are other work: not in the levels.
+                tracker.observe(record)
             if record.node in watched and mitigation is None:
                 mitigation = tracker.iteration(record)
         for profile in await redis.new_profiles():

@@ -65,17 +65,29 @@ def balance_linear(unit_times: Sequence[float], total: int, minimum: int = 1) ->
 
 
 def balance_monotone(
-    cost: Callable[[int, int], float], groups: int, total: int, minimum: int = 1
+    cost: Callable[[int, int], float], groups: int, total: int, minimum: int | Sequence[int] = 1
 ) -> list[int]:
     """Minimise max_i cost(i, m_i) subject to sum m_i = total, m_i >= minimum, for costs non-decreasing in m.
+    `minimum` is one floor for every group or one per group (fail-slow S2 lets only slow replicas go to 0).
 
     Greedy in O(total log groups) evaluations of `cost`; callers cache expensive costs.
     """
-    _check(groups, total, minimum)
-    counts = [minimum] * groups
-    heap = [(cost(i, minimum + 1), i) for i in range(groups)]
+    floors = [minimum] * groups if isinstance(minimum, int) else [int(m) for m in minimum]
+    if len(floors) != groups:
+        raise PlannerError("minimum", f"needs one floor per group ({groups}), got {len(floors)}")
+    _check(groups, total, 0)
+    if any(floor < 0 for floor in floors):
+        raise PlannerError("minimum", f"must be >= 0, got {min(floors)}")
+    if sum(floors) > total:
+        raise PlannerError(
+            "microbatches",
+            f"{total} micro-batches cannot give the {groups} groups their floors; the nearest that can is "
+            f"{sum(floors)}",
+        )
+    counts = list(floors)
+    heap = [(cost(i, counts[i] + 1), i) for i in range(groups)]
     heapq.heapify(heap)
-    for _ in range(total - groups * minimum):
+    for _ in range(total - sum(floors)):
         _, index = heapq.heappop(heap)
         counts[index] += 1
         heapq.heappush(heap, (cost(index, counts[index] + 1), index))

@@ -55,8 +55,10 @@ def pipeline_time(
     """Makespan of one 1F1B iteration. `send_s[i]` is the transfer time between stage i and i + 1."""
     if len(forward_s) != len(backward_s) or not forward_s:
         raise PlannerError("stages", "forward and backward times must be non-empty and of equal length")
-    if microbatches < 1:
-        raise PlannerError("microbatches", f"must be >= 1, got {microbatches}")
+    if microbatches < 0:
+        raise PlannerError("microbatches", f"must be >= 0, got {microbatches}")
+    if microbatches == 0:
+        return 0.0  # a drained replica (fail-slow S2) computes nothing
     sends = tuple(send_s) if send_s is not None else (0.0,) * (len(forward_s) - 1)
     if len(sends) != len(forward_s) - 1:
         raise PlannerError("send_s", f"needs {len(forward_s) - 1} entries, got {len(sends)}")
@@ -184,7 +186,9 @@ def estimate_pipeline(
 ) -> float:
     """Step time of one pipeline (no gradient sync), from the profile and the stages' GPU counts."""
     forward, backward, sends = pipeline_arrays(profile, cluster, pipeline)
-    return pipeline_time(forward, backward, microbatches or pipeline.microbatches, sends)
+    return pipeline_time(
+        forward, backward, pipeline.microbatches if microbatches is None else microbatches, sends
+    )
 
 
 def allreduce_time(

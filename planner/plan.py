@@ -60,7 +60,11 @@ class PipelinePlan(_Frozen):
     """One data-parallel replica: consecutive stages covering the whole model."""
 
     stages: tuple[StagePlan, ...] = Field(min_length=1)
-    microbatches: int = Field(ge=1, description="Micro-batches this pipeline runs per step.")
+    microbatches: int = Field(
+        ge=0,
+        description="Micro-batches this pipeline runs per step; 0 for a replica fail-slow mitigation drained "
+        "(it keeps its weights and its part in the gradient sum, and computes nothing).",
+    )
     template: int | None = Field(default=None, description="Oobleck template (node count) it came from.")
 
     @model_validator(mode="after")
@@ -127,6 +131,8 @@ class Plan(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> Plan:
         layers = {pipeline.num_layers for pipeline in self.pipelines}
+        if not any(pipeline.microbatches for pipeline in self.pipelines):
+            raise ValueError("pipelines: no pipeline runs a micro-batch")
         if len(layers) != 1:
             raise ValueError(f"pipelines cover different layer counts: {sorted(layers)}")
         used: set[tuple[int, int]] = set()
@@ -152,6 +158,17 @@ class Plan(_Frozen):
     def nodes(self) -> tuple[int, ...]:
         """Every node that runs a stage, sorted."""
         return tuple(sorted({node for pipeline in self.pipelines for node in pipeline.nodes}))
+
+    @property
+    def idle_nodes(self) -> tuple[int, ...]:
+        """Nodes that hold stages but compute nothing: their pipelines run no micro-batch (a replica that
+        fail-slow mitigation S2 drained) and no working pipeline reroutes a stage to them. Sorted."""
+        working: set[int] = set()
+        for pipeline in self.pipelines:
+            if pipeline.microbatches:
+                working.update(pipeline.nodes)
+                working.update(node for stage in pipeline.stages for node in stage.rerouted_to)
+        return tuple(node for node in self.nodes if node not in working)
 
     @property
     def layout(self) -> str:

@@ -455,6 +455,54 @@ def test_a_compute_order_slows_the_reported_step_compute_by_the_factor(
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("factor", [1.5, 4.0])
+def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch, factor: float
+) -> None:
+    """A node whose replica S2 drained waits out the whole step: its reported compute is a probe product
+    on its device (not the wait), and a compute order multiplies it by the factor, so the node's agent sees
+    the order end. Medians of CPU-timed products: within 15% on a loaded host."""
+    import io
+    import statistics
+
+    from resilientjob.agent._worker_probe import WorkerProbe
+    from resilientjob.agent.telemetry import DRAINED_ROLE
+
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker computes (`worker.run_from_plan`)
+    probe = WorkerProbe(3, io.StringIO())
+    try:
+        probe.start_chaos(KEYS, client)
+        assert probe.watcher is not None
+
+        def steps(count: int) -> list[float]:
+            reported = []
+            for step in range(count):
+                probe.begin_step()
+                time.sleep(0.05)  # the drained node's step: waiting for its peers' gradients
+                line = probe.end_step(1, step, 0, 0.0, DRAINED_ROLE, drained_on="cpu")
+                assert line["role"] == DRAINED_ROLE and line["wall_s"] >= 0.05
+                reported.append(line["compute_s"])
+            return reported
+
+        healthy = statistics.median(steps(9))
+        assert healthy < 0.025  # the product, not the 50 ms wait
+        write_order(client, KEYS, 3, ChaosOrder(factor=factor, until=time.time() + 60))
+        probe.watcher.poll()
+        slowed = statistics.median(steps(9))
+        clear_order(client, KEYS, 3)
+        probe.watcher.poll()
+        after = statistics.median(steps(5))
+    finally:
+        probe.stop()
+        tracing.uninstall()
+        torch.set_num_threads(threads)
+    assert factor * 0.85 <= slowed / healthy <= factor * 1.15
+    assert after < healthy * 1.3
+
+
+@pytest.mark.torch
 def test_a_compute_order_does_not_stretch_the_wait_between_steps(redis_url: str, tmp_path: Path) -> None:
     """A slowed worker that waits between steps (for the commit, for slower peers: the fast one after S2
     re-balanced) must be slowed by the factor of its compute, not of its wait. The wait used to count as the

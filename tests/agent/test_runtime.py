@@ -112,6 +112,48 @@ def test_finer_micro_batches_published_mid_run_keep_the_update_and_each_sample_o
     _assert_each_sample_once(result, healthy, steps)
 
 
+def test_a_drained_replica_and_its_restore_keep_the_update_and_each_sample_once(
+    tmp_path: Path, job_config: Callable[..., JobConfig]
+) -> None:
+    # What S2 publishes for a replica so slow that its one micro-batch would set the job's pace: none for
+    # it, all four on the other; then the restore. The drained nodes run no op, sum zero gradients into the
+    # replicas' (so their weights stay current and the restore copies nothing) and count no sample.
+    def plan(counts: tuple[int, int]) -> Plan:
+        return Plan(
+            policy=Policy.DYNAMIC,
+            microbatch_size=2,
+            step_time_s=1.0,
+            pipelines=tuple(
+                PipelinePlan(
+                    stages=(StagePlan(layers=(0, 4), node=2 * i), StagePlan(layers=(4, 8), node=2 * i + 1)),
+                    microbatches=count,
+                )
+                for i, count in enumerate(counts)
+            ),
+        )
+
+    healthy, drained = plan((2, 2)), plan((4, 0))
+    assert drained.idle_nodes == (2, 3)
+    steps = 7
+    config = job_config(steps=steps, return_state=True)
+    reference, params, _ = reference_run(config, healthy.global_batch, healthy.microbatch_size)
+    planner = RuntimePlanner.for_job(uniform_profile(8), nodes=4, global_batch=8, microbatch_size=2)
+    result = Launcher(config, healthy, planner, tmp_path, publish_at={1: drained, 4: healthy}).run(
+        timeout_s=90
+    )
+    assert [[p.microbatches for p in plan.pipelines] for plan in result.plans] == [[2, 2], [4, 0], [2, 2]]
+    assert len(result.step_times.get(1, [])) >= 2, result.step_times  # steps ran drained
+    _assert_matches_reference(result, reference, steps)
+    _assert_each_sample_once(result, healthy, steps)
+    assert all(not result.received[plan.generation] for plan in result.plans[1:])  # nothing copied
+    for node, value in result.return_values.items():
+        for layer, tensors in value["params"].items():
+            for got, want in zip(tensors, params[layer], strict=True):
+                torch.testing.assert_close(
+                    got, want, rtol=0, atol=config.workload.training.lr, msg=f"node {node} layer {layer}"
+                )
+
+
 def test_kill_one_of_eight_continues_on_seven(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:

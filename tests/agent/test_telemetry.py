@@ -14,7 +14,7 @@ from _support import redis_server
 from redis.exceptions import AuthenticationError
 
 from resilientjob.agent._redis import connect
-from resilientjob.agent.telemetry import Telemetry
+from resilientjob.agent.telemetry import DRAINED_ROLE, Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.failslow import DetectorConfig
@@ -256,6 +256,27 @@ async def test_compute_split_blames_the_slow_node_and_reports_links_as_communica
     assert [r.kind for r in link] == [SlowKind.COMMUNICATION] and link[0].slowdown > 1.4
     stored = [IterationRecord.model_validate_json(f[b"m"]) for _, f in await client.xrange(keys.iterations)]
     assert all(r.compute_s is not None and r.communication_s is not None for r in stored)
+
+
+async def test_a_drained_node_reports_its_probes_recovery_and_not_the_jobs_step(
+    client: aioredis.Redis,
+) -> None:
+    """A drained node waits out its peers' steps: the job speeding up (its wall falling) is no recovery of
+    the node, which its probe's compute alone says (the operator has no level of it to check the word)."""
+    agent = Telemetry(client, JobKeys("default", "drained"), node=5, pod="drained-node-5")
+    rng = random.Random(5)
+    # Walls: the job's step falls 0.2 -> 0.1 s at step 41; the node's probe stays 4x slow until step 71.
+    steps = [(0.2 if step <= 40 else 0.1, 0.004 if step <= 70 else 0.001) for step in range(1, 101)]
+    reports = []
+    for step, (wall, probe) in enumerate(steps, start=1):
+        jitter = 1 + 0.01 * rng.gauss(0, 1)
+        report = await agent.record_iteration(
+            1, step, wall * jitter, 0, DRAINED_ROLE, compute_s=probe * jitter, communication_s=wall
+        )
+        if report is not None:
+            reports.append(report)
+    assert [(r.kind, r.recovered) for r in reports] == [(SlowKind.COMPUTE, True)]
+    assert 71 <= reports[0].onset_step <= reports[0].step <= 71 + 10
 
 
 async def test_warmup_steps_are_recorded_but_not_detected(client: aioredis.Redis) -> None:

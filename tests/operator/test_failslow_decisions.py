@@ -17,6 +17,7 @@ from resilientjob.operator._failslow import (
     slowed_step_time,
     topology_plan,
 )
+from resilientjob.operator._failslow_plans import drain_floors
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import uniform_profile
@@ -124,6 +125,31 @@ def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
         assert restore is not None and restore.action is Action.RESTORE and not tracked.active
 
 
+def test_a_drained_slow_node_is_charged_nothing_and_its_own_recovery_report_restores() -> None:
+    overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
+    tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
+    tracker.gate.new_generation(0, {})
+    feed(tracker, range(15), {0: 0.1, 1: 0.1, 2: 0.1})
+    feed(tracker, range(15, 21), {0: 0.1, 1: 0.4, 2: 0.1})
+    tracker.report(slow_report(1, step=20, slowdown=4.0), now=0.0)
+    tracker.tick(now=0.0)
+    assert tracker.active and tracker.slow == {1: 4.0}
+    decision = tracker.iteration(record(1, 21, 0.4))
+    assert decision is not None and decision.action is Action.MICROBATCH
+    # S2 drained node 1's replica (generation 1): its steps are probe products, out of the levels. However
+    # long they run, the episode is charged nothing more, so no costlier rung follows...
+    tracker.published(decision, 1)
+    tracker.gate.new_generation(1, {0: 1.0, 2: 1.0})
+    tracker.idle = frozenset({1})
+    loss = tracker.controller.loss_s
+    for step in range(22, 400):
+        assert tracker.iteration(record(1, step, 0.4)) is None
+    assert tracker.controller.loss_s == loss
+    # ...and, with no level of its own to judge it by, its agent's recovery report ends the episode.
+    restore = tracker.report(slow_report(1, step=400, slowdown=4.0, recovered=True), now=1.0)
+    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
+
+
 def test_min_duration_and_threshold_gate_the_episode() -> None:
     tracker = FailSlowTracker(FailSlowSpec(slowdown_threshold=1.5, min_duration_s=10.0))
     tracker.gate.new_generation(0, {})
@@ -159,6 +185,26 @@ def test_s2_moves_microbatches_off_the_slow_pipeline() -> None:
     assert result.generation == plan.generation + 1 and result.nodes == plan.nodes
     single = grid_plan([[0, 1, 2]], microbatches=4)
     assert "one pipeline" in str(microbatch_plan(single, PROFILE, CLUSTER, {1: 2.0}, 0.0))
+
+
+def test_s2_drains_a_replica_whose_one_micro_batch_would_set_the_pace_and_only_that_one() -> None:
+    # Six whole-model replicas of two micro-batches, one x4 slow: with one micro-batch left it would still
+    # take 4 units against the healthy 2; drained, the others take 12 in 5 replicas: 3 units.
+    plan = grid_plan([[0], [1], [2], [3], [4], [5]], microbatches=2)
+    factors = {5: 4.0}
+    drained = microbatch_plan(plan, PROFILE, CLUSTER, factors, sync_s=0.0)
+    assert isinstance(drained, Plan), drained
+    assert [p.microbatches for p in drained.pipelines] == [3, 3, 2, 2, 2, 0]
+    assert drained.idle_nodes == (5,) and drained.global_batch == plan.global_batch
+    healthy = slowed_step_time(plan, PROFILE, CLUSTER, {})
+    assert slowed_step_time(drained, PROFILE, CLUSTER, factors) == pytest.approx(1.5 * healthy)
+    # x2.5: one micro-batch left there (2.5 units) costs the job nothing over the 3 of the replica that
+    # takes the other: it keeps it.
+    mild = microbatch_plan(plan, PROFILE, CLUSTER, {5: 2.5}, sync_s=0.0)
+    assert isinstance(mild, Plan) and [p.microbatches for p in mild.pipelines][-1] == 1
+    assert not mild.idle_nodes
+    # Only a slow node's replica may be drained: the floors keep one micro-batch on the others.
+    assert drain_floors(plan, {5: 4.0, 0: 1.0}) == [1, 1, 1, 1, 1, 0]
 
 
 def test_s2_splits_micro_batches_finer_when_whole_ones_cannot_balance_a_mild_slowdown() -> None:

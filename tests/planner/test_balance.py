@@ -59,6 +59,42 @@ def test_monotone_is_optimal_for_affine_pipelines(
     assert max(cost(i, m) for i, m in enumerate(counts)) == pytest.approx(best)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=st.lists(st.floats(0.0, 5.0), min_size=2, max_size=3),
+    slopes=st.lists(st.floats(0.1, 3.0), min_size=3, max_size=3),
+    drainable=st.lists(st.booleans(), min_size=3, max_size=3),
+    extra=st.integers(0, 6),
+)
+def test_monotone_with_per_group_floors_is_optimal_and_keeps_them(
+    fixed: list[float], slopes: list[float], drainable: list[bool], extra: int
+) -> None:
+    """S2's floors: a drainable group may end with nothing (costing nothing), the others keep one."""
+    groups = len(fixed)
+    floors = [0 if drainable[i] else 1 for i in range(groups)]
+    total = groups + extra
+
+    def cost(i: int, m: int) -> float:
+        return 0.0 if m == 0 else fixed[i] + slopes[i] * m
+
+    counts = balance_monotone(cost, groups, total, floors)
+    assert sum(counts) == total
+    assert all(count >= floor for count, floor in zip(counts, floors, strict=True))
+    best = min(
+        max(cost(i, m) for i, m in enumerate(c))
+        for c in itertools.product(range(total + 1), repeat=groups)
+        if sum(c) == total and all(m >= f for m, f in zip(c, floors, strict=True))
+    )
+    assert max(cost(i, m) for i, m in enumerate(counts)) == pytest.approx(best)
+
+
+def test_per_group_floors_are_checked() -> None:
+    with pytest.raises(PlannerError, match="one floor per group"):
+        balance_monotone(lambda i, m: m, 3, 6, [0, 1])
+    with pytest.raises(PlannerError, match="the nearest that can is 5"):
+        balance_monotone(lambda i, m: m, 2, 4, [2, 3])
+
+
 def test_too_few_microbatches_proposes_the_nearest() -> None:
     with pytest.raises(PlannerError, match="the nearest that can is 4") as info:
         balance_linear([1.0] * 4, 3)

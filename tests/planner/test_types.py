@@ -20,6 +20,7 @@ from resilientjob.planner import (
     builtin_profiles,
     uniform_profile,
 )
+from resilientjob.planner.estimator import estimate_pipeline
 
 
 def _layer(**overrides: object) -> dict[str, object]:
@@ -162,3 +163,30 @@ def test_plan_rejects_gaps_and_double_booking() -> None:
         _plan([(0, 2, 0), (2, 4, 1)], [(0, 4, 1)])
     with pytest.raises(ValidationError, match="different layer counts"):
         _plan([(0, 2, 0), (2, 4, 1)], [(0, 3, 2)])
+
+
+def test_a_drained_pipeline_runs_no_micro_batch_and_its_nodes_are_idle() -> None:
+    stages = (StagePlan(layers=(0, 2), node=2), StagePlan(layers=(2, 4), node=3))
+    working = PipelinePlan(stages=(StagePlan(layers=(0, 4), node=0),), microbatches=4)
+    drained = Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=2,
+        step_time_s=1.0,
+        pipelines=(working, PipelinePlan(stages=stages, microbatches=0)),
+    )
+    assert drained.global_batch == 8 and drained.nodes == (0, 2, 3) and drained.idle_nodes == (2, 3)
+    # A working pipeline that reroutes a failed stage onto a drained replica's node keeps that node busy.
+    rerouted = PipelinePlan(
+        stages=(StagePlan(layers=(0, 2), node=4, rerouted_to=(2,)), StagePlan(layers=(2, 4), node=5)),
+        microbatches=2,
+    )
+    busy = drained.model_copy(update={"pipelines": (*drained.pipelines, rerouted)})
+    assert busy.idle_nodes == (3,)
+    assert estimate_pipeline(uniform_profile(4), ClusterSpec(nodes=4), drained.pipelines[1]) == 0.0
+    with pytest.raises(ValidationError, match="no pipeline runs a micro-batch"):
+        Plan(
+            policy=Policy.DYNAMIC,
+            microbatch_size=2,
+            step_time_s=1.0,
+            pipelines=(PipelinePlan(stages=stages, microbatches=0),),
+        )
