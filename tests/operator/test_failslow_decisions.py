@@ -198,11 +198,16 @@ def test_s2_drains_a_replica_whose_one_micro_batch_would_set_the_pace_and_only_t
     assert drained.idle_nodes == (5,) and drained.global_batch == plan.global_batch
     healthy = slowed_step_time(plan, PROFILE, CLUSTER, {})
     assert slowed_step_time(drained, PROFILE, CLUSTER, factors) == pytest.approx(1.5 * healthy)
-    # x2.5: one micro-batch left there (2.5 units) costs the job nothing over the 3 of the replica that
-    # takes the other: it keeps it.
-    mild = microbatch_plan(plan, PROFILE, CLUSTER, {5: 2.5}, sync_s=0.0)
-    assert isinstance(mild, Plan) and [p.microbatches for p in mild.pipelines][-1] == 1
-    assert not mild.idle_nodes
+    # x2.5: one micro-batch left there (2.5 units) or none, the replica that takes it runs 3: estimated a
+    # tie, and the slow node goes out of the step.
+    tie = microbatch_plan(plan, PROFILE, CLUSTER, {5: 2.5}, sync_s=0.0)
+    assert isinstance(tie, Plan) and [p.microbatches for p in tie.pipelines] == [3, 3, 2, 2, 2, 0]
+    # Three replicas of four, one x1.5: the other two cannot take all twelve within the best makespan
+    # (5 units: 3 x 1.5 on the slow one, 5 and 4 on the others): it keeps its three.
+    three = grid_plan([[0], [1], [2]], microbatches=4)
+    kept = microbatch_plan(three, PROFILE, CLUSTER, {2: 1.5}, sync_s=0.0)
+    assert isinstance(kept, Plan) and [p.microbatches for p in kept.pipelines] == [5, 4, 3]
+    assert not kept.idle_nodes
     # Only a slow node's replica may be drained: the floors keep one micro-batch on the others.
     assert drain_floors(plan, {5: 4.0, 0: 1.0}) == [1, 1, 1, 1, 1, 0]
 
