@@ -513,7 +513,8 @@ class FailSlowTracker:
 
     def _recovered(self, report: SlowReport, came_at: float, clock: float) -> Mitigation | None:
         dropped = self.candidates.pop(report.node, None)
-        nodes = self._sources.get(report.node)
+        device = report.kind is SlowKind.COMPUTE and self._lone_device(report.node)
+        nodes = self._sources.get(report.node) or ((report.node,) if device else None)
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
@@ -530,12 +531,14 @@ class FailSlowTracker:
             self._recovering[report.node] = Candidate(report, came_at)
             self.changed = True
             return None
-        del self._sources[report.node]
+        self._sources.pop(report.node, None)
         kept = tuple(
             n for n, ratio in sorted(ratios.items()) if ratio is not None and ratio > self._recovered_bar
         )
         for node in kept:
             self._sources[node] = (node,)
+        if device and report.node not in kept:
+            self._answered(report.node)
         if kept:
             self.findings.append(
                 Finding(
@@ -572,6 +575,24 @@ class FailSlowTracker:
         if decision is None:
             return None
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
+
+    def _lone_device(self, node: int) -> bool:
+        """Whether `node` is a slow device of the episode and no slow link's end: its own compute recovery
+        is then the whole answer for it."""
+        return node in self.devices and node in self.slow and not any(node in link for link in self.links)
+
+    def _answered(self, device: int) -> None:
+        """A slow device's own compute recovery answers the peers' communication reports that validation
+        traced to it: they waited for it. Their own recovery reports come only when its recovery shortens
+        their step, which it does not while S2 has drained it or S4 parked it (the episode stayed open, seen
+        on the local stack, until a waiting peer's detector happened to report noise as its recovery)."""
+        for reporter, led in list(self._sources.items()):
+            if device in led:
+                rest = tuple(node for node in led if node != device)
+                if rest:
+                    self._sources[reporter] = rest
+                else:
+                    del self._sources[reporter]
 
     @property
     def _recovered_bar(self) -> float:

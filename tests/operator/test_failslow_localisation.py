@@ -816,3 +816,41 @@ def test_validations_devices_wait_for_the_job_wide_rule_after_a_new_generation()
     # A device that the new steps show slow opens the episode once they are in.
     tracker, active = _device_named_then_a_new_generation(device_compute_s=0.2)
     assert active == [False, True] and set(tracker.slow) == {3}
+
+
+def test_a_drained_devices_own_recovery_ends_the_episode_its_waiting_peers_opened() -> None:
+    # On the local stack: node 3 (x4) drained by S2, the peers that had waited for it reported communication
+    # slowdowns that validation traced to its device. Its agent reported its recovery when the order ended;
+    # the episode stayed open until a peer's detector happened to report noise as its own recovery, since
+    # a drained node's recovery does not shorten the peers' steps.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = SynchronousJob(spec, comm_s=0.08)
+    job.run(20, {})
+    job.run(6, {7: 4.0})
+    tracker = job.tracker
+    tracker.report(report(2, job.step, 2.4, SlowKind.COMMUNICATION), now=float(job.step))
+    tracker.validation_sent(1, now=float(job.step))
+    tracker.validated(result(1, [], (7,)))
+    tracker.report(report(7, job.step, 4.0), now=float(job.step))
+    job.run(12, {7: 4.0})
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH] and set(tracker.slow) == {7}
+    job.publish({node: 1.0 for node in range(NODES) if node != 7})
+    tracker.idle = frozenset({7})
+    for _ in range(10):  # drained: node 7's steps are probes, out of the levels (`TelemetryPass`)
+        job.step += 1
+        for node in range(NODES):
+            record = IterationRecord(
+                node=node, generation=job.generation, step=job.step, seconds=0.2, samples=4, sent_at=0.0,
+                compute_s=0.004 if node == 7 else BASE, communication_s=0.1,
+            )  # fmt: skip
+            if node != 7:
+                tracker.observe(record)
+            assert tracker.iteration(record) is None
+    back = report(7, job.step, 0.25).model_copy(
+        update={"recovered": True, "generation": job.generation, "onset_step": job.step - 4}
+    )
+    decision = tracker.report(back, now=float(job.step))
+    assert decision is not None and decision.action is Action.RESTORE
+    assert not tracker.active and not tracker.slow
