@@ -473,8 +473,13 @@ class FailSlowTracker:
             level = report.level_s or report.baseline_s * report.slowdown
             self._detect_s = max(1, latest - report.onset_step + 1) * level
             self._steps = (report.onset_step, latest)
+        # A device that validation traced a communication report to is as slow as its own compute says, not
+        # as the reporter's step (of which its compute is a part): the demo's x4 worker, named so, went into
+        # S2 at the peer's 1.78x, and S2 left it a micro-batch that set the job's pace.
+        own = self.gate.ratios(dict.fromkeys(devices, report.onset_step)) if devices else {}
         for node in nodes:
-            self.slow[node] = max(self.slow.get(node, 1.0), report.slowdown)
+            factor = own.get(node) or report.slowdown
+            self.slow[node] = max(self.slow.get(node, 1.0), factor)
         self.devices.update(nodes if report.kind is SlowKind.COMPUTE else devices)
         self._fed[reporter] = latest
         self._sources[reporter] = nodes
