@@ -537,20 +537,36 @@ class FailSlowTracker:
             self.changed = True
             return None
         self._sources.pop(report.node, None)
-        kept = tuple(
+        slower = tuple(
             n for n, ratio in sorted(ratios.items()) if ratio is not None and ratio > self._recovered_bar
         )
+        # A node with no level (S2 drained it, S4 parked it) is back on its own word only: a peer that had
+        # waited for it and now waits less says nothing of it (seen: the demo's drained x4 worker restored
+        # by a peer's report while its order held).
+        absent = tuple(
+            n for n in sorted(nodes) if n in ratios and n != report.node and not self.gate.measures(n)
+        )
+        kept = slower + absent
         for node in kept:
             self._sources[node] = (node,)
         if device and report.node not in kept:
             self._answered(report.node)
-        if kept:
+        if slower:
             self.findings.append(
                 Finding(
                     FindingKind.DISMISSED,
                     (report.node,),
-                    f"node {report.node}: recovery report ignored for nodes {list(kept)}: still over "
+                    f"node {report.node}: recovery report ignored for nodes {list(slower)}: still over "
                     f"{self._recovered_bar:.3g}x the other nodes' level per planned share",
+                )
+            )
+        if absent:
+            self.findings.append(
+                Finding(
+                    FindingKind.DISMISSED,
+                    (report.node,),
+                    f"node {report.node}: recovery report ignored for nodes {list(absent)}: out of the step "
+                    "(drained or parked), they are back on their own recovery report",
                 )
             )
         still = {n for led in self._sources.values() for n in led}

@@ -850,9 +850,44 @@ def test_a_drained_devices_own_recovery_ends_the_episode_its_waiting_peers_opene
             if node != 7:
                 tracker.observe(record)
             assert tracker.iteration(record) is None
-    back = report(7, job.step, 0.25).model_copy(
-        update={"recovered": True, "generation": job.generation, "onset_step": job.step - 4}
-    )
+    # A waiting peer's recovery says nothing of the drained node (it has no level to check it by).
+    recovered = {"recovered": True, "generation": job.generation, "onset_step": job.step - 4}
+    peer = report(2, job.step, 0.5, SlowKind.COMMUNICATION).model_copy(update=recovered)
+    assert tracker.report(peer, now=float(job.step)) is None
+    assert tracker.active and set(tracker.slow) == {7}
+    assert any("out of the step (drained or parked)" in f.message for f in tracker.drain_findings())
+    back = report(7, job.step, 0.25).model_copy(update=recovered)
     decision = tracker.report(back, now=float(job.step))
     assert decision is not None and decision.action is Action.RESTORE
     assert not tracker.active and not tracker.slow
+
+
+def test_a_drained_device_only_a_peer_reported_is_back_on_its_own_recovery_report() -> None:
+    # `rjob demo`: the episode opened on a waiting peer's (node 3's) communication report that validation
+    # traced to node 7's device; node 7's own report had been dismissed. Drained by S2, node 7 was restored
+    # 15 s later on node 3's recovery report while its x4 order held, and a new episode slowed the job again.
+    # The episode as the operator stored it then (restored into a tracker: the public way to set it up).
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
+    )
+    job = SynchronousJob(spec, comm_s=0.08)
+    job.run(20, {})
+    job.run(6, {7: 4.0})
+    job.tracker.report(report(3, job.step, 2.4, SlowKind.COMMUNICATION), now=float(job.step))
+    job.tracker.validation_sent(1, now=float(job.step))
+    job.tracker.validated(result(1, [], (7,)))
+    job.run(12, {7: 4.0})
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    state = job.tracker.state()
+    assert state["sources"]["3"] == [7]
+    state["sources"] = {"3": [7]}  # node 7's own report was dismissed: only node 3's led to it
+    tracker = FailSlowTracker(spec)
+    tracker.restore(json.loads(json.dumps(state)))
+    tracker.gate.new_generation(1, {node: 1.0 for node in range(NODES) if node != 7})
+    tracker.idle = frozenset({7})
+    recovered = {"recovered": True, "generation": 1, "onset_step": job.step}
+    peer = report(3, job.step, 0.5, SlowKind.COMMUNICATION).model_copy(update=recovered)
+    assert tracker.report(peer, now=float(job.step)) is None and set(tracker.slow) == {7}
+    back = report(7, job.step, 0.25).model_copy(update=recovered)
+    decision = tracker.report(back, now=float(job.step))
+    assert decision is not None and decision.action is Action.RESTORE and not tracker.slow
