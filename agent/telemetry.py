@@ -52,6 +52,9 @@ PARKED_ROLE = "probe"
 DRAINED_ROLE = "drained"
 """The role of a step on a node whose replica fail-slow S2 drained (`_worker_probe`): the plan runs no
 micro-batch there, and the step's compute is a probe product on the node's device."""
+PROBE_ROLES = frozenset({PARKED_ROLE, DRAINED_ROLE})
+"""Roles whose compute is a probe product on a node out of the step: a recovery counts only against the
+probe's first level in the role (`Telemetry._probe_recovery`)."""
 WALL_BLIND_ROLES = frozenset({DRAINED_ROLE})
 """Roles whose step wall says nothing of the node: a drained node waits out its peers' step, so only its
 compute (the probe) is watched. (A change in the job's step would read as the node's recovery, and the
@@ -259,6 +262,8 @@ class Telemetry:
         if compute_s is not None:
             self._computes.append(compute_s)
             compute_event = self.compute_detector.feed(compute_s)
+            if compute_event is not None and key in PROBE_ROLES:
+                compute_event = self._probe_recovery(compute_event)
         step_event = None if key in WALL_BLIND_ROLES else self.detector.feed(seconds)
         if compute_event is not None:
             return await self._report(generation, step, compute_event, SlowKind.COMPUTE)
@@ -269,6 +274,17 @@ class Telemetry:
         if self._compute_moved(step_event.index):
             return None  # the compute detector owns this change (reported already, or soon)
         return await self._report(generation, step, step_event, SlowKind.COMMUNICATION)
+
+    def _probe_recovery(self, event: ChangeEvent) -> ChangeEvent | None:
+        """A probe's change as it counts: a recovery only when the level falls under the probe's first level
+        in this role by the detector's margin. The detector judges against its last level, so a passing
+        bump (cache contention from the workers sharing the host's cores) read as a recovery when it ended:
+        the demo's drained x4 worker was restored at its slowed level while its order held. A slowdown of a
+        node already out of the step changes nothing and goes as it is."""
+        if event.kind is not ChangeKind.RECOVERY:
+            return event
+        first = statistics.median(self._computes[: self.detector_config.baseline])
+        return event if event.after_s * (1 + self.detector_config.min_change) <= first else None
 
     def _compute_moved(self, onset: int) -> bool:
         """Whether compute time shifted at `onset` (an index into the fed samples) as much as a change."""

@@ -14,7 +14,7 @@ from _support import redis_server
 from redis.exceptions import AuthenticationError
 
 from resilientjob.agent._redis import connect
-from resilientjob.agent.telemetry import DRAINED_ROLE, Telemetry
+from resilientjob.agent.telemetry import DRAINED_ROLE, PARKED_ROLE, Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.failslow import DetectorConfig
@@ -277,6 +277,26 @@ async def test_a_drained_node_reports_its_probes_recovery_and_not_the_jobs_step(
             reports.append(report)
     assert [(r.kind, r.recovered) for r in reports] == [(SlowKind.COMPUTE, True)]
     assert 71 <= reports[0].onset_step <= reports[0].step <= 71 + 10
+
+
+@pytest.mark.parametrize("role", [DRAINED_ROLE, PARKED_ROLE])
+async def test_a_probes_passing_bump_is_no_recovery_and_its_fall_is(
+    client: aioredis.Redis, role: str
+) -> None:
+    """A probe's level rising for a while (cache contention on a shared host) and coming back is not the
+    node's recovery; a fall under its first level is."""
+    agent = Telemetry(client, JobKeys("default", "bump"), node=7, pod="bump-node-7")
+    rng = random.Random(11)
+    levels = [0.0045] * 60 + [0.0065] * 40 + [0.0045] * 60 + [0.0011] * 40
+    reports = []
+    for step, level in enumerate(levels, start=1):
+        probe = level * (1 + 0.02 * rng.gauss(0, 1))
+        report = await agent.record_iteration(1, step, 0.1, 0, role, compute_s=probe, communication_s=0.1)
+        if report is not None:
+            reports.append(report)
+    recoveries = [r for r in reports if r.recovered]
+    assert len(recoveries) == 1 and recoveries[0].onset_step >= 161, reports
+    assert recoveries[0].level_s == pytest.approx(0.0011, rel=0.1)
 
 
 async def test_warmup_steps_are_recorded_but_not_detected(client: aioredis.Redis) -> None:
