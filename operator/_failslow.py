@@ -288,12 +288,19 @@ class FailSlowTracker:
             self.changed = True
 
     def _factors(self, action: Action) -> dict[int, float]:
-        """The slow nodes a rung acts on. S2 fixes compute only (Falcon Table 3): the ends of slow links are
-        left out of its balance (their compute is healthy), unless the episode has no other slow node."""
-        if action is not Action.MICROBATCH or not self.links:
-            return dict(self.slow)
+        """The slow nodes a rung acts on, each as slow as its compute level per planned share now is against
+        the other nodes' since the episode's onset (where the levels have it: not a drained or parked node's),
+        else as its report said. A report's slowdown is its detector's first reading (the demo's x4 worker
+        was reported 1.9x, measured 4.2x when S2 came, and S2 left it a micro-batch that set the job's
+        pace). S2 fixes compute only (Falcon Table 3): the ends of slow links are left out of its balance
+        (their compute is healthy), unless the episode has no other slow node."""
         compute = self._compute_slow()
-        return {node: factor for node, factor in self.slow.items() if node in compute} or dict(self.slow)
+        since = self._steps[0] if self._steps is not None else 0
+        now = self.gate.ratios(dict.fromkeys(compute, since)) if compute else {}
+        factors = {node: max(1.0, now.get(node) or factor) for node, factor in self.slow.items()}
+        if action is not Action.MICROBATCH or not self.links:
+            return factors
+        return {node: factor for node, factor in factors.items() if node in compute} or factors
 
     def _compute_slow(self) -> set[int]:
         """The episode's slow nodes whose own compute is slow: its slow devices, and every slow node that

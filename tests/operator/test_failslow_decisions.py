@@ -125,6 +125,19 @@ def test_ski_rental_escalates_s2_s3_s4_then_restores_on_recovery() -> None:
         assert restore is not None and restore.action is Action.RESTORE and not tracked.active
 
 
+def test_a_rung_weighs_a_slow_node_by_its_level_now_not_its_reports_first_reading() -> None:
+    # The demo's x4 worker was reported 1.9x (its detector's first reading) and measured 4.2x when S2 came.
+    tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    tracker.gate.new_generation(0, {})
+    feed(tracker, range(15), {0: 0.1, 1: 0.1, 2: 0.1})
+    feed(tracker, range(15, 21), {0: 0.1, 1: 0.4, 2: 0.1})
+    tracker.report(slow_report(1, step=20, slowdown=1.9), now=0.0)
+    tracker.tick(now=0.0)
+    assert tracker.slow == {1: 1.9}
+    [decision] = feed(tracker, range(21, 40), {0: 0.1, 1: 0.4, 2: 0.1})[:1]
+    assert decision.action is Action.MICROBATCH and decision.factors == {1: pytest.approx(4.0)}
+
+
 def test_a_drained_slow_node_is_charged_nothing_and_its_own_recovery_report_restores() -> None:
     overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
     tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
