@@ -80,27 +80,29 @@ def test_heterogeneous_update_equals_the_symmetric_one(
     assert {layer for v in result.return_values.values() for layer in v["params"]} == set(range(8))
 
 
+def _two_pipelines(size: int, counts: tuple[int, int]) -> Plan:
+    """Two 2-stage pipelines of 8 layers (nodes 0-1 and 2-3) running `counts` micro-batches of `size`."""
+    return Plan(
+        policy=Policy.DYNAMIC,
+        microbatch_size=size,
+        step_time_s=1.0,
+        pipelines=tuple(
+            PipelinePlan(
+                stages=(StagePlan(layers=(0, 4), node=2 * i), StagePlan(layers=(4, 8), node=2 * i + 1)),
+                microbatches=count,
+            )
+            for i, count in enumerate(counts)
+        ),
+    )
+
+
 def test_finer_micro_batches_published_mid_run_keep_the_update_and_each_sample_once(
     tmp_path: Path, job_config: Callable[..., JobConfig]
 ) -> None:
     # What fail-slow S2 publishes when whole micro-batches are too coarse to balance a slow pipeline: the
     # same stages, micro-batches of 1 instead of 2, 6 of them on one pipeline and 2 on the other. The loss is
     # the sum of per-sample losses over the global batch, so the update must not change.
-    def plan(size: int, counts: tuple[int, int]) -> Plan:
-        return Plan(
-            policy=Policy.DYNAMIC,
-            microbatch_size=size,
-            step_time_s=1.0,
-            pipelines=tuple(
-                PipelinePlan(
-                    stages=(StagePlan(layers=(0, 4), node=2 * i), StagePlan(layers=(4, 8), node=2 * i + 1)),
-                    microbatches=count,
-                )
-                for i, count in enumerate(counts)
-            ),
-        )
-
-    healthy, finer = plan(2, (2, 2)), plan(1, (6, 2))
+    healthy, finer = _two_pipelines(2, (2, 2)), _two_pipelines(1, (6, 2))
     steps = 6
     config = job_config(steps=steps)
     reference, _, _ = reference_run(config, healthy.global_batch, healthy.microbatch_size)
@@ -118,21 +120,7 @@ def test_a_drained_replica_and_its_restore_keep_the_update_and_each_sample_once(
     # What S2 publishes for a replica so slow that its one micro-batch would set the job's pace: none for
     # it, all four on the other; then the restore. The drained nodes run no op, sum zero gradients into the
     # replicas' (so their weights stay current and the restore copies nothing) and count no sample.
-    def plan(counts: tuple[int, int]) -> Plan:
-        return Plan(
-            policy=Policy.DYNAMIC,
-            microbatch_size=2,
-            step_time_s=1.0,
-            pipelines=tuple(
-                PipelinePlan(
-                    stages=(StagePlan(layers=(0, 4), node=2 * i), StagePlan(layers=(4, 8), node=2 * i + 1)),
-                    microbatches=count,
-                )
-                for i, count in enumerate(counts)
-            ),
-        )
-
-    healthy, drained = plan((2, 2)), plan((4, 0))
+    healthy, drained = _two_pipelines(2, (2, 2)), _two_pipelines(2, (4, 0))
     assert drained.idle_nodes == (2, 3)
     steps = 7
     config = job_config(steps=steps, return_state=True)

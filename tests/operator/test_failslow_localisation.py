@@ -820,11 +820,9 @@ def test_validations_devices_wait_for_the_job_wide_rule_after_a_new_generation()
     assert active == [False, True] and set(tracker.slow) == {3}
 
 
-def test_a_drained_devices_own_recovery_ends_the_episode_its_waiting_peers_opened() -> None:
-    # On the local stack: node 3 (x4) drained by S2, the peers that had waited for it reported communication
-    # slowdowns that validation traced to its device. Its agent reported its recovery when the order ended;
-    # the episode stayed open until a peer's detector happened to report noise as its own recovery, since
-    # a drained node's recovery does not shorten the peers' steps.
+def _peer_reports_a_device_then_s2(peer: int, own_report: bool) -> SynchronousJob:
+    """Node 7 slowed x4; node `peer`, waiting for it, reports a communication slowdown that validation traces
+    to node 7's device (and node 7 reports its own compute slowdown if `own_report`); S2 follows."""
     spec = FailSlowSpec(
         slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
     )
@@ -832,12 +830,23 @@ def test_a_drained_devices_own_recovery_ends_the_episode_its_waiting_peers_opene
     job.run(20, {})
     job.run(6, {7: 4.0})
     tracker = job.tracker
-    tracker.report(report(2, job.step, 2.4, SlowKind.COMMUNICATION), now=float(job.step))
+    tracker.report(report(peer, job.step, 2.4, SlowKind.COMMUNICATION), now=float(job.step))
     tracker.validation_sent(1, now=float(job.step))
     tracker.validated(result(1, [], (7,)))
-    tracker.report(report(7, job.step, 4.0), now=float(job.step))
+    if own_report:
+        tracker.report(report(7, job.step, 4.0), now=float(job.step))
     job.run(12, {7: 4.0})
     assert [m.action for m in job.mitigations] == [Action.MICROBATCH] and set(tracker.slow) == {7}
+    return job
+
+
+def test_a_drained_devices_own_recovery_ends_the_episode_its_waiting_peers_opened() -> None:
+    # On the local stack: node 3 (x4) drained by S2, the peers that had waited for it reported communication
+    # slowdowns that validation traced to its device. Its agent reported its recovery when the order ended;
+    # the episode stayed open until a peer's detector happened to report noise as its own recovery, since
+    # a drained node's recovery does not shorten the peers' steps.
+    job = _peer_reports_a_device_then_s2(peer=2, own_report=True)
+    tracker = job.tracker
     job.publish({node: 1.0 for node in range(NODES) if node != 7})
     tracker.idle = frozenset({7})
     for _ in range(10):  # drained: node 7's steps are probes, out of the levels (`TelemetryPass`)
@@ -867,21 +876,11 @@ def test_a_drained_device_only_a_peer_reported_is_back_on_its_own_recovery_repor
     # traced to node 7's device; node 7's own report had been dismissed. Drained by S2, node 7 was restored
     # 15 s later on node 3's recovery report while its x4 order held, and a new episode slowed the job again.
     # The episode as the operator stored it then (restored into a tracker: the public way to set it up).
-    spec = FailSlowSpec(
-        slowdown_threshold=1.5, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=0.3)
-    )
-    job = SynchronousJob(spec, comm_s=0.08)
-    job.run(20, {})
-    job.run(6, {7: 4.0})
-    job.tracker.report(report(3, job.step, 2.4, SlowKind.COMMUNICATION), now=float(job.step))
-    job.tracker.validation_sent(1, now=float(job.step))
-    job.tracker.validated(result(1, [], (7,)))
-    job.run(12, {7: 4.0})
-    assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
+    job = _peer_reports_a_device_then_s2(peer=3, own_report=False)
     state = job.tracker.state()
     assert state["sources"]["3"] == [7]
     state["sources"] = {"3": [7]}  # node 7's own report was dismissed: only node 3's led to it
-    tracker = FailSlowTracker(spec)
+    tracker = FailSlowTracker(job.tracker.spec)
     tracker.restore(json.loads(json.dumps(state)))
     tracker.gate.new_generation(1, {node: 1.0 for node in range(NODES) if node != 7})
     tracker.idle = frozenset({7})
