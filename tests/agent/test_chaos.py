@@ -461,9 +461,8 @@ def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
 ) -> None:
     """A node whose replica S2 drained waits out the whole step: its reported compute is a probe product
     on its device (not the wait), and a compute order multiplies it by the factor, so the node's agent sees
-    the order end. Medians of CPU-timed products: within 15% on a loaded host."""
+    the order end: within 15%."""
     import io
-    import statistics
 
     from resilientjob.agent._worker_probe import WorkerProbe
     from resilientjob.agent.telemetry import DRAINED_ROLE
@@ -486,20 +485,24 @@ def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
                 reported.append(line["compute_s"])
             return reported
 
-        healthy = statistics.median(steps(9))
+        steps(5)  # warm-up: the first products ran 20-30% slower in CI (thread pool, caches)
+        # Each phase's fastest step: a busy host only ever slows a product, and the median of a phase of
+        # nine moved by up to 25% with the host's load in CI.
+        healthy = min(steps(9))
         assert healthy < 0.025  # the product, not the 50 ms wait
         write_order(client, KEYS, 3, ChaosOrder(factor=factor, until=time.time() + 60))
         probe.watcher.poll()
-        slowed = statistics.median(steps(9))
+        slowed = min(steps(9))
         clear_order(client, KEYS, 3)
         probe.watcher.poll()
-        after = statistics.median(steps(5))
+        after = min(steps(9))
     finally:
         probe.stop()
         tracing.uninstall()
         torch.set_num_threads(threads)
-    assert factor * 0.85 <= slowed / healthy <= factor * 1.15
-    assert after < healthy * 1.3
+    # The order's end shows too: back to the level before it.
+    assert after < healthy * 1.3 and healthy < after * 1.3
+    assert factor * 0.85 <= slowed / min(healthy, after) <= factor * 1.15
 
 
 @pytest.mark.torch

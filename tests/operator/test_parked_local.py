@@ -24,9 +24,9 @@ from _rjob_stack import emulator_only
 from _support import job_object, rjob_local, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOWED_S = 40
-"""How long worker 3 is slowed: S4 must come while the order holds (on two loaded cores the levels and the
-ladder take 10-20 s)."""
+SLOWED_S = 25
+"""How long worker 3 is slowed: S4, priced first, must come while the order holds (on two loaded cores the
+levels and the rung take 5-10 s)."""
 DRAINED_S = 25
 """How long worker 3 is slowed in the S2 test: S2 comes within seconds of the detection."""
 
