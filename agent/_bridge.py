@@ -144,7 +144,7 @@ def worker_entry(
     validation passes and obey chaos), but only local rank 0's sink reaches the telemetry: the others see
     the same steps, and counting them would report each step k times."""
     from ._store_client import ReconnectingStore, address_from_pod_env
-    from .worker import run_from_plan
+    from .worker import device_name, run_from_plan
 
     if local_rank:
         sink_path = f"{sink_path}.{local_rank}"
@@ -154,12 +154,11 @@ def worker_entry(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     job = os.environ.get("RJOB_JOB")
-    kind = config.workload.device
     hooks = _ProbeHooks(
         node,
         sink_path,
         JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None,
-        device="cpu" if kind == "cpu" else f"{kind}:{local_rank}",  # as `worker.worker_device` names it
+        device=device_name(config.workload.device, local_rank),
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)

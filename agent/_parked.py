@@ -71,18 +71,21 @@ async def compute_factor(telemetry: Telemetry) -> float:
 
 def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
     """Seconds of the fastest of `repeats` `size` x `size` matrix products on `device` (the validation pass's
-    GEMM): on an accelerator its wall time; on the CPU the thread's own CPU time, on one thread. A parked
-    node's probe measures its device, not what else shares the device's cores: on the local stack the other
-    nodes' workers run on the same cores, and wall time there followed their load, not the node's speed (a
-    CPU that a throttle slows still takes longer in CPU time)."""
+    GEMM): on an accelerator its wall time; on the CPU the thread's own CPU time, on one thread. A probe
+    measures its device, not what else shares the device's cores: on the local stack the other nodes'
+    workers run on the same cores, and wall time there followed their load, not the node's speed (a CPU
+    that a throttle slows still takes longer in CPU time). A chaos order's stretch is the caller's (a
+    parked node's agent sleeps it, a drained node's worker multiplies it in): sleeping it between the
+    products also slowed the products themselves by 20-30% in CPU time, cold caches after each."""
     from .validation import gemm_benchmark
 
     if device != "cpu":
-        return gemm_benchmark(size=size, repeats=repeats, device=device).seconds
+        return gemm_benchmark(size=size, repeats=repeats, device=device, stretched=False).seconds
     import torch
 
-    torch.set_num_threads(1)  # the agent trains nothing itself; its workers set their own threads
-    return gemm_benchmark(size=size, repeats=repeats, device=device, clock=time.thread_time).seconds
+    torch.set_num_threads(1)  # the agent trains nothing itself; a worker computes on one thread anyway
+    clock = time.thread_time
+    return gemm_benchmark(size=size, repeats=repeats, device=device, clock=clock, stretched=False).seconds
 
 
 async def probe(telemetry: Telemetry, device: str) -> ProbeStep:

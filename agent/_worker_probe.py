@@ -39,7 +39,7 @@ from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import LinkTiming, ValidationResult, ValidationTopology
 from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY, validation_result_key
 
-from . import chaos, tracing, validation
+from . import _parked, chaos, tracing, validation
 from ._runtime_schedule import world_nodes
 
 PROFILE_EVERY = 10
@@ -50,18 +50,6 @@ DRAINED_PROBE_REPEATS = 3
 the best of 3 (about a millisecond each on one CPU core, far less on an accelerator), stay hidden there and
 take little from peers that share the node's cores. Products of 256 timed too noisily (a cold cache after
 the step's wait moved the best of 3 by up to 20%)."""
-
-
-def probe_product_s(device: str) -> float:
-    """Seconds of the fastest of `DRAINED_PROBE_REPEATS` products of `DRAINED_PROBE_SIZE` on `device`: wall
-    time on an accelerator, the thread's CPU time on the CPU (a worker computes on one thread,
-    `worker.run_from_plan`; on the local stack the other nodes' workers share the cores, and wall time
-    follows their load, not this node's speed). The chaos order's stretch is the caller's: it is not slept
-    (the node is idle, and on the local stack its peers share its cores)."""
-    clock = time.perf_counter if device != "cpu" else time.thread_time
-    return validation.gemm_benchmark(
-        size=DRAINED_PROBE_SIZE, repeats=DRAINED_PROBE_REPEATS, device=device, clock=clock, stretched=False
-    ).seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +247,7 @@ class WorkerProbe:
         stretch = 0.0
         if drained_on is not None:
             factor = injector.compute_factor() if injector is not None else 1.0
-            product = probe_product_s(drained_on)
+            product = _parked.measure(drained_on, DRAINED_PROBE_SIZE, DRAINED_PROBE_REPEATS)
             compute, stretch = product * factor, product * (factor - 1.0)  # the wall is the job's: as it was
         elif injector is not None and injector.stretch_step(
             wall - communication, injector.injected_s - self._step_injected

@@ -109,7 +109,7 @@ def gemm_benchmark(
     """Time `size` x `size` matrix products on `device` (best of `repeats` after a warm-up); 2 n^3 FLOPs each.
 
     A compute slowdown injected by `agent.chaos` stretches each timed product, as a throttled device would
-    (`stretched=False`: the caller applies the order, as a drained node's probe does; the sleeps between
+    (`stretched=False`: the caller applies the order, as `_parked.measure`'s probes do; the sleeps between
     products also slowed the products themselves by 20-30% in CPU time, cold caches after each).
     `clock`: wall time by default; `time.thread_time` times a CPU product by the thread's own CPU time."""
     if size < 1 or repeats < 1:

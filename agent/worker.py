@@ -46,6 +46,11 @@ from .p2p import LayerState
 from .runtime import Trainer
 
 
+def device_name(kind: str, local_rank: int) -> str:
+    """The name of the pod's `local_rank`-th device of `kind` (`cpu`, or `cuda:1`), as torch writes it."""
+    return "cpu" if kind == "cpu" else f"{kind}:{local_rank}"
+
+
 def worker_device(kind: str, local_rank: int) -> str:
     """This worker's device: the pod's `local_rank`-th visible accelerator (the device plugin exposes only
     the pod's own devices, numbered from 0), or the CPU."""
@@ -61,7 +66,7 @@ def worker_device(kind: str, local_rank: int) -> str:
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
     else:
         raise ValueError(f"device: expected cpu, cuda or npu, got {kind!r}")
-    return f"{kind}:{local_rank}"
+    return device_name(kind, local_rank)
 
 
 def publish_plan(store: Store, plan: Plan, failures_accounted: int) -> None:
