@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Hashable
@@ -24,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from resilientjob.planner.failslow import ChangeDetector, ChangeEvent, ChangeKind, DetectorConfig
+from resilientjob.planner.failslow import ChangeKind, DetectorConfig
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
 from resilientjob.protocol.messages import (
     MAX_PLAN_BYTES,
@@ -32,7 +31,6 @@ from resilientjob.protocol.messages import (
     IterationRecord,
     PlanAnnouncement,
     ProfileRecord,
-    SlowKind,
     SlowReport,
     decode,
     encode,
@@ -40,31 +38,29 @@ from resilientjob.protocol.messages import (
 )
 
 from ._redis import REDIS_DOWN, Outage
+from ._step_watch import (
+    AGENT_DETECTOR,
+    DRAINED_ROLE,
+    PARKED_ROLE,
+    PROBE_ROLES,
+    WALL_BLIND_ROLES,
+    WARMUP_STEPS,
+    StepChange,
+    StepWatch,
+)
+
+__all__ = [
+    "AGENT_DETECTOR",
+    "DRAINED_ROLE",
+    "PARKED_ROLE",
+    "PROBE_ROLES",
+    "WALL_BLIND_ROLES",
+    "WARMUP_STEPS",
+    "Telemetry",
+    "queue_beat",
+]
 
 HEARTBEAT_INTERVAL_S = 0.5
-
-WARMUP_STEPS = 5
-"""Steps not fed to the detectors after (re)starting detection: the first steps of a worker or of a new
-role carry start-up costs (allocations, first collectives of new groups) that are no fail-slow."""
-
-PARKED_ROLE = "probe"
-"""The role of a parked node's probe step (`_parked`): the plan leaves the node out."""
-DRAINED_ROLE = "drained"
-"""The role of a step on a node whose replica fail-slow S2 drained (`_worker_probe`): the plan runs no
-micro-batch there, and the step's compute is a probe product on the node's device."""
-PROBE_ROLES = frozenset({PARKED_ROLE, DRAINED_ROLE})
-"""Roles whose compute is a probe product on a node out of the step: a recovery counts only against the
-probe's first level in the role (`Telemetry._probe_recovery`)."""
-WALL_BLIND_ROLES = frozenset({DRAINED_ROLE})
-"""Roles whose step wall says nothing of the node: a drained node waits out its peers' step, so only its
-compute (the probe) is watched. (A change in the job's step would read as the node's recovery, and the
-operator, which has no level of a drained node to weigh it against, would take its word.)"""
-
-AGENT_DETECTOR = DetectorConfig(min_change=0.25)
-"""Detector settings of a live worker. The level check is 25%, not Falcon's 10%: on a loaded 2-core machine
-every worker's compute moved 13-34% at once for tens of steps (scheduling delays stretching short sleeps
-while other jobs ran), which a 10% check reports as fail-slows; 1.5x slowdowns are still confirmed within
-a few steps (docs/benchmarks/failslow-e2e.md)."""
 
 STEP_SECONDS = Histogram(
     "rjob_agent_step_seconds",
@@ -122,18 +118,8 @@ class Telemetry:
         self.pod = pod
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        if warmup < 0:
-            raise ValueError(f"warmup: must be >= 0, got {warmup}")
-        self.detector_config = detector or AGENT_DETECTOR
-        self.warmup = warmup
-        self.detector = ChangeDetector(self.detector_config)
-        """On the step (wall) time."""
-        self.compute_detector = ChangeDetector(self.detector_config)
-        """On the compute time of each step, when the worker reports it."""
-        self._computes: list[float] = []
-        self._detector_start = warmup  # step of this worker fed first to the current detectors
-        self._skipped = 0
-        self._role: Hashable = None
+        self.watch = StepWatch(detector or AGENT_DETECTOR, warmup)
+        """The detectors on this worker's steps; `role` None until the first step."""
         self.generation = -1
         self.step = 0
         self.outage = Outage(f"agent node {node}", cap_s=heartbeat_interval_s)
@@ -191,14 +177,6 @@ class Telemetry:
             TELEMETRY_DROPPED.inc()
         return False
 
-    def _restart_detection(self, step: int, key: Hashable) -> None:
-        self.detector = ChangeDetector(self.detector_config)
-        self.compute_detector = ChangeDetector(self.detector_config)
-        self._computes = []
-        self._detector_start = step + self.warmup
-        self._skipped = 0
-        self._role = key
-
     async def record_iteration(
         self,
         generation: int,
@@ -212,13 +190,8 @@ class Telemetry:
         loss: float | None = None,
         chaos_s: float | None = None,
     ) -> SlowReport | None:
-        """Append one step to the job's iteration stream; report a change point when a detector sees one.
-
-        With `compute_s` (the step's time outside communication, from the trace) two detectors run: one on
-        compute time, reporting `kind=compute` (the node itself slowed: a peer waiting for it sees its
-        communication grow, not its compute), and one on the step time, reporting `kind=communication`
-        only when compute did not move at the same onset. Without it the step time alone is watched and a
-        change is reported as compute (the synthetic loop).
+        """Append one step to the job's iteration stream; report a change point when a detector sees one
+        (`StepWatch.feed`: `compute_s` is the step's time outside communication, from the trace).
 
         `role` is what this worker computes (its stages and micro-batches, or a probe step when the plan
         does not use it); detection starts over when it changes, since the normal step time changes with
@@ -229,9 +202,7 @@ class Telemetry:
         `chaos_s` (the delay a chaos order added to the step) travels in the record for whoever measures a
         slowdown ordered on purpose (`rjob demo`, the benches); the detectors never read it."""
         key = role if role is not None else generation
-        if generation != self.generation or key != self._role:
-            if key != self._role:
-                self._restart_detection(step, key)
+        if generation != self.generation:
             self.generation = generation
             GENERATION.set(generation)
         self.step = step
@@ -255,56 +226,20 @@ class Telemetry:
             chaos_s=chaos_s or None,
         )
         await self._send(self.keys.iterations, encode(record), keep=False)
-        if self._skipped < self.warmup:
-            self._skipped += 1
-            return None
-        compute_event = None
-        if compute_s is not None:
-            self._computes.append(compute_s)
-            compute_event = self.compute_detector.feed(compute_s)
-            if compute_event is not None and key in PROBE_ROLES:
-                compute_event = self._probe_recovery(compute_event)
-        step_event = None if key in WALL_BLIND_ROLES else self.detector.feed(seconds)
-        if compute_event is not None:
-            return await self._report(generation, step, compute_event, SlowKind.COMPUTE)
-        if step_event is None:
-            return None
-        if compute_s is None:
-            return await self._report(generation, step, step_event, SlowKind.COMPUTE)
-        if self._compute_moved(step_event.index):
-            return None  # the compute detector owns this change (reported already, or soon)
-        return await self._report(generation, step, step_event, SlowKind.COMMUNICATION)
+        change = self.watch.feed(step, key, seconds, compute_s)
+        return None if change is None else await self._report(generation, step, change)
 
-    def _probe_recovery(self, event: ChangeEvent) -> ChangeEvent | None:
-        """A probe's change as it counts: a recovery only when the level falls under the probe's first level
-        in this role by the detector's margin. The detector judges against its last level, so a passing
-        bump (cache contention from the workers sharing the host's cores) read as a recovery when it ended:
-        the demo's drained x4 worker was restored at its slowed level while its order held. A slowdown of a
-        node already out of the step changes nothing and goes as it is."""
-        if event.kind is not ChangeKind.RECOVERY:
-            return event
-        first = statistics.median(self._computes[: self.detector_config.baseline])
-        return event if event.after_s * (1 + self.detector_config.min_change) <= first else None
-
-    def _compute_moved(self, onset: int) -> bool:
-        """Whether compute time shifted at `onset` (an index into the fed samples) as much as a change."""
-        before = self._computes[max(0, onset - self.detector_config.baseline) : onset]
-        after = self._computes[onset:]
-        if not before or not after:
-            return False
-        ratio = statistics.median(after) / statistics.median(before)
-        return abs(math.log(ratio)) >= math.log1p(self.detector_config.min_change)
-
-    async def _report(self, generation: int, step: int, event: ChangeEvent, kind: SlowKind) -> SlowReport:
+    async def _report(self, generation: int, step: int, change: StepChange) -> SlowReport:
+        event = change.event
         report = SlowReport(
             node=self.node,
             generation=generation,
             step=step,
-            onset_step=self._detector_start + event.index,
+            onset_step=change.onset_step,
             slowdown=event.ratio,
             baseline_s=event.before_s,
             level_s=event.after_s,
-            kind=kind,
+            kind=change.kind,
             recovered=event.kind is ChangeKind.RECOVERY,
             detected_at=time.time(),
         )

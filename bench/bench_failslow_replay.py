@@ -14,7 +14,11 @@ the nodes' median compute over the first `--share-steps` steps relative to the m
 live operator computes them from the plan and the profile: a node persistently slower than its plan says
 is hidden here, so the healthy counts are a floor).
 
-Usage: .venv/bin/python bench/bench_failslow_replay.py --healthy H.json ... --slowed S.json ...
+`--redetect` replaces the recorded agents' reports with those the agents' detection as committed makes
+on the same steps (`agent._step_watch.StepWatch`, fed each node's step and compute times in send order):
+how a change in that detection would have done on the recorded runs.
+
+Usage: .venv/bin/python bench/bench_failslow_replay.py --healthy H.json ... --slowed S.json ... [--redetect]
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resilientjob.agent._step_watch import StepWatch
 from resilientjob.operator._failslow import FailSlowTracker, FindingKind
 from resilientjob.operator.api import FailSlowSpec
+from resilientjob.planner.failslow import ChangeKind
 from resilientjob.protocol.messages import IterationRecord, SlowReport
 
 
@@ -51,6 +57,33 @@ def first_generation(iterations: list[list[Any]]) -> list[IterationRecord]:
         if g == generation and compute is not None
     ]
     return sorted(records, key=lambda record: record.sent_at)
+
+
+def redetected_reports(records: list[IterationRecord]) -> list[SlowReport]:
+    """The reports the agents' detection makes on `records` (one role per node: the first generation's)."""
+    watches: dict[int, StepWatch] = {}
+    reports = []
+    for record in records:
+        watch = watches.setdefault(record.node, StepWatch())
+        change = watch.feed(record.step, 0, record.seconds, record.compute_s)
+        if change is None:
+            continue
+        event = change.event
+        reports.append(
+            SlowReport(
+                node=record.node,
+                generation=0,
+                step=record.step,
+                onset_step=change.onset_step,
+                slowdown=event.ratio,
+                baseline_s=event.before_s,
+                level_s=event.after_s,
+                kind=change.kind,
+                recovered=event.kind is ChangeKind.RECOVERY,
+                detected_at=record.sent_at,
+            )
+        )
+    return reports
 
 
 def empirical_shares(records: list[IterationRecord], steps: int) -> dict[int, float]:
@@ -113,6 +146,9 @@ def main() -> None:
     )
     parser.add_argument("--min-duration", type=float, default=1.0, help="minDurationS (the demo's: 1)")
     parser.add_argument("--share-steps", type=int, default=100)
+    parser.add_argument(
+        "--redetect", action="store_true", help="the agents' reports from their detection as committed"
+    )
     args = parser.parse_args()
     runs = [(path, "healthy", json.loads(path.read_text())) for path in args.healthy]
     runs += [(path, "slowed", json.loads(path.read_text())) for path in args.slowed]
@@ -121,6 +157,8 @@ def main() -> None:
         span = (records[0].sent_at, records[-1].sent_at)
         raw = result.get("slow_reports") or result.get("reports") or []
         reports = [SlowReport.model_validate(r) for r in raw if span[0] <= r["detected_at"] <= span[1]]
+        if args.redetect:
+            reports = redetected_reports(records)
         shares = empirical_shares(records, args.share_steps)
         steps = len({record.step for record in records})
         threshold = args.threshold or (1.2 if kind == "slowed" else result.get("threshold", 1.5))
@@ -128,7 +166,8 @@ def main() -> None:
         head = f"{path.name}: {kind}, {steps} steps, threshold {spec.slowdown_threshold}"
         if kind == "slowed":
             head += f", node {result['slow_node']} x{result['factor']} from step {result['inject_step']}"
-        print(head)
+        slow = sum(not report.recovered for report in reports)
+        print(f"{head}; {slow} slow reports ({'redetected' if args.redetect else 'recorded'})")
         for window in args.windows:
             opened = replay(records, reports, spec, window, shares)
             name = f"window {window:2d}" if window else "noise-sized"

@@ -14,6 +14,8 @@ operator continues the episode (`restore_failslow`).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,31 @@ _EVENTS = {
     _failslow.FindingKind.SLOW_LINK: ("Warning", api.Reason.SLOW_LINK_FOUND),
     _failslow.FindingKind.SLOW_DEVICE: ("Warning", api.Reason.SLOW_DEVICE_FOUND),
 }
+
+
+DISMISSED_EVENT_INTERVAL_S = 60.0
+"""At most one `SlowReportDismissed` Event per job in this many seconds; every dismissal is logged. Agents on
+a noisy host report a change every few seconds, each judged and dismissed by the operator: as Events they
+would bury the few that matter (a 30-minute healthy run of the demo dismissed about a thousand)."""
+
+
+@dataclass(slots=True)
+class EventThrottle:
+    """Lets one Event through per `interval_s`; the next says how many were held back meanwhile."""
+
+    interval_s: float = DISMISSED_EVENT_INTERVAL_S
+    last: float = -math.inf
+    held: int = 0
+
+    def admit(self, message: str, now: float) -> str | None:
+        """The message to post now, or None to hold it back."""
+        if now - self.last < self.interval_s:
+            self.held += 1
+            return None
+        if self.held:
+            message += f" ({self.held} more since the last such Event: see the operator's log)"
+        self.last, self.held = now, 0
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +105,8 @@ class TelemetryPass:
     holding: bool = False
     """A mitigation is decided but not committed: the episode's state is stored with its commit (in one
     transaction), not before, so that a kill in between neither loses nor repeats the decision."""
+    dismissals: EventThrottle = field(default_factory=EventThrottle)
+    """Dismissed reports' Events (`DISMISSED_EVENT_INTERVAL_S`)."""
 
     async def run(self, ctl: PassContext, current: Published) -> PassOutcome:
         """Read the new telemetry; the outcome holds the status it measured and a mitigation to start."""
@@ -149,13 +178,16 @@ class TelemetryPass:
             f"validation {request.id} at generation {published.generation}: {reason}",
         )
 
-    @staticmethod
-    def _report_finding(ctl: PassContext, finding: _failslow.Finding) -> None:
+    def _report_finding(self, ctl: PassContext, finding: _failslow.Finding) -> None:
         kind, reason = _EVENTS[finding.kind]
         if finding.kind is _failslow.FindingKind.SLOW:
             metrics.FAIL_SLOW_EVENTS.labels(ctl.name).inc()
         log.info("job %s/%s: %s: %s", ctl.namespace, ctl.name, reason, finding.message)
-        ctl.event(kind, reason, finding.message)
+        message: str | None = finding.message
+        if finding.kind is _failslow.FindingKind.DISMISSED:
+            message = self.dismissals.admit(finding.message, time.monotonic())
+        if message is not None:
+            ctl.event(kind, reason, message)
 
     def _status(self, ctl: PassContext, current: Published) -> dict[str, Any]:
         tracker = ctl.tracker

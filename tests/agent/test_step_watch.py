@@ -1,0 +1,60 @@
+"""The agent's detection on its own steps (`StepWatch`), without Redis: which detector owns a change, the
+step it is dated to, and a long run's bounded memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from resilientjob.agent._step_watch import WARMUP_STEPS, StepWatch
+from resilientjob.protocol.messages import SlowKind
+
+ROLE = ("stage", 0, 12)
+LONG = 3000  # far past the compute samples the watch keeps (2 x the detector's history)
+
+
+def _run(watch: StepWatch, walls: np.ndarray, computes: np.ndarray, first_step: int = 0) -> list:
+    changes = []
+    for offset, (wall, compute) in enumerate(zip(walls, computes, strict=True)):
+        change = watch.feed(first_step + offset, ROLE, float(wall), float(compute))
+        if change is not None:
+            changes.append((first_step + offset, change))
+    return changes
+
+
+@pytest.mark.parametrize("slowed", ["wall", "compute"])
+def test_after_a_long_run_a_change_is_dated_and_owned_right(slowed: str) -> None:
+    rng = np.random.default_rng(7)
+    walls = rng.normal(0.10, 0.002, LONG + 60)
+    computes = rng.normal(0.05, 0.001, LONG + 60)
+    if slowed == "wall":
+        walls[LONG:] += 0.10  # a peer or a link: the wait grows, this node's compute does not
+    else:
+        # This node: its compute grows, and its step with it a few steps later (its first slow computes
+        # hid in waits), so the step's detector confirms later: the watch must see that compute moved at
+        # that onset too and leave the change to the compute detector.
+        computes[LONG:] += 0.10
+        walls[LONG + 4 :] += 0.10
+    changes = _run(StepWatch(), walls, computes, first_step=100)
+    assert len(changes) == 1
+    step, change = changes[0]
+    assert change.onset_step == 100 + LONG
+    assert step - change.onset_step <= 10
+    assert change.kind is (SlowKind.COMMUNICATION if slowed == "wall" else SlowKind.COMPUTE)
+    assert change.event.ratio == pytest.approx(2.0 if slowed == "wall" else 3.0, rel=0.05)
+
+
+def test_a_new_role_starts_over_after_its_warm_up() -> None:
+    watch = StepWatch()
+    rng = np.random.default_rng(8)
+    walls = rng.normal(0.10, 0.002, 200)
+    _run(watch, walls, walls / 2)
+    # Twice the work in a new role is its normal step, not a slowdown.
+    for step in range(200, 400):
+        assert watch.feed(step, ("stage", 0, 24), 0.2 + rng.normal(0, 0.002), 0.1) is None
+    assert watch.role == ("stage", 0, 24)
+    # The same doubling in one role is reported, dated from the steps the warm-up let through.
+    watch = StepWatch()
+    steps = np.r_[rng.normal(0.10, 0.002, 100), rng.normal(0.20, 0.004, 40)]
+    (step, change), *_ = _run(watch, steps, steps / 2)
+    assert change.kind is SlowKind.COMPUTE and change.onset_step == 100 and step > WARMUP_STEPS
