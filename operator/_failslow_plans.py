@@ -33,6 +33,14 @@ than the best one of whole micro-batches: the estimate scales a micro-batch's ti
 smaller micro-batch's fixed costs (kernel launches, per-message latency) do not shrink."""
 
 
+DRAIN_MARGIN = 0.05
+"""S2 drains a slow node's replica when that split is estimated at most this much slower than the best one
+that keeps it a micro-batch (and still faster than the plan now). The estimate prices the slow node at its
+measured factor, and a slowdown measured on a busy host reads low: the demo's x4 worker read 2.0-3.3x; in
+one run S2 kept it a micro-batch because draining was estimated 1.2% slower, and that micro-batch set the
+job's pace. Drained, the node cannot set it however slow it really is, or becomes."""
+
+
 def _pipeline_time(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -94,8 +102,9 @@ def microbatch_plan(
     sizes = [size for size in microbatch_sizes(plan, profile, split) if samples % size == 0]
     if not sizes:  # the profile's size does not divide the plan's batch: keep the plan's own size
         sizes = [plan.microbatch_size]
+    before = slowed_step_time(plan, profile, cluster, factors)
     splits = {
-        size: _best_split(plan, profile.at_microbatch(size), cluster, factors, samples // size)
+        size: _best_split(plan, profile.at_microbatch(size), cluster, factors, samples // size, before)
         for size in sizes
     }
     # The fastest split, the larger micro-batches on a tie; a finer one only if it beats the job's own size
@@ -110,7 +119,6 @@ def microbatch_plan(
         pipeline.model_copy(update={"microbatches": count})
         for pipeline, count in zip(plan.pipelines, counts, strict=True)
     )
-    before = slowed_step_time(plan, profile, cluster, factors)
     if after >= before * (1 - 1e-9):
         return "no split is faster than the current one"
     return plan.model_copy(
@@ -127,10 +135,16 @@ def microbatch_plan(
 
 
 def _best_split(
-    plan: Plan, sized: ModelProfile, cluster: ClusterSpec, factors: dict[int, float], total: int
+    plan: Plan,
+    sized: ModelProfile,
+    cluster: ClusterSpec,
+    factors: dict[int, float],
+    total: int,
+    now_s: float,
 ) -> tuple[float, list[int]]:
     """The slowed makespan and micro-batch counts per pipeline of the best split of `total` micro-batches
-    (of the size `sized` is for) over `plan`'s pipelines."""
+    (of the size `sized` is for) over `plan`'s pipelines, with the slow nodes' pipelines drained where
+    `drain_slow_pipelines` allows (`now_s`: the plan's slowed makespan now, which a drain must still beat)."""
     cache: dict[tuple[int, int], float] = {}
 
     def cost(index: int, count: int) -> float:
@@ -141,25 +155,28 @@ def _best_split(
 
     floors = drain_floors(plan, factors)
     counts = balance_monotone(cost, len(plan.pipelines), total, floors)
-    makespan = max(cost(index, count) for index, count in enumerate(counts))
-    return makespan, _off_slow_pipelines(counts, floors, cost, makespan)
+    best = max(cost(index, count) for index, count in enumerate(counts))
+    # Ties always drain; a margin only while the drained split still beats the plan now.
+    bound = max(best * (1 + 1e-9), min(best * (1 + DRAIN_MARGIN), now_s * (1 - 1e-9)))
+    counts = drain_slow_pipelines(counts, floors, cost, bound)
+    return max(cost(index, count) for index, count in enumerate(counts)), counts
 
 
-def _off_slow_pipelines(
-    counts: list[int], floors: list[int], cost: Callable[[int, int], float], makespan: float
+def drain_slow_pipelines(
+    counts: list[int], floors: list[int], cost: Callable[[int, int], float], bound: float
 ) -> list[int]:
     """`counts` with each pipeline through slow nodes (floor 0) drained, all its micro-batches moved to the
-    others, where that keeps the makespan: of the splits estimated equally fast, one with the slow nodes out
-    of the step. A slowdown is measured, and on a busy host measured low (the demo's x4 worker read 2.4x
-    on two shared cores, and with one micro-batch left it still set the job's pace); a drained node cannot
-    set it whatever it really costs. All or nothing: a slow node left with less work still gates the step."""
+    others, where no pipeline then takes longer than `bound` (`DRAIN_MARGIN` over the best split's
+    makespan). A slowdown is measured, and on a busy host measured low; a drained node cannot set the
+    job's pace whatever it really costs. All or nothing: a slow node left with less work still gates the
+    step."""
     counts = list(counts)
     healthy = [index for index, floor in enumerate(floors) if floor > 0]
     for index in (index for index, floor in enumerate(floors) if floor == 0):
         moved = list(counts)
         while moved[index] > 0 and healthy:
             target = min(healthy, key=lambda other: (cost(other, moved[other] + 1), other))
-            if cost(target, moved[target] + 1) > makespan * (1 + 1e-9):
+            if cost(target, moved[target] + 1) > bound:
                 break
             moved[index] -= 1
             moved[target] += 1

@@ -17,7 +17,7 @@ from resilientjob.operator._failslow import (
     slowed_step_time,
     topology_plan,
 )
-from resilientjob.operator._failslow_plans import drain_floors
+from resilientjob.operator._failslow_plans import DRAIN_MARGIN, drain_floors
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import uniform_profile
@@ -223,6 +223,35 @@ def test_s2_drains_a_replica_whose_one_micro_batch_would_set_the_pace_and_only_t
     assert not kept.idle_nodes
     # Only a slow node's replica may be drained: the floors keep one micro-batch on the others.
     assert drain_floors(plan, {5: 4.0, 0: 1.0}) == [1, 1, 1, 1, 1, 0]
+
+
+def test_s2_drains_within_its_margin_of_the_best_split_and_keeps_the_replica_past_it() -> None:
+    # The demo's shape: a two-stage pipeline and five whole-model replicas, two micro-batches each, the last
+    # replica slow. Keeping it one micro-batch costs 0.18 x its factor; draining it gives the two-stage
+    # pipeline four (0.45): at x2.45 that is 2% slower than keeping it (0.441), and S2 drains it anyway;
+    # at x2.2 (0.396) draining would be 14% slower, past DRAIN_MARGIN, and S2 keeps it a micro-batch.
+    rows = [[0, 1], [2], [3], [4], [5], [6]]
+    pipelines = tuple(
+        PipelinePlan(
+            stages=tuple(
+                StagePlan(layers=(c * 6 // len(row), (c + 1) * 6 // len(row)), node=node)
+                for c, node in enumerate(row)
+            ),
+            microbatches=2,
+        )
+        for row in rows
+    )
+    cluster = ClusterSpec(nodes=7)
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=pipelines, step_time_s=1.0)
+    near = microbatch_plan(plan, PROFILE, cluster, {6: 2.45}, sync_s=0.0)
+    assert isinstance(near, Plan) and [p.microbatches for p in near.pipelines] == [4, 2, 2, 2, 2, 0]
+    counts = [3, 2, 2, 2, 2, 1]
+    kept = tuple(p.model_copy(update={"microbatches": m}) for p, m in zip(pipelines, counts, strict=True))
+    kept_s = slowed_step_time(plan.model_copy(update={"pipelines": kept}), PROFILE, cluster, {6: 2.45})
+    drained_s = slowed_step_time(near, PROFILE, cluster, {6: 2.45})
+    assert kept_s < drained_s <= kept_s * (1 + DRAIN_MARGIN)
+    far = microbatch_plan(plan, PROFILE, cluster, {6: 2.2}, sync_s=0.0)
+    assert isinstance(far, Plan) and [p.microbatches for p in far.pipelines] == [3, 2, 2, 2, 2, 1]
 
 
 def test_s2_splits_micro_batches_finer_when_whole_ones_cannot_balance_a_mild_slowdown() -> None:
