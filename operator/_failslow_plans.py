@@ -34,13 +34,13 @@ smaller micro-batch's fixed costs (kernel launches, per-message latency) do not 
 
 
 DRAIN_MARGIN = 0.15
-"""S2 drains a slow node's replica when that split is estimated at most this much slower than the best one
-that keeps it a micro-batch (and still faster than the plan now). The estimate scales the slow node's step
+"""How much dearer S2 prices the micro-batches it would leave a slow node when it weighs draining that
+node's replica instead: the part of the estimate it knows least. The estimate scales the slow node's step
 with its micro-batches, but the step's fixed work (the optimizer, the gradient sync's compute) is slowed
-too and does not shrink with them; and a slowdown measured on a busy host reads low (the demo's x4 worker
-read 2.0-3.3x). In the demo, keeping one micro-batch there was estimated 1% and 11% faster than draining
-it, and the job then ran at 1.34x and 1.52x healthy, where drained runs ran at 1.10-1.26x. Drained, the
-node cannot set the job's pace however slow it really is, or becomes."""
+too and does not shrink with them, and a slowdown measured on a busy host reads low (the demo's x4 worker
+read 2.0-3.3x). In the demo a kept micro-batch, estimated 1% and 11% faster than draining, ran the job at
+1.34x and 1.52x healthy where drained runs ran at 1.10-1.26x. A mildly slow node whose kept micro-batches
+stay well inside the step (x1.5 with one of two) is kept: the margin changes nothing there."""
 
 
 def _pipeline_time(
@@ -158,8 +158,13 @@ def _best_split(
     floors = drain_floors(plan, factors)
     counts = balance_monotone(cost, len(plan.pipelines), total, floors)
     best = max(cost(index, count) for index, count in enumerate(counts))
-    # Ties always drain; a margin only while the drained split still beats the plan now.
-    bound = max(best * (1 + 1e-9), min(best * (1 + DRAIN_MARGIN), now_s * (1 - 1e-9)))
+    # Would keeping the slow pipelines still win with their micro-batches priced DRAIN_MARGIN dearer? Ties
+    # always drain; a drain must still beat the plan now.
+    wary = max(
+        cost(index, count) * (1 + DRAIN_MARGIN if floors[index] == 0 and count else 1)
+        for index, count in enumerate(counts)
+    )
+    bound = max(best * (1 + 1e-9), min(wary, now_s * (1 - 1e-9)))
     counts = drain_slow_pipelines(counts, floors, cost, bound)
     return max(cost(index, count) for index, count in enumerate(counts)), counts
 
@@ -168,10 +173,9 @@ def drain_slow_pipelines(
     counts: list[int], floors: list[int], cost: Callable[[int, int], float], bound: float
 ) -> list[int]:
     """`counts` with each pipeline through slow nodes (floor 0) drained, all its micro-batches moved to the
-    others, where no pipeline then takes longer than `bound` (`DRAIN_MARGIN` over the best split's
-    makespan). A slowdown is measured, and on a busy host measured low; a drained node cannot set the
-    job's pace whatever it really costs. All or nothing: a slow node left with less work still gates the
-    step."""
+    others, where no pipeline then takes longer than `bound` (the split's makespan with the slow pipelines
+    priced `DRAIN_MARGIN` dearer). A drained node cannot set the job's pace whatever it really costs. All
+    or nothing: a slow node left with less work still gates the step."""
     counts = list(counts)
     healthy = [index for index, floor in enumerate(floors) if floor > 0]
     for index in (index for index, floor in enumerate(floors) if floor == 0):

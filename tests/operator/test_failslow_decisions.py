@@ -228,8 +228,9 @@ def test_s2_drains_a_replica_whose_one_micro_batch_would_set_the_pace_and_only_t
 def test_s2_drains_within_its_margin_of_the_best_split_and_keeps_the_replica_past_it() -> None:
     # The demo's shape: a two-stage pipeline and five whole-model replicas, two micro-batches each, the last
     # replica slow. Keeping it one micro-batch costs 0.18 x its factor; draining it gives the two-stage
-    # pipeline four (0.45): at x2.2 that is 14% slower than keeping it (0.396), and S2 drains it anyway;
-    # at x2.0 (0.36) draining would be 25% slower, past DRAIN_MARGIN, and S2 keeps it a micro-batch.
+    # pipeline four (0.45). At x2.2 keeping is estimated 14% faster (0.396), but that micro-batch priced
+    # DRAIN_MARGIN dearer (0.455) would set a slower pace than the drain: S2 drains. At x2.0 (0.36, dearer
+    # 0.414) keeping wins either way, and S2 keeps it a micro-batch.
     rows = [[0, 1], [2], [3], [4], [5], [6]]
     pipelines = tuple(
         PipelinePlan(
