@@ -348,18 +348,17 @@ class FailSlowTracker:
             if verdict:
                 latest = self.gate.steps.get(node, report.step)
                 if candidate.confirmed_since is None:
-                    since = clock
-                    if report.kind is SlowKind.COMMUNICATION and candidate.validated:
-                        # The agent's detector verified the slowdown at `detected_at` and the validation
-                        # pass, later, measured the named link or device slow: it has lasted at least
-                        # since the report, which is where its duration counts from (on the agent's
-                        # clock; never later than now).
-                        since = min(clock, report.detected_at)
-                    candidate.confirmed_since, candidate.confirmed_step = since, latest
+                    # The agent's detector verified the slowdown at `detected_at` (and for a communication
+                    # report validation, later, measured the named link or device slow): it has lasted at
+                    # least since then, where its duration counts from (on the agent's clock; never
+                    # later than now). The operator's sweep dates its candidates now.
+                    unvalidated = report.kind is SlowKind.COMMUNICATION and not candidate.validated
+                    candidate.confirmed_since = clock if unvalidated else min(clock, report.detected_at)
+                    candidate.confirmed_step = self._first_window_end(node, report.onset_step, latest)
                     self.changed = True
                 # Persistence is measured in time (the spec) and, for compute, in steps: the level window
-                # must have turned over once while confirmed, so two independent medians agree (one noisy
-                # window on a loaded machine does not open an episode).
+                # must have turned over once since the first one found the node slow, so two independent
+                # medians agree (one noisy window on a loaded machine does not open an episode).
                 turned = report.kind is SlowKind.COMMUNICATION or latest - candidate.confirmed_step >= (
                     self.gate.window if self.spec.min_duration_s > 0 else 0
                 )
@@ -378,6 +377,17 @@ class FailSlowTracker:
                 self.changed = True
                 if not candidate.swept:
                     self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
+
+    def _first_window_end(self, node: int, onset: int, latest: int) -> int:
+        """The last step of the first level window that found `node` slow: the window from its onset
+        when the steps kept still judge it a straggler there, else the one that ends now. A report read
+        some steps after its onset (the agent's detector needs five, the pass comes after) has its first
+        window behind it already, and the second, independent one can follow it at once instead of
+        starting now: one window sooner (the demo's episodes came 11 iterations after the onset)."""
+        end = onset + self.gate.window - 1
+        if end < latest and self.gate.straggler_then(node, onset, end):
+            return end
+        return latest
 
     def _sweep(self, clock: float) -> None:
         """Outside an episode, every node with a full level window is judged by the job-wide rule even

@@ -213,7 +213,7 @@ class StragglerGate:
             return  # a step that was all communication says nothing about compute speed
         samples = self._levels.get(record.node)
         if samples is None:
-            samples = self._levels[record.node] = deque(maxlen=self.fixed_window or MAX_WINDOW)
+            samples = self._levels[record.node] = deque(maxlen=max(self.fixed_window or 0, MAX_WINDOW))
         samples.append((record.step, level))
         self._window = None
 
@@ -223,10 +223,15 @@ class StragglerGate:
         window = self.window
         return list(samples)[-window:] if len(samples) > window else list(samples)
 
-    def level(self, node: int, since_step: int = 0) -> float | None:
+    def level(self, node: int, since_step: int = 0, until_step: int | None = None) -> float | None:
         """The node's recent level (its last `window` steps, those >= since_step) divided by its planned
-        share; None with too few samples."""
-        samples = [level for step, level in self.recent(node) if step >= since_step]
+        share; None with too few samples. With `until_step`, the last `window` of the steps kept in
+        [since_step, until_step] instead: a level as it was then."""
+        if until_step is None:
+            samples = [level for step, level in self.recent(node) if step >= since_step]
+        else:
+            kept = [level for step, level in self._levels.get(node, ()) if since_step <= step <= until_step]
+            samples = kept[-self.window :]
         if len(samples) < self.min_samples:
             return None
         return median(samples) / self.share(node)
@@ -241,6 +246,12 @@ class StragglerGate:
         once per distinct onset, so a machine-wide slowdown that every node reports costs O(N log N) per
         onset, not O(N^2)."""
         return {node: None if found is None else found[0] for node, found in self._judge(candidates).items()}
+
+    def straggler_then(self, node: int, first_step: int, last_step: int) -> bool | None:
+        """`straggler` on the steps [first_step, last_step] only, the other nodes' over the same steps
+        (None when the node has too few of them kept)."""
+        found = self._judge({node: first_step}, until=last_step).get(node)
+        return None if found is None else found[0]
 
     def why_not(self, node: int, since_step: int = 0) -> str:
         """Which part of the rule a node that is no straggler fails, in words for its dismissal."""
@@ -289,9 +300,12 @@ class StragglerGate:
             if verdict is not None and verdict[0] and verdict[1] > verdict[2]  # not a lone node
         }
 
-    def _judge(self, candidates: Mapping[int, int]) -> dict[int, tuple[bool, float, float] | None]:
+    def _judge(
+        self, candidates: Mapping[int, int], until: int | None = None
+    ) -> dict[int, tuple[bool, float, float] | None]:
         """The rule for each node: (straggler, its level, the others' median), or None with too few
-        samples. A one-node job has no others: its reference is its own level and it counts as slow."""
+        samples (`until`: on the steps up to it, as in `level`). A one-node job has no others: its
+        reference is its own level and it counts as slow."""
         verdicts: dict[int, tuple[bool, float, float] | None] = {}
         by_onset: dict[int, list[int]] = {}
         for node, since in candidates.items():
@@ -302,12 +316,12 @@ class StragglerGate:
             everyone = {
                 other: value
                 for other in self._levels
-                if (value := self._level_or_recent(other, since)) is not None
+                if (value := self._level_or_recent(other, since, until)) is not None
             }
             ordered = sorted(everyone.values())
             step_s = self.step_s
             for node in nodes:
-                own = self.level(node, since)
+                own = self.level(node, since, until)
                 if own is None:
                     verdicts[node] = None
                     continue
@@ -328,8 +342,8 @@ class StragglerGate:
         """Seconds per step the node's compute exceeds the others' level by (levels are per planned share)."""
         return (own - reference) * self.share(node)
 
-    def _level_or_recent(self, node: int, since_step: int) -> float | None:
-        level = self.level(node, since_step)
+    def _level_or_recent(self, node: int, since_step: int, until_step: int | None = None) -> float | None:
+        level = self.level(node, since_step, until_step)
         return level if level is not None else self.level(node)
 
     def forget(self, nodes: Iterable[int]) -> None:

@@ -17,7 +17,7 @@ from resilientjob.operator._straggler import (
     window_for,
 )
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
-from resilientjob.protocol.messages import IterationRecord
+from resilientjob.protocol.messages import IterationRecord, SlowKind, SlowReport
 
 
 def test_the_window_grows_with_the_noise_and_shrinks_with_the_margin() -> None:
@@ -144,3 +144,39 @@ def test_step_walls_are_not_divided_by_planned_shares() -> None:
                 IterationRecord(node=node, generation=0, step=step, seconds=seconds, samples=4, sent_at=0)
             )
     assert set(gate.sweep()) == {3}
+
+
+@pytest.mark.parametrize("onset_known", [True, False])
+def test_a_report_read_after_its_onset_confirms_on_the_window_from_the_onset(onset_known: bool) -> None:
+    """The agent's detector reports a change some steps after its onset (five at least, then the pass): the
+    level window from the onset has come already, and the second, independent one follows it at once
+    rather than after the report. A report whose onset the window does not bear out waits as before."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    job = Job(spec, seed=8)
+    job.run(100, {}, noise=0.02)
+    onset = job.step + 1
+    job.run(6, {3: 2.0}, noise=0.02)
+    said = onset if onset_known else onset - 4  # the window from a wrong onset holds healthy steps
+    job.tracker.report(
+        SlowReport(
+            node=3,
+            generation=0,
+            step=job.step,
+            onset_step=said,
+            slowdown=2.0,
+            baseline_s=0.1,
+            level_s=0.2,
+            kind=SlowKind.COMPUTE,
+            detected_at=float(job.step),
+        ),
+        now=float(job.step),
+    )
+    while not job.tracker.active and job.step < onset + 30:
+        job.run(1, {3: 2.0}, noise=0.02)
+    assert job.tracker.active and set(job.tracker.slow) == {3}
+    # Two disjoint windows of 4: from the onset, the second ends at onset + 7; after the first that ends at
+    # the step the report was judged on (onset + 6), at onset + 10.
+    assert job.tracker.gate.window == MIN_WINDOW
+    assert job.step - onset == (7 if onset_known else 10)
