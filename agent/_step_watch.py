@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from resilientjob.planner.failslow import ChangeDetector, ChangeEvent, ChangeKind, DetectorConfig
-from resilientjob.protocol.messages import SlowKind
+from resilientjob.protocol.messages import SlowKind, SlowReport
 
 AGENT_DETECTOR = DetectorConfig(min_change=0.25)
 """Detector settings of a live worker. The level check is 25%, not Falcon's 10%: on a loaded 2-core machine
@@ -49,6 +49,22 @@ class StepChange:
     kind: SlowKind
     onset_step: int
     """The worker's step at the change's first sample."""
+
+    def report(self, node: int, generation: int, step: int, detected_at: float) -> SlowReport:
+        """The report of this change that `node`'s agent sends at `step` of `generation`."""
+        event = self.event
+        return SlowReport(
+            node=node,
+            generation=generation,
+            step=step,
+            onset_step=self.onset_step,
+            slowdown=event.ratio,
+            baseline_s=event.before_s,
+            level_s=event.after_s,
+            kind=self.kind,
+            recovered=event.kind is ChangeKind.RECOVERY,
+            detected_at=detected_at,
+        )
 
 
 class StepWatch:

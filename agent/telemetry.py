@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from resilientjob.planner.failslow import ChangeKind, DetectorConfig
+from resilientjob.planner.failslow import DetectorConfig
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, STREAM_MAXLEN, JobKeys
 from resilientjob.protocol.messages import (
     MAX_PLAN_BYTES,
@@ -56,6 +56,8 @@ __all__ = [
     "PROBE_ROLES",
     "WALL_BLIND_ROLES",
     "WARMUP_STEPS",
+    "StepChange",
+    "StepWatch",
     "Telemetry",
     "queue_beat",
 ]
@@ -230,19 +232,7 @@ class Telemetry:
         return None if change is None else await self._report(generation, step, change)
 
     async def _report(self, generation: int, step: int, change: StepChange) -> SlowReport:
-        event = change.event
-        report = SlowReport(
-            node=self.node,
-            generation=generation,
-            step=step,
-            onset_step=change.onset_step,
-            slowdown=event.ratio,
-            baseline_s=event.before_s,
-            level_s=event.after_s,
-            kind=change.kind,
-            recovered=event.kind is ChangeKind.RECOVERY,
-            detected_at=time.time(),
-        )
+        report = change.report(self.node, generation, step, time.time())
         await self._send(self.keys.reports, encode(report), keep=True)
         SLOW_REPORTS.labels(report.kind).inc()
         return report

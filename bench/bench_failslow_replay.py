@@ -15,7 +15,7 @@ live operator computes them from the plan and the profile: a node persistently s
 is hidden here, so the healthy counts are a floor).
 
 `--redetect` replaces the recorded agents' reports with those the agents' detection as committed makes
-on the same steps (`agent._step_watch.StepWatch`, fed each node's step and compute times in send order):
+on the same steps (`agent.telemetry.StepWatch`, fed each node's step and compute times in send order):
 how a change in that detection would have done on the recorded runs.
 
 Usage: .venv/bin/python bench/bench_failslow_replay.py --healthy H.json ... --slowed S.json ... [--redetect]
@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from resilientjob.agent._step_watch import StepWatch
+from resilientjob.agent.telemetry import StepWatch
 from resilientjob.operator._failslow import FailSlowTracker, FindingKind
 from resilientjob.operator.api import FailSlowSpec
-from resilientjob.planner.failslow import ChangeKind
 from resilientjob.protocol.messages import IterationRecord, SlowReport
 
 
@@ -68,21 +67,7 @@ def redetected_reports(records: list[IterationRecord]) -> list[SlowReport]:
         change = watch.feed(record.step, 0, record.seconds, record.compute_s)
         if change is None:
             continue
-        event = change.event
-        reports.append(
-            SlowReport(
-                node=record.node,
-                generation=0,
-                step=record.step,
-                onset_step=change.onset_step,
-                slowdown=event.ratio,
-                baseline_s=event.before_s,
-                level_s=event.after_s,
-                kind=change.kind,
-                recovered=event.kind is ChangeKind.RECOVERY,
-                detected_at=record.sent_at,
-            )
-        )
+        reports.append(change.report(record.node, 0, record.step, record.sent_at))
     return reports
 
 

@@ -249,7 +249,7 @@ class ChangeDetector:
         if self._prior_mu is None:
             self._prior_mu = y.copy()
         _bocd_step(y, self._prior_mu, self._mass, self._mu, self._beta, self._k, self.config.prior_beta)
-        onset = t - _candidate_runs(self._mass[None, :], self.config)[0]
+        onset = t - int(_candidate_runs(self._mass[None, :], self.config)[0])
         if onset > t or onset <= self._last_onset:
             return None
         start = max(self._last_onset, onset - self.config.baseline)

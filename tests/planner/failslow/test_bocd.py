@@ -159,6 +159,7 @@ def test_a_noisy_slowdown_bocd_never_confirms_while_short_is_verified_later() ->
     events = ChangeDetector(config).detect(DEMO_X4_COMPUTE)
     slowdown = next(e for e in events if e.index >= onset - 1)
     assert slowdown.kind is ChangeKind.SLOWDOWN and slowdown.index <= onset + 1
+    assert type(slowdown.index) is int  # JSON-able (`rjob detect --json`)
     assert slowdown.detected_at - onset <= 10
     matrix = np.array(DEMO_X4_COMPUTE)[:, None]
     assert [event for _, event in BatchDetector(1, config).detect(matrix)] == events
