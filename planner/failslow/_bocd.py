@@ -10,7 +10,8 @@ statistics of the most recent `max_run` samples, so memory is bounded and each s
 Conventions. Bucket j holds the hypothesis "the current segment has n = j + 1 samples, the newest included",
 i.e. run length r = j. A change point before x_t scores x_t under the prior predictive, so a level shift moves
 mass onto r = 0 at once. A candidate change is reported when P(r < window) >= threshold (Falcon: 0.9); the
-candidate onset is the most probable short run's first sample.
+candidate onset is the most probable short run's first sample. A change that never reached the threshold
+while short gets a later chance: the most probable run, while one to two windows long (`_candidate_runs`).
 
 Spikes. BOCD is fed the running median of the last three samples (`despike`): a one-iteration spike would
 otherwise open a segment of its own whose inflated variance absorbs a real change that follows within a few
