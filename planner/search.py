@@ -373,6 +373,8 @@ class _Replanner:
         except ImportError:
             return _Option(policy, None, time.perf_counter() - started, 0.0, "pipeline templates unavailable")
         search_s = time.perf_counter() - started
+        if self.costs.search_s is not None:
+            search_s = self.costs.search_s
         transition = search_s + self.costs.detection_s + fixed
         return _Option(policy, plan, search_s, transition, reason)
 

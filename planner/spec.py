@@ -79,6 +79,14 @@ class TransitionCosts(BaseModel):
     checkpoint_save_s: float = Field(default=30.0, ge=0, description="Writing one checkpoint.")
     checkpoint_interval_s: float = Field(default=1800.0, gt=0, description="Time between checkpoints.")
     detection_s: float = Field(default=2.0, ge=0, description="From a failure to the operator knowing it.")
+    search_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="The planner's own search time in each candidate's transition. None measures it; a "
+        "figure makes the choice among candidates reproducible (measured, two candidates with the same "
+        "layout are told apart by a millisecond of search, whichever the host ran faster).",
+    )
 
 
 class CheckpointState(BaseModel):

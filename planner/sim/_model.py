@@ -78,7 +78,8 @@ class SimCosts(BaseModel):
         allow_inf_nan=False,
         description="Planning time charged per replan. None charges the real planner's measured "
         "`plan.planning_s` (the first time a plan is computed; cached plans keep that measurement); a "
-        "number makes runs bit-for-bit reproducible across processes.",
+        "number, which also stands for the search in the planner's choice (`TransitionCosts.search_s`), "
+        "makes runs bit-for-bit reproducible across processes.",
     )
     restart_policy_checkpoint_interval_s: float | None = Field(
         default=None,

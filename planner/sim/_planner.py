@@ -2,8 +2,10 @@
 
 Plans are cached by (the plan being replaced, nodes failed, nodes joined, policy) for one (profile, cluster,
 job, costs) context. The cache is sound because the planner is deterministic in those inputs: the same
-current plan and the same change always give the same new plan. Its measured `planning_s` is the one taken
-when the plan was first computed; runs of many seeds share a cache and so share those measurements.
+current plan and the same change always give the same new plan, but for a tie of two candidates of one
+layout, which their measured search times break unless `costs.search_s` fixes them. Its measured
+`planning_s` is the one taken when the plan was first computed; runs of many seeds share a cache and so
+share those measurements.
 """
 
 from __future__ import annotations

@@ -86,13 +86,15 @@ class PlannerPool:
         self._profiles: list[ModelProfile] = []  # keeps profiles alive so their ids stay unique
 
     def get(self, scenario: Scenario, cluster: ClusterSpec) -> CachedPlanner:
-        key = (id(scenario.profile), cluster, scenario.job, scenario.costs.transition)
+        costs = scenario.costs.transition
+        if scenario.costs.planning_s is not None:
+            # A fixed planning time stands for the search in the planner's choice too, as in the pause.
+            costs = costs.model_copy(update={"search_s": scenario.costs.planning_s})
+        key = (id(scenario.profile), cluster, scenario.job, costs)
         cached = self._caches.get(key)
         if cached is None:
             self._profiles.append(scenario.profile)
-            cached = CachedPlanner(
-                self.planner, scenario.profile, cluster, scenario.job, scenario.costs.transition
-            )
+            cached = CachedPlanner(self.planner, scenario.profile, cluster, scenario.job, costs)
             self._caches[key] = cached
         return cached
 

@@ -270,6 +270,21 @@ def test_transition_times_add_up() -> None:
             )
 
 
+def test_a_fixed_search_time_makes_the_choice_reproducible() -> None:
+    """Measured, the search time told apart two candidates of one layout by a millisecond, whichever the host
+    ran faster (`rjob simulate --planning-s` gave two results in CI). `TransitionCosts.search_s` fixes it."""
+    profile = uniform_profile(8)
+    cluster = ClusterSpec(nodes=8, inter_node_bandwidth=1e9)
+    job = JobSpec(global_batch=64, microbatch_size=1, fault_tolerance=1)
+    costs = TransitionCosts(restart_s=40, detection_s=3, checkpoint_load_s=500, search_s=0.25)
+    current = _grid(4, 2, 8, 16)
+    plans = [replan(current, profile, cluster, job, failed=[3], costs=costs) for _ in range(2)]
+    assert plans[0].candidates == plans[1].candidates
+    assert plans[0].policy == plans[1].policy
+    reroute = _candidate(plans[0], Policy.REROUTE)
+    assert reroute.transition_s == 3 + 0.25  # no restart, no copy: detection and the fixed search alone
+
+
 def test_score_is_eq8() -> None:
     assert score(100, 2.0, 10.0, math.inf) == 50.0
     assert score(100, 2.0, 10.0, 40.0) == pytest.approx(50.0 * 30 / 40)
