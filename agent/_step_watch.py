@@ -49,6 +49,8 @@ class StepChange:
     kind: SlowKind
     onset_step: int
     """The worker's step at the change's first sample."""
+    slowed_s: float = 0.0
+    """Seconds the worker's steps took from the onset through the step that revealed the change."""
 
     def report(self, node: int, generation: int, step: int, detected_at: float) -> SlowReport:
         """The report of this change that `node`'s agent sends at `step` of `generation`."""
@@ -64,6 +66,7 @@ class StepChange:
             kind=self.kind,
             recovered=event.kind is ChangeKind.RECOVERY,
             detected_at=detected_at,
+            slowed_s=self.slowed_s,
         )
 
 
@@ -84,6 +87,7 @@ class StepWatch:
         self._first_computes: list[float] = []  # the role's first `baseline`: its probe's first level
         # The latest, for `_compute_moved`: bounded, as a job runs for millions of steps.
         self._computes: deque[float] = deque(maxlen=2 * self.config.history)
+        self._walls: deque[tuple[int, float]] = deque(maxlen=2 * self.config.history)  # (step, seconds)
         self._fed = 0  # compute samples fed to the current detector
         self._first_step = step + self.warmup  # the step fed first to the current detectors
         self._skipped = 0
@@ -101,6 +105,7 @@ class StepWatch:
         onset. Without it the wall alone is watched and a change is reported as compute."""
         if role != self.role:
             self._restart(step, role)
+        self._walls.append((step, seconds))
         if self._skipped < self.warmup:
             self._skipped += 1
             return None
@@ -125,7 +130,10 @@ class StepWatch:
         return self._change(wall_event, SlowKind.COMMUNICATION)
 
     def _change(self, event: ChangeEvent, kind: SlowKind) -> StepChange:
-        return StepChange(event, kind, self._first_step + event.index)
+        onset = self._first_step + event.index
+        # How long the change has lasted: the operator times `minDurationS` from its onset, not from now.
+        lasted = math.fsum(seconds for step, seconds in self._walls if step >= onset)
+        return StepChange(event, kind, onset, lasted)
 
     def _probe_recovery(self, event: ChangeEvent) -> ChangeEvent | None:
         """A probe's change as it counts: a recovery only when the level falls under the probe's first level

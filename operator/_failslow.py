@@ -6,10 +6,10 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 
 1. A report is a *candidate*, not yet an episode. A compute report must be confirmed by the job-wide rule
    of `_straggler` (the node's level against the other nodes', so noise on every node is no straggler)
-   continuously for `min_duration_s` and for a whole level window of new steps (with `min_duration_s` 0,
-   at once). One check that finds it within the threshold dismisses it (its level counts only steps from
-   its onset, so this is the evidence of the change itself), as does `CANDIDATE_TTL_S` without enough steps
-   to judge.
+   continuously for `min_duration_s` since the change's onset (`slowed_since`) and over two disjoint
+   level windows of steps (with `min_duration_s` 0, at once). One check that finds it within the threshold
+   dismisses it (its level counts only steps from its onset, so this is the evidence of the change
+   itself), as does `CANDIDATE_TTL_S` without enough steps to judge.
    A communication report asks for a validation pass (`validation_wanted`; `_failslow_validation`): suspects
    are the reporter and the nodes of the groups its profiles flag. The result names slow links (S3 a moves
    them off the data-parallel path) and slow devices (compute stragglers); a result that finds nothing
@@ -348,12 +348,13 @@ class FailSlowTracker:
             if verdict:
                 latest = self.gate.steps.get(node, report.step)
                 if candidate.confirmed_since is None:
-                    # The agent's detector verified the slowdown at `detected_at` (and for a communication
-                    # report validation, later, measured the named link or device slow): it has lasted at
-                    # least since then, where its duration counts from (on the agent's clock; never
-                    # later than now). The operator's sweep dates its candidates now.
-                    unvalidated = report.kind is SlowKind.COMMUNICATION and not candidate.validated
-                    candidate.confirmed_since = clock if unvalidated else min(clock, report.detected_at)
+                    # The agent's detector verified the slowdown (and for a communication report
+                    # validation, later, measured the named link or device slow): it has lasted since its
+                    # onset, where its duration counts from (on the agent's clock; never later than now).
+                    # The operator's sweep, which found no onset, dates its candidates now.
+                    unproven = report.kind is SlowKind.COMMUNICATION and not candidate.validated
+                    since = clock if unproven or candidate.swept else slowed_since(report)
+                    candidate.confirmed_since = min(clock, since)
                     candidate.confirmed_step = self._first_window_end(node, report.onset_step, latest)
                     self.changed = True
                 # Persistence is measured in time (the spec) and, for compute, in steps: the level window
@@ -714,6 +715,17 @@ class FailSlowTracker:
         self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
         self.rung_check.resume(state.get("rung_check"))
         self.changed = False
+
+
+def slowed_since(report: SlowReport) -> float:
+    """When `report`'s slowdown began, on its agent's clock: its detection less the time its worker's steps
+    took since the onset (`slowed_s`), or from an agent that does not measure it, less the steps since the
+    onset at the level it reported (all but the last: a level is the steps' median, and a step lasts at
+    least its compute). `min_duration_s` counts from there, not from the detection: the detector's
+    verifying steps are the slowdown's too (the demo's x4 episodes waited a second past the detection, five
+    more slowed steps)."""
+    lasted = report.slowed_s or max(0, report.step - report.onset_step) * report.level_s
+    return report.detected_at - lasted
 
 
 def _event(report: SlowReport, detected_at: int) -> ChangeEvent:

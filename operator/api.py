@@ -183,7 +183,11 @@ class FailSlowSpec(_Api):
         "(each scaled by its planned share of the work), for at least minDurationS.",
     )
     min_duration_s: float = Field(
-        default=5.0, ge=0, le=86400, description="Ignore slowdowns shorter than this (seconds)."
+        default=5.0,
+        ge=0,
+        le=86400,
+        description="Ignore slowdowns shorter than this (seconds), timed from the onset the worker's "
+        "change-point detector found.",
     )
     validation_timeout_s: float = Field(
         default=30.0,

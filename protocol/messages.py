@@ -136,6 +136,14 @@ class SlowReport(_Message):
     kind: SlowKind = SlowKind.COMPUTE
     recovered: bool = False
     detected_at: float = Field(ge=0, allow_inf_nan=False)
+    slowed_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=86400 * 365,
+        allow_inf_nan=False,
+        description="Seconds the worker's steps took from `onset_step` through `step`: how long the change "
+        "had lasted when it was reported (0: not measured).",
+    )
 
 
 class PlanAnnouncement(_Message):

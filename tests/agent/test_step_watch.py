@@ -42,6 +42,11 @@ def test_after_a_long_run_a_change_is_dated_and_owned_right(slowed: str) -> None
     assert step - change.onset_step <= 10
     assert change.kind is (SlowKind.COMMUNICATION if slowed == "wall" else SlowKind.COMPUTE)
     assert change.event.ratio == pytest.approx(2.0 if slowed == "wall" else 3.0, rel=0.05)
+    # How long it had lasted when reported: the walls from its onset through the step that revealed it
+    # (the operator times `minDurationS` from the onset).
+    lasted = walls[change.onset_step - 100 : step - 100 + 1].sum()
+    assert change.slowed_s == pytest.approx(lasted)
+    assert change.report(3, 0, step, 1e9).slowed_s == change.slowed_s
 
 
 def test_a_new_role_starts_over_after_its_warm_up() -> None:

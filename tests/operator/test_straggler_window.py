@@ -180,3 +180,41 @@ def test_a_report_read_after_its_onset_confirms_on_the_window_from_the_onset(ons
     # the step the report was judged on (onset + 6), at onset + 10.
     assert job.tracker.gate.window == MIN_WINDOW
     assert job.step - onset == (7 if onset_known else 10)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_min_duration_counts_from_the_onset_the_agent_measured(measured: bool) -> None:
+    """A report comes five slowed steps after its onset: those steps are the slowdown's, and its
+    `min_duration_s` counts from the onset, not from the detection: here 9 s (steps) from the onset, not
+    from the report. The onset is the detection less the time the agent measured its steps took since
+    (`slowed_s`), or, from an agent that does not measure it, less those steps at the reported level."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.5, min_duration_s=9.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    job = Job(spec, seed=8)
+    job.run(100, {}, noise=0.02)
+    onset = job.step + 1
+    job.run(5, {3: 2.0}, noise=0.02)
+    job.tracker.report(
+        SlowReport(
+            node=3,
+            generation=0,
+            step=job.step,
+            onset_step=onset,
+            slowdown=2.0,
+            baseline_s=0.5,
+            # The job's clock runs a second a step; a compute level is shorter than the step.
+            level_s=0.3 if measured else 1.0,
+            kind=SlowKind.COMPUTE,
+            detected_at=float(job.step),
+            slowed_s=5.0 if measured else 0.0,
+        ),
+        now=float(job.step),
+    )
+    while not job.tracker.active and job.step < onset + 30:
+        job.run(1, {3: 2.0}, noise=0.02)
+    assert job.tracker.active and set(job.tracker.slow) == {3}
+    # The onset's step began at clock onset - 1: the agent measured that (five steps, 5 s, by the report at
+    # onset + 4); the level counts the steps since the onset's (4 s). The step rule alone opens at onset + 7
+    # (two windows of 4); 9 s after the detection would be onset + 13.
+    assert job.step - onset == (8 if measured else 9)
