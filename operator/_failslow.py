@@ -26,6 +26,10 @@ and slow nodes; the tracker's slow nodes, links, candidates and the outstanding 
 stores it in Redis whenever it changes and `restore()`s it in a restarted operator, so an episode goes on
 at the level it reached and no decision is repeated. The healthy plan to restore travels in the committed
 plan announcement.
+
+Why this module is past 600 lines: it is one state machine, whose inputs, candidates, episode and stored
+state share the same fields; what can be judged apart from them is apart already (`_straggler`,
+`_failslow_job`, `_failslow_validation`, `_failslow_rungs`, `_failslow_plans`, `_failslow_types`).
 """
 
 from __future__ import annotations
