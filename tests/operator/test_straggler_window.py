@@ -146,19 +146,24 @@ def test_step_walls_are_not_divided_by_planned_shares() -> None:
     assert set(gate.sweep()) == {3}
 
 
-@pytest.mark.parametrize("onset_known", [True, False])
-def test_a_report_read_after_its_onset_confirms_on_the_window_from_the_onset(onset_known: bool) -> None:
-    """The agent's detector reports a change some steps after its onset (five at least, then the pass): the
-    level window from the onset has come already, and the second, independent one follows it at once
-    rather than after the report. A report whose onset the window does not bear out waits as before."""
+def _node_3_slowed(min_duration_s: float, steps: int) -> tuple[Job, int]:
+    """A quiet job (one second a step on the tracker's clock) whose node 3 has run `steps` steps at 2x;
+    returns it and the slowdown's onset step."""
     spec = FailSlowSpec(
-        slowdown_threshold=1.5, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+        slowdown_threshold=1.5,
+        min_duration_s=min_duration_s,
+        overheads=StrategyOverheads(microbatch_s=1000.0),
     )
     job = Job(spec, seed=8)
     job.run(100, {}, noise=0.02)
     onset = job.step + 1
-    job.run(6, {3: 2.0}, noise=0.02)
-    said = onset if onset_known else onset - 4  # the window from a wrong onset holds healthy steps
+    job.run(steps, {3: 2.0}, noise=0.02)
+    return job, onset
+
+
+def _report_and_open(job: Job, onset: int, *, said: int, level_s: float, slowed_s: float = 0.0) -> int:
+    """Node 3's agent reports its slowdown now (dated from `said`); the steps from the onset until the
+    episode opens."""
     job.tracker.report(
         SlowReport(
             node=3,
@@ -166,20 +171,31 @@ def test_a_report_read_after_its_onset_confirms_on_the_window_from_the_onset(ons
             step=job.step,
             onset_step=said,
             slowdown=2.0,
-            baseline_s=0.1,
-            level_s=0.2,
+            baseline_s=level_s / 2,
+            level_s=level_s,
             kind=SlowKind.COMPUTE,
             detected_at=float(job.step),
+            slowed_s=slowed_s,
         ),
         now=float(job.step),
     )
     while not job.tracker.active and job.step < onset + 30:
         job.run(1, {3: 2.0}, noise=0.02)
     assert job.tracker.active and set(job.tracker.slow) == {3}
+    assert job.tracker.gate.window == MIN_WINDOW
+    return job.step - onset
+
+
+@pytest.mark.parametrize("onset_known", [True, False])
+def test_a_report_read_after_its_onset_confirms_on_the_window_from_the_onset(onset_known: bool) -> None:
+    """The agent's detector reports a change some steps after its onset (five at least, then the pass): the
+    level window from the onset has come already, and the second, independent one follows it at once
+    rather than after the report. A report whose onset the window does not bear out waits as before."""
+    job, onset = _node_3_slowed(min_duration_s=1.0, steps=6)
+    said = onset if onset_known else onset - 4  # the window from a wrong onset holds healthy steps
     # Two disjoint windows of 4: from the onset, the second ends at onset + 7; after the first that ends at
     # the step the report was judged on (onset + 6), at onset + 10.
-    assert job.tracker.gate.window == MIN_WINDOW
-    assert job.step - onset == (7 if onset_known else 10)
+    assert _report_and_open(job, onset, said=said, level_s=0.2) == (7 if onset_known else 10)
 
 
 @pytest.mark.parametrize("measured", [True, False])
@@ -188,33 +204,12 @@ def test_min_duration_counts_from_the_onset_the_agent_measured(measured: bool) -
     `min_duration_s` counts from the onset, not from the detection: here 9 s (steps) from the onset, not
     from the report. The onset is the detection less the time the agent measured its steps took since
     (`slowed_s`), or, from an agent that does not measure it, less those steps at the reported level."""
-    spec = FailSlowSpec(
-        slowdown_threshold=1.5, min_duration_s=9.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    job, onset = _node_3_slowed(min_duration_s=9.0, steps=5)
+    # The job's clock runs a second a step; a compute level is shorter than the step. The onset's step
+    # began at clock onset - 1: the agent measured that (five steps, 5 s, by the report at onset + 4); the
+    # level counts the steps since the onset's (4 s). The step rule alone opens at onset + 7 (two windows
+    # of 4); 9 s after the detection would be onset + 13.
+    opened = _report_and_open(
+        job, onset, said=onset, level_s=0.3 if measured else 1.0, slowed_s=5.0 if measured else 0.0
     )
-    job = Job(spec, seed=8)
-    job.run(100, {}, noise=0.02)
-    onset = job.step + 1
-    job.run(5, {3: 2.0}, noise=0.02)
-    job.tracker.report(
-        SlowReport(
-            node=3,
-            generation=0,
-            step=job.step,
-            onset_step=onset,
-            slowdown=2.0,
-            baseline_s=0.5,
-            # The job's clock runs a second a step; a compute level is shorter than the step.
-            level_s=0.3 if measured else 1.0,
-            kind=SlowKind.COMPUTE,
-            detected_at=float(job.step),
-            slowed_s=5.0 if measured else 0.0,
-        ),
-        now=float(job.step),
-    )
-    while not job.tracker.active and job.step < onset + 30:
-        job.run(1, {3: 2.0}, noise=0.02)
-    assert job.tracker.active and set(job.tracker.slow) == {3}
-    # The onset's step began at clock onset - 1: the agent measured that (five steps, 5 s, by the report at
-    # onset + 4); the level counts the steps since the onset's (4 s). The step rule alone opens at onset + 7
-    # (two windows of 4); 9 s after the detection would be onset + 13.
-    assert job.step - onset == (8 if measured else 9)
+    assert opened == (8 if measured else 9)
