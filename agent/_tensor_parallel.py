@@ -18,7 +18,10 @@ shard locally and no communication is needed; the same holds for a layer rebuilt
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup
@@ -73,6 +76,19 @@ def tp_degree(plan: Plan) -> int:
                         "rerouting runs one device per stage (use the dynamic policy)",
                     )
     return degree
+
+
+def stage_groups(stages: int, degree: int, timeout_s: float) -> list[ProcessGroup]:
+    """The process group of each of `stages` stages' `degree` lanes (world ranks `slot * degree + j`),
+    created by every rank, as `new_group` requires. Each times out after `timeout_s`, not torch's 30
+    minutes: a stage's lanes can part at a wait between nodes (a dead peer's lane 1 sent before it died,
+    its lane 0 did not), and the lane left waiting in a tensor-parallel collective must give up as its
+    peer did, not hold the whole job (`runtime`'s module docstring)."""
+    timeout = timedelta(seconds=timeout_s)
+    return [
+        dist.new_group(ranks=[slot * degree + lane for lane in range(degree)], timeout=timeout)
+        for slot in range(stages)
+    ]
 
 
 def stage_mesh(group: ProcessGroup, device: str) -> DeviceMesh:

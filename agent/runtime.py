@@ -65,7 +65,7 @@ from ._runtime_commit import (
 from ._runtime_grads import GradientSync
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
-from ._tensor_parallel import shard_layer, stage_mesh, tp_degree
+from ._tensor_parallel import shard_layer, stage_groups, stage_mesh, tp_degree
 from .data import SampleOrder, TokenDataset
 from .hooks import StepHooks
 from .models import ModelSpec, lm_loss
@@ -358,11 +358,8 @@ class Trainer:
         if self.joining:
             self.step, self.joining = agreed, False
         if k > 1:
-            for slot, node in enumerate(nodes):
-                # Every rank takes part in creating every node's stage group, as `new_group` requires. Its
-                # timeout is the collective timeout, not the 30-minute default: see the module docstring.
-                lanes = [slot * k + j for j in range(k)]
-                group = dist.new_group(ranks=lanes, timeout=timedelta(seconds=self.collective_timeout_s))
+            groups = stage_groups(len(nodes), k, self.collective_timeout_s)
+            for node, group in zip(nodes, groups, strict=True):
                 if node == self.node:
                     self._tp_groups.append(group)
                     self._mesh = stage_mesh(group, self.device)

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tracing import run_gloo
 
 from resilientjob.agent._tensor_parallel import (
     _deinterleave,
     _interleave,
     full_parameters,
     shard_layer,
+    stage_groups,
     tp_degree,
 )
 from resilientjob.agent.data import SampleOrder
@@ -264,3 +266,36 @@ def test_failure_beyond_f_restarts_every_shard_from_the_checkpoint(
     assert sorted(result.losses) == list(range(steps))
     for step in range(steps):
         assert result.losses[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def _lane_left_waiting(rank: int, world: int) -> float | str:
+    """Two nodes' stages of two lanes each. Lane 0 of node 1 (rank 2) has given the step up; lane 1 (rank 3)
+    waits for it in a tensor-parallel collective: the seconds until that wait fails."""
+    import time
+
+    import torch.distributed as dist
+
+    groups = stage_groups(stages=2, degree=2, timeout_s=2.0)
+    mine = groups[rank // 2]
+    if rank != 3:
+        time.sleep(8.0)  # rank 2 never joins the collective; the others outlive rank 3's wait
+        return "not waiting"
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=mine)
+    except RuntimeError:
+        return time.monotonic() - began
+    return "the collective completed without its peer"
+
+
+def test_a_lane_left_in_a_tensor_parallel_collective_gives_up_after_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    """A stage's lanes can part at a wait between nodes (a dead peer's lane 1 sent, its lane 0 did not).
+    The lane left in a tensor-parallel collective gives up after the job's collective timeout, as its
+    peer did; under torch's default of 30 minutes it held the whole job."""
+    results = run_gloo(tmp_path, 4, _lane_left_waiting)
+    assert results[:3] == ["not waiting"] * 3
+    waited = results[3]
+    assert isinstance(waited, float), waited
+    assert 1.5 <= waited < 7.0
