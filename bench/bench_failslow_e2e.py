@@ -333,11 +333,24 @@ def timeline(
     return [(k * bucket_s, (max(v) - min(v) + 1) / bucket_s) for k, v in sorted(buckets.items())]
 
 
-def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> dict[str, Any]:
+PATIENCE_S = 600.0
+"""How long after its order the compute scenario waits at most for the detection, the episode and the
+mitigation together (`--patience`)."""
+
+
+def scenario_compute(
+    stack: Stack, factor: float = 1.5, slow_node: int = 1, patience_s: float = PATIENCE_S
+) -> dict[str, Any]:
     wait(lambda: stack.step(0) >= 40, 300, "40 healthy steps")
     healthy = measure(stack, 0, 30, "healthy")
     generation = stack.plan().generation if stack.plan() else 0
     injected = stack.slow(slow_node, factor)  # the worker's watcher reads the order within 0.25 s
+    # An order that costs the job less than its threshold rightly opens no episode: after `patience_s`
+    # the run ends with what it measured (the job's slowdown above all) instead of nothing.
+    give_up = time.monotonic() + patience_s
+
+    def within(timeout_s: float) -> float:
+        return max(0.0, min(timeout_s, give_up - time.monotonic()))
 
     def detected() -> SlowReport | None:
         found = [r for r in stack.reports() if r.node == slow_node and r.detected_at >= injected]
@@ -346,9 +359,14 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
 
     # Either path may see it first: the worker's own detector (a SlowReport) or the operator (its sweep of
     # the job-wide rule, or the job-level trigger, open an episode without a report of that node).
-    wait(lambda: detected() or stack.episode(), 300, f"a SlowReport from node {slow_node} or an episode")
+    with contextlib.suppress(TimeoutError):
+        wait(
+            lambda: detected() or stack.episode(),
+            within(300),
+            f"a report from node {slow_node} or an episode",
+        )
     try:
-        wait(stack.episode, 120, "the operator's episode")
+        wait(stack.episode, within(120), "the operator's episode")
         opened_at: float | None = time.time()
     except TimeoutError:
         opened_at = None
@@ -359,7 +377,7 @@ def scenario_compute(stack: Stack, factor: float = 1.5, slow_node: int = 1) -> d
         return plan if plan is not None and plan.generation > generation else None
 
     try:
-        new = wait(mitigated, 180 if opened_at is not None else 10, "a mitigation plan")
+        new = wait(mitigated, within(180) if opened_at is not None else 10, "a mitigation plan")
     except TimeoutError:
         new = None
     mitigated_at = time.time()
@@ -798,6 +816,13 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=1.5, help="compute: the slowdown ordered")
     parser.add_argument("--slow-node", type=int, default=1, help="compute: the node slowed")
     parser.add_argument(
+        "--patience",
+        type=float,
+        default=PATIENCE_S,
+        help="compute: seconds after the order to wait at most for the episode and its mitigation; then "
+        "the run reports what it measured (an order under the job's threshold opens none)",
+    )
+    parser.add_argument(
         "--threshold", type=float, default=None, help="override the job's failSlow.slowdownThreshold"
     )
     parser.add_argument(
@@ -830,6 +855,8 @@ def main() -> None:
         )
     if args.micro_batch_size < 1 or MICROBATCHES_PER_NODE % args.micro_batch_size:
         parser.error(f"--micro-batch-size: must divide {MICROBATCHES_PER_NODE}, got {args.micro_batch_size}")
+    if not args.patience > 0:
+        parser.error(f"--patience: must be > 0, got {args.patience}")
     if not 1 <= args.split <= 8:
         parser.error(f"--split: must be in [1, 8], got {args.split}")
     if args.manifest is not None and args.split != 1:
@@ -853,7 +880,7 @@ def main() -> None:
             stack.rjob("apply", "-f", str(path))
             began = time.time()
             if args.scenario == "compute":
-                result = scenario_compute(stack, args.factor, args.slow_node)
+                result = scenario_compute(stack, args.factor, args.slow_node, args.patience)
             elif args.scenario == "link":
                 result = scenario_link(stack, nodes)
             elif args.scenario == "mixed":
