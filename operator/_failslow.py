@@ -292,16 +292,22 @@ class FailSlowTracker:
             self.changed = True
 
     def _factors(self, action: Action) -> dict[int, float]:
-        """The slow nodes a rung acts on, each as slow as its compute level per planned share now is against
-        the other nodes' since the episode's onset (where the levels have it: not a drained or parked node's),
-        else as its report said. A report's slowdown is its detector's first reading (the demo's x4 worker
-        was reported 1.9x, measured 4.2x when S2 came, and S2 left it a micro-batch that set the job's
-        pace). S2 fixes compute only (Falcon Table 3): the ends of slow links are left out of its balance
-        (their compute is healthy), unless the episode has no other slow node."""
+        """The slow nodes a rung acts on, each as slow as the larger of two measures: its compute level per
+        planned share now against the other nodes' since the episode's onset (where the levels have it:
+        not a drained or parked node's), and the slowdown that opened the episode (its own compute against
+        its own baseline). A report's slowdown is its detector's first reading, and a slowdown can grow:
+        the demo's x4 worker was reported 1.9x, measured 4.2x when S2 came, and S2 left it a micro-batch
+        that set the job's pace. The comparison with the others rests on the planned shares, which can
+        misstate what a node computes beside its peers (CPU workers on shared cores: the demo's
+        whole-model replicas compute 0.9x their planned share against the half-model stages'); a 2x order
+        there read 1.0x against the others while its compute had risen 1.49x, and S2 found "the current
+        split already the best" for an episode it had opened. S2 fixes compute only (Falcon Table 3): the
+        ends of slow links are left out of its balance (their compute is healthy), unless the episode has
+        no other slow node."""
         compute = self._compute_slow()
         since = self._steps[0] if self._steps is not None else 0
         now = self.gate.ratios(dict.fromkeys(compute, since)) if compute else {}
-        factors = {node: max(1.0, now.get(node) or factor) for node, factor in self.slow.items()}
+        factors = {node: max(1.0, now.get(node) or 0.0, factor) for node, factor in self.slow.items()}
         if action is not Action.MICROBATCH or not self.links:
             return factors
         return {node: factor for node, factor in factors.items() if node in compute} or factors

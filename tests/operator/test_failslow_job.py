@@ -6,9 +6,10 @@ slowdown and a long noisy healthy run open nothing."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from resilientjob.operator._failslow import FailSlowTracker, FindingKind
-from resilientjob.operator.api import FailSlowSpec
+from resilientjob.operator._failslow import Action, FailSlowTracker, FindingKind
+from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.protocol.messages import IterationRecord, SlowKind
 
 NODES = 8
@@ -142,3 +143,48 @@ def test_thirty_minutes_healthy_with_heavy_jitter_open_no_episode() -> None:
         assert _run(tracker, range(start, start + 199), rng, jitter=0.1) is None
         assert _run(tracker, range(start + 199, start + 200), rng, wall=WALL_S * 2.5, jitter=0.1) is None
     assert not tracker.active
+
+
+def test_the_first_rung_weighs_the_node_by_its_own_rise_when_the_shares_hide_it() -> None:
+    # The demo job on shared CPU cores: worker 7 computes 0.5x its peers per planned share when healthy (the
+    # plan's shares misstate what it computes), so its 2x order leaves it at 1.0x the others. Its own
+    # compute doubled and explains the job's 1.25x: the job-level trigger opens the episode, and S2 must
+    # weigh node 7 as 2x slow, not as the others' equal (S2 then found "the current split already the best").
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2,
+        min_duration_s=0.5,
+        overheads=StrategyOverheads(microbatch_s=0.05, topology_s=100.0, restart_s=1000.0),
+    )
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(1, dict.fromkeys(range(NODES), 1.0))
+    rng = np.random.default_rng(3)
+    healthy = {7: COMPUTE_S / 2}
+    assert _run(tracker, range(60), rng, compute=healthy) is None
+    slowed = {7: COMPUTE_S}
+    found = _run(tracker, range(60, 200), rng, wall=WALL_S * 1.25, compute=slowed)
+    assert found is not None and set(tracker.slow) == {7} and tracker.active
+    assert 1.7 <= tracker.slow[7] <= 2.3
+    against_peers = tracker.gate.ratios({7: 60})[7]  # what the rung weighed it by before
+    assert against_peers is not None and against_peers <= 1.1
+    decisions = []
+    for step in range(found + 1, found + 400):
+        for node in range(NODES):
+            record = IterationRecord(
+                node=node,
+                generation=1,
+                step=step,
+                seconds=WALL_S * 1.25,
+                samples=8,
+                sent_at=0.0,
+                compute_s=slowed.get(node, COMPUTE_S),
+                communication_s=0.01,
+            )
+            tracker.observe(record, now=2000.0 + step * WALL_S)
+            decision = tracker.iteration(record)
+            if decision is not None:
+                decisions.append(decision)
+        if decisions:
+            break
+    assert decisions, "no rung in 400 steps"
+    assert decisions[0].action is Action.MICROBATCH
+    assert decisions[0].factors[7] == pytest.approx(tracker.slow[7])
