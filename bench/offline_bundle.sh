@@ -15,7 +15,8 @@
 # CPython $PYVER on manylinux x86-64. Left out are the large packages any PyTorch image has (torch and
 # its CUDA libraries, numpy, scipy, matplotlib, the Hugging Face stack): a torch-less target would need
 # `pip install` of those too. redis-server travels as the binary installed here with its shared libraries.
-# A DEST inside the checkout is added to .git/info/exclude, so it is never committed.
+# A DEST inside the checkout is added to .git/info/exclude, so it is never committed (a tool that copies
+# the working tree to the target must then be told to take it along).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${DEST:-.dev}
