@@ -17,6 +17,19 @@ WALL_S = 0.1
 COMPUTE_S = 0.05
 
 
+def _record(node: int, step: int, seconds: float, compute_s: float) -> IterationRecord:
+    return IterationRecord(
+        node=node,
+        generation=1,
+        step=step,
+        seconds=seconds,
+        samples=8,
+        sent_at=0.0,
+        compute_s=compute_s,
+        communication_s=0.01,
+    )
+
+
 def _run(
     tracker: FailSlowTracker,
     steps: range,
@@ -32,19 +45,8 @@ def _run(
     for step in steps:
         noise = float(rng.lognormal(0.0, jitter))
         for node in range(NODES):
-            tracker.observe(
-                IterationRecord(
-                    node=node,
-                    generation=1,
-                    step=step,
-                    seconds=wall * noise,
-                    samples=8,
-                    sent_at=0.0,
-                    compute_s=compute.get(node, COMPUTE_S) * float(rng.lognormal(0.0, jitter)),
-                    communication_s=0.01,
-                ),
-                now=t0 + step * wall,
-            )
+            computed = compute.get(node, COMPUTE_S) * float(rng.lognormal(0.0, jitter))
+            tracker.observe(_record(node, step, wall * noise, computed), now=t0 + step * wall)
         if tracker.slow or tracker.candidates:
             return step
     return None
@@ -169,16 +171,7 @@ def test_the_first_rung_weighs_the_node_by_its_own_rise_when_the_shares_hide_it(
     decisions = []
     for step in range(found + 1, found + 400):
         for node in range(NODES):
-            record = IterationRecord(
-                node=node,
-                generation=1,
-                step=step,
-                seconds=WALL_S * 1.25,
-                samples=8,
-                sent_at=0.0,
-                compute_s=slowed.get(node, COMPUTE_S),
-                communication_s=0.01,
-            )
+            record = _record(node, step, WALL_S * 1.25, slowed.get(node, COMPUTE_S))
             tracker.observe(record, now=2000.0 + step * WALL_S)
             decision = tracker.iteration(record)
             if decision is not None:
