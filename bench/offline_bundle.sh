@@ -30,42 +30,51 @@ if [[ $dest != /* ]]; then  # inside the checkout: never committed
 fi
 
 # name==version of everything resilientjob[local] needs, from what is installed here.
-pins=$("$py" - <<'EOF'
+pins=$("$py" - "$pyver" <<'EOF'
 import re
+import sys
 from importlib.metadata import PackageNotFoundError, distribution
+
+from packaging.requirements import Requirement
 
 # In any PyTorch image, and together far past what a 64 MiB transfer carries.
 HEAVY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|numpy|scipy|matplotlib|contourpy|kiwisolver|fonttools|"
                    r"pillow|transformers|tokenizers|safetensors|huggingface-hub|hf-xet|sympy|mpmath|networkx|"
                    r"jinja2|markupsafe|fsspec|filelock|regex|setuptools)$")
+# The target's markers: CPython PYVER on Linux x86-64.
+TARGET = {"python_version": sys.argv[1], "python_full_version": f"{sys.argv[1]}.0",
+          "implementation_name": "cpython", "platform_python_implementation": "CPython",
+          "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix", "platform_machine": "x86_64"}
 
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def wanted(requirement: Requirement, extras: set[str]) -> bool:
+    if requirement.marker is None:
+        return True
+    return any(requirement.marker.evaluate({**TARGET, "extra": extra}) for extra in extras or {""})
+
+
 seen: dict[str, str] = {}
+walked: dict[str, set[str]] = {}  # the extras each package's requirements were read with
 todo = [("resilientjob", {"local"})]
 while todo:
     name, extras = todo.pop()
     try:
         dist = distribution(name)
     except PackageNotFoundError:
-        continue  # a requirement for another platform or Python, not installed here
+        continue  # not installed here (the target does not need it, or this host's Python did not)
     key = norm(dist.metadata["Name"])
-    if key in seen or HEAVY.match(key):
+    if HEAVY.match(key) or (key in walked and extras <= walked[key]):
         continue
     seen[key] = dist.version
-    for requirement in dist.requires or []:
-        spec, _, marker = requirement.partition(";")
-        wanted = re.findall(r'extra\s*==\s*"([^"]+)"', marker)
-        if wanted and not set(wanted) & extras:
-            continue
-        if "platform_python_implementation" in marker or "sys_platform == \"win32\"" in marker:
-            continue
-        match = re.match(r"\s*([A-Za-z0-9_.-]+)(?:\[([^\]]*)\])?", spec)
-        if match:
-            todo.append((match[1], {e.strip() for e in (match[2] or "").split(",") if e.strip()}))
+    walked[key] = walked.get(key, set()) | extras
+    for text in dist.requires or []:
+        requirement = Requirement(text)
+        if wanted(requirement, extras):
+            todo.append((requirement.name, set(requirement.extras)))
 seen.pop("resilientjob")
 print("\n".join(f"{name}=={version}" for name, version in sorted(seen.items())))
 EOF
