@@ -505,8 +505,10 @@ def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
         probe.stop()
         tracing.uninstall()
         torch.set_num_threads(threads)
-    # Each order's end shows too: back to the level before it.
-    assert max(unslowed) < min(unslowed) * 1.3
+    # Each order's end shows too: back to the level before it. The median, as the host can slow a whole
+    # phase (in CI two unslowed phases of five read 1.44x the others, each of their three products); an order
+    # left standing would slow four of the five.
+    assert statistics.median(unslowed) < min(unslowed) * 1.3
     assert factor * 0.85 <= statistics.median(ratios) <= factor * 1.15
 
 
