@@ -233,6 +233,29 @@ def _slow_devices(gemm: Mapping[int, GemmResult], factor: float, floor_s: float)
     return _name(seconds, slow_gpus(seconds, factor), floor_s) if seconds else []
 
 
+def _link_round(
+    passes: Sequence[Sequence[Link]],
+    link_bytes: int,
+    repeats: int,
+    group: dist.ProcessGroup | None,
+    size: int,
+) -> dict[Link, LinkResult]:
+    """Every link of `passes` timed, both ends' views merged, gathered to every rank."""
+    own = link_tests(passes, link_bytes, repeats, group)
+    parts: list[dict[Link, tuple[float, float]] | None] = [None] * size
+    dist.all_gather_object(parts, own, group=group)
+    return {
+        link: LinkResult(link, latency, seconds, link_bytes)
+        for link, (latency, seconds) in merge_views([part or {} for part in parts]).items()
+    }
+
+
+def _slow_links(measured: Mapping[Link, LinkResult], factor: float, floor_s: float) -> list[Link]:
+    """The links whose transfer is `factor` x the median and at least `floor_s` slower than it."""
+    seconds = {link: result.seconds for link, result in measured.items()}
+    return _name(seconds, slow_links(seconds, factor), floor_s) if seconds else []
+
+
 def validate(
     topology: Topology = Topology.RING,
     group: dist.ProcessGroup | None = None,
@@ -271,14 +294,20 @@ def validate(
                     for rank, result in gemm.items()
                 }
         if links:
-            own = link_tests(schedule(topology, len(ranks)), link_bytes, repeats, group)
-            parts: list[dict[Link, tuple[float, float]] | None] = [None] * len(ranks)
-            dist.all_gather_object(parts, own, group=group)
-            for link, (latency, seconds) in merge_views([part or {} for part in parts]).items():
-                measured[link] = LinkResult(link, latency, seconds, link_bytes)
-    link_s = {link: result.seconds for link, result in measured.items()}
+            passes = schedule(topology, len(ranks))
+            measured = _link_round(passes, link_bytes, repeats, group, len(ranks))
+            if _slow_links(measured, factor, link_floor_s):
+                # As for a device: every link timed again, the passes in reverse order, each keeping its
+                # better round. In a healthy 30-minute run of the demo on two cores, one round named link
+                # 1 -> 3 (the best of its transfers late while the host was busy) and opened a
+                # communication episode on it; a slow link delays every byte, in both rounds.
+                again = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks))
+                measured = {
+                    link: min(result, again.get(link, result), key=lambda r: r.seconds)
+                    for link, result in measured.items()
+                }
     named_gpus = _slow_devices(gemm, factor, gemm_floor_s)
-    named_links = _name(link_s, slow_links(link_s, factor), link_floor_s) if link_s else []
+    named_links = _slow_links(measured, factor, link_floor_s)
     return ValidationReport(
         gemm=gemm,
         links=measured,

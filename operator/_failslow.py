@@ -7,7 +7,8 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 1. A report is a *candidate*, not yet an episode. A compute report must be confirmed by the job-wide rule
    of `_straggler` (the node's level against the other nodes', so noise on every node is no straggler)
    continuously for `min_duration_s` since the change's onset (`slowed_since`) and over two disjoint
-   level windows of steps (with `min_duration_s` 0, at once). One check that finds it within the threshold
+   level windows of steps, or two shorter ones that each decide it alone (`_decided_early`) (with
+   `min_duration_s` 0, at once). One check that finds it within the threshold
    dismisses it (its level counts only steps from its onset, so this is the evidence of the change
    itself), as does `CANDIDATE_TTL_S` without enough steps to judge.
    A communication report asks for a validation pass (`validation_wanted`; `_failslow_validation`): suspects
@@ -68,7 +69,7 @@ from ._failslow_plans import (
 )
 from ._failslow_rungs import FirstRungCheck
 from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
-from ._straggler import StragglerGate
+from ._straggler import MIN_WINDOW, StragglerGate
 from .api import FailSlowSpec
 
 __all__ = [
@@ -367,12 +368,7 @@ class FailSlowTracker:
                     candidate.confirmed_since = min(clock, since)
                     candidate.confirmed_step = self._first_window_end(node, report.onset_step, latest)
                     self.changed = True
-                # Persistence is measured in time (the spec) and, for compute, in steps: the level window
-                # must have turned over once since the first one found the node slow, so two independent
-                # medians agree (one noisy window on a loaded machine does not open an episode).
-                turned = report.kind is SlowKind.COMMUNICATION or latest - candidate.confirmed_step >= (
-                    self.gate.window if self.spec.min_duration_s > 0 else 0
-                )
+                turned = report.kind is SlowKind.COMMUNICATION or self._turned(node, candidate, latest)
                 if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
                     self._open(node, candidate, why=SWEPT if candidate.swept else "")
             elif verdict is False:
@@ -388,6 +384,46 @@ class FailSlowTracker:
                 self.changed = True
                 if not candidate.swept:
                     self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
+
+    def _turned(self, node: int, candidate: Candidate, latest: int) -> bool:
+        """Whether a compute candidate has persisted in steps. Persistence is measured in time (the spec) and
+        in steps: the level window must have turned over once since the first one found the node slow, so two
+        independent medians agree (one noisy window on a loaded machine does not open an episode), or two
+        short windows must each decide it alone (`_decided_early`). With `min_duration_s` 0, at once."""
+        if self.spec.min_duration_s <= 0 or latest - candidate.confirmed_step >= self.gate.window:
+            return True
+        return self._decided_early(node, candidate, latest)
+
+    def _decided_early(self, node: int, candidate: Candidate, latest: int) -> bool:
+        """Two disjoint short windows of a report's steps that each find the node a straggler as surely as
+        a full window finds one at the threshold (`StragglerGate.decisive`): the first from the onset, the
+        first that does as the steps come; the second as long, once. The level window is sized so that
+        noise keeps a healthy node under the threshold; a node far above it needs fewer steps for the same
+        certainty (the demo's worker ordered 2x ran 1.5-1.7x its peers, and on two cores the 1.2
+        threshold's window was 26 steps: two of them took 32-54 iterations). The second window starts after
+        the report's step: the steps the agent's detector chose the onset by are biased toward a rise. The
+        operator's sweep has no onset, and judges on full windows only."""
+        if candidate.swept or candidate.decisive_steps < 0:
+            return False
+        report = candidate.report
+        onset = report.onset_step
+        if candidate.decisive_steps == 0:
+            # The window from the onset to the newest step, checked as the steps come: the first that
+            # decides it is the shortest (one judgement per pass; a full window confirms as before).
+            steps = latest - onset + 1
+            if not MIN_WINDOW <= steps < self.gate.window or not self.gate.decisive(node, onset, latest):
+                return False
+            candidate.decisive_steps = steps
+            self.changed = True
+        steps = candidate.decisive_steps
+        first = max(onset + steps, report.step + 1)
+        if latest < first + steps - 1:
+            return False
+        if self.gate.decisive(node, first, first + steps - 1):
+            return True
+        candidate.decisive_steps = -1  # one look: the full level windows confirm it now
+        self.changed = True
+        return False
 
     def _first_window_end(self, node: int, onset: int, latest: int) -> int:
         """The last step of the first level window that found `node` slow: the window from its onset

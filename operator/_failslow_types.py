@@ -84,6 +84,10 @@ class Candidate:
     devices: tuple[int, ...] = ()
     """Communication: the nodes among `validated` whose device validation timed slow (a link's end may be
     one too)."""
+    decisive_steps: int = 0
+    """Compute: the length of the short first window that decided the node a straggler
+    (`StragglerGate.decisive`; the second must decide it on as many steps), 0 while none has, -1 once the
+    second did not: the full level windows confirm it then."""
 
     def state(self) -> dict[str, Any]:
         return {
@@ -94,6 +98,7 @@ class Candidate:
             "validated": None if self.validated is None else list(self.validated),
             "swept": self.swept,
             "devices": list(self.devices),
+            "decisive_steps": self.decisive_steps,
         }
 
     @classmethod
@@ -107,4 +112,5 @@ class Candidate:
             None if validated is None else tuple(int(n) for n in validated),
             bool(raw.get("swept", False)),
             tuple(int(n) for n in raw.get("devices", ())),
+            int(raw.get("decisive_steps", 0)),
         )

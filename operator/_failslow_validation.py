@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from statistics import median
+from typing import TypeVar
 
 from resilientjob.protocol.messages import ProfileRecord, SlowKind, ValidationResult
 
 from ._failslow_types import Candidate, Finding, FindingKind, Link
 from ._straggler import StragglerGate, communication_suspects
+
+Key = TypeVar("Key", int, Link)
 
 
 def suspects(candidates: Mapping[int, Candidate], profiles: Mapping[int, ProfileRecord]) -> list[int] | None:
@@ -42,11 +45,13 @@ def named_by(result: ValidationResult) -> tuple[list[Link], list[int], list[Find
     if links:
         ends = tuple(sorted({n for link in links for n in link}))
         named = ", ".join(f"{a}->{b}" for a, b in links)
+        timed = {(timing.src, timing.dst): timing.seconds for timing in result.links}
+        named += _ratios(timed, links, "transfer")
         findings.append(
             Finding(FindingKind.SLOW_LINK, ends, f"{held} found slow links {named}", tuple(links))
         )
     if devices:
-        ratios = _gemm_ratios(result.gemm_s, devices)
+        ratios = _ratios(result.gemm_s, devices, "GEMM")
         findings.append(
             Finding(
                 FindingKind.SLOW_DEVICE,
@@ -104,11 +109,16 @@ def unjudged(candidate: Candidate, links: set[Link], gate: StragglerGate) -> lis
     return [n for n in devices if verdicts.get(n) is None]
 
 
-def _gemm_ratios(gemm_s: Mapping[int, float], devices: list[int]) -> str:
-    if not gemm_s:
+def _ratios(seconds: Mapping[Key, float], named: list[Key], what: str) -> str:
+    """How far each named device or link timed above the pass's median, for the finding."""
+    if not seconds:
         return ""
-    middle = median(gemm_s.values())
+    middle = median(seconds.values())
     if middle <= 0:
         return ""
-    parts = [f"{node}: {gemm_s[node] / middle:.2f}x" for node in devices if node in gemm_s]
-    return f" (GEMM vs median: {', '.join(parts)})" if parts else ""
+    parts = [f"{_label(key)}: {seconds[key] / middle:.2f}x" for key in named if key in seconds]
+    return f" ({what} vs median: {', '.join(parts)})" if parts else ""
+
+
+def _label(key: int | Link) -> str:
+    return f"{key[0]}->{key[1]}" if isinstance(key, tuple) else str(key)

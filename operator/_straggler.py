@@ -34,6 +34,10 @@ The rule (what `StragglerGate.straggler` decides):
   whose compute is a sliver of the step (communication-bound jobs, tiny models: the demo's compute is ~5 ms
   of a 40 ms step, and its per-step variation on a loaded host reaches 50-60%) can double its compute
   without slowing the job by the threshold; Falcon's controller would only "ignore" it (S1) anyway.
+- A level over fewer steps than the window can still be **decisive** (`StragglerGate.decisive`): when the
+  node is as far above its peers as noise reaches on that many steps only as rarely as on a full window at
+  the threshold. A 2x node on a 32%-noise host is decided on 4 steps; the tracker confirms a report on two
+  such disjoint windows instead of two full ones.
 - A slowdown report opens an episode only after `min_duration_s` during which every check found the node a
   straggler (`FailSlowTracker` holds the candidates); one check that finds it back within the threshold
   dismisses the report.
@@ -135,6 +139,8 @@ class StragglerGate:
     """Each node's latest step seen (any generation): the loss of a late-opened episode counts from it."""
     _window: int | None = None
     """The noise-sized window, cached until the next observation."""
+    _noise: tuple[float | None] | None = None
+    """The job's noise (`noise`), cached until the next observation."""
     _walls: set[int] = field(default_factory=set)
     """Nodes whose levels are step walls (agents that do not split compute from communication)."""
 
@@ -157,6 +163,12 @@ class StragglerGate:
 
     @property
     def noise(self) -> float | None:
+        """The job's step-to-step noise as the rule sees it (`_pooled_noise`), cached until the next step."""
+        if self._noise is None:
+            self._noise = (self._pooled_noise(),)
+        return self._noise[0]
+
+    def _pooled_noise(self) -> float | None:
         """The job's step-to-step noise as the rule sees it (None before nodes have enough steps): each
         node's robust spread of its compute relative to the job's median at the same step (a stall of the
         whole host moves every node alike, and the rule compares nodes over the same steps), pooled as
@@ -188,6 +200,7 @@ class StragglerGate:
             self._step_s.clear()
             self._walls.clear()
             self._window = None
+            self._noise = None
 
     def share(self, node: int) -> float:
         """The node's planned share of the work, as its levels measure it: 1.0 where a level is the step's
@@ -216,6 +229,7 @@ class StragglerGate:
             samples = self._levels[record.node] = deque(maxlen=max(self.fixed_window or 0, MAX_WINDOW))
         samples.append((record.step, level))
         self._window = None
+        self._noise = None
 
     def recent(self, node: int) -> list[tuple[int, float]]:
         """The node's last `window` (step, compute) samples of this generation."""
@@ -252,6 +266,25 @@ class StragglerGate:
         (None when the node has too few of them kept)."""
         found = self._judge({node: first_step}, until=last_step).get(node)
         return None if found is None else found[0]
+
+    def decisive(self, node: int, first_step: int, last_step: int) -> bool:
+        """Whether the node's steps in [first_step, last_step] alone find it a straggler as surely as a
+        full window finds one at the threshold: at least `MIN_WINDOW` of them, the rule's verdict on them,
+        and a level over the others' that noise alone reaches as rarely, i.e. `_Z` standard errors of a
+        median of that many steps above 1 (`window_for` of that level is no longer than they are). A node
+        twice as slow on a host of 32% noise is decided on 4 steps where a 1.2x one needs 26. Never with a
+        `fixed_window` (the rule as configured) or before the job's noise is known."""
+        noise = self.noise
+        if self.fixed_window is not None or noise is None:
+            return False
+        count = sum(first_step <= step <= last_step for step, _ in self._levels.get(node, ()))
+        if count < MIN_WINDOW:
+            return False
+        found = self._judge({node: first_step}, until=last_step).get(node)
+        if found is None or not found[0] or not found[2] > 0:
+            return False
+        _, own, reference = found
+        return own / reference >= 1 + _Z * 1.2533 * noise / math.sqrt(min(count, self.window))
 
     def why_not(self, node: int, since_step: int = 0) -> str:
         """Which part of the rule a node that is no straggler fails, in words for its dismissal."""

@@ -144,3 +144,36 @@ def _one_stalled_turn(rank: int, world: int) -> dict[str, Any]:
 def test_a_device_named_slow_is_timed_again_and_a_one_off_stall_is_not_named(tmp_path: Path) -> None:
     for result in run_gloo(tmp_path, 4, _one_stalled_turn):
         assert result == {"slow": (2,), "ranks": [0, 1, 2, 3]}
+
+
+def _one_stalled_link_round(rank: int, world: int) -> dict[str, Any]:
+    from resilientjob.agent import validation
+
+    tracer = tracing.install(capacity=64)
+    injector = ChaosInjector()
+    chaos.activate(injector, tracer, ALLOW)
+    if rank == 1:
+        injector.order = ChaosOrder(factor=6.0, until=time.time() + 60, link=2)  # ring link 1 -> 2
+    if rank == 3:
+        # The host stalled rank 3 in its first round of link tests only: its view of link 2 -> 3 5 ms
+        # late, what a healthy run of the demo named once.
+        real, calls = validation.link_tests, []
+
+        def stalled_once(*args: Any, **kwargs: Any) -> dict[Any, tuple[float, float]]:
+            view = real(*args, **kwargs)
+            calls.append(view)
+            if len(calls) == 1:
+                latency, seconds = view[(2, 3)]
+                view[(2, 3)] = (latency, seconds + 0.005)
+            return view
+
+        validation.link_tests = stalled_once
+    report = validate(Topology.RING, link_bytes=1 << 14, repeats=5, gpus=False)
+    chaos.activate(None, tracer)
+    tracing.uninstall()
+    return {"slow": report.slow_links, "links": sorted(report.links)}
+
+
+def test_a_link_named_slow_is_timed_again_and_a_one_off_stall_is_not_named(tmp_path: Path) -> None:
+    for result in run_gloo(tmp_path, 4, _one_stalled_link_round):
+        assert result == {"slow": ((1, 2),), "links": [(0, 1), (1, 2), (2, 3), (3, 0)]}

@@ -890,3 +890,23 @@ def test_a_drained_device_only_a_peer_reported_is_back_on_its_own_recovery_repor
     back = report(7, job.step, 0.25).model_copy(update=recovered)
     decision = tracker.report(back, now=float(job.step))
     assert decision is not None and decision.action is Action.RESTORE and not tracker.slow
+
+
+def test_validations_findings_say_how_slow_it_timed_what_it_named() -> None:
+    from resilientjob.operator._failslow_validation import named_by
+    from resilientjob.protocol.messages import LinkTiming
+
+    timed = result(3, [(0, 2)], nodes=(1,)).model_copy(
+        update={
+            "gemm_s": {0: 0.01, 1: 0.025, 2: 0.01},
+            "links": [
+                LinkTiming(src=src, dst=dst, seconds=seconds)
+                for src, dst, seconds in ((0, 2, 0.006), (2, 1, 0.002), (1, 0, 0.002))
+            ],
+        }
+    )
+    links, devices, findings = named_by(timed)
+    assert links == [(0, 2)] and devices == [1]
+    assert [f.kind for f in findings] == [FindingKind.SLOW_LINK, FindingKind.SLOW_DEVICE]
+    assert "found slow links 0->2 (transfer vs median: 0->2: 3.00x)" in findings[0].message
+    assert "nodes [1] (GEMM vs median: 1: 2.50x)" in findings[1].message

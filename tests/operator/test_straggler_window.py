@@ -8,7 +8,7 @@ import random
 import pytest
 from test_failslow_localisation import Job
 
-from resilientjob.operator._failslow import FindingKind
+from resilientjob.operator._failslow import FailSlowTracker, FindingKind
 from resilientjob.operator._straggler import (
     MAX_WINDOW,
     MIN_WINDOW,
@@ -213,3 +213,127 @@ def test_min_duration_counts_from_the_onset_the_agent_measured(measured: bool) -
         job, onset, said=onset, level_s=0.3 if measured else 1.0, slowed_s=5.0 if measured else 0.0
     )
     assert opened == (8 if measured else 9)
+
+
+def test_a_node_far_over_the_threshold_is_decided_on_short_windows() -> None:
+    """On 30% noise a node's median over 4 steps can be 1.5x its peers' by chance, and over 26 steps
+    barely 1.2x; a window sized for the threshold makes a 2x straggler wait as long as a 1.2x one. A
+    window of steps whose level is as far above the noise as a full window's threshold decides alone."""
+    gate = _gate_with_noise(0.3, 1.2)
+    assert gate.window >= 20 and gate.noise is not None
+    last = 39
+    for step in range(last + 1, last + 9):
+        for node in range(8):
+            compute = 0.1 * (2.0 if node == 3 else 1.0)
+            gate.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=compute, samples=1, sent_at=0.0,
+                    compute_s=compute,
+                )
+            )  # fmt: skip
+    assert gate.decisive(3, last + 1, last + 4)  # 2x on four steps
+    assert not gate.decisive(3, last + 1, last + 3)  # too few steps for a median
+    assert not gate.decisive(2, last + 1, last + 8)  # a healthy node
+    assert not gate.decisive(3, last - 7, last + 1)  # mostly steps before the change
+    fixed = StragglerGate(1.2, fixed_window=8)
+    fixed.new_generation(0, {})
+    for step in range(40):
+        for node in range(8):
+            compute = 0.1 * (2.0 if node == 3 else 1.0) * (1.3 if step % 2 else 0.7)
+            fixed.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=compute, samples=1, sent_at=0.0,
+                    compute_s=compute,
+                )
+            )  # fmt: skip
+    assert fixed.straggler(3) and not fixed.decisive(3, 30, 39)  # a configured window is the rule
+
+
+def _reported(job: Job, node: int, onset: int) -> None:
+    job.tracker.report(
+        SlowReport(
+            node=node,
+            generation=0,
+            step=job.step,
+            onset_step=onset,
+            slowdown=2.0,
+            baseline_s=0.1,
+            level_s=0.2,
+            kind=SlowKind.COMPUTE,
+            detected_at=float(job.step),
+        ),
+        now=float(job.step),
+    )
+
+
+@pytest.mark.parametrize("lasting", [True, False])
+def test_a_far_straggler_on_a_noisy_job_opens_after_two_short_windows(lasting: bool) -> None:
+    """30% noise at threshold 1.2 sizes the level window at 20-32 steps; a node slowed 2.5x, reported
+    six steps after its onset, opens within 20 (two full windows took 40-64). A node that was slow only
+    until its report (a stall) is not confirmed by the second short window and opens nothing."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    job = Job(spec, seed=11)
+    job.run(200, {}, noise=0.45)  # the gate measures 30% against the job's median
+    assert job.tracker.gate.window >= 20 and not job.tracker.active
+    onset = job.step + 1
+    job.run(6, {3: 2.5}, noise=0.45)
+    _reported(job, 3, onset)
+    while not job.tracker.active and job.step < onset + 30:
+        job.run(1, {3: 2.5} if lasting else {}, noise=0.45)
+    if lasting:
+        assert job.tracker.active and set(job.tracker.slow) == {3}
+        assert job.step - onset <= 20 < 2 * job.tracker.gate.window, job.step - onset
+    else:
+        assert not job.tracker.active
+
+
+def test_agents_reports_on_noise_open_no_episode_on_short_windows() -> None:
+    """Every node's agent runs its detector on 30% noise (the local stack's GPT on two cores) and reports
+    what it finds, as the recorded healthy runs did (hundreds of reports in 2,000 steps): no episode."""
+    from resilientjob.agent.telemetry import StepWatch
+
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    rng = random.Random(12)
+    watches = {node: StepWatch() for node in range(8)}
+    reports, first_windows = 0, 0
+    for step in range(1, 3001):
+        for node in range(8):
+            compute = 0.05 * max(0.2, 1 + rng.gauss(0, 0.3))
+            record = IterationRecord(
+                node=node, generation=0, step=step, seconds=compute + 0.02, samples=1, sent_at=float(step),
+                compute_s=compute, communication_s=0.02,
+            )  # fmt: skip
+            tracker.observe(record, now=float(step))
+            change = watches[node].feed(step, 0, record.seconds, compute)
+            if change is not None:
+                report = change.report(node, 0, step, float(step))
+                reports += not report.recovered
+                tracker.report(report, now=float(step))
+        tracker.tick(now=float(step))
+        assert not tracker.active, step
+        first_windows += sum(candidate.decisive_steps > 0 for candidate in tracker.candidates.values())
+    assert reports >= 50, reports
+    assert first_windows > 0  # noise decided first windows, and the second ones undid it
+
+
+def test_a_candidates_short_window_survives_an_operator_restart() -> None:
+    """The first short window's length is part of the stored state (a restarted operator checks the
+    second on as many steps); a state stored before it existed reads as none decided yet."""
+    import json
+
+    from resilientjob.operator._failslow_types import Candidate
+
+    report = SlowReport(
+        node=3, generation=0, step=20, onset_step=14, slowdown=2.0, baseline_s=0.1, level_s=0.2,
+        kind=SlowKind.COMPUTE, detected_at=1.0,
+    )  # fmt: skip
+    stored = json.loads(json.dumps(Candidate(report, 1.0, decisive_steps=7).state()))
+    assert Candidate.of(stored).decisive_steps == 7
+    del stored["decisive_steps"]
+    assert Candidate.of(stored).decisive_steps == 0
