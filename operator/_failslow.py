@@ -395,14 +395,18 @@ class FailSlowTracker:
         return self._decided_early(node, candidate, latest)
 
     def _decided_early(self, node: int, candidate: Candidate, latest: int) -> bool:
-        """Two disjoint short windows of a report's steps that each find the node a straggler as surely as
-        a full window finds one at the threshold (`StragglerGate.decisive`): the first from the onset, the
-        first that does as the steps come; the second as long, once. The level window is sized so that
-        noise keeps a healthy node under the threshold; a node far above it needs fewer steps for the same
-        certainty (the demo's worker ordered 2x ran 1.5-1.7x its peers, and on two cores the 1.2
-        threshold's window was 26 steps: two of them took 32-54 iterations). The second window starts after
-        the report's step: the steps the agent's detector chose the onset by are biased toward a rise. The
-        operator's sweep has no onset, and judges on full windows only."""
+        """Two disjoint windows of a report's steps, shorter than two level windows, that each find the node
+        a straggler as surely as a full window finds one at the threshold (`StragglerGate.decisive`). The
+        level window is sized so that noise keeps a healthy node under the threshold; a node far above it
+        needs fewer steps for the same certainty (the demo's worker ordered 2x ran 1.5-1.7x its peers, and
+        on two cores the 1.2 threshold's window was 26 steps: two of them took 32-54 iterations).
+        - The first runs from the onset: the first that decides it as the steps come.
+        - The second starts after the report's step (the steps the agent's detector chose the onset by are
+          biased toward a rise) and is as long, and at least half a level window: a stall shorter than
+          that, which a full window's median shrugs off, cannot fill it. Every check while it grows must
+          find the node slow (as the full windows' must), and it must decide at its end; else the full
+          level windows confirm the node.
+        The operator's sweep has no onset, and judges on full windows only."""
         if candidate.swept or candidate.decisive_steps < 0:
             return False
         report = candidate.report
@@ -415,13 +419,14 @@ class FailSlowTracker:
                 return False
             candidate.decisive_steps = steps
             self.changed = True
-        steps = candidate.decisive_steps
-        first = max(onset + steps, report.step + 1)
-        if latest < first + steps - 1:
-            return False
-        if self.gate.decisive(node, first, first + steps - 1):
+        first = max(onset + candidate.decisive_steps, report.step + 1)
+        last = first + max(candidate.decisive_steps, self.gate.window // 2) - 1
+        if latest < last:
+            if self.gate.straggler_then(node, first, latest) is not False:
+                return False  # every check of the second window so far finds it slow, or has too few steps
+        elif self.gate.decisive(node, first, last):
             return True
-        candidate.decisive_steps = -1  # one look: the full level windows confirm it now
+        candidate.decisive_steps = -1  # the full level windows confirm it now
         self.changed = True
         return False
 
