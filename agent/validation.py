@@ -301,9 +301,9 @@ def validate(
                 # better round. In a healthy 30-minute run of the demo on two cores, one round named link
                 # 1 -> 3 (the best of its transfers late while the host was busy) and opened a
                 # communication episode on it; a slow link delays every byte, in both rounds.
-                again = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks))
+                retimed = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks))
                 measured = {
-                    link: min(result, again.get(link, result), key=lambda r: r.seconds)
+                    link: min(result, retimed.get(link, result), key=lambda r: r.seconds)
                     for link, result in measured.items()
                 }
     named_gpus = _slow_devices(gemm, factor, gemm_floor_s)
