@@ -7,7 +7,7 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 1. A report is a *candidate*, not yet an episode. A compute report must be confirmed by the job-wide rule
    of `_straggler` (the node's level against the other nodes', so noise on every node is no straggler)
    continuously for `min_duration_s` since the change's onset (`slowed_since`) and over two disjoint
-   level windows of steps, or two shorter ones that each decide it alone (`_decided_early`) (with
+   level windows of steps, or two shorter ones that each decide it alone (`_failslow_persist`) (with
    `min_duration_s` 0, at once). One check that finds it within the threshold
    dismisses it (its level counts only steps from its onset, so this is the evidence of the change
    itself), as does `CANDIDATE_TTL_S` without enough steps to judge.
@@ -30,7 +30,8 @@ plan announcement.
 
 Why this module is past 600 lines: it is one state machine, whose inputs, candidates, episode and stored
 state share the same fields; what can be judged apart from them is apart already (`_straggler`,
-`_failslow_job`, `_failslow_validation`, `_failslow_rungs`, `_failslow_plans`, `_failslow_types`).
+`_failslow_job`, `_failslow_persist`, `_failslow_validation`, `_failslow_rungs`, `_failslow_plans`,
+`_failslow_types`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from resilientjob.protocol.messages import (
 
 from . import _failslow_validation as _validation
 from ._failslow_job import JobStepTrigger
+from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
     link_plan,
     microbatch_plan,
@@ -69,7 +71,7 @@ from ._failslow_plans import (
 )
 from ._failslow_rungs import FirstRungCheck
 from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
-from ._straggler import MIN_WINDOW, StragglerGate
+from ._straggler import StragglerGate
 from .api import FailSlowSpec
 
 __all__ = [
@@ -366,9 +368,13 @@ class FailSlowTracker:
                     unproven = report.kind is SlowKind.COMMUNICATION and not candidate.validated
                     since = clock if unproven or candidate.swept else slowed_since(report)
                     candidate.confirmed_since = min(clock, since)
-                    candidate.confirmed_step = self._first_window_end(node, report.onset_step, latest)
+                    candidate.confirmed_step = first_window_end(self.gate, node, report.onset_step, latest)
                     self.changed = True
-                turned = report.kind is SlowKind.COMMUNICATION or self._turned(node, candidate, latest)
+                decided = candidate.decisive_steps
+                turned = report.kind is SlowKind.COMMUNICATION or persisted(
+                    self.gate, candidate, latest, self.spec.min_duration_s
+                )
+                self.changed |= candidate.decisive_steps != decided
                 if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
                     self._open(node, candidate, why=SWEPT if candidate.swept else "")
             elif verdict is False:
@@ -384,62 +390,6 @@ class FailSlowTracker:
                 self.changed = True
                 if not candidate.swept:
                     self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
-
-    def _turned(self, node: int, candidate: Candidate, latest: int) -> bool:
-        """Whether a compute candidate has persisted in steps. Persistence is measured in time (the spec) and
-        in steps: the level window must have turned over once since the first one found the node slow, so two
-        independent medians agree (one noisy window on a loaded machine does not open an episode), or two
-        short windows must each decide it alone (`_decided_early`). With `min_duration_s` 0, at once."""
-        if self.spec.min_duration_s <= 0 or latest - candidate.confirmed_step >= self.gate.window:
-            return True
-        return self._decided_early(node, candidate, latest)
-
-    def _decided_early(self, node: int, candidate: Candidate, latest: int) -> bool:
-        """Two disjoint windows of a report's steps, shorter than two level windows, that each find the node
-        a straggler as surely as a full window finds one at the threshold (`StragglerGate.decisive`). The
-        level window is sized so that noise keeps a healthy node under the threshold; a node far above it
-        needs fewer steps for the same certainty (the demo's worker ordered 2x ran 1.5-1.7x its peers, and
-        on two cores the 1.2 threshold's window was 26 steps: two of them took 32-54 iterations).
-        - The first runs from the onset: the first that decides it as the steps come.
-        - The second starts after the report's step (the steps the agent's detector chose the onset by are
-          biased toward a rise) and is as long, and at least half a level window: a stall shorter than
-          that, which a full window's median shrugs off, cannot fill it. Every check while it grows must
-          find the node slow (as the full windows' must), and it must decide at its end; else the full
-          level windows confirm the node.
-        The operator's sweep has no onset, and judges on full windows only."""
-        if candidate.swept or candidate.decisive_steps < 0:
-            return False
-        report = candidate.report
-        onset = report.onset_step
-        if candidate.decisive_steps == 0:
-            # The window from the onset to the newest step, checked as the steps come: the first that
-            # decides it is the shortest (one judgement per pass; a full window confirms as before).
-            steps = latest - onset + 1
-            if not MIN_WINDOW <= steps < self.gate.window or not self.gate.decisive(node, onset, latest):
-                return False
-            candidate.decisive_steps = steps
-            self.changed = True
-        first = max(onset + candidate.decisive_steps, report.step + 1)
-        last = first + max(candidate.decisive_steps, self.gate.window // 2) - 1
-        if latest < last:
-            if self.gate.straggler_then(node, first, latest) is not False:
-                return False  # every check of the second window so far finds it slow, or has too few steps
-        elif self.gate.decisive(node, first, last):
-            return True
-        candidate.decisive_steps = -1  # the full level windows confirm it now
-        self.changed = True
-        return False
-
-    def _first_window_end(self, node: int, onset: int, latest: int) -> int:
-        """The last step of the first level window that found `node` slow: the window from its onset
-        when the steps kept still judge it a straggler there, else the one that ends now. A report read
-        some steps after its onset (the agent's detector needs five, the pass comes after) has its first
-        window behind it already, and the second, independent one can follow it at once instead of
-        starting now: one window sooner (the demo's episodes came 11 iterations after the onset)."""
-        end = onset + self.gate.window - 1
-        if end < latest and self.gate.straggler_then(node, onset, end):
-            return end
-        return latest
 
     def _sweep(self, clock: float) -> None:
         """Outside an episode, every node with a full level window is judged by the job-wide rule even
