@@ -36,8 +36,8 @@ The rule (what `StragglerGate.straggler` decides):
   without slowing the job by the threshold; Falcon's controller would only "ignore" it (S1) anyway.
 - A level over fewer steps than the window can still be **decisive** (`StragglerGate.decisive`): when the
   node is as far above its peers as noise reaches on that many steps only as rarely as on a full window at
-  the threshold. A 2x node on a 32%-noise host is decided on 4 steps; the tracker confirms a report on two
-  such disjoint windows instead of two full ones.
+  the threshold. A 2x node on a 32%-noise host is decided on 4 steps; a report can be confirmed on two
+  such disjoint windows instead of two full ones (`_failslow_persist`).
 - A slowdown report opens an episode only after `min_duration_s` during which every check found the node a
   straggler (`FailSlowTracker` holds the candidates); one check that finds it back within the threshold
   dismisses the report.
