@@ -58,6 +58,7 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     ("bench/bench_emulator.py", "resilientjob.localstack._local_api_discovery"),  # the emulator's verbs
     ("bench/bench_straggler_gate.py", "resilientjob.operator._failslow"),  # FailSlowTracker alone
     ("bench/bench_failslow_replay.py", "resilientjob.operator._failslow"),  # FailSlowTracker on recorded runs
+    ("bench/bench_failslow_noise.py", "resilientjob.operator._failslow"),  # FailSlowTracker fed by noise
     ("bench/bench_data.py", "resilientjob.agent._data_files"),  # the data loader's file index
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_commit"),  # the commit vote's cost per step
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
