@@ -250,6 +250,16 @@ def _link_round(
     }
 
 
+Timed = TypeVar("Timed", GemmResult, LinkResult)
+
+
+def _better_round(first: Mapping[Key, Timed], second: Mapping[Key, Timed]) -> dict[Key, Timed]:
+    """Each device's or link's faster timing of two rounds (a stall does not come back; slowness does)."""
+    return {
+        key: min(result, second.get(key, result), key=lambda r: r.seconds) for key, result in first.items()
+    }
+
+
 def _slow_links(measured: Mapping[Link, LinkResult], factor: float, floor_s: float) -> list[Link]:
     """The links whose transfer is `factor` x the median and at least `floor_s` slower than it."""
     seconds = {link: result.seconds for link, result in measured.items()}
@@ -288,11 +298,7 @@ def validate(
                 # each keeps its better round: a stall of a shared host's core during one turn does not
                 # come back in the next, a slow device does. Every rank sees the same gathered times, so
                 # all of them decide alike.
-                again = _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats)
-                gemm = {
-                    rank: min(result, again.get(rank, result), key=lambda r: r.seconds)
-                    for rank, result in gemm.items()
-                }
+                gemm = _better_round(gemm, _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats))
         if links:
             passes = schedule(topology, len(ranks))
             measured = _link_round(passes, link_bytes, repeats, group, len(ranks))
@@ -302,10 +308,7 @@ def validate(
                 # 1 -> 3 (the best of its transfers late while the host was busy) and opened a
                 # communication episode on it; a slow link delays every byte, in both rounds.
                 retimed = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks))
-                measured = {
-                    link: min(result, retimed.get(link, result), key=lambda r: r.seconds)
-                    for link, result in measured.items()
-                }
+                measured = _better_round(measured, retimed)
     named_gpus = _slow_devices(gemm, factor, gemm_floor_s)
     named_links = _slow_links(measured, factor, link_floor_s)
     return ValidationReport(

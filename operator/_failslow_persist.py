@@ -56,8 +56,8 @@ def decided_early(gate: StragglerGate, candidate: Candidate, latest: int) -> boo
     The operator's sweep has no onset, and judges on full windows only."""
     if candidate.swept or candidate.decisive_steps < 0:
         return False
-    node, report = candidate.report.node, candidate.report
-    onset = report.onset_step
+    report = candidate.report
+    node, onset = report.node, report.onset_step
     if candidate.decisive_steps == 0:
         # The window from the onset to the newest step, checked as the steps come: the first that decides
         # it is the shortest (one judgement per pass; a full window confirms as before).

@@ -53,19 +53,17 @@ def _gate_with_noise(noise: float, threshold: float, steps: int = 40) -> Straggl
     gate.new_generation(0, {})
     for step in range(steps):
         for node in range(8):
-            compute = 0.1 * max(0.2, 1 + rng.gauss(0, noise))
-            gate.observe(
-                IterationRecord(
-                    node=node,
-                    generation=0,
-                    step=step,
-                    seconds=compute,
-                    samples=1,
-                    sent_at=0.0,
-                    compute_s=compute,
-                )
-            )
+            _observe(gate, node, step, 0.1 * max(0.2, 1 + rng.gauss(0, noise)))
     return gate
+
+
+def _observe(gate: StragglerGate, node: int, step: int, compute: float) -> None:
+    """A step of `node` that was all compute, as the gate receives it."""
+    gate.observe(
+        IterationRecord(
+            node=node, generation=0, step=step, seconds=compute, samples=1, sent_at=0.0, compute_s=compute
+        )
+    )
 
 
 def test_the_gate_measures_the_jobs_noise_and_sizes_its_window() -> None:
@@ -224,13 +222,7 @@ def test_a_node_far_over_the_threshold_is_decided_on_short_windows() -> None:
     last = 39
     for step in range(last + 1, last + 9):
         for node in range(8):
-            compute = 0.1 * (2.0 if node == 3 else 1.0)
-            gate.observe(
-                IterationRecord(
-                    node=node, generation=0, step=step, seconds=compute, samples=1, sent_at=0.0,
-                    compute_s=compute,
-                )
-            )  # fmt: skip
+            _observe(gate, node, step, 0.1 * (2.0 if node == 3 else 1.0))
     assert gate.decisive(3, last + 1, last + 4)  # 2x on four steps
     assert not gate.decisive(3, last + 1, last + 3)  # too few steps for a median
     assert not gate.decisive(2, last + 1, last + 8)  # a healthy node
@@ -239,13 +231,7 @@ def test_a_node_far_over_the_threshold_is_decided_on_short_windows() -> None:
     fixed.new_generation(0, {})
     for step in range(40):
         for node in range(8):
-            compute = 0.1 * (2.0 if node == 3 else 1.0) * (1.3 if step % 2 else 0.7)
-            fixed.observe(
-                IterationRecord(
-                    node=node, generation=0, step=step, seconds=compute, samples=1, sent_at=0.0,
-                    compute_s=compute,
-                )
-            )  # fmt: skip
+            _observe(fixed, node, step, 0.1 * (2.0 if node == 3 else 1.0) * (1.3 if step % 2 else 0.7))
     assert fixed.straggler(3) and not fixed.decisive(3, 30, 39)  # a configured window is the rule
 
 
