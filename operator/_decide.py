@@ -143,6 +143,25 @@ def new_joins(idle: set[int], decided: Iterable[int]) -> set[int]:
     return idle - set(decided)
 
 
+def same_work(current: Plan, plan: Plan) -> bool:
+    """Whether `plan` gives every node the work `current` gives it: the same pipelines (stages, layers,
+    micro-batches, reroutes), the same all-reduce rounds and nothing to copy. Published as a generation, it
+    would only make every worker rendezvous again (the planner keeps the layout when a joined node is not
+    worth a reconfiguration, as `policy: reroute` always does)."""
+    return (
+        plan.microbatch_size == current.microbatch_size
+        and plan.pipelines == current.pipelines
+        and plan.allreduce_rounds == current.allreduce_rounds
+        and not plan.transfers
+    )
+
+
+def declined_joins(current: PlanAnnouncement, plan: Plan, joins: Iterable[int], why: str) -> api.Decision:
+    """The decision to leave joined nodes idle under the current generation (`plan` does the `same_work`)."""
+    kept = plan.model_copy(update={"generation": current.generation})
+    return decision(kept, api.Reason.NODE_JOINED, joins, why)
+
+
 def decision(
     plan: Plan, trigger: api.Reason, nodes: Iterable[int], why: str, strategy: str = ""
 ) -> api.Decision:

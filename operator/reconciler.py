@@ -32,6 +32,7 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
+from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
@@ -88,6 +89,8 @@ class JobController:
         self._deciding: asyncio.Task[None] | None = None
         self._telemetry = TelemetryPass()
         self._failslow_restored = False
+        self._declined: tuple[int, frozenset[int]] = (-1, frozenset())
+        """Joined nodes the planner left idle, and under which generation (`_decline_joins`)."""
         self.store = StoreKeeper(kube, namespace, name)
         self.record = _durable.PlanRecord(kube, namespace, name)
         self.watch = RedisWatch(name)
@@ -403,7 +406,8 @@ class JobController:
             if self._trained_to_the_end(spec)
             else _decide.detect_joins(plan, observed, published.parked)
         )
-        if not deciding and (self._fenced or _decide.new_joins(joins, published.nodes)):
+        declined = self._declined[1] if self._declined[0] == published.generation else frozenset()
+        if not deciding and (self._fenced or _decide.new_joins(joins, [*published.nodes, *declined])):
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
@@ -536,6 +540,9 @@ class JobController:
             await self._infeasible(exc)
             raise InvalidJob(str(exc)) from None
         metrics.RECOVERY_SECONDS.labels("plan").observe(plan.planning_s)
+        if not failures and _decide.same_work(current.plan, plan):
+            await self._decline_joins(current, plan, joins, why)
+            return
         nodes = sorted(set(failures) | joins)
         # A fail-stop mid-episode keeps the episode's parked nodes; the healthy plan to restore is void
         # once the layout has changed under it.
@@ -548,6 +555,18 @@ class JobController:
             parked=[n for n in current.parked if self.workers.running(n)],
         )
         await self._commit_and_apply(message, current)
+
+    async def _decline_joins(self, current: PlanAnnouncement, plan: Plan, joins: set[int], why: str) -> None:
+        """The planner keeps the layout and leaves the joined nodes idle: nothing changes for any worker, so
+        no generation is published (each would rendezvous again for nothing). The decision goes into the
+        status and an Event; the nodes are offered again with the next generation."""
+        chosen = _decide.declined_joins(current, plan, joins, why)
+        self._declined = (current.generation, frozenset(joins))
+        self.status = self.status.model_copy(update={"last_decision": chosen})
+        await self._write_status(force=True)
+        message = f"nodes {sorted(joins)} stay idle under generation {current.generation}: {chosen.reason}"
+        self.event("Normal", api.Reason.NODE_JOINED, message)
+        log.info("job %s/%s: %s", self.namespace, self.name, message)
 
     async def _rendezvous_again(self, published: PlanAnnouncement) -> None:
         await self._commit_and_apply(rendezvous_again(published), published)

@@ -14,8 +14,17 @@ from resilientjob.operator._capacity import (
     rfc3339,
     unix_time,
 )
-from resilientjob.operator._decide import Observation, PodView, detect_joins, new_joins, pod_view
+from resilientjob.operator._decide import (
+    Observation,
+    PodView,
+    detect_joins,
+    new_joins,
+    pod_view,
+    same_work,
+)
 from resilientjob.operator._manifests import ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
+from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
+from resilientjob.operator.api import parse_spec
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 NOW = 1_800_000_000.0
@@ -140,3 +149,24 @@ def test_pod_view_reads_the_strikes_and_creation_time() -> None:
     pod["metadata"]["annotations"] = {ANNOTATION_STRIKES: "lots"}  # type: ignore[index]
     bad = pod_view(pod, "j")
     assert bad is not None and bad.strikes == 0
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("reroute", True), ("dynamic", False)])
+def test_a_join_left_idle_gives_no_node_other_work(policy: str, kept: bool) -> None:
+    spec = parse_spec(
+        {
+            "image": "rjob:test",
+            "model": "synthetic:bert-large",
+            "nodes": 4,
+            "globalBatchSize": 16,
+            "microBatchSize": 1,
+            "faultTolerance": 1,
+            "policy": policy,
+        }
+    )
+    inputs = planner_inputs(spec)
+    shrunk = plan_next(spec, inputs, plan_initial(spec, inputs), failed=[1])
+    grown = plan_next(spec, inputs, shrunk, joined=[4])
+    assert same_work(shrunk, grown) is kept
+    assert (4 in grown.nodes) is not kept
+    assert not same_work(plan_initial(spec, inputs), shrunk)  # the failure itself moved work

@@ -5,6 +5,7 @@ for again with a growing, bounded delay that the status and the Events show."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -136,3 +137,55 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
     assert "NodeJoined" in reasons
     # The crash-looping pods never held a stage: a failure outside the plan costs no generation.
     assert status["planGeneration"] == grown["planGeneration"] + 1  # only node 5's own fencing
+
+
+async def test_a_join_the_planner_declines_publishes_no_generation(stack: Stack) -> None:
+    """`policy: reroute` keeps the layout when a node joins: the replacement stays idle. Publishing the same
+    layout again would make every worker rendezvous for nothing; the decision is in the status instead."""
+    kube = stack.kube
+    await kube.create_job(job_manifest("idle", policy="reroute", failSlow={"enabled": False}))
+
+    async def status_where(check: Any) -> dict[str, Any] | None:
+        status = await kube.job_status("idle")
+        return status if status and check(status) else None
+
+    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+    for node in range(4):
+        await _set_phase(kube, f"idle-node-{node}", "Running")
+    await kube.delete("pods", "idle-node-1")
+    shrunk = await eventually(
+        lambda: status_where(lambda s: s.get("failedNodes") == [1]), 10, "node 1 out, rerouted"
+    )
+    generation = shrunk["planGeneration"]
+    await eventually(lambda: _nodes(kube, "idle"), 10, "pods")
+
+    async def replacement() -> dict[str, Any] | None:
+        return (await _nodes(kube, "idle")).get(4)
+
+    await eventually(replacement, 10, "a replacement pod for node 1 under id 4")
+    await _set_phase(kube, "idle-node-4", "Running")
+
+    declined = await eventually(
+        lambda: status_where(lambda s: (s.get("lastDecision") or {}).get("trigger") == "NodeJoined"),
+        10,
+        "the join decided",
+    )
+    decision = declined["lastDecision"]
+    assert decision["nodes"] == [4] and decision["generation"] == generation, decision
+    assert decision["policy"] == "reroute" and "joined nodes idle" in decision["reason"], decision
+    # Several passes later the join is still decided, not asked again, and no generation came of it.
+    later = await _settled(kube, "idle", seconds=1.5)
+    assert later["planGeneration"] == generation, later.get("recoveries")
+    assert not [r for r in later.get("recoveries") or [] if r["trigger"] == "NodeJoined"]
+    plan = json.loads((await kube.get("configmaps", "idle-plan"))["data"]["plan.json"])  # type: ignore[index]
+    assert plan["generation"] == generation
+    messages = [e["message"] for e in await kube.events_of("idle") if e.get("reason") == "NodeJoined"]
+    assert len(messages) == 1 and "nodes [4] stay idle" in messages[0], messages
+
+
+async def _settled(kube: Kube, job: str, seconds: float) -> dict[str, Any]:
+    """The job's status after `seconds` of the operator's passes."""
+    await asyncio.sleep(seconds)
+    status = await kube.job_status(job)
+    assert status is not None
+    return status
