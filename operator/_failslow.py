@@ -6,7 +6,7 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 
 1. A report is a *candidate*, not yet an episode. A compute report must be confirmed by the job-wide rule
    of `_straggler` (the node's level against the other nodes', so noise on every node is no straggler)
-   continuously for `min_duration_s` since the change's onset (`slowed_since`) and over two disjoint
+   continuously for `min_duration_s` since the change's onset (`_failslow_clock`) and over two disjoint
    level windows of steps, or two shorter ones that each decide it alone (`_failslow_persist`) (with
    `min_duration_s` 0, at once). One check that finds it within the threshold
    dismisses it (its level counts only steps from its onset, so this is the evidence of the change
@@ -59,6 +59,7 @@ from resilientjob.protocol.messages import (
 )
 
 from . import _failslow_validation as _validation
+from ._failslow_clock import NodeClocks
 from ._failslow_job import JobStepTrigger
 from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
@@ -121,6 +122,8 @@ class FailSlowTracker:
     gate: StragglerGate = field(init=False)
     job: JobStepTrigger = field(init=False)
     """Falcon's trigger on the job's own step time (`_failslow_job`), beside the per-worker rule."""
+    clocks: NodeClocks = field(default_factory=NodeClocks)
+    """Each node's recent step records, to date a report's onset on this clock (`_failslow_clock`)."""
     rung_check: FirstRungCheck = field(init=False)
     """Whether the episode's first rung made the job slower (`_failslow_rungs`)."""
     slow: dict[int, float] = field(default_factory=dict)
@@ -200,10 +203,12 @@ class FailSlowTracker:
         slowdown of the job's step time by the threshold for `min_duration_s` opens an episode for the
         compute straggler it localises, or asks validation to name the slow link (a communication
         candidate), whatever the per-worker rule made of the reports."""
+        clock = time.time() if now is None else now
         self.gate.observe(record)
+        self.clocks.observe(record, clock)
         if not self.spec.enabled or self.controller.active:
             return
-        verdict = self.job.observe(record, time.time() if now is None else now)
+        verdict = self.job.observe(record, clock)
         if verdict is None:
             return
         report = verdict.report
@@ -363,10 +368,13 @@ class FailSlowTracker:
                 if candidate.confirmed_since is None:
                     # The agent's detector verified the slowdown (and for a communication report
                     # validation, later, measured the named link or device slow): it has lasted since its
-                    # onset, where its duration counts from (on the agent's clock; never later than now).
+                    # onset, where its duration counts from, not from the detection: the detector's
+                    # verifying steps are the slowdown's too (the demo's x4 episodes waited a second past
+                    # the detection, five more slowed steps). On the operator's clock, as far as the
+                    # node's own steps bear it out (`_failslow_clock`); never later than now.
                     # The operator's sweep, which found no onset, dates its candidates now.
                     unproven = report.kind is SlowKind.COMMUNICATION and not candidate.validated
-                    since = clock if unproven or candidate.swept else slowed_since(report)
+                    since = clock if unproven or candidate.swept else self.clocks.onset(report)
                     candidate.confirmed_since = min(clock, since)
                     candidate.confirmed_step = first_window_end(self.gate, node, report.onset_step, latest)
                     self.changed = True
@@ -654,6 +662,7 @@ class FailSlowTracker:
             self.candidates.pop(node, None)
             self._sources.pop(node, None)
             self._recovering.pop(node, None)
+            self.clocks.forget(node)
         self.links = {link for link in self.links if not set(link) & gone}
         self.devices -= gone
         self.gate.forget(gone)
@@ -716,17 +725,6 @@ class FailSlowTracker:
         self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
         self.rung_check.resume(state.get("rung_check"))
         self.changed = False
-
-
-def slowed_since(report: SlowReport) -> float:
-    """When `report`'s slowdown began, on its agent's clock: its detection less the time its worker's steps
-    took since the onset (`slowed_s`), or from an agent that does not measure it, less the steps since the
-    onset at the level it reported (all but the last: a level is the steps' median, and a step lasts at
-    least its compute). `min_duration_s` counts from there, not from the detection: the detector's
-    verifying steps are the slowdown's too (the demo's x4 episodes waited a second past the detection, five
-    more slowed steps)."""
-    lasted = report.slowed_s or max(0, report.step - report.onset_step) * report.level_s
-    return report.detected_at - lasted
 
 
 def _event(report: SlowReport, detected_at: int) -> ChangeEvent:

@@ -6,7 +6,8 @@ Falcon's detector watches the iteration time of the job itself, which is what th
 does the same on the operator's side: every node's `IterationRecord` feeds the step time of the job (the
 median of the nodes' walls for a step, fed once the step is complete, i.e. when any node reports a later
 one) to a `ChangeDetector`. A verified slowdown of at least the spec's threshold that holds for
-`minDurationS` (the median step since the onset, re-checked on every step) is a job-level slowdown. The
+`minDurationS` (the median step since the onset, re-checked on every step), and beyond what the job's own
+step-to-step noise takes a median of that many steps to (`_beyond_noise`), is a job-level slowdown. The
 duration counts from the detector's verification, on the operator's clock, so the `min_after` slowed steps
 the verification needs come on top. Counting it from the onset instead (the job's time since) opened an
 episode on a one-second stall of one node in a 30-minute healthy run of the demo job on two cores.
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from resilientjob.planner.failslow import ChangeDetector, ChangeKind
 from resilientjob.protocol.messages import IterationRecord, SlowKind, SlowReport
 
+from ._straggler import beyond_noise, relative_spread
+
 SUSPICION_FACTOR = 1.1
 """A node's compute rise must exceed the other nodes' median rise by this factor to single it out."""
 EXPLAINED = 0.5
@@ -39,6 +42,13 @@ EXPLAINED = 0.5
 MARGIN = 0.9
 """A slowdown counts when its excess is at least this share of the threshold's (1.45x for 1.5): a job
 slowed by exactly the threshold measures just below it half of the time."""
+NOISE_STEPS = 64
+"""The job's steps before an onset whose spread is its noise (`_beyond_noise`)."""
+NOISE_Z = 3.5
+"""Standard errors of their median by which the steps after a verification must clear the level before
+(`_straggler.beyond_noise`); the per-worker rule's 2.5 and one window are too few here, as the check runs
+again on every step of a pending slowdown and its onset is where the detector saw the steps run high: on
+jobs of 15% step noise at threshold 1.2, 2.5 opened an episode on noise in one of ten jobs' 260 steps."""
 HISTORY = 256
 """Steps of per-node compute kept for localisation (before and after an onset)."""
 
@@ -49,6 +59,21 @@ class JobVerdict:
 
     report: SlowReport | None
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A slowdown the detector verified, waiting for `minDurationS` and for steps beyond the noise."""
+
+    onset: int
+    before: float
+    """The job's step time before the onset."""
+    since: float
+    """Wall time of the verification: `minDurationS` counts from here."""
+    verified: int
+    """The step that verified it: the confirming steps come after it."""
+    noise: float | None
+    """The job's step-to-step noise before the onset (kept: a long `minDurationS` outlasts the history)."""
 
 
 @dataclass(slots=True)
@@ -65,8 +90,10 @@ class JobStepTrigger:
     """Step number of the detector's sample 0 (its events' indices count from there)."""
     _job: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _compute: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
-    _onset: tuple[int, float, float] | None = None
-    """The pending slowdown: (onset step, job step time before, wall time it was first confirmed)."""
+    _pending: _Pending | None = None
+    """The slowdown the detector verified, until it is confirmed or passes."""
+    _node_noise: float | None = None
+    """The nodes' typical step-to-step compute spread before the pending onset."""
     _prior: dict[int, float] = field(default_factory=dict)
     """Each node's compute level before the pending onset, kept from when it was confirmed (a long
     minDurationS outlasts the history that held it)."""
@@ -83,8 +110,9 @@ class JobStepTrigger:
         self._fed_step = -1
         self._job.clear()
         self._compute.clear()
-        self._onset = None
+        self._pending = None
         self._prior = {}
+        self._node_noise = None
 
     def observe(self, record: IterationRecord, now: float) -> JobVerdict | None:
         if record.generation != self.generation:
@@ -113,36 +141,59 @@ class JobStepTrigger:
         if event is not None:
             if event.kind is ChangeKind.SLOWDOWN and event.ratio >= self._bar:
                 onset = self._first_step + event.index
-                self._onset = (onset, event.before_s, now)
+                prior = [s for st, s in self._job if st < onset][-NOISE_STEPS:]
+                noise = relative_spread(prior)
+                # The detector's level before is its last run's mean, which may be a short run's: on a
+                # noisy job it read 12% under the median of the 64 steps before, and noise looked a rise.
+                before = max(event.before_s, statistics.median(prior)) if noise else event.before_s
+                self._pending = _Pending(onset, before, now, step, noise)
                 # The levels before the onset are in the kept history now; a long minDurationS would
                 # outlast it.
                 self._prior = {}
+                spreads = []
                 for node, samples in self._compute.items():
-                    old = [c for st, c in samples if st < onset]
+                    old = [c for st, c in samples if st < onset][-32:]
                     if len(old) >= 2:
-                        self._prior[node] = statistics.median(old[-32:])
+                        self._prior[node] = statistics.median(old)
+                    spread = relative_spread(old)
+                    if spread is not None:
+                        spreads.append(spread)
+                self._node_noise = statistics.median(spreads) if spreads else None
             elif event.kind is ChangeKind.RECOVERY:
-                self._onset = None
-        if self._onset is None:
+                self._pending = None
+        pending = self._pending
+        if pending is None:
             return None
-        onset, before, since = self._onset
+        onset, before = pending.onset, pending.before
         level = statistics.median(s for st, s in self._job if st >= onset)
         if level < self._bar * before:
-            self._onset = None  # the job is back within the threshold: a passing slowdown
+            self._pending = None  # the job is back within the threshold: a passing slowdown
             return None
-        if now - since < self.min_duration_s:
+        if now - pending.since < self.min_duration_s or not self._beyond_noise(pending):
             return None
-        self._onset = None
+        self._pending = None
         return self._localize(step, onset, before, level, now)
+
+    def _beyond_noise(self, pending: _Pending) -> bool:
+        """Whether the steps after the verification are above the bar and further above the level before
+        than the job's own step-to-step noise takes their median, `NOISE_Z` standard errors over. Not the
+        steps since the onset: the detector chose it where they ran high."""
+        after = [s for step, s in self._job if step > pending.verified]
+        if pending.noise is None or not after:
+            return False
+        ratio = statistics.median(after) / pending.before
+        return ratio >= self._bar and beyond_noise(ratio, pending.noise, len(after), NOISE_Z)
 
     def _localize(self, step: int, onset: int, before: float, level: float, now: float) -> JobVerdict:
         rises: dict[int, tuple[float, float, float]] = {}
+        counts: dict[int, int] = {}
         for node, samples in self._compute.items():
             new = [c for s, c in samples if s >= onset]
             prior = self._prior.get(node)
             if prior is not None and prior > 0 and new:
                 after = statistics.median(new)
                 rises[node] = (after / prior, prior, after)
+                counts[node] = len(new)
         slowdown = level / before
         where = f"the job's step time rose {slowdown:.2f}x ({before:.3g}s -> {level:.3g}s) since step {onset}"
         if rises:
@@ -153,7 +204,12 @@ class JobStepTrigger:
             # 2-core host's step drifted 1.6x in 30 healthy minutes) every node's extra compute "explains"
             # the job's extra step, and the noisiest node would be named.
             excess = after - prior * max(others, 1.0)
-            if ratio > SUSPICION_FACTOR * others and excess >= EXPLAINED * (level - before):
+            # And beyond what its own noise takes a median of its steps since the onset to: on nodes of
+            # 45% noise, a rise of every node by 1.4x was blamed on whichever rose most by chance.
+            apart = self._node_noise is None or beyond_noise(
+                ratio / max(others, 1e-9), self._node_noise, counts[worst], NOISE_Z
+            )
+            if ratio > SUSPICION_FACTOR * others and excess >= EXPLAINED * (level - before) and apart:
                 report = SlowReport(
                     node=worst,
                     generation=self.generation,

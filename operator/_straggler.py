@@ -90,6 +90,12 @@ def window_for(noise: float, threshold: float) -> int:
     return max(MIN_WINDOW, min(MAX_WINDOW, need))
 
 
+def beyond_noise(ratio: float, noise: float, steps: int, z: float = _Z) -> bool:
+    """Whether a median of `steps` steps at `ratio` times a level is further above it than noise of
+    relative spread `noise` per step takes such a median but `z` standard errors' rarely."""
+    return steps > 0 and ratio >= 1 + z * 1.2533 * max(0.0, noise) / math.sqrt(steps)
+
+
 def relative_spread(values: Iterable[float]) -> float | None:
     """1.4826 x MAD / median: the standard deviation relative to the level, for Gaussian noise, and robust
     to the odd stalled step. None for fewer than `NOISE_SAMPLES` values or a zero median."""
@@ -284,7 +290,7 @@ class StragglerGate:
         if found is None or not found[0] or not found[2] > 0:
             return False
         _, own, reference = found
-        return own / reference >= 1 + _Z * 1.2533 * noise / math.sqrt(min(count, self.window))
+        return beyond_noise(own / reference, noise, min(count, self.window))
 
     def why_not(self, node: int, since_step: int = 0) -> str:
         """Which part of the rule a node that is no straggler fails, in words for its dismissal."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_failslow_localisation import Job
 
 from resilientjob.operator._failslow import Action, FailSlowTracker, FindingKind
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
@@ -145,6 +146,49 @@ def test_thirty_minutes_healthy_with_heavy_jitter_open_no_episode() -> None:
         assert _run(tracker, range(start, start + 199), rng, jitter=0.1) is None
         assert _run(tracker, range(start + 199, start + 200), rng, wall=WALL_S * 2.5, jitter=0.1) is None
     assert not tracker.active
+
+
+def test_one_second_steps_with_seventeen_percent_noise_open_no_episode_at_threshold_1_2() -> None:
+    """Steps of a second on the tracker's clock, so `minDurationS: 1` is a single step after the
+    verification, and the job's step spread 17% (8 nodes of 45% each, the median of their walls). Before
+    the trigger judged its confirming steps against the job's noise and the level of the 64 steps before
+    the onset (the detector's own read 12% low after a short run), 6 of these 40 jobs opened an episode."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    opened = []
+    for seed in range(100, 140):
+        job = Job(spec, seed=seed)
+        job.run(300, {}, noise=0.45)
+        if job.tracker.active:
+            opened.append(seed)
+    assert opened == []
+    # A rise of the job's step by 1.4x is still judged within a few steps: here it is every node's, so
+    # the trigger's verdict is a dismissal (machine-wide).
+    for seed in (100, 101, 102):
+        job = Job(spec, seed=seed)
+        job.run(100, {}, noise=0.2)
+        onset = job.step + 1
+        judged: list[str] = []
+        while not judged and job.step < onset + 40:
+            job.run(1, {}, noise=0.2, machine=1.4)
+            judged = [f.message for f in job.tracker.drain_findings() if "machine-wide" in f.message]
+        assert judged and job.step - onset <= 12, (seed, job.step - onset)
+
+
+def test_a_rise_of_every_node_is_not_blamed_on_the_one_that_rose_most_by_chance() -> None:
+    """On nodes of 45% noise, the node whose compute rose most when every node's rose 1.4x is 1.6-1.8x
+    over its level before by chance, more than 1.1x the others' median rise: it was named the cause in
+    each of these three jobs. Its rise over the others' must also be beyond what its noise takes a median
+    of its steps to."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=1.0, overheads=StrategyOverheads(microbatch_s=1000.0)
+    )
+    for seed in (100, 101, 102):
+        job = Job(spec, seed=seed)
+        job.run(100, {}, noise=0.45)
+        job.run(40, {}, noise=0.45, machine=1.4)
+        assert not job.tracker.active, [f.message for f in job.tracker.findings]
 
 
 def test_the_first_rung_weighs_the_node_by_its_own_rise_when_the_shares_hide_it() -> None:

@@ -81,11 +81,11 @@ class Job:
                     step=self.step,
                     seconds=compute + 0.02,
                     samples=4,
-                    sent_at=0.0,
+                    sent_at=float(self.step),
                     compute_s=compute,
                     communication_s=0.02,
                 )
-                self.tracker.observe(record)
+                self.tracker.observe(record, now=float(self.step))
                 decision = self.tracker.iteration(record)
                 if decision is not None:
                     self.mitigations.append(decision)
