@@ -10,7 +10,8 @@ Agents run the planner's BOCD + verification on their own iteration times and se
    level windows of steps, or two shorter ones that each decide it alone (`_failslow_persist`) (with
    `min_duration_s` 0, at once). One check that finds it within the threshold
    dismisses it (its level counts only steps from its onset, so this is the evidence of the change
-   itself), as does `CANDIDATE_TTL_S` without enough steps to judge.
+   itself), as does `CANDIDATE_TTL_S` without enough steps to judge; a node slower than the others by
+   the threshold beyond the job's noise whose cost to the job is still short waits instead (`_rising`).
    A communication report asks for a validation pass (`validation_wanted`; `_failslow_validation`): suspects
    are the reporter and the nodes of the groups its profiles flag. The result names slow links (S3 a moves
    them off the data-parallel path) and slow devices (compute stragglers); a result that finds nothing
@@ -72,7 +73,7 @@ from ._failslow_plans import (
 )
 from ._failslow_rungs import FirstRungCheck
 from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
-from ._straggler import StragglerGate
+from ._straggler import StragglerGate, beyond_noise
 from .api import FailSlowSpec
 
 __all__ = [
@@ -385,6 +386,12 @@ class FailSlowTracker:
                 self.changed |= candidate.decisive_steps != decided
                 if turned and clock - candidate.confirmed_since >= self.spec.min_duration_s:
                     self._open(node, candidate, why=SWEPT if candidate.swept else "")
+            elif verdict is False and self._rising(node, candidate, clock - candidate.came_at <= ttl):
+                # Over the threshold, yet its excess costs the job too little so far: wait for the
+                # level's window to fill with its steps since the onset, as a dismissal would end it.
+                if candidate.confirmed_since is not None:
+                    candidate.confirmed_since, candidate.decisive_steps = None, 0
+                    self.changed = True
             elif verdict is False:
                 # The node's level since its onset is within the threshold of the others' (noise, or a
                 # slowdown that every node shares: machine-wide), or its excess costs the job too little.
@@ -397,7 +404,25 @@ class FailSlowTracker:
                 del self.candidates[node]
                 self.changed = True
                 if not candidate.swept:
-                    self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s")
+                    why = f": {self.gate.why_not(node, report.onset_step)}" if verdict is False else ""
+                    self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s{why}")
+
+    def _rising(self, node: int, candidate: Candidate, young: bool) -> bool:
+        """Whether a compute candidate that the rule found no straggler is still worth waiting for: young,
+        and slower than the other nodes by the threshold (its cost to the job fell short). Its level since
+        the onset fills with slowed steps as they come: the demo's x4 worker read 2.63x five steps after
+        its onset, 0.042 s of extra compute a step where 0.047 s was needed; dismissed, it waited for the
+        operator's sweep, 12 steps more."""
+        if not young or candidate.swept or candidate.report.kind is not SlowKind.COMPUTE:
+            return False  # the sweep judges every node again on its next window
+        onset = candidate.report.onset_step
+        ratio = self.gate.ratios({node: onset}).get(node)
+        noise = self.gate.noise
+        if ratio is None or noise is None or ratio <= self.spec.slowdown_threshold:
+            return False
+        # Slower beyond the job's noise, or the wait is one more chance for noise to confirm it.
+        steps = sum(step >= onset for step, _ in self.gate.recent(node))
+        return beyond_noise(ratio, noise, steps)
 
     def _sweep(self, clock: float) -> None:
         """Outside an episode, every node with a full level window is judged by the job-wide rule even
