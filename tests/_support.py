@@ -124,3 +124,17 @@ def job_object(state: Path, name: str, namespace: str = "default") -> dict[str, 
     with urllib.request.urlopen(api_url + path, timeout=10) as reply:
         body: dict[str, Any] = json.loads(reply.read())
     return body
+
+
+def bert_spec_fields(**fields: Any) -> dict[str, Any]:
+    """The spec fields of a small planning job (synthetic BERT-large, 4 nodes, batch 16, f = 1), with
+    `fields` over them: for tests that plan, not train."""
+    return {
+        "image": "rjob:test",
+        "model": "synthetic:bert-large",
+        "nodes": 4,
+        "globalBatchSize": 16,
+        "microBatchSize": 1,
+        "faultTolerance": 1,
+        **fields,
+    }

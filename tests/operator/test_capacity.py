@@ -5,6 +5,7 @@ how the crash-loop backoff grows and where it stops, and which ready pods count 
 from __future__ import annotations
 
 import pytest
+from _support import bert_spec_fields
 
 from resilientjob.operator import api
 from resilientjob.operator._capacity import (
@@ -153,17 +154,7 @@ def test_pod_view_reads_the_strikes_and_creation_time() -> None:
 
 @pytest.mark.parametrize(("policy", "kept"), [("reroute", True), ("dynamic", False)])
 def test_a_join_left_idle_gives_no_node_other_work(policy: str, kept: bool) -> None:
-    spec = parse_spec(
-        {
-            "image": "rjob:test",
-            "model": "synthetic:bert-large",
-            "nodes": 4,
-            "globalBatchSize": 16,
-            "microBatchSize": 1,
-            "faultTolerance": 1,
-            "policy": policy,
-        }
-    )
+    spec = parse_spec(bert_spec_fields(policy=policy))
     inputs = planner_inputs(spec)
     shrunk = plan_next(spec, inputs, plan_initial(spec, inputs), failed=[1])
     grown = plan_next(spec, inputs, shrunk, joined=[4])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import yaml
-from _support import ROOT
+from _support import ROOT, bert_spec_fields
 
 from resilientjob.operator._failslow import Action, Mitigation, link_plan, microbatch_plan, sync_time
 from resilientjob.operator._mitigation import mitigation_message
@@ -15,16 +15,7 @@ from resilientjob.operator._redis_state import announcement
 from resilientjob.operator.api import Reason, parse_spec
 from resilientjob.planner.plan import Plan
 
-SPEC = parse_spec(
-    {
-        "image": "rjob:test",
-        "model": "synthetic:bert-large",
-        "nodes": 4,
-        "globalBatchSize": 16,
-        "microBatchSize": 1,
-        "faultTolerance": 1,
-    }
-)
+SPEC = parse_spec(bert_spec_fields())
 
 
 def _after_s2(factor: float) -> tuple[Plan, Plan]:

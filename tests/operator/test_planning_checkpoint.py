@@ -4,6 +4,7 @@ checkpoint restart costs the steps since then (issue #14), not half an interval.
 from __future__ import annotations
 
 import pytest
+from _support import bert_spec_fields
 
 from resilientjob.operator._planning import checkpoint_state, plan_initial, plan_next, planner_inputs
 from resilientjob.operator.api import parse_spec
@@ -11,17 +12,7 @@ from resilientjob.planner import Policy
 
 
 def _spec(checkpoint: dict[str, int]):  # type: ignore[no-untyped-def]
-    return parse_spec(
-        {
-            "image": "rjob:test",
-            "model": "synthetic:bert-large",
-            "nodes": 4,
-            "globalBatchSize": 16,
-            "microBatchSize": 1,
-            "faultTolerance": 1,
-            "checkpoint": checkpoint,
-        }
-    )
+    return parse_spec(bert_spec_fields(checkpoint=checkpoint))
 
 
 @pytest.mark.parametrize(
