@@ -121,10 +121,37 @@ def _copy_from(source: Path) -> Callable[[Path], None]:
     return copy
 
 
+STALE_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5")
+"""Weight files of another model that `from_pretrained` would load instead of (or mix with) the exported
+shards: a single-file checkpoint wins over a sharded one, so a directory that held a `save_pretrained`
+model loaded its old weights after the export."""
+
+
+def remove_stale_weights(spec: ModelSpec, out_dir: str | Path) -> list[str]:
+    """Remove from `out_dir` the weight files that are not this export's (`STALE_WEIGHTS`, the shards a
+    `pytorch_model.bin` index names, and safetensors shards of another layer count); their names."""
+    out = Path(out_dir)
+    ours = {shard_name(index, spec.num_layers) for index in range(spec.num_layers)}
+    stale = [out / name for name in STALE_WEIGHTS]
+    stale += [path for path in out.glob("model-*-of-*.safetensors") if path.name not in ours]
+    stale += list(out.glob("pytorch_model-*-of-*.bin"))
+    removed = []
+    for path in stale:
+        if path.is_file():
+            path.unlink()
+            removed.append(path.name)
+    return sorted(removed)
+
+
 def write_metadata(spec: ModelSpec, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write config.json, the shard index and the input directory's tokenizer files into `out_dir`."""
+    """Write config.json, the shard index and the input directory's tokenizer files into `out_dir`, after
+    removing the weights of any model it held before (`remove_stale_weights`)."""
     hf = _hf(spec)
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    removed = remove_stale_weights(spec, out)
+    if removed:
+        print(f"export: removed the weights of the model {out} held before: {removed}", flush=True)
     weight_map: dict[str, str] = {}
     total = 0
     element = torch.empty((), dtype=dtype).element_size()

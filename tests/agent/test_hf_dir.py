@@ -307,6 +307,25 @@ def test_export_round_trips_a_modification(tmp_path: Path) -> None:
             assert torch.equal(got, want), index
 
 
+def test_export_over_a_saved_model_replaces_its_weights(tmp_path: Path) -> None:
+    """A directory that held a `save_pretrained` model (its single model.safetensors wins over a sharded
+    index in `from_pretrained`) loads the exported weights, not the old ones."""
+    source = _save(_reference("llama"), tmp_path / "in", sharded=False)
+    spec = load_model(f"hf:{source}", seq_len=SEQ)
+    layers = _layers(spec)
+    with torch.no_grad():
+        layers[2].get_parameter("block.mlp.up_proj.weight").add_(0.25)
+    out = _save(_reference("llama"), tmp_path / "out", sharded=False)  # the old model, where the new goes
+    (out / "pytorch_model.bin").write_bytes(b"not a model")
+    write_model(spec, dict(enumerate(layers)), out)
+    assert not (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(
+        loaded.state_dict()["model.layers.1.mlp.up_proj.weight"],
+        layers[2].get_parameter("block.mlp.up_proj.weight"),
+    )
+
+
 @pytest.mark.parametrize(
     "spec_text",
     [
