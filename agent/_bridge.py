@@ -40,6 +40,7 @@ from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.models import ModelSource, model_source
 
 from . import _parked
+from ._device_work import worker_start_method
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
 from .config import JobConfig
@@ -108,7 +109,9 @@ class _ProbeHooks(StepHooks):
     report each committed step (wall, compute and communication from the trace) and a profile every few
     steps to the agent through the sink file, run validation at its boundary."""
 
-    def __init__(self, node: int, sink_path: str, keys: JobKeys | None, device: str = "cpu") -> None:
+    def __init__(
+        self, node: int, sink_path: str, keys: JobKeys | None, device: str = "cpu", lane: int = 0
+    ) -> None:
         from ._worker_probe import WorkerProbe, chaos_client
 
         self.node = node
@@ -116,7 +119,7 @@ class _ProbeHooks(StepHooks):
         """Where a drained node's probe products run (`WorkerProbe.end_step`)."""
         self.roles: dict[int, str] = {}
         sink = open(sink_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker process
-        self.probe = WorkerProbe(node, sink)
+        self.probe = WorkerProbe(node, sink, lane=lane, device=device)
         if keys is not None:
             self.probe.start_chaos(keys, chaos_client())
 
@@ -159,6 +162,7 @@ def worker_entry(
         sink_path,
         JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None,
         device=device_name(config.workload.device, local_rank),
+        lane=local_rank,
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)
@@ -194,8 +198,8 @@ class TrainingAgent:
         return tp_degree(read_plan(store, read_generation(store)))
 
     def start(self, devices: int) -> None:
-        """Start the node's `devices` workers (fork: torch is already imported here, which halves start-up
-        on few cores)."""
+        """Start the node's `devices` workers: forked on the CPU (torch is already imported here, which
+        halves start-up on few cores), spawned on an accelerator (`_device_work`)."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         args = (self.telemetry.node, self.config, self.host, self.port, str(self.sink), os.getpid())
@@ -205,7 +209,7 @@ class TrainingAgent:
             args={local_rank: (*args, local_rank) for local_rank in range(devices)},
             envs={local_rank: {"LOCAL_RANK": str(local_rank)} for local_rank in range(devices)},
             logs_specs=DefaultLogsSpecs(log_dir=str(self.directory / "logs"), redirects=Std.NONE),
-            start_method="fork",
+            start_method=worker_start_method(self.config.workload.device),
         )
 
     def pids(self) -> list[int]:
@@ -288,10 +292,11 @@ class TrainingAgent:
         return 0
 
     def probe_device(self) -> str:
-        """The device a parked node probes: its first accelerator, as its first worker used it."""
-        from .worker import worker_device
+        """The device a parked node probes: its first accelerator, as its first worker used it (only named
+        here: the probing child makes it current, `_parked.measure`)."""
+        from .worker import device_name
 
-        return worker_device(self.config.workload.device, 0)
+        return device_name(self.config.workload.device, 0)
 
     def stop(self) -> None:
         if self.context is not None:

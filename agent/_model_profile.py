@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from resilientjob.protocol.messages import (
     MAX_PROFILE_BYTES,
@@ -40,6 +41,7 @@ from resilientjob.protocol.messages import (
 from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
 from resilientjob.protocol.workload import Precision, Workload
 
+from ._device_work import DeviceWork
 from ._redis import REDIS_DOWN
 from .telemetry import Telemetry
 
@@ -62,11 +64,63 @@ def _check_workload(model: ModelSpec, workload: Workload, cache_dir: Path | None
         model.hf.check_checkpoint()
     cache = cache_dir if cache_dir is not None else Path(tempfile.gettempdir()) / "rjob-data"
     open_dataset(workload.data, vocab=model.vocab, cache_dir=cache)
+    if workload.output is not None:
+        _check_output(Path(workload.output.path))
     if workload.training.precision is Precision.BF16 and workload.device == "cuda":
         import torch
 
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        if torch.cuda.is_available() and not _native_bf16(torch):
             raise _FieldError("spec.training.precision", "bf16: this job's GPUs do not support it; use fp32")
+
+
+def _check_output(directory: Path) -> None:
+    """That the trained model can be written where `spec.output.path` says, found before any step: a job
+    that trained to its end and then could not write its model had lost the training (and its workers'
+    failure read as node failures). The directory is created, and a file written and removed in it."""
+    probe = directory / f".rjob-write-check-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise _FieldError(
+            "spec.output.path", f"{directory}: cannot write the trained model there: {reason}"
+        ) from None
+
+
+def _check_splits(model: ModelSpec, devices: int) -> None:
+    """Whether a Hugging Face model's blocks split over a stage's `devices` (tensor parallelism,
+    `_tensor_parallel`): found here from the configuration, not by a worker that would fail on every start."""
+    if devices < 2 or model.hf is None:
+        return
+    from ._hf_models import HFFamily
+
+    if model.hf.family is HFFamily.GPT2:
+        raise _FieldError(
+            "spec.gpusPerNode",
+            f"{devices}: GPT-2 blocks have no tensor-parallel split (their q, k and v are one fused Conv1D); "
+            "use gpusPerNode: 1, or a Llama, Qwen2 or Mistral model",
+        )
+    config = model.hf.config
+    heads = int(config.num_attention_heads)
+    for name, count in (
+        ("attention", heads),
+        ("key/value", int(getattr(config, "num_key_value_heads", 0) or heads)),
+    ):
+        if count % devices:
+            raise _FieldError(
+                "spec.gpusPerNode",
+                f"{devices}: the model's {count} {name} heads do not split evenly over them",
+            )
+
+
+def _native_bf16(torch: Any) -> bool:
+    """Whether the GPU computes bf16 itself: emulated bf16 (V100, T4) runs many times slower than fp32."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch before the keyword: Ampere (8.0) and later compute bf16
+        return bool(torch.cuda.get_device_capability() >= (8, 0))
 
 
 class _FieldError(ValueError):
@@ -94,6 +148,7 @@ def make_report(
 
     try:
         model = load_model(request.model, **{"seq_len": request.seq_len, **model_options})
+        _check_splits(model, request.devices_per_stage)
         _check_workload(model, workload, cache_dir)
         profile = _profile(request, workload, model) if request.profile else None
     except (ValueError, OSError, ImportError) as exc:  # PlannerError, DataError are ValueErrors
@@ -125,10 +180,14 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
 
     if request.measure:
         from .profiler import measure_profile
+        from .worker import worker_device
 
-        device = "cpu" if workload.device == "cpu" else f"{workload.device}:0"
+        # The first device made current (torch_npu loaded for an NPU): this runs in the agent's device child.
+        device = worker_device(workload.device, 0)
+        # Timed as it will train: bf16 layers run several times faster than fp32 on a tensor-core GPU.
+        bf16 = workload.training.precision is Precision.BF16
         try:
-            return measure_profile(model, request.microbatch_size, device=device)
+            return measure_profile(model, request.microbatch_size, device=device, bf16=bf16)
         except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
             raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
     if model_source(request.model) is ModelSource.HF_DIRECTORY:
@@ -155,6 +214,8 @@ class _Answerer:
         self.workload = workload
         self.model_options = model_options
         self.answered: ModelProfileReport | None = None
+        self.device_work = DeviceWork(workload.device)
+        """Builds, checks and times the model off the agent's process on an accelerator (`_device_work`)."""
 
     async def poll(self) -> None:
         client, keys = self.telemetry.client, self.telemetry.keys
@@ -174,8 +235,8 @@ class _Answerer:
             what = "measuring" if request.measure else "computing"
             task = f"{what} the profile of" if request.profile else "checking"
             print(f"pre-flight: {task} {request.model} and the data for the operator", flush=True)
-            report = await asyncio.to_thread(
-                make_report, request, self.workload, self.model_options, self.telemetry.node
+            report = await self.device_work.run(
+                make_report, request, self.workload, dict(self.model_options), self.telemetry.node
             )
             failed = f"{report.error_field}: {report.error}"
             outcome = failed if report.error else f"{report.num_layers} layers, workload checked"
@@ -193,6 +254,16 @@ async def wait_for_first_plan(
     """The published plan, once there is one (None when `stopped` first); node 0 answers the operator's
     profile requests meanwhile."""
     answerer = _Answerer(telemetry, workload, model_options) if telemetry.node == PROFILE_NODE else None
+    try:
+        return await _first_plan(telemetry, stopped, answerer)
+    finally:
+        if answerer is not None:
+            answerer.device_work.close()
+
+
+async def _first_plan(
+    telemetry: Telemetry, stopped: asyncio.Event, answerer: _Answerer | None
+) -> PlanAnnouncement | None:
     announced = False
     while not stopped.is_set():
         wait_s = POLL_S

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import chaos
+from ._device_work import DeviceWork
 from ._redis import REDIS_DOWN
 from .telemetry import PARKED_ROLE, Telemetry
 
@@ -80,6 +81,10 @@ def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -
     from .validation import gemm_benchmark
 
     if device != "cpu":
+        from .worker import worker_device
+
+        kind, _, index = device.partition(":")
+        worker_device(kind, int(index or 0))  # in the probing child: torch_npu loaded, the device current
         return gemm_benchmark(size=size, repeats=repeats, device=device, stretched=False).seconds
     import torch
 
@@ -88,9 +93,10 @@ def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -
     return gemm_benchmark(size=size, repeats=repeats, device=device, clock=clock, stretched=False).seconds
 
 
-async def probe(telemetry: Telemetry, device: str) -> ProbeStep:
-    """One probe step: the product timed off the event loop, then the chaos order's stretch slept."""
-    seconds = await asyncio.to_thread(measure, device)
+async def probe(telemetry: Telemetry, device: str, work: DeviceWork) -> ProbeStep:
+    """One probe step: the product timed off the event loop (`work`: off the agent's process on an
+    accelerator), then the chaos order's stretch slept."""
+    seconds = await work.run(measure, device)
     delay = seconds * (await compute_factor(telemetry) - 1.0)
     if delay > 0:
         await asyncio.sleep(delay)
@@ -102,6 +108,16 @@ async def until_taken_back(
 ) -> PlanAnnouncement | None:
     """Probe and report until a generation runs this node again (returned) or `stopped` (None). `step`: the
     node's last reported step; probe steps count on from it."""
+    work = DeviceWork(device.partition(":")[0])
+    try:
+        return await _probe_until_taken_back(telemetry, stopped, device, step, work)
+    finally:
+        work.close()  # the probing child's device context goes before the node's workers start
+
+
+async def _probe_until_taken_back(
+    telemetry: Telemetry, stopped: asyncio.Event, device: str, step: int, work: DeviceWork
+) -> PlanAnnouncement | None:
     current: PlanAnnouncement | None = None
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stopped.wait(), SETTLE_S)
@@ -111,7 +127,7 @@ async def until_taken_back(
         if taken_back(current, telemetry.node):
             return current
         started = time.monotonic()
-        measured = await probe(telemetry, device)
+        measured = await probe(telemetry, device, work)
         step += 1
         await telemetry.record_iteration(
             current.generation if current is not None else telemetry.generation,

@@ -205,6 +205,12 @@ class RolledStep:
     sq_norm: float
 
 
+def reduce_dtype(device: torch.device) -> torch.dtype:
+    """The float type of the commit's and the catch-up's all-reduces: float64, except on an Ascend NPU,
+    whose HCCL reduces no float64 (float32 then: the loss and squared norm keep seven digits)."""
+    return torch.float32 if device.type == "npu" else torch.float64
+
+
 def agree_on_step(
     step: int,
     joining: bool,
@@ -235,7 +241,7 @@ def agree_on_step(
             committed.loss if ahead and committed is not None else -math.inf,
             1.0 if stuck else 0.0,
         ],
-        dtype=torch.float64,
+        dtype=reduce_dtype(comm_device),
         device=comm_device,
     )
     wait(dist.all_reduce(facts, op=dist.ReduceOp.MAX, async_op=True), "step catch-up")

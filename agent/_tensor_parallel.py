@@ -18,6 +18,8 @@ shard locally and no communication is needed; the same holds for a layer rebuilt
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -36,12 +38,13 @@ from torch.distributed.tensor.parallel import (
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 
+from ._hf_models import _Block, _Embedding, _GPT2Embedding, _Head
 from .models import Embedding, GPTBlock, Head, LlamaBlock, SleepLayer
 
 _QKV = ("attn.qkv.weight", "attn.qkv.bias")
 """Parameters whose rows are interleaved per shard before column sharding."""
 
-_REPLICATED = (Embedding, Head, SleepLayer)
+_REPLICATED = (Embedding, Head, SleepLayer, _Embedding, _GPT2Embedding, _Head)
 """Layers kept whole on every rank of a stage (their compute is small next to the blocks')."""
 
 
@@ -112,25 +115,67 @@ def _block_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             "up": ColwiseParallel(),
             "down": RowwiseParallel(),
         }
+    if isinstance(module, _Block) and _has_submodules(module, _HF_PROJECTIONS):
+        return {f"block.{name}": style() for name, style in _HF_PROJECTIONS.items()}
     raise ValueError(
-        f"model: layer {type(module).__name__} has no tensor-parallel plan (built-in GPT and Llama blocks "
-        "only); run it with one device per stage (gpus_per_node=1)"
+        f"model: layer {_layer_name(module)} has no tensor-parallel plan (the built-in GPT and Llama blocks "
+        "and the Llama, Qwen2 and Mistral blocks of transformers); run it with one device per stage "
+        "(gpusPerNode: 1)"
     )
+
+
+_HF_PROJECTIONS: dict[str, type[ParallelStyle]] = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+"""The Megatron split of a transformers Llama-style decoder layer (Llama, Qwen2, Mistral): q, k and v
+column-wise (each rank whole heads of each; their attention reshapes to `(-1, head_dim)`, so it runs on the
+local heads as it is), o row-wise, SwiGLU's gate and up column-wise and down row-wise. GPT-2's block fuses
+q, k and v in one transposed `Conv1D`, which these styles cannot split."""
+
+
+def _has_submodules(module: nn.Module, names: Iterable[str]) -> bool:
+    try:
+        return all(isinstance(module.get_submodule(f"block.{name}"), nn.Linear) for name in names)
+    except AttributeError:
+        return False
+
+
+def _layer_name(module: nn.Module) -> str:
+    inner = getattr(module, "block", None)
+    return type(inner).__name__ if isinstance(module, _Block) and inner is not None else type(module).__name__
+
+
+def _heads(module: nn.Module) -> tuple[int, ...]:
+    """The attention head counts a shard must divide: the built-in blocks' heads; a transformers block's
+    query and key/value heads."""
+    if isinstance(module, GPTBlock | LlamaBlock):
+        return (module.attn.heads,)
+    config = getattr(getattr(getattr(module, "block", None), "self_attn", None), "config", None)
+    if config is None:
+        return ()
+    heads = int(config.num_attention_heads)
+    return (heads, int(getattr(config, "num_key_value_heads", None) or heads))
 
 
 def _check_divisible(module: nn.Module, plan: dict[str, ParallelStyle], degree: int) -> None:
     """Refuse uneven shards: a row-wise layer rebuilds its input's global shape assuming equal shards."""
-    heads = module.attn.heads if isinstance(module, GPTBlock | LlamaBlock) else 1
-    if heads % degree:
-        raise ValueError(f"heads: {heads} attention heads cannot be split over {degree} devices")
+    for heads in _heads(module):
+        if heads % degree:
+            raise ValueError(f"heads: {heads} attention heads cannot be split over {degree} devices")
     for name, style in plan.items():
         linear = module.get_submodule(name)
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"model: {name} of {type(module).__name__} is not a Linear")
+            raise ValueError(f"model: {name} of {_layer_name(module)} is not a Linear")
         width = linear.out_features if isinstance(style, ColwiseParallel) else linear.in_features
         if width % degree:
             raise ValueError(
-                f"hidden: {name} of {type(module).__name__} is {width} wide, not divisible by {degree} "
+                f"hidden: {name} of {_layer_name(module)} is {width} wide, not divisible by {degree} "
                 "devices (choose hidden so that every projection splits evenly)"
             )
 
@@ -148,6 +193,15 @@ def _deinterleave(tensor: torch.Tensor, degree: int) -> torch.Tensor:
     return torch.cat([torch.cat([shard[i] for shard in shards]) for i in range(3)])
 
 
+_LOCAL_SLICES = (
+    {"src_data_rank": None} if "src_data_rank" in inspect.signature(parallelize_module).parameters else {}
+)
+"""Each rank slices its own shard, with no communication: a keyword of newer torch (whose default sends rank
+0's). Torch without it (the Ascend image's torch_npu pins 2.5.1) scatters the first rank's shards, one
+collective per layer over the stage's ranks, which every one of them calls in the same order here: the same
+values, since every rank built the layer from the same seed."""
+
+
 def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard one layer over `mesh` in place (built-in blocks), or keep it replicated (embedding, head,
     sleep layers). Raises ValueError for a layer type it cannot shard."""
@@ -160,7 +214,7 @@ def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for name, param in module.named_parameters():
             if name in _QKV:
                 param.copy_(_interleave(param, degree))
-    return parallelize_module(module, mesh, plan, src_data_rank=None)
+    return parallelize_module(module, mesh, plan, **_LOCAL_SLICES)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY, validation_
 
 from . import _parked, chaos, tracing, validation
 from ._runtime_schedule import world_nodes
+from ._tensor_parallel import tp_degree
 
 PROFILE_EVERY = 10
 """Steps between two per-group profiles (`ProfileRecord`)."""
@@ -80,19 +81,34 @@ class BoundaryRequest:
         )
 
 
-def rank_table(plan: Plan) -> dict[int, int]:
-    """Node -> global rank under `plan` (the runtime numbers the world's nodes in order)."""
-    return {node: rank for rank, node in enumerate(world_nodes(plan))}
+def rank_table(plan: Plan, lane: int = 0) -> dict[int, int]:
+    """Node -> the global rank of its `lane`-th worker under `plan`: the runtime numbers the world's nodes
+    in order, each node's k workers (a stage over k devices) side by side, `position * k + lane`."""
+    lanes = tp_degree(plan)
+    return {node: position * lanes + lane for position, node in enumerate(world_nodes(plan))}
 
 
-def data_parallel_rings(plan: Plan, ranks: Mapping[int, int]) -> list[list[int]]:
+def nodes_by_rank(plan: Plan) -> dict[int, int]:
+    """Every global rank under `plan` -> its node (all k ranks of a node map to it)."""
+    lanes = tp_degree(plan)
+    return {
+        position * lanes + lane: node
+        for position, node in enumerate(world_nodes(plan))
+        for lane in range(lanes)
+    }
+
+
+def data_parallel_rings(plan: Plan) -> list[list[int]]:
     """Global ranks of each data-parallel group of `plan` (the stages holding the same layers, in pipeline
-    order) that has two members or more: the rings its gradient all-reduce runs over."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for pipeline in plan.pipelines:
-        for stage in pipeline.stages:
-            if stage.node in ranks:
-                groups.setdefault(stage.layers, []).append(ranks[stage.node])
+    order) that has two members or more, lane by lane: the rings its gradient all-reduces run over. The
+    same on every rank (each calls the link tests with them)."""
+    groups: dict[tuple[tuple[int, int], int], list[int]] = {}
+    for lane in range(tp_degree(plan)):
+        ranks = rank_table(plan, lane)
+        for pipeline in plan.pipelines:
+            for stage in pipeline.stages:
+                if stage.node in ranks:
+                    groups.setdefault((stage.layers, lane), []).append(ranks[stage.node])
     return [members for _, members in sorted(groups.items()) if len(set(members)) > 1]
 
 
@@ -145,22 +161,30 @@ def result_in_nodes(
     nodes_by_rank: Mapping[int, int],
     held_s: float,
 ) -> ValidationResult:
-    """The pass's report (global ranks) as the operator's `ValidationResult` (node ids)."""
+    """The pass's report (global ranks) as the operator's `ValidationResult` (node ids). A node of k devices
+    is as fast as its slowest; the links between one node's own devices are not the operator's to move
+    (it plans nodes), so they are left out."""
 
     def node(rank: int) -> int:
         return nodes_by_rank[rank]
 
+    gemm_s: dict[int, float] = {}
+    for rank, result in report.gemm.items():
+        gemm_s[node(rank)] = max(gemm_s.get(node(rank), 0.0), result.seconds)
+    between = {link: result for link, result in report.links.items() if node(link[0]) != node(link[1])}
     return ValidationResult(
         id=request.id,
         generation=request.generation,
         step=request.step,
-        gemm_s={node(rank): result.seconds for rank, result in report.gemm.items()},
+        gemm_s=gemm_s,
         links=[
             LinkTiming(src=node(src), dst=node(dst), seconds=result.seconds)
-            for (src, dst), result in sorted(report.links.items())
+            for (src, dst), result in sorted(between.items())
         ],
-        slow_nodes=sorted(node(rank) for rank in report.slow_gpus),
-        slow_links=[(node(src), node(dst)) for src, dst in report.slow_links],
+        slow_nodes=sorted({node(rank) for rank in report.slow_gpus}),
+        slow_links=sorted(
+            {(node(src), node(dst)) for src, dst in report.slow_links if node(src) != node(dst)}
+        ),
         held_s=held_s,
         finished_at=time.time(),
     )
@@ -181,10 +205,24 @@ def chaos_client(environ: Mapping[str, str] | None = None) -> redis.Redis | None
 class WorkerProbe:
     """The per-process state: the tracer, the chaos watcher, the step window and the last validation."""
 
-    def __init__(self, node: int, sink: IO[str], *, profile_every: int = PROFILE_EVERY) -> None:
+    def __init__(
+        self,
+        node: int,
+        sink: IO[str],
+        *,
+        profile_every: int = PROFILE_EVERY,
+        lane: int = 0,
+        device: str = "cpu",
+    ) -> None:
         if profile_every < 2:
             raise ValueError(f"profile_every: must be >= 2, got {profile_every}")
         self.node = node
+        self.lane = lane
+        """This worker's local rank among its node's k: the ranks its chaos links and labels address."""
+        self.device = device
+        """Where validation's products and link payloads run: the worker's own device (NCCL and HCCL send
+        device tensors only)."""
+        self.nodes_by_rank: dict[int, int] = {}
         self.sink = sink
         self.profile_every = profile_every
         self.tracer = tracing.install()
@@ -210,8 +248,9 @@ class WorkerProbe:
         """A new plan renumbers the ranks: chaos link targets and profile labels follow (one dict, updated
         in place, so the injector's `rank_of` sees it at once)."""
         self.ranks.clear()
-        self.ranks.update(rank_table(plan))
-        self.rings = data_parallel_rings(plan, self.ranks)
+        self.ranks.update(rank_table(plan, self.lane))
+        self.nodes_by_rank = nodes_by_rank(plan)
+        self.rings = data_parallel_rings(plan)
         self._window_cursor = self.tracer.ring.head
         self._window_steps = 0
 
@@ -285,7 +324,7 @@ class WorkerProbe:
             found = tracing.profile(records)
         except PlannerError:
             return  # no recurring period in this window (a reconfiguration inside it): skip one profile
-        nodes_by_rank = {rank: node for node, rank in self.ranks.items()}
+        nodes_by_rank = self.nodes_by_rank
         self._write(
             {
                 "kind": "profile",
@@ -324,19 +363,19 @@ class WorkerProbe:
             return None
         self.validated = request.id
         began = time.perf_counter()
-        report = validation.validate(validation.Topology(request.topology.value))
+        report = validation.validate(validation.Topology(request.topology.value), device=self.device)
         # The rings' links the world pass did not already measure (all of them, in a pipelined layout).
         passes = [[link for link in links if link not in report.links] for links in ring_passes(self.rings)]
         passes = [links for links in passes if links]
         if passes:
             nbytes = 1 << 16  # as the world pass's links
             with self.tracer.quiet():
-                own = validation.link_tests(passes, nbytes, 5)
+                own = validation.link_tests(passes, nbytes, 5, device=self.device)
                 views: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(views, own)
             report = with_links(report, validation.merge_views([view or {} for view in views]), nbytes)
         held = time.perf_counter() - began
-        result = result_in_nodes(report, request, {rank: node for node, rank in self.ranks.items()}, held)
+        result = result_in_nodes(report, request, self.nodes_by_rank, held)
         if world_rank == 0:
             store.set(validation_result_key(request.id), result.model_dump_json())
         self._write({"kind": "validation", "id": request.id, "step": step, "held_s": held})

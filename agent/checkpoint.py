@@ -75,8 +75,13 @@ class Checkpointer:
         """Write the layers this node is the designated writer of, as of `step` committed steps."""
         self._reap()
         for index in sorted(owned):
-            # Clone: the async writer must see the weights of this step, not of the steps that follow.
-            state = {name: tensor.detach().clone() for name, tensor in layers[index].named_tensors().items()}
+            # A copy in host memory: the async writer must see the weights of this step, not of the steps
+            # that follow, and a copy on the accelerator would take another layer's state (weights and both
+            # AdamW moments) of its memory at every save, which no plan budgets for.
+            state = {
+                name: tensor.detach().to("cpu", copy=True)
+                for name, tensor in layers[index].named_tensors().items()
+            }
             target = self.directory / f"step{step}" / self._layer_dirs(index)[self.shard]
             if self.asynchronous and _dcp_compat.ASYNC_SAVE_NO_DIST:
                 self._pending.append(_dcp_compat.async_save_local(state, target))

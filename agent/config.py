@@ -46,6 +46,8 @@ class JobConfig:
     """Return each worker's final layer parameters (tests compare them with the reference run)."""
     cache_dir: str | None = None
     """Where a tokenized text data set is cached (None: the temporary directory)."""
+    p2p_in_order: bool = False
+    """Match pipeline messages by their order alone also on gloo, as NCCL and HCCL always do (tests)."""
 
     def __post_init__(self) -> None:
         for name in ("collective_timeout_s", "plan_timeout_s"):

@@ -8,6 +8,7 @@ runs after a warm-up, per micro-batch of `microbatch_size`, measured layer by la
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from datetime import timedelta
@@ -17,13 +18,9 @@ import torch
 
 from resilientjob.planner.profile import LayerProfile, ModelProfile
 
+from ._device_sync import synchronize
 from .models import ModelConfig, ModelKind, ModelSpec, lm_loss
 from .p2p import layer_state_bytes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_profile(
@@ -32,13 +29,16 @@ def measure_profile(
     repeats: int = 3,
     device: str = "cpu",
     timed: bool = True,
+    bf16: bool = False,
 ) -> ModelProfile:
-    """Profile every layer; with `timed=False` only bytes are exact and times are 1 ms / 2 ms per layer."""
+    """Profile every layer; with `timed=False` only bytes are exact and times are 1 ms / 2 ms per layer.
+    `bf16`: the layers run under bf16 autocast, as the runtime trains them with `precision: bf16`."""
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size: must be >= 1, got {microbatch_size}")
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     target = torch.device(device)
+    autocast = torch.autocast(target.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     tokens = torch.randint(model.vocab, (microbatch_size, model.seq_len), device=target)
     x: torch.Tensor = tokens
     layers: list[LayerProfile] = []
@@ -52,14 +52,15 @@ def measure_profile(
         if timed:
             forwards, backwards = [], []
             for _ in range(repeats + 1):  # the first run warms up allocators and kernels
-                _sync(target)
+                synchronize(target)
                 start = time.perf_counter()
-                out = module(inputs)
-                _sync(target)
+                with autocast:
+                    out = module(inputs)
+                synchronize(target)
                 middle = time.perf_counter()
                 loss = lm_loss(out, tokens) if index == model.num_layers - 1 else out.float().square().mean()
                 loss.backward()
-                _sync(target)
+                synchronize(target)
                 forwards.append(middle - start)
                 backwards.append(time.perf_counter() - middle)
             forward_s, backward_s = statistics.median(forwards[1:]), statistics.median(backwards[1:])

@@ -37,6 +37,7 @@ timeout (the default of 30 minutes held the whole job, a flaky test under load) 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,8 +62,10 @@ from ._runtime_commit import (
     VotedStep,
     agree_on_step,
     leave_world,
+    reduce_dtype,
 )
 from ._runtime_grads import GradientSync
+from ._runtime_p2p import PeerChannels, directional_groups, send_order
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_groups, stage_mesh, tp_degree
@@ -103,14 +106,32 @@ def join_world(
     have been left: `Trainer` does it with `_runtime_commit.leave_world`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    backend = backend_for(device)
+    if backend != "gloo":
+        # The runtime gives up on a blocked operation itself (`Waiter`, after `timeout_s`), then waits for the
+        # operator's next plan and aborts the old group when it leaves it. NCCL's watchdog would instead
+        # take the whole process down once an operation on a dead peer passed the group's timeout, seconds
+        # before that plan comes: the survivors of a failure died with it. So the watchdog only reports,
+        # and the group's own timeout is far past the runtime's.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
-        backend=backend_for(device),
+        backend=backend,
         store=PrefixStore(f"gen{generation}/", store),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=group_timeout_s(device, timeout_s)),
     )
 
+
+def group_timeout_s(device: torch.device | str, timeout_s: float) -> float:
+    """A process group's own timeout: the runtime's on gloo, whose operations fail by it; far longer on an
+    accelerator, whose watchdog must not act before the runtime has (`join_world`)."""
+    return timeout_s if backend_for(device) == "gloo" else max(timeout_s, ACCELERATOR_GROUP_TIMEOUT_S)
+
+
+ACCELERATOR_GROUP_TIMEOUT_S = 1800.0
+"""The NCCL/HCCL groups' own timeout: the runtime's `Waiter` abandons an operation long before (its
+`collective_timeout_s`); this only bounds what a group left behind could hold."""
 
 JOIN_WAIT_S = 300.0
 """How long a joining node waits for its peers to reach the rendezvous of the plan that takes it in."""
@@ -190,6 +211,12 @@ class Trainer:
     """The last step or switch failed: the current groups may have operations pending on a dead peer."""
     _world_size: int = 0
     _tp_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    _p2p_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    _channels: PeerChannels | None = None
+    """This generation's pipeline messages (`_runtime_p2p`)."""
+    p2p_in_order: bool = False
+    """Match pipeline messages by their order alone also on gloo, as NCCL and HCCL do (the tests' check that
+    the order is right without tags)."""
     _mesh: DeviceMesh | None = None
     """The DeviceMesh of this node's stage ranks under the current plan (degree > 1 only)."""
     _unsharded: set[int] = field(default_factory=set)
@@ -234,9 +261,13 @@ class Trainer:
         """Leave the current world: destroy it after clean steps, retire (or abort) it after a failure."""
         keep: list[object] = list(self._grads.handles()) if self._grads is not None else []
         keep.extend(self._tp_groups)
+        keep.extend(self._p2p_groups)
+        if self._channels is not None:
+            keep.extend(self._channels.outstanding())
         leave_world(self.retirement, self.generation, keep + self._pending, self._abandoned)
         self._grads, self._pending, self._abandoned = None, [], False
         self._tp_groups, self._mesh = [], None
+        self._p2p_groups, self._channels = [], None
 
     def close(self) -> None:
         """Leave the process group and stop the wait helpers."""
@@ -358,7 +389,7 @@ class Trainer:
         if self.joining:
             self.step, self.joining = agreed, False
         if k > 1:
-            groups = stage_groups(len(nodes), k, self.collective_timeout_s)
+            groups = stage_groups(len(nodes), k, group_timeout_s(self.device, self.collective_timeout_s))
             for node, group in zip(nodes, groups, strict=True):
                 if node == self.node:
                     self._tp_groups.append(group)
@@ -385,7 +416,20 @@ class Trainer:
         for index in set(self.layers) - keep:
             del self.layers[index]
         self.received.extend(records)
-        self._ops = build_ops(plan).get(self.node, [])
+        schedule = build_ops(plan)
+        self._ops = schedule.get(self.node, [])
+        up, down = directional_groups(
+            self._world_size, group_timeout_s(self.device, self.collective_timeout_s)
+        )
+        self._p2p_groups = [up, down]
+        self._channels = PeerChannels(
+            self.node,
+            self._rank_of,
+            send_order(schedule, self.node),
+            (up, down),
+            device=self.device,
+            tagged=backend_for(self.device) == "gloo" and not self.p2p_in_order,
+        )
         position = {node: index for index, node in enumerate(nodes)}
         self._grads = GradientSync.join(plan, self.node, self.local_rank, k, position, self.model.tied)
         self._grads.attach(self.layers)
@@ -424,9 +468,14 @@ class Trainer:
     ) -> torch.Tensor:
         if src == self.node:
             return mailbox.pop(tag)
-        buffer = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._wait(dist.irecv(buffer, src=self._rank_of[src], tag=tag), f"receive from node {src}")
+        buffer, work = self._peer_channels().recv(shape, src, tag)
+        self._wait(work, f"receive from node {src}")
         return buffer
+
+    def _peer_channels(self) -> PeerChannels:
+        if self._channels is None:
+            raise RuntimeError("p2p: the trainer has not joined a world")
+        return self._channels
 
     def run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
         """Run and commit one step. Returns (mean loss, whether a newer plan is waiting, sample ids whose
@@ -459,9 +508,11 @@ class Trainer:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         mailbox: dict[int, torch.Tensor] = {}
         sends: list[dist.Work] = []
+        channels = self._peer_channels()
+        channels.start_step()
         # Summed on the device and read once at the commit: one host synchronisation per step, not per
         # micro-batch.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros((), dtype=reduce_dtype(torch.device(self.device)), device=self.device)
         sample_ids: list[int] = []
         for op in self._ops:
             key = (op.microbatch, op.layers[0])
@@ -479,7 +530,7 @@ class Trainer:
                     with self._autocast():
                         y = lm_loss(y, targets) / plan.global_batch
                     if self.local_rank == 0:  # the k ranks of a stage compute the same loss: count it once
-                        loss_sum += y.detach().double()
+                        loss_sum += y.detach().to(loss_sum.dtype)
                         sample_ids.extend(ids)
                 else:
                     sends.extend(self._send(y.detach(), op.send_to, op.send_tag, mailbox))
@@ -497,6 +548,7 @@ class Trainer:
                     sends.extend(self._send(inputs.grad, op.send_to, op.send_tag, mailbox))
         for work in sends:
             self._wait(work, "send")
+        channels.finish_step()
         grads.sum_replicas(self.layers, self._track, self._wait)
         grads.sum_tied(self.layers, self._track, self._wait, self.comm_device)
         clipping = self.training.grad_clip_norm > 0
@@ -545,7 +597,7 @@ class Trainer:
             and time.monotonic() - self._checkpoint_clock >= self.checkpoint_interval_s
         )
         flags = [loss_share, sq_norm_share, 1.0 if newer_plan else 0.0, 1.0 if checkpoint else 0.0]
-        commit = torch.tensor(flags, dtype=torch.float64, device=self.comm_device)
+        commit = torch.tensor(flags, dtype=reduce_dtype(self.comm_device), device=self.comm_device)
         try:
             self._wait(dist.all_reduce(commit, async_op=True), "commit")
         except RuntimeError:
@@ -574,7 +626,7 @@ class Trainer:
         if target == self.node:
             mailbox[tag] = tensor
             return []
-        work = self._track(dist.isend(tensor.float().contiguous(), dst=self._rank_of[target], tag=tag))
+        work = self._track(self._peer_channels().send(tensor.float().contiguous(), target, tag))
         return [work] if work is not None else []
 
 

@@ -215,7 +215,11 @@ class CallHook(Protocol):
 
 
 class TracedWork(dist.Work):
-    """An asynchronous operation's `Work`, forwarding everything to it and stamping the end on `wait()`."""
+    """An asynchronous operation's `Work`, forwarding everything to it and stamping the operation's end when
+    the host first sees it complete: when `wait()` returns on gloo, whose wait blocks until the data is in;
+    on NCCL and HCCL, whose `wait()` only orders the current stream after the operation and returns at once,
+    at the first `is_completed()` that is true (the runtime's waits poll it, `_runtime_wait`). Stamped at
+    `wait()`'s return there, every receive read as instant: no communication, every step all compute."""
 
     def __init__(self, inner: dist.Work, tracer: Tracer, seq: int) -> None:
         super().__init__()
@@ -223,17 +227,30 @@ class TracedWork(dist.Work):
         self._tracer = tracer
         self._seq = seq
         self._waited = False
+        self._wait_from = math.nan
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         began = time.perf_counter()
+        if not self._wait_from <= began:
+            self._wait_from = began  # the caller waits from the first wait() on
         done: bool = self._inner.wait(*args, **kwargs)
-        if not self._waited:  # a later wait() on finished work says nothing about the operation
-            self._waited = True
-            end = time.perf_counter()
-            self._tracer.ring.finish(self._seq, end, began)
-            # Compute resumes when the wait returns (often on a helper thread that waits for the caller).
-            self._tracer.last_end = max(self._tracer.last_end, end)
+        if not self._waited and self._inner.is_completed():
+            self._stamp()
         return done
+
+    def is_completed(self) -> bool:
+        done: bool = self._inner.is_completed()
+        if done and not self._waited and self._wait_from == self._wait_from:  # waited on, now done
+            self._stamp()
+        return done
+
+    def _stamp(self) -> None:
+        """Once: a later wait() on finished work says nothing about the operation."""
+        self._waited = True
+        end = time.perf_counter()
+        self._tracer.ring.finish(self._seq, end, self._wait_from)
+        # Compute resumes when the wait returns (often on a helper thread that waits for the caller).
+        self._tracer.last_end = max(self._tracer.last_end, end)
 
 
 def _forwarder(name: str) -> Callable[..., Any]:
@@ -245,7 +262,11 @@ def _forwarder(name: str) -> Callable[..., Any]:
 
 
 for _name in dir(dist.Work):
-    if not _name.startswith("__") and _name != "wait" and callable(getattr(dist.Work, _name)):
+    if (
+        not _name.startswith("__")
+        and _name not in ("wait", "is_completed")
+        and callable(getattr(dist.Work, _name))
+    ):
         setattr(TracedWork, _name, _forwarder(_name))
 
 

@@ -37,6 +37,7 @@ from resilientjob.planner.failslow import (
 )
 
 from . import chaos, tracing
+from ._device_sync import synchronize
 
 SUSPICION_FACTOR = 1.1
 LINK_FLOOR_S = 1e-3
@@ -93,11 +94,6 @@ class ValidationReport:
     """Wall time of the whole pass (how long training was held)."""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def gemm_benchmark(
     size: int = 256,
     repeats: int = 5,
@@ -118,12 +114,12 @@ def gemm_benchmark(
     a = torch.randn(size, size, device=target)
     b = torch.randn(size, size, device=target)
     torch.matmul(a, b)  # warm-up: allocator, kernels, thread pool
-    _sync(target)
+    synchronize(target)
     best = float("inf")
     for _ in range(repeats):
         start = clock()
         torch.matmul(a, b)
-        _sync(target)
+        synchronize(target)
         if stretched:
             chaos.after_compute(clock() - start)
         best = min(best, clock() - start)
@@ -152,6 +148,7 @@ def link_tests(
     nbytes: int = 1 << 16,
     repeats: int = 3,
     group: dist.ProcessGroup | None = None,
+    device: str = "cpu",
 ) -> dict[Link, tuple[float, float]]:
     """Run the passes; return this rank's own view of its links: {global link: (latency_s, seconds)}.
 
@@ -163,7 +160,11 @@ def link_tests(
         raise ValueError(f"nbytes and repeats: must be >= 1, got {nbytes} and {repeats}")
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = ranks.index(dist.get_rank())
-    payloads = {size: torch.zeros(max(1, size // 4), dtype=torch.float32) for size in (TINY_BYTES, nbytes)}
+    # On the group's device: NCCL and HCCL send device tensors only.
+    payloads = {
+        size: torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        for size in (TINY_BYTES, nbytes)
+    }
     measured: dict[Link, tuple[float, float]] = {}
     for links in passes:
         sends_to = dict(links)
@@ -239,9 +240,10 @@ def _link_round(
     repeats: int,
     group: dist.ProcessGroup | None,
     size: int,
+    device: str = "cpu",
 ) -> dict[Link, LinkResult]:
     """Every link of `passes` timed, both ends' views merged, gathered to every rank."""
-    own = link_tests(passes, link_bytes, repeats, group)
+    own = link_tests(passes, link_bytes, repeats, group, device)
     parts: list[dict[Link, tuple[float, float]] | None] = [None] * size
     dist.all_gather_object(parts, own, group=group)
     return {
@@ -301,13 +303,13 @@ def validate(
                 gemm = _better_round(gemm, _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats))
         if links:
             passes = schedule(topology, len(ranks))
-            measured = _link_round(passes, link_bytes, repeats, group, len(ranks))
+            measured = _link_round(passes, link_bytes, repeats, group, len(ranks), device)
             if _slow_links(measured, factor, link_floor_s):
                 # As for a device: every link timed again, the passes in reverse order, each keeping its
                 # better round. In a healthy 30-minute run of the demo on two cores, one round named link
                 # 1 -> 3 (the best of its transfers late while the host was busy) and opened a
                 # communication episode on it; a slow link delays every byte, in both rounds.
-                retimed = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks))
+                retimed = _link_round(passes[::-1], link_bytes, repeats, group, len(ranks), device)
                 measured = _better_round(measured, retimed)
     named_gpus = _slow_devices(gemm, factor, gemm_floor_s)
     named_links = _slow_links(measured, factor, link_floor_s)

@@ -300,6 +300,7 @@ def worker_main(
         checkpoint_interval_s=workload.checkpoint.interval_s if checkpointer is not None else 0.0,
         joining=joining,
         hooks=hooks or StepHooks(),
+        p2p_in_order=config.p2p_in_order,
     )
     if not joining:  # a joining node gets every layer it holds from its peers (the plan's transfers)
         trainer.init_layers(plan)

@@ -244,6 +244,9 @@ class ModelProfileRequest(_Message):
     profile: bool = Field(
         default=True, description="Whether the operator needs the profile (else: check only)."
     )
+    devices_per_stage: int = Field(
+        default=1, ge=1, le=64, description="Devices a stage is split over (`spec.gpusPerNode`)."
+    )
 
 
 class ModelProfileReport(_Message):

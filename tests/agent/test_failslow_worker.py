@@ -274,6 +274,38 @@ def test_link_order_is_named_by_validation_and_stale_requests_are_ignored(
     assert {(link.src, link.dst) for link in result.links} >= {(2, 3)}
 
 
+def test_validation_of_a_job_of_two_devices_a_node_speaks_of_nodes() -> None:
+    """A stage over k devices runs k ranks a node (`position * k + lane`): the chaos targets, the rings
+    and the result use those ranks, a node is as slow as its slowest device, and the links between one
+    node's own devices are not the operator's to move."""
+    from resilientjob.agent import validation
+    from resilientjob.agent._worker_probe import (
+        BoundaryRequest,
+        data_parallel_rings,
+        nodes_by_rank,
+        rank_table,
+        result_in_nodes,
+    )
+    from resilientjob.protocol.messages import ValidationTopology
+
+    two = PipelinePlan(stages=(StagePlan(layers=(0, 4), node=0, gpus=(0, 1)),), microbatches=1)
+    other = PipelinePlan(stages=(StagePlan(layers=(0, 4), node=3, gpus=(0, 1)),), microbatches=1)
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(two, other), step_time_s=1.0)
+    assert rank_table(plan, lane=0) == {0: 0, 3: 2} and rank_table(plan, lane=1) == {0: 1, 3: 3}
+    assert nodes_by_rank(plan) == {0: 0, 1: 0, 2: 3, 3: 3}
+    assert data_parallel_rings(plan) == [[0, 2], [1, 3]]  # each lane's gradient ring
+    gemm = {rank: validation.GemmResult(rank, seconds, 1.0) for rank, seconds in enumerate([1, 3, 1, 1])}
+    links = {
+        link: validation.LinkResult(link, 1e-4, seconds, 1 << 16)
+        for link, seconds in {(0, 1): 0.5, (1, 2): 0.01, (2, 3): 0.01, (3, 0): 0.02}.items()
+    }
+    report = validation.ValidationReport(gemm=gemm, links=links, slow_gpus=(1,), slow_links=((0, 1),))
+    request = BoundaryRequest(1, 0, 5, ValidationTopology.RING)
+    result = result_in_nodes(report, request, nodes_by_rank(plan), held_s=0.1)
+    assert result.gemm_s == {0: 3, 3: 1} and result.slow_nodes == [0]
+    assert {(link.src, link.dst) for link in result.links} == {(0, 3), (3, 0)} and result.slow_links == []
+
+
 def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
     from resilientjob.agent import validation
     from resilientjob.agent._worker_probe import data_parallel_rings, rank_table, ring_passes, with_links
@@ -288,7 +320,7 @@ def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
         step_time_s=1.0,
     )
     ranks = rank_table(plan)
-    rings = data_parallel_rings(plan, ranks)
+    rings = data_parallel_rings(plan)
     assert rings == [[ranks[4], ranks[0], ranks[2]], [ranks[5], ranks[1], ranks[3]]]
     passes = ring_passes(rings)
     assert len(passes) == 3  # odd rings: 3 passes, both rings in each
@@ -297,7 +329,7 @@ def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
     )
     for links in passes:  # no rank sends or receives twice in one pass
         assert len({src for src, _ in links}) == len(links) == len({dst for _, dst in links})
-    assert data_parallel_rings(dp_plan(1), {0: 0}) == []  # one replica: no ring
+    assert data_parallel_rings(dp_plan(1)) == []  # one replica: no ring
     # A slow ring link is named among the world ring's links; a fast extra link changes nothing named.
     world = {
         (r, (r + 1) % 6): validation.LinkResult((r, (r + 1) % 6), 1e-4, 0.010, 1 << 16) for r in range(6)

@@ -12,7 +12,7 @@ import pytest
 
 from resilientjob.agent._model_profile import make_report
 from resilientjob.protocol.messages import ModelProfileReport, ModelProfileRequest
-from resilientjob.protocol.workload import DataFormat, DataSpec, TokenDtype, Workload
+from resilientjob.protocol.workload import DataFormat, DataSpec, OutputSpec, TokenDtype, Workload
 
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
@@ -134,3 +134,48 @@ def test_a_toy_model_on_bad_data_is_refused_too(tmp_path: Path) -> None:
     """Not only Hugging Face models: every model the runtime trains is checked against its data."""
     data = _token_data(_tokens(tmp_path / "t.bin", 3))
     _failed(_report("gpt", data, profile=False), "spec.data.path", "t.bin")
+
+
+@pytest.mark.parametrize(
+    ("model", "devices", "says"),
+    [
+        ("hf:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=32&n_positions=16", 2, "GPT-2 blocks have no"),
+        (
+            "hf:llama?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=32&max_position_embeddings=16",
+            4,
+            "2 key/value heads do not split evenly",
+        ),
+    ],
+    ids=["gpt2", "llama-kv-heads"],
+)
+def test_a_stage_split_the_model_cannot_take_names_gpus_per_node(model: str, devices: int, says: str) -> None:
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=16, seq_len=8)
+    request = ModelProfileRequest(
+        model=model, seq_len=8, microbatch_size=1, profile=False, devices_per_stage=devices
+    )
+    report = make_report(request, Workload(model=model, data=data), {}, node=0)
+    assert report.error_field == "spec.gpusPerNode"
+    assert says in report.error
+    whole = make_report(
+        request.model_copy(update={"devices_per_stage": 2 if devices == 4 else 1}),
+        Workload(model=model, data=data),
+        {},
+        node=0,
+    )
+    assert not whole.error  # the same model on a split it takes
+
+
+def test_an_output_path_that_cannot_be_written_is_found_before_training(tmp_path: Path) -> None:
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=16, seq_len=SEQ_LEN)
+    request = ModelProfileRequest(model="gpt", seq_len=SEQ_LEN, microbatch_size=1, profile=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path, ok in ((blocker / "out", False), (tmp_path / "new" / "out", True)):
+        workload = Workload(model="gpt", data=data, output=OutputSpec(path=str(path)))
+        report = make_report(request, workload, {"layers": 4}, node=0)
+        if ok:
+            assert not report.error and path.is_dir() and not list(path.iterdir())  # made, left empty
+        else:
+            assert report.error_field == "spec.output.path", report
+            assert "cannot write the trained model there" in report.error and str(path) in report.error

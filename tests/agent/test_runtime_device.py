@@ -97,3 +97,12 @@ def test_runtime_allocates_on_its_device_not_the_default_one(tmp_path: Path, fam
     losses = [float(words[1]), float(words[2])]
     assert all(math.isfinite(loss) and loss > 0 for loss in losses)  # real numbers, not meta placeholders
     assert float(words[-1]) > 0.1  # the norm was computed (and clipped to 0.1)
+
+
+def test_an_accelerators_groups_outlast_the_runtimes_own_timeout() -> None:
+    """NCCL's watchdog takes the process down at its group's timeout: were that the runtime's 5 s, the
+    survivors of a failure died before the next plan came. Gloo's operations fail by it, as they should."""
+    from resilientjob.agent.runtime import ACCELERATOR_GROUP_TIMEOUT_S, group_timeout_s
+
+    assert group_timeout_s("cpu", 5.0) == 5.0
+    assert group_timeout_s("cuda:1", 5.0) == ACCELERATOR_GROUP_TIMEOUT_S >= 600

@@ -114,6 +114,44 @@ def test_tp2_on_one_node_matches_single_process(
     assert all(len(ids) == plan.global_batch for ids in result.samples.values())
 
 
+HF_LLAMA = (
+    "hf:llama?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=4"
+    "&num_key_value_heads=2&vocab_size=32&max_position_embeddings=16"
+)
+"""A transformers Llama of grouped-query attention: 4 query heads and 2 key/value heads, 2 of each a rank."""
+
+
+def test_tp2_of_a_transformers_llama_matches_single_process(
+    tmp_path: Path, job_config: Callable[..., JobConfig]
+) -> None:
+    pytest.importorskip("transformers")
+    plan = _plan((((0, 2), 0), ((2, 4), 1)), microbatches=2)
+    config = job_config(model=HF_LLAMA, model_options={}, steps=3, return_state=True)
+    reference, params, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
+    planner = RuntimePlanner.for_job(
+        uniform_profile(4), nodes=2, global_batch=plan.global_batch, microbatch_size=2
+    )
+    result = Launcher(config, plan, planner, tmp_path).run(timeout_s=90)
+    assert sorted(result.losses) == [0, 1, 2]
+    for step in range(3):
+        assert result.losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+    assert _assert_params_match(result, params, config.workload.training.lr) == set(range(4))
+
+
+def test_a_gpt2_block_of_transformers_is_refused_with_the_field_to_change() -> None:
+    pytest.importorskip("transformers")
+
+    class _Mesh:  # shard_layer reads only the size before refusing
+        def size(self) -> int:
+            return 2
+
+    block = load_model("hf:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=32&n_positions=16").layer(1)
+    with pytest.raises(
+        ValueError, match=r"model: layer GPT2Block has no tensor-parallel plan.*gpusPerNode: 1"
+    ):
+        shard_layer(block, _Mesh())  # type: ignore[arg-type]
+
+
 def test_two_nodes_tp2_pipeline_matches_single_process(
     tmp_path: Path, job_config: Callable[..., JobConfig]
 ) -> None:

@@ -133,10 +133,16 @@ def test_blocked_spans_count_waits_not_sends_in_flight_behind_compute() -> None:
 def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
     import threading
 
-    class SlowWork(dist.Work):
+    class SlowWork(dist.Work):  # gloo's: wait() returns once the operation is done
+        done = False
+
         def wait(self, *args: Any, **kwargs: Any) -> bool:
             time.sleep(0.2)  # a slow peer
+            self.done = True
             return True
+
+        def is_completed(self) -> bool:
+            return self.done
 
     def isend(tensor: torch.Tensor, dst: int | None = None, group: object = None, tag: int = 0) -> dist.Work:
         return SlowWork()
@@ -155,6 +161,32 @@ def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
     assert gaps[0] == 0.0 and 0.04 <= gaps[1] < 0.15, gaps
     (first, _) = tracer.ring.records()
     assert first.blocked is not None and first.blocked[1] - first.blocked[0] >= 0.2
+
+
+def test_an_nccl_wait_that_returns_at_once_is_timed_to_the_completion_the_host_sees() -> None:
+    """NCCL's and HCCL's wait() only orders the stream and returns; the transfer ends when is_completed()
+    turns true, which the runtime's waits poll (`_runtime_wait._until_complete`)."""
+    from resilientjob.agent._runtime_wait import _until_complete
+
+    class StreamWork(dist.Work):
+        def __init__(self) -> None:
+            super().__init__()
+            self.finishes_at = time.perf_counter() + 0.2  # a slow peer: the data lands in 0.2 s
+
+        def wait(self, *args: Any, **kwargs: Any) -> bool:
+            return True  # queued on the stream: the host goes on at once
+
+        def is_completed(self) -> bool:
+            return time.perf_counter() >= self.finishes_at
+
+    def irecv(tensor: torch.Tensor, src: int | None = None, group: object = None, tag: int = 0) -> dist.Work:
+        return StreamWork()
+
+    tracer = Tracer(capacity=8)
+    work = tracer._wrap("irecv", irecv, TRACED["irecv"])(torch.ones(1), 1)
+    _until_complete(work)
+    (record,) = tracer.ring.records()
+    assert record.blocked is not None and 0.19 <= record.blocked[1] - record.blocked[0] < 0.5, record
 
 
 def test_the_hook_gets_the_global_ranks_of_the_call_group() -> None:
