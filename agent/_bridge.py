@@ -43,6 +43,7 @@ from . import _parked
 from ._device_work import worker_start_method
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
+from ._termination import workload_line, write_termination_message
 from .config import JobConfig
 from .hooks import StepHooks
 from .telemetry import DRAINED_ROLE, Telemetry
@@ -273,6 +274,12 @@ class TrainingAgent:
             if result is not None:
                 if result.is_failed():
                     print(f"worker failed: {result.failures}", flush=True)
+                    for failure in result.failures.values():
+                        line = workload_line(failure.message)
+                        if line is not None:  # the spec's fault, not the node's: the operator fails the job
+                            print(f"worker stopped by the job's spec: {line}", flush=True)
+                            write_termination_message(line)
+                            break
                     return 1
                 value = result.return_values.get(0) or {}
                 if not value.get("left"):

@@ -39,6 +39,7 @@ from resilientjob.protocol.store_keys import (
 from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._tensor_parallel import full_parameters, local, tp_degree
+from ._termination import WorkloadError
 from .checkpoint import Checkpointer
 from .config import JobConfig
 from .hooks import StepHooks
@@ -384,11 +385,22 @@ def _finished_without(node: int, store: Store) -> dict[str, object]:
 def _export(trainer: Trainer, directory: Path) -> None:
     """Write the trained model in Hugging Face layout: each layer by its designated holder (gathered over
     the stage's ranks when sharded, written by local rank 0), the config and index by layer 0's."""
-    from .hf_export import write_layer, write_metadata
-
     if trainer.plan is None:
         return
-    owners = designated_holders(trainer.plan)
+    try:
+        _write_export(trainer, trainer.plan, directory)
+    except OSError as exc:
+        # The spec's fault, not this node's: its pod says so, and the operator fails the job (`_termination`).
+        reason = exc.strerror or type(exc).__name__
+        raise WorkloadError(
+            "spec.output.path", f"{directory}: cannot write the trained model: {reason}"
+        ) from None
+
+
+def _write_export(trainer: Trainer, plan: Plan, directory: Path) -> None:
+    from .hf_export import write_layer, write_metadata
+
+    owners = designated_holders(plan)
     mine = sorted(index for index, owner in owners.items() if owner == trainer.node)
     for index in mine:
         module = trainer.layers[index].module

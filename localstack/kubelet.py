@@ -158,6 +158,8 @@ class ProcessKubelet:
                 if value is not None:
                     env[item["name"]] = base64.b64decode(value).decode()
         env["RJOB_PODINFO_DIR"] = str(podinfo)
+        # The container's last words, which a kubelet keeps in its status (`/dev/termination-log` there).
+        env["RJOB_TERMINATION_LOG"] = str(podinfo.parent / "termination-log")
         if env.get(AGENT_METRICS_ENV):
             # One host for every pod: the spec's port (the same in every worker) would clash.
             env[AGENT_METRICS_ENV] = str(free_port())
@@ -170,6 +172,7 @@ class ProcessKubelet:
         directory = self.state_dir / "pods" / name
         podinfo = directory / "podinfo"
         podinfo.mkdir(parents=True, exist_ok=True)
+        (directory / "termination-log").unlink(missing_ok=True)  # a pod of the same name had its own
         self._write_podinfo(podinfo, body)
         command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
         if command[0] in ("python", "python3"):
@@ -208,11 +211,19 @@ class ProcessKubelet:
             )
         else:
             phase = "Succeeded" if code == 0 else "Failed"
+            reason = "Completed" if code == 0 else "Error"
+            terminated: dict[str, Any] = {"exitCode": code, "reason": reason}
+            last_words = _termination_message(pod.podinfo.parent / "termination-log")
+            if last_words:
+                terminated["message"] = last_words
             status = {
                 "phase": phase,
-                "reason": "Completed" if code == 0 else "Error",
+                "reason": reason,
                 "message": f"exit code {code}",
                 "conditions": [{"type": "Ready", "status": "False"}],
+                "containerStatuses": [
+                    {"name": "worker", "ready": False, "restartCount": 0, "state": {"terminated": terminated}}
+                ],
             }
         if phase != pod.reported:
             await self.kube.patch(core_path(self.namespace, "pods", pod.name) + "/status", {"status": status})
@@ -245,3 +256,11 @@ def _signal_group(pod: RunningPod, signum: int) -> None:
     if not pod.ended:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pod.process.pid, signum)
+
+
+def _termination_message(path: Path) -> str:
+    """What the container left at its termination-message path, as a kubelet reads it (at most 4096 bytes)."""
+    try:
+        return path.read_bytes()[:4096].decode(errors="replace")
+    except OSError:
+        return ""

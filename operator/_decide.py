@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilientjob.planner.plan import Plan
-from resilientjob.protocol.messages import PlanAnnouncement
+from resilientjob.protocol.messages import PlanAnnouncement, workload_termination
 
 from . import api
 from ._manifests import ANNOTATION_GENERATION, ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
@@ -41,6 +41,8 @@ class PodView:
     """creationTimestamp (RFC 3339): how long a failed pod lived decides its crash-loop backoff."""
     strikes: int = 0
     """Quick failures in a row of the pods this one replaced (`_capacity`)."""
+    last_words: str = ""
+    """The worker container's termination message, when it left one."""
 
     @property
     def completed(self) -> bool:
@@ -79,6 +81,11 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
     reason = str(status.get("reason") or ("NodeLost" if node_not_ready else ""))
     annotations = meta.get("annotations") or {}
     strikes = str(annotations.get(ANNOTATION_STRIKES, "0"))
+    last_words = ""
+    for container in status.get("containerStatuses") or []:
+        terminated = ((container or {}).get("state") or {}).get("terminated") or {}
+        if isinstance(terminated.get("message"), str):
+            last_words = terminated["message"][:4096]
     return PodView(
         node=node,
         name=str(meta.get("name", "")),
@@ -90,6 +97,7 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         generation=str(annotations.get(ANNOTATION_GENERATION, "")),
         created=str(meta.get("creationTimestamp") or ""),
         strikes=int(strikes) if strikes.isdigit() else 0,
+        last_words=last_words,
     )
 
 
@@ -115,6 +123,19 @@ def detect_failures(plan: Plan, observed: Observation) -> dict[int, tuple[api.Re
         elif node in observed.expired_heartbeats:
             failures[node] = (api.Reason.HEARTBEAT_EXPIRED, "heartbeat expired in Redis")
     return failures
+
+
+def workload_error(plan: Plan, observed: Observation) -> tuple[int, str, str] | None:
+    """(node, field, line) of a failed worker of `plan` that stopped because of the job's spec (its agent's
+    termination message, `protocol.messages.workload_termination`): the job fails naming the field; no
+    replacement would get further."""
+    for node in sorted(plan.nodes):
+        pod = observed.pods.get(node)
+        if pod is not None and pod.phase == "Failed" and pod.last_words:
+            found = workload_termination(pod.last_words)
+            if found is not None:
+                return node, *found
+    return None
 
 
 def training_complete(plan: Plan, observed: Observation) -> bool:

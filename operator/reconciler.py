@@ -393,6 +393,9 @@ class JobController:
         if not deciding and _decide.training_complete(plan, observed):
             await self._complete(published)
             return
+        stopped_by_spec = _decide.workload_error(plan, observed)
+        if stopped_by_spec is not None:
+            await self._workload_failed(*stopped_by_spec)
         suspects = {
             n: cause for n, cause in _decide.detect_failures(plan, observed).items() if n not in self._fenced
         }
@@ -458,6 +461,28 @@ class JobController:
                 self.wakeup.set()
 
         self._deciding = asyncio.create_task(run(), name=f"decide {self.namespace}/{self.name}")
+
+    async def _workload_failed(self, node: int, field: str, line: str) -> None:
+        """A worker stopped because of the job's spec while training (the pre-flight could not see it: a
+        bad token past the samples it read, an output directory gone read-only): the job fails naming the
+        field, its workers go, and nothing is replanned (every replacement would meet the same)."""
+        self.status = self.status.model_copy(
+            update={
+                "conditions": _decide.set_condition(
+                    self.status.conditions,
+                    api.ConditionType.PLANNED,
+                    False,
+                    api.Reason.INVALID_WORKLOAD,
+                    f"training stopped: the workload cannot go on (found by node {node})",
+                )
+            }
+        )
+        error = _profile_source.WorkloadRejected(
+            field, f"{line.removeprefix(field + ': ')} (found by node {node})"
+        )
+        await self._reject(error, api.Reason.INVALID_WORKLOAD)
+        await self.workers.delete_all()
+        raise InvalidJob(str(error))
 
     async def _confirmed(
         self, failures: dict[int, tuple[api.Reason, str]]

@@ -12,6 +12,7 @@ the messages carry (a `Plan`, a `ModelProfile`).
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -311,3 +312,20 @@ def dropped(source: str, reason: DropReason) -> float:
 
 def encode(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
+
+
+WORKLOAD_TERMINATION_PREFIX = "workload: "
+"""Starts a worker container's termination message that names the spec field which stopped it (the agent
+writes it, `agent._termination`; the operator fails the job on it instead of replacing the node)."""
+
+
+def workload_termination(message: str) -> tuple[str, str] | None:
+    """(field, line) of a termination message the agent wrote for a workload error, else None. Read from
+    the pod's status, so checked: one line, a `spec.` field, bounded."""
+    if not message.startswith(WORKLOAD_TERMINATION_PREFIX):
+        return None
+    line = " ".join(message[len(WORKLOAD_TERMINATION_PREFIX) :].split())[:4096]
+    field, _, rest = line.partition(": ")
+    if not rest or not re.fullmatch(r"spec(\.[A-Za-z]+)+", field):
+        return None
+    return field, line

@@ -234,3 +234,47 @@ def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_
     assert "restarted from checkpoint step" in log, log[-2000:]
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
     job.close()
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+def test_a_bad_token_the_pre_flight_did_not_read_fails_the_job_naming_the_data(
+    stack: Path, tmp_path: Path
+) -> None:
+    """Node 0's pre-flight reads evenly spaced chunks of a large token file; a token beyond the model's
+    vocabulary between them shows only when a worker trains on it. The job fails then, naming
+    `spec.data.path` in its Valid condition, with no generation after the first and no replacement pod:
+    before, each such worker failure was replanned as a node failure and the line sat in pod logs."""
+    import numpy as np
+
+    from resilientjob.agent._data_files import CHECK_CHUNK_TOKENS, CHECK_CHUNKS
+
+    ids = np.random.default_rng(0).integers(0, VOCAB, 2_200_000).astype(np.uint16)
+    checked = np.zeros(len(ids), dtype=bool)
+    for start in np.linspace(0, len(ids) - CHECK_CHUNK_TOKENS, num=CHECK_CHUNKS, dtype=np.int64):
+        checked[start : start + CHECK_CHUNK_TOKENS] = True
+    ids[~checked] = VOCAB + 5  # every sample the check skips: the first step meets one
+    tokens = tmp_path / "tokens.bin"
+    ids.tofile(tokens)
+    manifest = _manifest(
+        "badtok", gpt2_directory(tmp_path / "gpt2"), tokens, tmp_path / "out", steps=50, nodes=2
+    )
+    job = _apply(stack, tmp_path, manifest)
+    try:
+        status = until(
+            lambda: ((s := job.status()).get("phase") == "Failed" and s) or None, 120, "a failed job"
+        )
+    finally:
+        job.close()
+    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidWorkload", valid
+    assert valid["message"].startswith("spec.data.path: "), valid
+    assert f"holds token {VOCAB + 5}, outside the model's vocabulary" in valid["message"], valid
+    assert status.get("planGeneration") == 0, status  # nothing replanned
+    api_url = json.loads((stack / "state.json").read_text())["api_url"]
+    with urllib.request.urlopen(f"{api_url}/api/v1/namespaces/default/pods", timeout=10) as reply:
+        names = {pod["metadata"]["name"] for pod in json.loads(reply.read())["items"]}
+    assert not {name for name in names if name.startswith("badtok-node-")} - {
+        "badtok-node-0",
+        "badtok-node-1",
+    }
