@@ -54,7 +54,9 @@ POLL_S = 0.25
 """How often an agent without a plan looks for the plan (and node 0 for a request)."""
 
 
-def _check_workload(model: ModelSpec, workload: Workload, cache_dir: Path | None) -> None:
+def _check_workload(
+    model: ModelSpec, workload: Workload, cache_dir: Path | None, global_batch: int = 0
+) -> None:
     """What every worker would find at its start, found once, before any plan: the checkpoint's tensors
     (headers only), the data (a file shorter than one sample, an odd dtype, token ids beyond the model's
     vocabulary on a sample), and bf16 where the device has none. Raises ValueError naming the field."""
@@ -63,7 +65,14 @@ def _check_workload(model: ModelSpec, workload: Workload, cache_dir: Path | None
     if model.hf is not None:
         model.hf.check_checkpoint()
     cache = cache_dir if cache_dir is not None else Path(tempfile.gettempdir()) / "rjob-data"
-    open_dataset(workload.data, vocab=model.vocab, cache_dir=cache)
+    dataset = open_dataset(workload.data, vocab=model.vocab, cache_dir=cache)
+    if dataset.num_samples < global_batch:
+        # A step draws its samples without repeats: a smaller data set trains some twice in every step.
+        raise _FieldError(
+            "spec.data.path",
+            f"{workload.data.path or 'the synthetic data'} holds {dataset.num_samples} samples of "
+            f"seqLen {workload.data.seq_len}, fewer than one global batch ({global_batch})",
+        )
     if workload.output is not None:
         _check_output(Path(workload.output.path))
     if workload.training.precision is Precision.BF16 and workload.device == "cuda":
@@ -147,9 +156,15 @@ def make_report(
     from .models import load_model
 
     try:
-        model = load_model(request.model, **{"seq_len": request.seq_len, **model_options})
+        try:
+            model = load_model(request.model, **{"seq_len": request.seq_len, **model_options})
+        except ValueError as exc:
+            if not str(exc).startswith("seq_len: "):
+                raise
+            # What the model cannot take is the data's sequence length: that is the field to change.
+            raise _FieldError("spec.data.seqLen", str(exc).removeprefix("seq_len: ")) from None
         _check_splits(model, request.devices_per_stage)
-        _check_workload(model, workload, cache_dir)
+        _check_workload(model, workload, cache_dir, request.global_batch)
         profile = _profile(request, workload, model) if request.profile else None
     except (ValueError, OSError, ImportError) as exc:  # PlannerError, DataError are ValueErrors
         line = " ".join(str(exc).split())

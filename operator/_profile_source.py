@@ -72,6 +72,7 @@ def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfil
         measure=not has_inputs and spec.profile is not None and spec.profile.measure,
         profile=not has_inputs and profile_from_pod(spec),
         devices_per_stage=spec.gpus_per_node,
+        global_batch=spec.global_batch_size,
     )
 
 

@@ -248,6 +248,9 @@ class ModelProfileRequest(_Message):
     devices_per_stage: int = Field(
         default=1, ge=1, le=64, description="Devices a stage is split over (`spec.gpusPerNode`)."
     )
+    global_batch: int = Field(
+        default=0, ge=0, le=2**31, description="Samples per step (`spec.globalBatchSize`; 0: not checked)."
+    )
 
 
 class ModelProfileReport(_Message):

@@ -179,3 +179,24 @@ def test_an_output_path_that_cannot_be_written_is_found_before_training(tmp_path
         else:
             assert report.error_field == "spec.output.path", report
             assert "cannot write the trained model there" in report.error and str(path) in report.error
+
+
+def test_a_data_set_smaller_than_one_global_batch_is_refused() -> None:
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=6, seq_len=SEQ_LEN)
+    request = ModelProfileRequest(
+        model="gpt", seq_len=SEQ_LEN, microbatch_size=1, profile=False, global_batch=8
+    )
+    report = make_report(request, Workload(model="gpt", data=data), {"layers": 4}, node=0)
+    assert report.error_field == "spec.data.path"
+    assert "holds 6 samples" in report.error and "fewer than one global batch (8)" in report.error
+    enough = request.model_copy(update={"global_batch": 6})
+    assert not make_report(enough, Workload(model="gpt", data=data), {"layers": 4}, node=0).error
+
+
+def test_a_sequence_longer_than_the_models_positions_names_the_data_seq_len(tmp_path: Path) -> None:
+    model = f"hf:{_gpt2(tmp_path / 'gpt2')}"
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=16, seq_len=2 * SEQ_LEN)
+    request = ModelProfileRequest(model=model, seq_len=2 * SEQ_LEN, microbatch_size=1, profile=False)
+    report = make_report(request, Workload(model=model, data=data), {}, node=0)
+    assert report.error_field == "spec.data.seqLen", report
+    assert report.error.startswith(f"{2 * SEQ_LEN} exceeds the {SEQ_LEN} positions"), report.error

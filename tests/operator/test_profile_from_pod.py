@@ -251,7 +251,10 @@ async def test_garbage_is_dropped_and_a_profile_that_does_not_fit_fails_the_job(
     try:
         raw = await eventually(lambda: client.get(keys.profile_request), 10, "the profile request")
         request = ModelProfileRequest.model_validate_json(raw)
-        assert request == ModelProfileRequest(model=model, seq_len=16, microbatch_size=2)
+        manifest = job_manifest(name, model=model, profile=None, microBatchSize=2)["spec"]
+        assert request == ModelProfileRequest(
+            model=model, seq_len=16, microbatch_size=2, global_batch=manifest["globalBatchSize"]
+        )
         # Garbage, and a report to another request: dropped, the job waits on (the operator counts drops in
         # its own process; its status tells).
         stale = request.model_copy(update={"seq_len": 8})
