@@ -146,6 +146,20 @@ def training_complete(plan: Plan, observed: Observation) -> bool:
     )
 
 
+def completed(
+    status: api.ResilientJobStatus, published: PlanAnnouncement
+) -> tuple[api.ResilientJobStatus, str]:
+    """The status of a job whose workers all trained to the end under `published`, and what to tell. A
+    fail-slow episode still open ends with the training: no node is slow in a job that runs no more (a
+    Succeeded job went on listing its last slow node)."""
+    message = f"training finished under generation {published.generation} ({published.layout})"
+    conditions = set_condition(
+        status.conditions, api.ConditionType.COMPLETE, True, api.Reason.TRAINING_COMPLETE, message
+    )
+    update = {"phase": api.Phase.SUCCEEDED, "conditions": conditions, "slow_nodes": []}
+    return status.model_copy(update=update), message
+
+
 def detect_joins(plan: Plan, observed: Observation, parked: Iterable[int] = ()) -> set[int]:
     """Ready, healthy pods for nodes the plan does not use: replacement pods (new node ids beyond
     `spec.nodes`, `_capacity`) or returning nodes. Nodes parked by fail-slow mitigation come back through

@@ -442,11 +442,7 @@ class JobController:
 
     async def _complete(self, published: PlanAnnouncement) -> None:
         """Every worker trained to the end: the job succeeded (its pods stay, Completed, for their logs)."""
-        message = f"training finished under generation {published.generation} ({published.layout})"
-        conditions = _decide.set_condition(
-            self.status.conditions, api.ConditionType.COMPLETE, True, api.Reason.TRAINING_COMPLETE, message
-        )
-        self.status = self.status.model_copy(update={"phase": api.Phase.SUCCEEDED, "conditions": conditions})
+        self.status, message = _decide.completed(self.status, published)
         await self._write_status(force=True)
         self.event("Normal", api.Reason.TRAINING_COMPLETE, message)
         log.info("job %s/%s: %s", self.namespace, self.name, message)

@@ -45,3 +45,35 @@ def test_a_failure_beside_finished_workers_is_still_a_failure() -> None:
     assert not training_complete(
         plan, Observation(pods={0: _pod(0, "Succeeded")}, expired_heartbeats=frozenset())
     )
+
+
+def test_a_completed_job_lists_no_slow_node() -> None:
+    from resilientjob.operator._decide import completed
+    from resilientjob.operator._redis_state import announcement
+
+    status = api.ResilientJobStatus(phase=api.Phase.RUNNING, slow_nodes=[0])
+    done, message = completed(status, announcement(_plan([0, 1])))
+    assert done.phase is api.Phase.SUCCEEDED and done.slow_nodes == []
+    complete = next(c for c in done.conditions if c.type == api.ConditionType.COMPLETE)
+    assert complete.reason == api.Reason.TRAINING_COMPLETE and message.startswith("training finished")
+
+
+def test_a_worker_stopped_by_the_spec_is_told_from_a_node_failure() -> None:
+    from resilientjob.operator._decide import workload_error
+
+    plan = _plan([0, 1])
+    bad = PodView(
+        node=1, name="job-node-1", uid="1", phase="Failed", ready=False, deleting=False, reason="Error",
+        last_words="workload: spec.data.path: /d/t.bin: sample 7 holds token 53",
+    )  # fmt: skip
+    killed = PodView(
+        node=0, name="job-node-0", uid="0", phase="Failed", ready=False, deleting=False, reason="Error",
+        last_words="Signal 9",
+    )  # fmt: skip
+    observed = Observation(pods={0: killed, 1: bad}, expired_heartbeats=frozenset())
+    assert workload_error(plan, observed) == (
+        1,
+        "spec.data.path",
+        "spec.data.path: /d/t.bin: sample 7 holds token 53",
+    )
+    assert workload_error(plan, Observation(pods={0: killed}, expired_heartbeats=frozenset())) is None
