@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import kopf
 import numpy as np
@@ -280,20 +280,7 @@ class JobController:
             try:
                 report = await _profile_source.preflight(self, stopped)
             except _profile_source.WorkloadRejected as exc:
-                self.status = self.status.model_copy(
-                    update={
-                        "conditions": _decide.set_condition(
-                            self.status.conditions,
-                            api.ConditionType.PLANNED,
-                            False,
-                            api.Reason.INVALID_WORKLOAD,
-                            "nothing to plan: the workload cannot train",
-                        )
-                    }
-                )
-                await self._reject(exc, api.Reason.INVALID_WORKLOAD)
-                await self.workers.delete_all()
-                raise InvalidJob(str(exc)) from None
+                await self._workload_rejected(exc, "nothing to plan: the workload cannot train")
             except PlannerError as exc:
                 await self._infeasible(exc, api.Reason.PROFILE_FAILED)
                 await self.workers.delete_all()
@@ -462,23 +449,23 @@ class JobController:
         """A worker stopped because of the job's spec while training (the pre-flight could not see it: a
         bad token past the samples it read, an output directory gone read-only): the job fails naming the
         field, its workers go, and nothing is replanned (every replacement would meet the same)."""
-        self.status = self.status.model_copy(
-            update={
-                "conditions": _decide.set_condition(
-                    self.status.conditions,
-                    api.ConditionType.PLANNED,
-                    False,
-                    api.Reason.INVALID_WORKLOAD,
-                    f"training stopped: the workload cannot go on (found by node {node})",
-                )
-            }
-        )
         error = _profile_source.WorkloadRejected(
             field, f"{line.removeprefix(field + ': ')} (found by node {node})"
         )
+        await self._workload_rejected(
+            error, f"training stopped: the workload cannot go on (found by node {node})"
+        )
+
+    async def _workload_rejected(self, error: PlannerError, planned: str) -> NoReturn:
+        """The job fails on its workload: Planned=False and Valid=False (InvalidWorkload, the line naming
+        the field), an Event, its workers deleted; raises InvalidJob to end its daemon."""
+        conditions = _decide.set_condition(
+            self.status.conditions, api.ConditionType.PLANNED, False, api.Reason.INVALID_WORKLOAD, planned
+        )
+        self.status = self.status.model_copy(update={"conditions": conditions})
         await self._reject(error, api.Reason.INVALID_WORKLOAD)
         await self.workers.delete_all()
-        raise InvalidJob(str(error))
+        raise InvalidJob(str(error)) from None
 
     async def _confirmed(
         self, failures: dict[int, tuple[api.Reason, str]]
