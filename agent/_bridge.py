@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import WORKLOAD_TERMINATION_PREFIX
 from resilientjob.protocol.models import ModelSource, model_source
 
 from . import _parked
@@ -278,7 +279,7 @@ class TrainingAgent:
                         line = workload_line(failure.message)
                         if line is not None:  # the spec's fault, not the node's: the operator fails the job
                             print(f"worker stopped by the job's spec: {line}", flush=True)
-                            write_termination_message(line)
+                            await self._tell_workload_error(line)
                             break
                     return 1
                 value = result.return_values.get(0) or {}
@@ -297,6 +298,17 @@ class TrainingAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), 0.2)
         return 0
+
+    async def _tell_workload_error(self, line: str) -> None:
+        """Tell the operator that the job's spec stopped this node's worker: in Redis while this agent still
+        beats (a kubelet may report the pod's exit after its heartbeat expired, and the node would be fenced
+        as failed), and in the container's termination message, which outlives Redis."""
+        write_termination_message(line)
+        keys = self.telemetry.keys
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.telemetry.client.hset(
+                keys.workload_errors, str(self.telemetry.node), WORKLOAD_TERMINATION_PREFIX + line
+            )
 
     def probe_device(self) -> str:
         """The device a parked node probes: its first accelerator, as its first worker used it (only named

@@ -42,6 +42,7 @@ from resilientjob.protocol.messages import (
     count_drop,
     decode,
     encode,
+    workload_termination,
 )
 
 from . import metrics
@@ -321,6 +322,22 @@ class JobRedis:
         scan = await self.scan(ordered, node_list(ordered.tolist()))
         live = scan.live
         return dict(zip(ordered[live].tolist(), scan.left_s[live].tolist(), strict=True))
+
+    async def workload_error(self) -> tuple[int, str, str] | None:
+        """(node, field, line) of the first node whose agent said the job's spec stopped its worker, or
+        None (entries that do not parse are ignored: nothing read from Redis is trusted)."""
+        raw = await self.client.hgetall(self.keys.workload_errors)
+        found = []
+        for key, value in raw.items():
+            try:
+                node = int(key)
+                text = value.decode() if isinstance(value, bytes) else str(value)
+                parsed = workload_termination(text[:8192])
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if parsed is not None and node >= 0:
+                found.append((node, *parsed))
+        return min(found) if found else None
 
     async def fence(self, node: int) -> None:
         """Forget a fenced node's heartbeat: a replacement must beat anew before its silence counts."""

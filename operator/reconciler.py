@@ -380,12 +380,16 @@ class JobController:
         if not deciding and _decide.training_complete(plan, observed):
             await self._complete(published)
             return
-        stopped_by_spec = _decide.workload_error(plan, observed)
-        if stopped_by_spec is not None:
-            await self._workload_failed(*stopped_by_spec)
         suspects = {
             n: cause for n, cause in _decide.detect_failures(plan, observed).items() if n not in self._fenced
         }
+        stopped_by_spec = _decide.workload_error(plan, observed)
+        if stopped_by_spec is None and suspects:
+            # The agent says it in Redis before its heartbeat stops: the pod's own status may come later.
+            with contextlib.suppress(*REDIS_DOWN):
+                stopped_by_spec = await self.require()[2].workload_error()
+        if stopped_by_spec is not None:
+            await self._workload_failed(*stopped_by_spec)
         if suspects:
             await self._fence(await self._confirmed(suspects))
         if spec.replace_failed_nodes and not self._trained_to_the_end(spec):

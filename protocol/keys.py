@@ -138,6 +138,12 @@ class JobKeys:
         return f"{self.prefix}model-profile:report"
 
     @property
+    def workload_errors(self) -> str:
+        """Hash node -> the line of a workload error that stopped its worker (`messages.workload_termination`
+        reads it): set before the agent stops beating, so the operator has it before the heartbeat expires."""
+        return f"{self.prefix}workload-errors"
+
+    @property
     def failslow(self) -> str:
         """The operator's fail-slow state (its detectors and the report stream's cursor)."""
         return f"{self.prefix}failslow"

@@ -114,3 +114,24 @@ async def test_failslow_state_and_validation_requests_round_trip(client: aioredi
 
 def _one_stage(node: int) -> PipelinePlan:
     return PipelinePlan(stages=(StagePlan(layers=(0, 2), node=node),), microbatches=4)
+
+
+async def test_a_workload_error_an_agent_left_is_read_back_and_garbage_is_not(client: aioredis.Redis) -> None:
+    keys = JobKeys("ns", "workload-errors")
+    state = JobRedis(client, keys)
+    assert await state.workload_error() is None
+    await client.hset(
+        keys.workload_errors,
+        mapping={
+            "x": "workload: spec.data.path: not a node",
+            "3": "workload: spec.data.path: /d/t.bin: sample 9 holds token 53",
+            "1": "spec.data.path: no prefix",
+            "2": b"\xff\xfe",
+            "5": "workload: spec.output.path: /o: read-only",
+        },
+    )
+    assert await state.workload_error() == (
+        3,
+        "spec.data.path",
+        "spec.data.path: /d/t.bin: sample 9 holds token 53",
+    )
