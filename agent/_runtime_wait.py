@@ -15,12 +15,14 @@ destroyed and a new one created meanwhile (the pending operation only ever touch
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
@@ -72,6 +74,10 @@ class Waiter:
     """A wait that makes no progress for this long fails even without a notice (the collective timeout)."""
     threads: int = 16
     """Helper threads; abandoned waits hold one each until their group's timeout, so keep a few spare."""
+    device: str = "cpu"
+    """The worker's device, made current in every helper thread: the current device is per thread, and an
+    NCCL `wait()` orders the calling thread's current stream, so a helper left on device 0 gave every
+    worker of a node a context on the node's first GPU (an NPU thread without one fails outright)."""
     _pool: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,15 +85,20 @@ class Waiter:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rjob-wait")
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.threads,
+            thread_name_prefix="rjob-wait",
+            initializer=_use_device,
+            initargs=(self.device,),
+        )
 
     def wait(self, work: dist.Work | None, notice: FailureNotice, what: str) -> None:
         """Return once `work` completed; raise PeerFailure if a failure is announced or time runs out, and
         the operation's own RuntimeError if it failed (a peer's socket closed)."""
         if work is None:  # this rank is not part of the group: nothing to wait for
             return
-        future: Future[bool] = self._pool.submit(_until_complete, work)
         deadline = time.monotonic() + self.timeout_s
+        future: Future[bool] = self._pool.submit(_until_complete, work, deadline)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -108,13 +119,25 @@ class Waiter:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _until_complete(work: dist.Work) -> bool:
-    """Block this helper thread until `work` has finished on the host's view. An NCCL or HCCL `wait()` only
-    orders the current stream after the operation and returns at once; were the trainer to learn of a dead
-    peer only at its next host synchronisation (a loss read), it would wait for the backend's watchdog, which
-    kills the process, instead of the failure notice. Polling `is_completed` keeps every wait abandonable."""
+def _use_device(device: str) -> None:
+    """Make `device` this thread's current accelerator (nothing to do on the CPU)."""
+    kind, _, index = device.partition(":")
+    if kind in ("cuda", "npu"):
+        getattr(torch, kind).set_device(int(index or 0))
+
+
+def _until_complete(work: dist.Work, give_up_at: float = math.inf) -> bool:
+    """Block this helper thread until `work` has finished on the host's view (False: `give_up_at` on the
+    monotonic clock passed first). An NCCL or HCCL `wait()` only orders the current stream after the
+    operation and returns at once; were the trainer to learn of a dead peer only at its next host
+    synchronisation (a loss read), it would wait for the backend's watchdog, which kills the process,
+    instead of the failure notice. Polling `is_completed` keeps every wait abandonable, and the deadline
+    (the waiter's own, by which it has abandoned the wait) frees the thread: an operation on a dead peer
+    may never complete, and each such poll held one of the pool's threads for good."""
     work.wait()
     completed = getattr(work, "is_completed", None)  # every c10d Work has it; a bare future may not
     while completed is not None and not completed():
+        if time.monotonic() > give_up_at:
+            return False
         time.sleep(0.0002)
     return True

@@ -240,7 +240,7 @@ class Trainer:
         if not 0 <= self.local_rank < self.degree:
             raise ValueError(f"local_rank: must be in [0, {self.degree}), got {self.local_rank}")
         self._order = SampleOrder(self.dataset.num_samples, self.global_batch, seed=self.dataset.seed)
-        self._waiter = Waiter(self.collective_timeout_s)
+        self._waiter = Waiter(self.collective_timeout_s, device=self.device)
 
     @property
     def comm_device(self) -> torch.device:

@@ -86,3 +86,51 @@ def test_bad_settings_name_the_field() -> None:
         Waiter(timeout_s=0)
     with pytest.raises(ValueError, match="check_every_s"):
         FailureNotice(None, check_every_s=0)
+
+
+def test_a_poll_on_an_operation_that_never_completes_frees_its_thread_at_the_deadline() -> None:
+    """NCCL's wait() returns at once; an operation on a dead peer may never complete, and its poll held
+    one of the waiter's threads for good (sixteen such waits and every later one timed out)."""
+    import time as clock
+
+    from resilientjob.agent._runtime_wait import _until_complete
+
+    class Stuck:
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return False
+
+    began = clock.monotonic()
+    assert _until_complete(Stuck(), give_up_at=began + 0.1) is False  # type: ignore[arg-type]
+    assert clock.monotonic() - began < 1.0
+
+
+def test_helper_threads_wait_on_the_workers_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: torch.cuda.set_device is recorded, not run; what matters is that each helper thread
+    makes the worker's device current before it waits (the current device is per thread)."""
+    import threading
+
+    import torch
+
+    from resilientjob.agent._runtime_wait import FailureNotice, Waiter
+
+    made: list[tuple[int, str]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda index: made.append((index, threading.current_thread().name))
+    )
+
+    class Done:
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    waiter = Waiter(5.0, device="cuda:3")
+    try:
+        waiter.wait(Done(), FailureNotice(None), "receive")  # type: ignore[arg-type]
+    finally:
+        waiter.close()
+    assert made and all(index == 3 and name.startswith("rjob-wait") for index, name in made), made
