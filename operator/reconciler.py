@@ -262,7 +262,7 @@ class JobController:
         live = {node for node in self.pods if self.workers.running(node)}
         targets = sorted(set(message.plan.nodes) | set(message.parked) | live)
         await self.workers.annotate(targets, message.generation, message.layout)
-        alive = sum(1 for node in message.plan.nodes if self.workers.running(node))
+        alive = sum(1 for node in message.plan.nodes if self.workers.working(node))
         done = _decide.applied(self.status, message, alive, self.require_spec().nodes)
         if not done.first:
             metrics.RECONFIGURATIONS.labels(self.name, message.policy).inc()
@@ -276,6 +276,8 @@ class JobController:
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         """Reconcile until the job is deleted or the operator stops."""
+        if not await self._claim_keys(stopped):
+            return
         if await self._before_first_plan():
             try:
                 report = await _profile_source.preflight(self, stopped)
@@ -308,6 +310,27 @@ class JobController:
                 self._deciding.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._deciding
+
+    async def _claim_keys(self, stopped: kopf.DaemonStopped) -> bool:
+        """The job's Redis keys made its own (`JobRedis.claim`) before anything reads them, retried while
+        Redis is away; False when stopped meanwhile."""
+        uid = str((self.body.get("metadata") or {}).get("uid") or "")
+        while not stopped and uid:
+            try:
+                removed = await self.require()[2].claim(uid)
+                self.watch.ok()
+            except REDIS_DOWN as exc:
+                await stopped.wait(self.watch.failed(exc))
+                continue
+            if removed:
+                log.info(
+                    "job %s/%s: removed %d Redis keys a deleted job of this name left",
+                    self.namespace,
+                    self.name,
+                    removed,
+                )
+            return True
+        return not stopped
 
     async def _start_up(self, stopped: kopf.DaemonStopped) -> PlanAnnouncement | None:
         """Generation 0 (or the recorded one, restored into Redis) applied, and a restarted operator's state
@@ -361,7 +384,16 @@ class JobController:
             task, self._deciding = self._deciding, None
             task.result()  # InvalidJob (infeasible) and bugs surface here, in the daemon
         await self.workers.resync()
-        current, scan = await self._current()
+        outage: BaseException | None = None
+        try:
+            current, scan = await self._current()
+        except REDIS_DOWN as exc:
+            if self._published is None:
+                raise
+            # Redis away: the pods still say which workers died. The committed plan is the one this operator
+            # holds (the durable record has no newer one while nobody else decides), heartbeats say nothing,
+            # and a decision is recorded in the plan ConfigMap and announced once Redis answers.
+            outage, current, scan = exc, self._published, None
         published = current.message
         if not deciding and self.status.plan_generation < published.generation:
             await self.apply(published)
@@ -371,7 +403,7 @@ class JobController:
             deciding = True
         plan = published.plan
         self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
-        expired = self._expired_heartbeats(scan)
+        expired = self._expired_heartbeats(scan) if scan is not None else []
         if self._trained_to_the_end(spec):
             # Every worker committed the last step (commits are atomic); they are exporting and exiting, and
             # an agent's heartbeat stops before its pod reports Succeeded: silence now is no failure.
@@ -405,6 +437,8 @@ class JobController:
             failures = dict(self._fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
+        if outage is not None:
+            raise outage  # the telemetry pass reads Redis; the loop backs off and keeps count of the outage
         outcome = await self._telemetry.run(self._pass_context(), current)
         self.status = self.status.model_copy(update=outcome.status)
         await self.write_status(force=outcome.force_status)
@@ -422,7 +456,7 @@ class JobController:
             tracker=self.tracker(),
             profile=inputs.profile,
             validation_timeout_s=spec.fail_slow.validation_timeout_s,
-            running=self.workers.running,
+            working=self.workers.working,
             event=self.event,
         )
 

@@ -284,6 +284,35 @@ async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Fa
     await _kill_pod_is_handled(faults, 2, set())
 
 
+async def test_a_pod_killed_while_redis_is_away_is_replanned_before_redis_returns(faults: Faults) -> None:
+    """The pods still say which worker died while Redis is away: the operator fences it and commits the
+    next generation to the plan ConfigMap at once, and announces it in Redis when Redis answers. Before,
+    the pass stopped at its first Redis call and nothing happened until Redis came back (51 s in a user's
+    run)."""
+    await eventually(lambda: _settled(faults, 0), 40, "the job settled before the outage")
+    faults.redis.kill()
+    await asyncio.sleep(1.0)
+    await faults.kube.delete("pods", f"{JOB}-node-2")
+
+    async def recorded() -> dict[str, Any] | None:
+        configmap = await faults.kube.get("configmaps", f"{JOB}-plan")
+        status = await faults.status()
+        failed = [r for r in status.get("recoveries") or [] if r["trigger"] == "NodeFailed"]
+        moved = configmap is not None and int(configmap["data"]["generation"]) >= 1
+        return failed[0] if failed and moved else None
+
+    decision = await eventually(recorded, 30, "the next generation recorded while Redis is away")
+    assert decision["nodes"] == [2] and decision["generation"] == 1, decision
+    faults.redis.start()
+    await eventually(lambda: _all_beating_but(faults, {2}), 40, "the agents beating again")
+    await _check(faults, 1, {2})
+    await _trains(faults)
+
+
+async def _all_beating_but(stack: Faults, fenced: set[int]) -> bool:
+    return set(range(NODES)) - fenced <= await stack.live_heartbeats()
+
+
 async def test_redis_paused_fences_nobody(faults: Faults) -> None:
     assert faults.redis.process is not None
     faults.redis.process.send_signal(signal.SIGSTOP)
