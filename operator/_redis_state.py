@@ -461,6 +461,20 @@ class JobRedis:
                 self.garbage("telemetry", stream, "an undecodable entry: ignored")
         return out
 
+    async def claim(self, uid: str) -> int:
+        """Make the keys this job's (`uid`, the ResilientJob's): keys another job of the same name left (its
+        deletion raced its agents, which wrote on: their heartbeat bitmap then fenced the new job's workers
+        as they started) are deleted first. How many were; 0 when the keys were this job's already."""
+        owner = await self.client.get(self.keys.owner)
+        if (
+            owner is not None
+            and (owner.decode(errors="replace") if isinstance(owner, bytes) else owner) == uid
+        ):
+            return 0
+        removed = await self.forget()
+        await self.client.set(self.keys.owner, uid)
+        return removed
+
     async def forget(self) -> int:
         """Delete every key of the job (on job deletion)."""
         removed = 0

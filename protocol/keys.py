@@ -138,6 +138,11 @@ class JobKeys:
         return f"{self.prefix}model-profile:report"
 
     @property
+    def owner(self) -> str:
+        """The uid of the ResilientJob these keys belong to: a new job of the same name finds another."""
+        return f"{self.prefix}owner"
+
+    @property
     def workload_errors(self) -> str:
         """Hash node -> the line of a workload error that stopped its worker (`messages.workload_termination`
         reads it): set before the agent stops beating, so the operator has it before the heartbeat expires."""

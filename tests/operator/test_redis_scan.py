@@ -135,3 +135,19 @@ async def test_a_workload_error_an_agent_left_is_read_back_and_garbage_is_not(cl
         "spec.data.path",
         "spec.data.path: /d/t.bin: sample 9 holds token 53",
     )
+
+
+async def test_a_new_job_of_a_deleted_jobs_name_starts_from_clean_keys(client: aioredis.Redis) -> None:
+    """The deleted job's agents wrote on after its keys were forgotten: their heartbeat bitmap then made
+    the new job fence its own workers as they started (never beaten, yet 'beaten and silent')."""
+    keys = JobKeys("ns", "same-name")
+    old = JobRedis(client, keys)
+    assert await old.claim("uid-old") == 0  # nothing there yet
+    await client.setbit(keys.beaten, 5, 1)
+    await client.xadd(keys.iterations, {"m": b"{}"})
+    new = JobRedis(client, keys)
+    assert await new.claim("uid-new") == 3  # the bitmap, the stream and the old owner
+    assert await client.getbit(keys.beaten, 5) == 0 and await client.exists(keys.iterations) == 0
+    await client.setbit(keys.beaten, 1, 1)  # the new job's own agents
+    assert await new.claim("uid-new") == 0  # a restarted operator of the same job keeps them
+    assert await client.getbit(keys.beaten, 1) == 1
