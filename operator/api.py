@@ -275,9 +275,20 @@ class ResilientJobSpec(_Api):
         }
     )
 
-    image: str = Field(min_length=1, max_length=1024, description="Worker container image.")
+    # Immutable, as everything the operator reads when it takes the job on: a running operator does not
+    # re-read the spec, so an accepted edit was silently ignored until the operator restarted (then applied
+    # half-way: new pods with the new image beside the old ones).
+    image: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Worker container image.",
+        json_schema_extra=_immutable("image"),
+    )
     command: list[str] = Field(
-        default_factory=list, max_length=256, description="Worker command; empty = the ResilientJob agent."
+        default_factory=list,
+        max_length=256,
+        description="Worker command; empty = the ResilientJob agent.",
+        json_schema_extra=_immutable("command"),
     )
     model: str = Field(
         min_length=1,
@@ -289,7 +300,12 @@ class ResilientJobSpec(_Api):
         json_schema_extra=_immutable("model"),
     )
     profile: ProfileSource | None = Field(default=None, json_schema_extra=_immutable("profile"))
-    nodes: int = Field(ge=1, le=4096, description="Worker pods (one per node) at start.")
+    nodes: int = Field(
+        ge=1,
+        le=4096,
+        description="Worker pods (one per node) at start.",
+        json_schema_extra=_immutable("nodes"),
+    )
     gpus_per_node: int = Field(default=1, ge=1, le=64, json_schema_extra=_immutable("gpusPerNode"))
     device_resource: DeviceResource = Field(
         default=DeviceResource.NONE, json_schema_extra=_immutable("deviceResource")
@@ -303,16 +319,25 @@ class ResilientJobSpec(_Api):
     )
     global_batch_size: int = Field(ge=1, le=2**24, json_schema_extra=_immutable("globalBatchSize"))
     micro_batch_size: int = Field(ge=1, le=2**20, json_schema_extra=_immutable("microBatchSize"))
-    fault_tolerance: int = Field(default=1, ge=0, le=4095, description="f: simultaneous failures to survive.")
+    fault_tolerance: int = Field(
+        default=1,
+        ge=0,
+        le=4095,
+        description="f: simultaneous failures to survive.",
+        json_schema_extra=_immutable("faultTolerance"),
+    )
     replace_failed_nodes: bool = Field(
         default=True,
         description="Ask for a new pod (a new node id) in a fenced node's place, which joins the job when it "
         "runs; false keeps the job on the nodes it has left.",
+        json_schema_extra=_immutable("replaceFailedNodes"),
     )
-    policy: Policy = Policy.AUTO
-    fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    chaos: ChaosSpec = Field(default_factory=ChaosSpec)
+    policy: Policy = Field(default=Policy.AUTO, json_schema_extra=_immutable("policy"))
+    fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec, json_schema_extra=_immutable("failSlow"))
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, json_schema_extra=_immutable("checkpoint")
+    )
+    chaos: ChaosSpec = Field(default_factory=ChaosSpec, json_schema_extra=_immutable("chaos"))
     redis: RedisSpec = Field(default_factory=RedisSpec, json_schema_extra=_immutable("redis"))
     data: DataSpec | None = Field(
         default=None,

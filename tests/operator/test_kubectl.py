@@ -101,8 +101,13 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
 
         described = kubectl("describe", "rjob", "local-cpu").stdout
         assert "Kind:         ResilientJob" in described and "Planned" in described.split("Events:")[1]
-        kubectl("patch", "rjob", "local-cpu", "--type", "merge", "-p", '{"spec":{"policy":"reroute"}}')
-        assert kubectl("get", "rjob", "local-cpu", "-o", "jsonpath={.spec.policy}").stdout == "reroute"
+        kubectl("patch", "rjob", "local-cpu", "--type", "merge", "-p", '{"metadata":{"labels":{"team":"a"}}}')
+        assert kubectl("get", "rjob", "local-cpu", "-o", "jsonpath={.metadata.labels.team}").stdout == "a"
+        # A running operator reads the spec once: an edit it would ignore is refused, naming the field.
+        for patch, field in (('{"spec":{"policy":"reroute"}}', "policy"), ('{"spec":{"nodes":6}}', "nodes")):
+            refused = kubectl("patch", "rjob", "local-cpu", "--type", "merge", "-p", patch, ok=False)
+            assert refused.returncode != 0 and f"{field} is immutable" in refused.stderr, refused.stderr
+        assert kubectl("get", "rjob", "local-cpu", "-o", "jsonpath={.spec.policy}").stdout != "reroute"
         assert (
             "serverside-applied" in kubectl("apply", "--server-side", "-f", "examples/local-cpu.yaml").stdout
         )
