@@ -43,6 +43,12 @@ class WorkerPods:
         view = self.views.get(node)
         return view is not None and view.failed is None
 
+    def working(self, node: int) -> bool:
+        """The node's pod runs its worker: what the status counts as alive. A Pending pod (not scheduled,
+        pulling its image) is not: an unschedulable job read `4/4` and "every node in use"."""
+        view = self.views.get(node)
+        return view is not None and view.failed is None and view.phase == "Running"
+
     def observe(self, pod: Mapping[str, Any], deleted: bool) -> None:
         """A watch event (or a pod read back) of one of the job's worker pods; others are ignored."""
         view = _decide.pod_view(pod, self.job)

@@ -73,8 +73,8 @@ class PassContext:
     tracker: _failslow.FailSlowTracker
     profile: ModelProfile
     validation_timeout_s: float
-    running: Callable[[int], bool]
-    """Whether a node's pod exists and has not failed."""
+    working: Callable[[int], bool]
+    """Whether a node's pod runs its worker (`WorkerPods.working`): the status's count of live workers."""
     event: Callable[[str, api.Reason, str], None]
     """A Kubernetes Event on the job (kind, reason, message), posted as the pass goes."""
 
@@ -196,7 +196,7 @@ class TelemetryPass:
         rates = {n: r for n, r in self.rates.items() if r[0] == generation and n in plan_nodes}
         throughput = sum(samples / seconds for _, seconds, samples in rates.values())
         step = max((seconds for _, seconds, _ in rates.values()), default=0.0)
-        alive = sum(1 for node in plan_nodes if ctl.running(node))
+        alive = sum(1 for node in plan_nodes if ctl.working(node))
         total = len(plan_nodes)
         metrics.ACTIVE_WORKERS.labels(ctl.name).set(alive)
         metrics.SAMPLES_PER_SECOND.labels(ctl.name).set(throughput)

@@ -187,9 +187,15 @@ async def test_status_shows_the_committed_step_and_its_loss(stack: Stack) -> Non
         for step in range(1, 6):
             for agent in agents:
                 await agent.record_iteration(0, step, 0.05, 4, loss=4.0 - step / 2)
-        status = await eventually(
-            lambda: status_where(lambda s: s.get("step") == 5), 10, "status.step 5 from the iterations"
-        )
+
+        async def step_5() -> dict[str, Any] | None:
+            # The operator's first read of the stream starts at its end: steps written before that first
+            # pass (the status shows generation 0 before it) are not read. Step 5 again, as agents repeat.
+            for agent in agents:
+                await agent.record_iteration(0, 5, 0.05, 4, loss=1.5)
+            return await status_where(lambda s: s.get("step") == 5)
+
+        status = await eventually(step_5, 10, "status.step 5 from the iterations")
         assert status["loss"] == pytest.approx(1.5)
         # Generation 1 restored step 3 from a checkpoint: the counter follows it back.
         await agents[0].record_iteration(1, 3, 0.05, 4, loss=2.25)
