@@ -77,3 +77,15 @@ def test_a_worker_stopped_by_the_spec_is_told_from_a_node_failure() -> None:
         "spec.data.path: /d/t.bin: sample 7 holds token 53",
     )
     assert workload_error(plan, Observation(pods={0: killed}, expired_heartbeats=frozenset())) is None
+
+
+def test_a_pending_pod_is_not_counted_as_a_working_worker() -> None:
+    """An unschedulable job read `4/4` and "every node in use": a pod counted once it merely existed."""
+    import asyncio
+
+    from resilientjob.operator._pods import WorkerPods
+
+    pods = WorkerPods(None, "ns", "job", asyncio.Event())  # type: ignore[arg-type]  # no API call here
+    pods.views = {0: _pod(0, "Running"), 1: _pod(1, "Pending"), 2: _pod(2, "Failed")}
+    assert [pods.working(node) for node in range(4)] == [True, False, False, False]
+    assert [pods.running(node) for node in range(4)] == [True, True, False, False]  # exists, not failed
