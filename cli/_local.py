@@ -146,6 +146,9 @@ def _down() -> int:
     deadline = time.monotonic() + 15
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    if path.exists():
+        print(f"still stopping after 15 s (pid {pid}); see {_state_dir() / 'stack.log'}", file=sys.stderr)
+        return 1
     print("stopped")
     return 0
 

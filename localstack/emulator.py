@@ -93,6 +93,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
     _namespaces: references.resource = attrs.field(
         factory=lambda: references.resource("", "v1", "namespaces"), init=False
     )
+    _closing: bool = attrs.field(default=False, init=False)
+    """Set by `close_streams`: log follows end, and watches are not held open by clients that never leave."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -227,7 +229,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         key: Key = (resource, request.namespace if kind.namespaced else None, request.name or "")
         method = request.method.value.upper()
         if request.subresource == "log" and kind.kind == "Pod" and method == "GET":
-            return self._log(key)
+            return await self._log(request, key)
         if request.subresource is not None and request.subresource not in kind.subresources:
             raise refuse(404, "NotFound", "the server could not find the requested resource")
         if method == "GET" and request.params.get("watch") in ("true", "1"):
@@ -284,12 +286,42 @@ class LocalApiServer(kmock.KubernetesEmulator):
             obj = {**obj, "kind": kind.kind, "apiVersion": kind.api_version}
         return obj
 
-    def _log(self, key: Key) -> aiohttp.web.Response:
-        """`GET pods/NAME/log`: what the process kubelet captured of the pod's process (stdout+stderr)."""
+    async def _log(self, request: rendering.Request, key: Key) -> aiohttp.web.StreamResponse:
+        """`GET pods/NAME/log`: what the process kubelet captured of the pod's process (stdout+stderr), with
+        kubectl's `--tail` (`tailLines`), `--limit-bytes` (`limitBytes`) and `-f` (`follow`: new output as
+        it comes, until the pod has ended or is gone). The lines carry no times: `sinceSeconds` is ignored."""
         self._existing(self.kind_of(key[0]), key)
         path = self.pod_logs / key[2] / "log" if self.pod_logs is not None else None
         text = path.read_text(errors="replace") if path is not None and path.exists() else ""
-        return aiohttp.web.Response(text=text, content_type="text/plain")
+        tail = request.params.get("tailLines", "")
+        if tail.isdigit():
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[len(lines) - int(tail) :]) if int(tail) else ""
+        limit = request.params.get("limitBytes", "")
+        if limit.isdigit():
+            text = text.encode()[: int(limit)].decode(errors="ignore")
+        if request.params.get("follow") not in ("true", "1") or path is None:
+            return aiohttp.web.Response(text=text, content_type="text/plain")
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        assert request._raw_request is not None
+        await response.prepare(request._raw_request)
+        await response.write(text.encode())
+        offset = path.stat().st_size if path.exists() else 0
+        while True:
+            pod = self._store.get(key)
+            ended = pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            size = path.stat().st_size if path.exists() else 0
+            if size > offset:
+                with path.open("rb") as log:
+                    log.seek(offset)
+                    chunk = log.read(size - offset)
+                offset = size
+                await response.write(chunk)
+            elif ended or self._closing:
+                break
+            await asyncio.sleep(0.2)
+        await response.write_eof()
+        return response
 
     async def _watch(self, request: rendering.Request, kind: Kind, key: Key) -> aiohttp.web.StreamResponse:
         """A watch stream: from `resourceVersion` (the events after it, or 410 when they are no longer
@@ -328,7 +360,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 return response
             for event in backlog:
                 await send(event)
-            timeout = float(request.params.get("timeoutSeconds") or 1800)
+            # A server on its way down answers what it has and holds no watch open (`close_streams`).
+            timeout = 0.0 if self._closing else float(request.params.get("timeoutSeconds") or 1800)
             with contextlib.suppress(TimeoutError, ConnectionError):
                 async with asyncio.timeout(timeout):
                     async for event in bus.stream(since=marker):
@@ -341,6 +374,12 @@ class LocalApiServer(kmock.KubernetesEmulator):
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
         return response
+
+    async def close_streams(self) -> None:
+        """Before the server stops: end every open watch and log follow (a `kubectl get -w` never leaves by
+        itself, and the server's shutdown waited for it: `rjob local down` gave up while the stack ran on)."""
+        self._closing = True
+        await self.expire_watches()
 
     async def expire_watches(self) -> None:
         """Behave as after an etcd compaction: end every open watch with 410 Gone and forget the history,

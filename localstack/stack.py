@@ -100,6 +100,7 @@ async def serve(state_dir: Path) -> None:
                 await kubelet.run(stopped, before_stop=lambda: _stop(operator))
             finally:
                 await kube.close()
+                await emulator.close_streams()
     finally:
         # The operator stops first, while the API server is still up: it must not replan around workers
         # that are only being shut down, nor spin on a vanished API server.

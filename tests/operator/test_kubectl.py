@@ -122,7 +122,15 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             },
             "spec": {
                 "containers": [
-                    {"name": "c", "image": "python", "command": ["python", "-c", "print('hi from talker')"]}
+                    {
+                        "name": "c",
+                        "image": "python",
+                        "command": [
+                            "python",
+                            "-c",
+                            "print('hi from talker'); print('second'); print('last')",
+                        ],
+                    }
                 ]
             },
         }
@@ -133,6 +141,19 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             20,
             "the talker's output via kubectl logs",
         )
+        assert kubectl("logs", "talker", "--tail", "2").stdout == "second\nlast\n"
+        assert kubectl("logs", "talker", "--limit-bytes", "2").stdout == "hi"
+        # -f on a pod that has ended gives its output and returns (it no longer returned at once to follow
+        # nothing, nor did it follow: the parameters were ignored).
+        until(
+            lambda: (
+                kubectl("get", "pod", "talker", "-o", "jsonpath={.status.phase}").stdout == "Succeeded"
+                or None
+            ),
+            20,
+            "the talker done",
+        )
+        assert kubectl("logs", "-f", "talker").stdout.endswith("last\n")
 
         bad = yaml.safe_load((ROOT / "examples" / "local-cpu.yaml").read_text())
         bad["metadata"]["name"], bad["spec"]["faultTolerance"] = "too-tolerant", 4
@@ -168,5 +189,18 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             10,
             "the deleted job's pods gone",
         )
+        # A watch kubectl never leaves does not hold the stack up: `down` stops it, and says so.
+        watch = subprocess.Popen(
+            [str(binary), "--kubeconfig", kubeconfig, "get", "pods", "-w"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(1.0)
+            down = rjob_local(state, "down")
+            assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
+            assert not (state / "state.json").exists()
+        finally:
+            watch.kill()
     finally:
         rjob_local(state, "down")
