@@ -315,6 +315,12 @@ def worker_main(
             for layer in trainer.layers.values():
                 checkpointer.load(restored, layer)
         trainer.step = restored or 0  # nothing complete yet: start over from the initial weights
+        if trainer.step >= config.steps:
+            # The checkpoint is the trained model's: the job ended before this node could take part (a
+            # replacement joining a restart as its last step committed). Taken back by the next plan and
+            # left again by this one, it looped between training and probing, and the job never completed.
+            trainer.close()
+            return _finished_without(node, store)
     try:
         if not _settle(trainer, store, plan, config.plan_timeout_s, checkpointer, config.steps):
             return {"node": node, "step": trainer.step, "left": True}

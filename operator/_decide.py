@@ -146,6 +146,23 @@ def training_complete(plan: Plan, observed: Observation) -> bool:
     )
 
 
+def unconfirmed_copies(plan: Plan, stepped_generation: int | None, generation: int) -> set[int]:
+    """Nodes of generation `generation`'s `plan` that hold nothing but what that generation copied to
+    them (a joiner), while no step of it is known to have committed (`stepped_generation`: the newest
+    generation a worker recorded a step under; None when none is known). A step commits on every rank or
+    none, so one committed step says every copy arrived; before it, a failure can have cut a copy short
+    (its source died mid-copy), and a plan that counted the joiner as a holder of its layers left the job
+    waiting forever on layers nobody had (two quick kills of a two-node job hung it, Running and
+    AllHealthy). The planner counts them as holding nothing (`replan`'s `emptied`)."""
+    if stepped_generation is not None and stepped_generation >= generation:
+        return set()
+    copied: dict[int, set[int]] = {}
+    for transfer in plan.transfers:
+        copied.setdefault(transfer.dst, set()).add(transfer.layer)
+    held = plan.layers_by_node()
+    return {node for node, layers in held.items() if layers and layers <= copied.get(node, set())}
+
+
 def completed(
     status: api.ResilientJobStatus, published: PlanAnnouncement
 ) -> tuple[api.ResilientJobStatus, str]:

@@ -149,6 +149,7 @@ def plan_next(
     *,
     failed: Collection[int] = (),
     joined: Collection[int] = (),
+    emptied: Collection[int] = (),
     step: int | None = None,
 ) -> Plan:
     """Generation current+1 for the given changes at global step `step` (None: unknown); PlannerError when
@@ -161,6 +162,7 @@ def plan_next(
         inputs.job,
         failed=sorted(failed),
         joined=sorted(joined),
+        emptied=sorted(emptied),
         policy=spec.policy,
         costs=inputs.costs,
         checkpoint=checkpoint_state(spec, current, step),

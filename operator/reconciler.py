@@ -568,6 +568,18 @@ class JobController:
         detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)
         trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values())).reason
         why = "; ".join(f"node {n}: {f.cause}" for n, f in sorted(failures.items()))
+        unconfirmed: set[int] = set()
+        if failures:
+            progress = self._telemetry.progress
+            stepped = progress[0] if progress is not None else None
+            unconfirmed = _decide.unconfirmed_copies(current.plan, stepped, current.generation) - set(
+                failures
+            )
+        if unconfirmed:
+            why += (
+                f"; nodes {sorted(unconfirmed)} counted as holding nothing: no step of generation "
+                f"{current.generation} committed, so their copies may not have arrived"
+            )
         if joins:
             why = "; ".join(filter(None, [why, f"nodes {sorted(joins)} joined"]))
         try:
@@ -580,6 +592,7 @@ class JobController:
                 current.plan,
                 failed=list(failures),
                 joined=joins,
+                emptied=sorted(unconfirmed),
                 step=self.status.step,
             )
         except PlannerError as exc:

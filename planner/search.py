@@ -256,6 +256,7 @@ class _Change:
     failed_all: frozenset[int]
     holdings: dict[int, set[int]]  # layers each alive node holds (empty for joined and idle nodes)
     lost: tuple[int, ...]  # layers no alive node holds
+    emptied: frozenset[int] = frozenset()  # alive nodes whose layers are not to be trusted (`replan`)
 
 
 def _change(
@@ -264,6 +265,7 @@ def _change(
     cluster: ClusterSpec,
     failed: Collection[int],
     joined: Collection[int],
+    emptied: Collection[int] = (),
 ) -> _Change:
     if profile.num_layers != current.num_layers:
         raise PlannerError(
@@ -290,9 +292,10 @@ def _change(
     alive = tuple(sorted((before | joined_set) - failed_set))
     if not alive:
         raise PlannerError("failed", "no node survives; the job cannot continue")
+    emptied_set = set(emptied) & set(alive)
     held = current.layers_by_node()
-    holdings = {node: set(held.get(node, ())) for node in alive}
-    lost = tuple(lost_layers(current, failed_all | failed_set))
+    holdings = {node: set() if node in emptied_set else set(held.get(node, ())) for node in alive}
+    lost = tuple(lost_layers(current, failed_all | failed_set | emptied_set))
     return _Change(
         alive=alive,
         failed_now=tuple(sorted(failed_set)),
@@ -300,6 +303,7 @@ def _change(
         failed_all=frozenset(failed_all),
         holdings=holdings,
         lost=lost,
+        emptied=frozenset(emptied_set),
     )
 
 
@@ -365,6 +369,11 @@ class _Replanner:
         try:
             if policy is not Policy.CHECKPOINT and self.change.lost:
                 raise PlannerError("failed", _lost_reason(self.change.lost))
+            if policy is Policy.REROUTE and self.change.emptied:
+                # Rerouting moves no weights: a node whose layers are in doubt cannot keep its stage.
+                raise PlannerError(
+                    "failed", f"nodes {sorted(self.change.emptied)} may not hold the layers of their stages"
+                )
             plan, fixed, reason = builders[policy]()
             if policy is Policy.TEMPLATES:
                 reason = self._check_replicas(plan, reason)
@@ -571,12 +580,15 @@ def replan(
     *,
     failed: Collection[int] = (),
     joined: Collection[int] = (),
+    emptied: Collection[int] = (),
     policy: Policy = Policy.AUTO,
     costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
     failure_rate_per_node_hour: float = 0.01,
     checkpoint: CheckpointState | None = None,
 ) -> Plan:
-    """The plan after `failed` nodes stopped and `joined` nodes arrived; generation current + 1.
+    """The plan after `failed` nodes stopped and `joined` nodes arrived; generation current + 1. `emptied`:
+    alive nodes of the current plan whose layers are not to be trusted (a copy to them may have been cut
+    short): they run again, but hold nothing, and their layers count as lost where no other node has them.
 
     `failed_nodes` accumulates every failure so far; `candidates` lists every policy considered with its
     step time, transition time and score; `policy` is the concrete policy chosen (never `auto`); transfers
@@ -588,7 +600,7 @@ def replan(
     rate = failure_rate_per_node_hour
     if not (math.isfinite(rate) and rate >= 0):
         raise PlannerError("failure_rate_per_node_hour", f"must be a finite number >= 0, got {rate}")
-    change = _change(current, profile, cluster, failed, joined)
+    change = _change(current, profile, cluster, failed, joined, emptied)
     between = mean_time_between_failures(rate, len(change.alive))
     replanner = _Replanner(current, profile, cluster, job, change, costs, checkpoint, policy is Policy.AUTO)
     order = AUTO_POLICIES if policy is Policy.AUTO else (policy,)

@@ -12,6 +12,7 @@ directory made here with `save_pretrained` and whose `spec.data` is a token file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -278,3 +279,52 @@ def test_a_bad_token_the_pre_flight_did_not_read_fails_the_job_naming_the_data(
         "badtok-node-0",
         "badtok-node-1",
     }
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_the_checkpoint(
+    stack: Path, tmp_path: Path
+) -> None:
+    """Two replicas; node 0 dies, its replacement joins and copies its layers from node 1, and node 1 dies
+    before a step of that generation committed. The replacement may hold nothing: a plan that counted it as
+    the holder of its layers left the job waiting forever (Running, AllHealthy). It is planned around, the
+    job restarts from its checkpoint and trains to the end."""
+    steps = 150
+    model_dir, tokens, output = (
+        gpt2_directory(tmp_path / "gpt2"),
+        token_file(tmp_path / "tokens.bin"),
+        tmp_path / "out",
+    )
+    manifest = _manifest(
+        "lastholder",
+        model_dir,
+        tokens,
+        output,
+        steps=steps,
+        nodes=2,
+        faultTolerance=1,
+        checkpoint={"path": str(tmp_path / "ckpt"), "intervalSteps": 10},
+    )
+    # The replacement left out of the restart's successor waits this long for a plan with it (120 s).
+    manifest["spec"]["command"] += ["--plan-timeout", "20"]
+    job = _apply(stack, tmp_path, manifest)
+    _kill_at(job, "lastholder-node-0", 25)
+
+    def replacement_published() -> PlanAnnouncement | None:
+        with contextlib.suppress(Exception):
+            published = job.published()
+            if published.trigger == "NodeJoined" and set(published.plan.nodes) - {0, 1}:
+                return published
+        return None
+
+    joined = until(replacement_published, 90, "the replacement's generation", interval=0.002)
+    os.kill(int((job.stack / "pods" / "lastholder-node-1" / "pid").read_text()), signal.SIGKILL)
+    assert until(lambda: _finished(job), 240, "the job to finish") == "Succeeded", job.status()
+    recoveries = job.status().get("recoveries") or []
+    after = [r for r in recoveries if r["generation"] > joined.generation and r["trigger"] == "NodeFailed"]
+    # The replacement counted as holding nothing: no layer had a holder left, so the job restarted from
+    # its checkpoint on it (the old plan kept it as the holder of every layer, and the job hung).
+    assert after and after[0]["nodes"] == [1] and after[0]["policy"] == "checkpoint", recoveries
+    job.close()

@@ -89,3 +89,19 @@ def test_a_pending_pod_is_not_counted_as_a_working_worker() -> None:
     pods.views = {0: _pod(0, "Running"), 1: _pod(1, "Pending"), 2: _pod(2, "Failed")}
     assert [pods.working(node) for node in range(4)] == [True, False, False, False]
     assert [pods.running(node) for node in range(4)] == [True, True, False, False]  # exists, not failed
+
+
+def test_a_joiner_holds_its_copied_layers_only_once_a_step_of_its_generation_committed() -> None:
+    from resilientjob.operator._decide import unconfirmed_copies
+    from resilientjob.planner.plan import Transfer
+
+    # Generation 2: node 2 joined in node 0's place, its four layers copied from node 1.
+    joined = _plan([1, 2]).model_copy(
+        update={"transfers": tuple(Transfer(layer=i, src=1, dst=2, bytes=8) for i in range(4))}
+    )
+    assert unconfirmed_copies(joined, stepped_generation=1, generation=2) == {2}
+    assert unconfirmed_copies(joined, stepped_generation=None, generation=2) == {2}
+    assert unconfirmed_copies(joined, stepped_generation=2, generation=2) == set()  # a step committed
+    # A node that kept a layer it had is no joiner: it still holds what it had.
+    partly = _plan([1, 2]).model_copy(update={"transfers": (Transfer(layer=0, src=1, dst=2, bytes=8),)})
+    assert unconfirmed_copies(partly, stepped_generation=1, generation=2) == set()

@@ -176,6 +176,24 @@ def test_reroute_infeasible_without_an_intact_peer_so_auto_picks_dynamic() -> No
     assert sorted(_stage_nodes(plan)) == [0, 2, 4, 6]
 
 
+def test_a_node_whose_copy_is_in_doubt_holds_nothing_it_was_given() -> None:
+    """`emptied`: a replacement whose copy may have been cut short runs on, but its layers are not counted:
+    with its replica's last holder failed, the job goes to the checkpoint instead of a plan that needed the
+    layers from it; with another holder alive, the layers are copied to it again, and reroute is refused."""
+    profile = uniform_profile(8)
+    cluster = ClusterSpec(nodes=2)
+    job = JobSpec(global_batch=16, microbatch_size=1, fault_tolerance=1)
+    current = _grid(2, 1, 8, 8)  # nodes 0 and 1 each hold every layer
+    trusted = replan(current, profile, cluster, job, failed=[0])
+    assert trusted.policy is not Policy.CHECKPOINT and trusted.nodes == (1,)
+    doubted = replan(current, profile, cluster, job, failed=[0], emptied=[1])
+    assert doubted.policy is Policy.CHECKPOINT and doubted.nodes == (1,)
+    kept = replan(_grid(3, 1, 8, 8), profile, ClusterSpec(nodes=3), job, failed=[0], emptied=[1])
+    assert kept.policy is not Policy.REROUTE and 1 in kept.nodes
+    assert {t.dst for t in kept.transfers} == {1} and {t.src for t in kept.transfers} == {2}
+    assert "may not hold the layers" in _candidate(kept, Policy.REROUTE).reason
+
+
 def test_stage_that_lost_every_replica_goes_to_checkpoint() -> None:
     profile = uniform_profile(8)
     cluster = ClusterSpec(nodes=4)
