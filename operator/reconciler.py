@@ -315,9 +315,10 @@ class JobController:
         """The job's Redis keys made its own (`JobRedis.claim`) before anything reads them, retried while
         Redis is away; False when stopped meanwhile."""
         uid = str((self.body.get("metadata") or {}).get("uid") or "")
-        while not stopped and uid:
+        redis = self.redis
+        while not stopped and uid and redis is not None:
             try:
-                removed = await self.require()[2].claim(uid)
+                removed = await redis.claim(uid)
                 self.watch.ok()
             except REDIS_DOWN as exc:
                 await stopped.wait(self.watch.failed(exc))

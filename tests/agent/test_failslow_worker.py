@@ -96,7 +96,9 @@ class WorkerJob:
         if not self.sinks[node].exists():
             return []
         text = self.sinks[node].read_text()
-        return [line for line in map(json.loads, text.splitlines()) if line.get("kind") == kind]
+        # Only whole lines: the worker may be writing the last one as it is read (seen in CI).
+        complete = text[: text.rfind("\n") + 1]
+        return [line for line in map(json.loads, complete.splitlines()) if line.get("kind") == kind]
 
     def step(self) -> int:
         return min((len(self.lines(node)) for node in range(NODES)), default=0)
