@@ -111,12 +111,9 @@ def _check_splits(model: ModelSpec, devices: int) -> None:
             f"{devices}: GPT-2 blocks have no tensor-parallel split (their q, k and v are one fused Conv1D); "
             "use gpusPerNode: 1, or a Llama, Qwen2 or Mistral model",
         )
-    config = model.hf.config
-    heads = int(config.num_attention_heads)
-    for name, count in (
-        ("attention", heads),
-        ("key/value", int(getattr(config, "num_key_value_heads", 0) or heads)),
-    ):
+    from ._tensor_parallel import config_heads
+
+    for name, count in zip(("attention", "key/value"), config_heads(model.hf.config), strict=True):
         if count % devices:
             raise _FieldError(
                 "spec.gpusPerNode",

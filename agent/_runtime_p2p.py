@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._runtime_schedule import Op, OpKind
+from ._runtime_schedule import Op
 
 Send = Callable[..., Any]
 """`dist.isend(tensor, dst=, group=, tag=)`, or a model of it in tests."""
@@ -45,8 +45,7 @@ def send_order(ops: Mapping[int, Sequence[Op]], receiver: int) -> dict[int, list
         if sender == receiver:
             continue  # a node's messages to itself go through the runtime's mailbox
         for op in sender_ops:
-            sends = op.send_to == receiver and (not op.last if op.kind == OpKind.FORWARD else not op.first)
-            if sends:
+            if op.sends and op.send_to == receiver:
                 order.setdefault(sender, []).append(op.send_tag)
     return order
 

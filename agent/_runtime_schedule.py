@@ -49,6 +49,16 @@ class Op:
     last: bool
 
     @property
+    def receives(self) -> bool:
+        """Whether the op takes a tensor from a neighbour: a forward its input, a backward its gradient."""
+        return not self.first if self.kind == OpKind.FORWARD else not self.last
+
+    @property
+    def sends(self) -> bool:
+        """Whether the op passes a tensor on: a forward its output, a backward its input's gradient."""
+        return not self.last if self.kind == OpKind.FORWARD else not self.first
+
+    @property
     def tag(self) -> int:
         """Message tag of the tensor this op receives; unique per (micro-batch, direction, boundary)."""
         direction = 0 if self.kind == OpKind.FORWARD else 1
@@ -270,6 +280,12 @@ def sync_groups(plan: Plan) -> list[SyncGroup]:
             )
             groups.append(SyncGroup(round=number, layers=(start, end), holders=tuple(holders)))
     return groups
+
+
+def lane_ranks(nodes: list[int], lanes: int, lane: int) -> dict[int, int]:
+    """Node -> the global rank of its `lane`-th worker in a world of `nodes` (`world_nodes`), each node's
+    `lanes` workers (a stage over that many devices) side by side: `position * lanes + lane`."""
+    return {node: position * lanes + lane for position, node in enumerate(nodes)}
 
 
 def world_nodes(plan: Plan) -> list[int]:

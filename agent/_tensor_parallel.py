@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,10 +158,14 @@ def _heads(module: nn.Module) -> tuple[int, ...]:
     if isinstance(module, GPTBlock | LlamaBlock):
         return (module.attn.heads,)
     config = getattr(getattr(getattr(module, "block", None), "self_attn", None), "config", None)
-    if config is None:
-        return ()
+    return config_heads(config) if config is not None else ()
+
+
+def config_heads(config: Any) -> tuple[int, int]:
+    """(query heads, key/value heads) of a transformers configuration: what a stage's split must divide
+    (node 0's pre-flight asks it of the configuration before any worker builds a block)."""
     heads = int(config.num_attention_heads)
-    return (heads, int(getattr(config, "num_key_value_heads", None) or heads))
+    return heads, int(getattr(config, "num_key_value_heads", None) or heads)
 
 
 def _check_divisible(module: nn.Module, plan: dict[str, ParallelStyle], degree: int) -> None:

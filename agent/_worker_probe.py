@@ -40,7 +40,7 @@ from resilientjob.protocol.messages import LinkTiming, ValidationResult, Validat
 from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY, validation_result_key
 
 from . import _parked, chaos, tracing, validation
-from ._runtime_schedule import world_nodes
+from ._runtime_schedule import lane_ranks, world_nodes
 from ._tensor_parallel import tp_degree
 
 PROFILE_EVERY = 10
@@ -84,18 +84,13 @@ class BoundaryRequest:
 def rank_table(plan: Plan, lane: int = 0) -> dict[int, int]:
     """Node -> the global rank of its `lane`-th worker under `plan`: the runtime numbers the world's nodes
     in order, each node's k workers (a stage over k devices) side by side, `position * k + lane`."""
-    lanes = tp_degree(plan)
-    return {node: position * lanes + lane for position, node in enumerate(world_nodes(plan))}
+    return lane_ranks(world_nodes(plan), tp_degree(plan), lane)
 
 
 def nodes_by_rank(plan: Plan) -> dict[int, int]:
     """Every global rank under `plan` -> its node (all k ranks of a node map to it)."""
-    lanes = tp_degree(plan)
-    return {
-        position * lanes + lane: node
-        for position, node in enumerate(world_nodes(plan))
-        for lane in range(lanes)
-    }
+    nodes, lanes = world_nodes(plan), tp_degree(plan)
+    return {rank: node for lane in range(lanes) for node, rank in lane_ranks(nodes, lanes, lane).items()}
 
 
 def data_parallel_rings(plan: Plan) -> list[list[int]]:

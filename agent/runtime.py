@@ -66,7 +66,7 @@ from ._runtime_commit import (
 )
 from ._runtime_grads import GradientSync
 from ._runtime_p2p import PeerChannels, directional_groups, send_order
-from ._runtime_schedule import Op, OpKind, build_ops, held_layers, world_nodes
+from ._runtime_schedule import Op, OpKind, build_ops, held_layers, lane_ranks, world_nodes
 from ._runtime_wait import FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_groups, stage_mesh, tp_degree
 from .data import SampleOrder, TokenDataset
@@ -211,7 +211,6 @@ class Trainer:
     """The last step or switch failed: the current groups may have operations pending on a dead peer."""
     _world_size: int = 0
     _tp_groups: list[dist.ProcessGroup] = field(default_factory=list)
-    _p2p_groups: list[dist.ProcessGroup] = field(default_factory=list)
     _channels: PeerChannels | None = None
     """This generation's pipeline messages (`_runtime_p2p`)."""
     p2p_in_order: bool = False
@@ -261,13 +260,12 @@ class Trainer:
         """Leave the current world: destroy it after clean steps, retire (or abort) it after a failure."""
         keep: list[object] = list(self._grads.handles()) if self._grads is not None else []
         keep.extend(self._tp_groups)
-        keep.extend(self._p2p_groups)
         if self._channels is not None:
-            keep.extend(self._channels.outstanding())
+            keep.extend([*self._channels.groups, *self._channels.outstanding()])
         leave_world(self.retirement, self.generation, keep + self._pending, self._abandoned)
         self._grads, self._pending, self._abandoned = None, [], False
         self._tp_groups, self._mesh = [], None
-        self._p2p_groups, self._channels = [], None
+        self._channels = None
 
     def close(self) -> None:
         """Leave the process group and stop the wait helpers."""
@@ -364,7 +362,7 @@ class Trainer:
         started = time.perf_counter()
         k = self.degree
         # Lane j's view of the world: node -> rank of its local rank j (p2p ops address lane peers).
-        self._rank_of = {node: position * k + self.local_rank for position, node in enumerate(nodes)}
+        self._rank_of = lane_ranks(nodes, k, self.local_rank)
         self._world_size = len(nodes) * k
         arrive(store, plan.generation, self._world_size, self.joining)
         join_world(
@@ -418,15 +416,11 @@ class Trainer:
         self.received.extend(records)
         schedule = build_ops(plan)
         self._ops = schedule.get(self.node, [])
-        up, down = directional_groups(
-            self._world_size, group_timeout_s(self.device, self.collective_timeout_s)
-        )
-        self._p2p_groups = [up, down]
         self._channels = PeerChannels(
             self.node,
             self._rank_of,
             send_order(schedule, self.node),
-            (up, down),
+            directional_groups(self._world_size, group_timeout_s(self.device, self.collective_timeout_s)),
             device=self.device,
             tagged=backend_for(self.device) == "gloo" and not self.p2p_in_order,
         )

@@ -240,7 +240,7 @@ class TracedWork(dist.Work):
 
     def is_completed(self) -> bool:
         done: bool = self._inner.is_completed()
-        if done and not self._waited and self._wait_from == self._wait_from:  # waited on, now done
+        if done and not self._waited and not math.isnan(self._wait_from):  # waited on, now done
             self._stamp()
         return done
 

@@ -74,7 +74,7 @@ def _program(node: int, ops: list[Op], channels: PeerChannels) -> Iterator[None]
     mailbox: dict[int, float] = {}
     sends: list[_Message] = []
     for op in ops:
-        if (op.kind == OpKind.FORWARD and not op.first) or (op.kind == OpKind.BACKWARD and not op.last):
+        if op.receives:
             if op.recv_from == node:
                 got = mailbox.pop(op.tag)
             else:
@@ -83,7 +83,7 @@ def _program(node: int, ops: list[Op], channels: PeerChannels) -> Iterator[None]
                     yield
                 got = buffer.item()
             assert got == op.tag, f"node {node} wanted message {op.tag} from {op.recv_from}, got {got:.0f}"
-        if (op.kind == OpKind.FORWARD and not op.last) or (op.kind == OpKind.BACKWARD and not op.first):
+        if op.sends:
             if op.send_to == node:
                 mailbox[op.send_tag] = float(op.send_tag)
             else:
@@ -105,9 +105,7 @@ def _run(plan: Plan, groups: tuple[Any, Any] = ("up", "down"), own_order: bool =
         if own_order:
             expected = defaultdict(list)
             for op in ops:
-                forward = op.kind == OpKind.FORWARD
-                receives = not op.first if forward else not op.last
-                if receives and op.recv_from != node:
+                if op.receives and op.recv_from != node:
                     expected[op.recv_from].append(op.tag)
         channels = PeerChannels(
             node,
