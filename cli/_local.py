@@ -67,13 +67,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     commands.add_parser("kubeconfig", help="print the path of the kubeconfig for kubectl and other clients")
     logs = commands.add_parser("logs", help="print a pod's output")
     logs.add_argument("pod")
+    logs.add_argument("-n", "--namespace", default="default")
     chaos = commands.add_parser("chaos", help="inject faults").add_subparsers(
         dest="chaos_command", required=True
     )
     kill = chaos.add_parser("kill", help="SIGKILL a pod's process")
     kill.add_argument("pod")
+    kill.add_argument("-n", "--namespace", default="default")
     slow = chaos.add_parser("slow", help="slow a pod's steps down for a while")
     slow.add_argument("pod")
+    slow.add_argument("-n", "--namespace", default="default")
     slow.add_argument("--factor", type=float, default=1.5)
     slow.add_argument("--for", dest="duration", default="60s", help="duration such as 60s or 2m")
     slow.add_argument("--link", metavar="PEER", help="slow the link to this peer pod (or node number)")
@@ -97,14 +100,23 @@ def _run(args: argparse.Namespace) -> int:
         print(_state()["kubeconfig"])
         return 0
     if command == "logs":
-        log = _state_dir() / "pods" / args.pod / "log"
+        log = _pod_directory(args.namespace, args.pod) / "log"
         if not log.exists():
-            raise CliError(f"pod: no logs for {args.pod!r}")
+            raise CliError(f"pod: no logs for {args.pod!r} in namespace {args.namespace!r}")
         sys.stdout.write(log.read_text(errors="replace"))
         return 0
     if args.chaos_command == "kill":
-        return _kill(args.pod)
-    return _slow(args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth)
+        return _kill(args.pod, args.namespace)
+    return _slow(
+        args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth, args.namespace
+    )
+
+
+def _pod_directory(namespace: str, pod: str) -> Path:
+    """Where the stack's process kubelet keeps a pod's files: its rule (`localstack.kubelet.pod_directory`)
+    repeated, as the CLI never imports the stack (tests/operator/test_kubectl.py reads a pod's logs both
+    ways, outside `default`)."""
+    return _state_dir() / "pods" / (pod if namespace == "default" else f"{namespace}_{pod}")
 
 
 def _up() -> int:
@@ -247,10 +259,10 @@ def _loss(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
 
-def _kill(pod: str) -> int:
-    pid_file = _state_dir() / "pods" / pod / "pid"
+def _kill(pod: str, namespace: str = "default") -> int:
+    pid_file = _pod_directory(namespace, pod) / "pid"
     if not pid_file.exists():
-        raise CliError(f"pod: {pod!r} is not running locally")
+        raise CliError(f"pod: {pod!r} is not running locally in namespace {namespace!r}")
     try:
         # The pod's whole process group (the kubelet starts each pod as a group leader), as a container
         # crash takes every process of the container.
@@ -269,8 +281,8 @@ def _seconds(text: str) -> float:
         raise CliError(f"for: expected a duration such as 60s, got {text!r}") from None
 
 
-def _worker_labels(pod: str, field: str) -> dict[str, str]:
-    _, body = _call("GET", f"/api/v1/namespaces/default/pods/{pod}")
+def _worker_labels(pod: str, field: str, namespace: str) -> dict[str, str]:
+    _, body = _call("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
     labels = ((body or {}).get("metadata") or {}).get("labels") or {}
     if "resilientjob.io/node" not in labels:
         raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
@@ -287,6 +299,7 @@ def _slow(
     link: str | None = None,
     latency_s: float = 0.001,
     bandwidth_bps: float = 1e9,
+    namespace: str = "default",
 ) -> int:
     """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its link to `link`
     (whose nominal latency and bandwidth set the delay per transfer)."""
@@ -296,12 +309,12 @@ def _slow(
     from resilientjob.agent.chaos import ChaosOrder, write_order
     from resilientjob.protocol.keys import JobKeys
 
-    labels = _worker_labels(pod, "pod")
+    labels = _worker_labels(pod, "pod", namespace)
     job = labels["resilientjob.io/job"]
     peer: int | None = None
     if link is not None:
         peer_labels = {"resilientjob.io/job": job, "resilientjob.io/node": link} if link.isdigit() else None
-        peer_labels = peer_labels or _worker_labels(link, "link")
+        peer_labels = peer_labels or _worker_labels(link, "link", namespace)
         if peer_labels["resilientjob.io/job"] != job:
             raise CliError(
                 f"link: {link!r} belongs to job {peer_labels['resilientjob.io/job']!r}, not {job!r}"
@@ -320,7 +333,7 @@ def _slow(
         raise CliError(f"{'.'.join(map(str, error['loc'])) or 'factor'}: {error['msg']}") from None
     client = redis.Redis.from_url(_state()["redis_url"])
     try:
-        write_order(client, JobKeys("default", job), int(labels["resilientjob.io/node"]), order)
+        write_order(client, JobKeys(namespace, job), int(labels["resilientjob.io/node"]), order)
     finally:
         client.close()
     target = f" link to node {peer}" if peer is not None else ""

@@ -18,6 +18,7 @@ from kmock._internal.k8s import KubernetesError
 
 from resilientjob.operator import names as _names
 
+from . import _local_api_protobuf as protobuf
 from . import _local_api_schema as schema
 from ._local_api_discovery import OPEN_SCHEMA, Kind
 from ._local_api_store import now
@@ -65,6 +66,18 @@ def admit(
 ) -> tuple[dict[str, Any], list[str]]:
     """Validate a new state of an object; the state to store and the warnings to send."""
     name = obj["metadata"].get("name", "")
+    outcome = None if kind.schema is OPEN_SCHEMA else schema.admit(obj, kind.schema, old)
+    unknown = [f'unknown field "{field}"' for field in (outcome.unknown if outcome else [])]
+    directive = params.get("fieldValidation", "")
+    if unknown and directive == "Strict":
+        # The server's strict decoding refuses the body before any validation runs: a misspelt required
+        # field is named as unknown, not only reported as missing.
+        raise refuse(
+            400,
+            "BadRequest",
+            f'{kind.kind} in version "{kind.version}" cannot be handled as a {kind.kind}: '
+            f"strict decoding error: {', '.join(unknown)}",
+        )
     errors = []
     if old is None:
         check = (
@@ -81,34 +94,24 @@ def admit(
         ]
     if errors:
         raise invalid(kind, name, errors)
-    if kind.schema is OPEN_SCHEMA:
+    if outcome is None:
         decoding = schema.decoding_error(kind.kind, obj)
         if decoding:
             raise refuse(400, "BadRequest", decoding)
         return obj, []
-    outcome = schema.admit(obj, kind.schema, old)
     if outcome.errors:
         raise invalid(kind, name, outcome.errors)
-    unknown = [f'unknown field "{field}"' for field in outcome.unknown]
-    directive = params.get("fieldValidation", "")
-    if unknown and directive == "Strict":
-        raise refuse(
-            400,
-            "BadRequest",
-            f'{kind.kind} in version "{kind.version}" cannot be handled as a {kind.kind}: '
-            f"strict decoding error: {', '.join(unknown)}",
-        )
     return outcome.obj, unknown if directive != "Ignore" else []
 
 
 def body(request: rendering.Request) -> Any:
     if "protobuf" in request.headers.get("Content-Type", ""):
-        # kubectl's typed commands (`create namespace`, `run`) send protobuf; `kubectl apply` sends JSON.
-        raise refuse(
-            415,
-            "UnsupportedMediaType",
-            "the local API server reads JSON and YAML bodies only (not protobuf): use `kubectl apply -f`",
-        )
+        # kubectl's typed commands (`create namespace`, `create secret`) send protobuf; `apply` sends JSON.
+        try:
+            return protobuf.decode(request.body)
+        except protobuf.ProtobufError as exc:
+            message = f"{exc}: send it as JSON (`kubectl apply -f`)"
+            raise refuse(415, "UnsupportedMediaType", message) from None
     data = request.data
     if data is None and request.text:
         try:

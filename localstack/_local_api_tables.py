@@ -4,9 +4,9 @@ shows the CRD's `additionalPrinterColumns` and `kubectl get pods` a pod's readin
 
 Reproduces kube-apiserver's table convertors trimmed to what kubectl prints: a CRD's columns are its
 printer columns after Name (simple `.a.b` JSON paths; `date` columns shown as an age), built-in kinds get
-Name and Age, pods Name, Ready, Status, Restarts and Age, events their time, type, reason, object and
-message. Each row carries the object's metadata
-(`includeObject=Metadata`, the default) or the object itself (`includeObject=Object`).
+Name and Age, namespaces their Status too, pods Name, Ready, Status, Restarts and Age, events their time,
+type, reason, object and message. Each row carries the object's metadata (`includeObject=Metadata`, the
+default) or the object itself (`includeObject=Object`).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def _columns(kind: Kind) -> tuple[dict[str, Any], ...]:
         return _POD_COLUMNS
     if kind.kind == "Event":
         return _EVENT_COLUMNS
+    if kind.kind == "Namespace":
+        return ({"name": "Status", "type": "string", "jsonPath": ".status.phase"}, _AGE)
     return (_AGE,)
 
 

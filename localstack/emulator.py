@@ -15,6 +15,8 @@ What kmock leaves out and this adds, each reproducing the real server's behaviou
 - deletion with finalizers, propagation policies and owner-reference garbage collection
   (`_local_api_store`); watches from a resourceVersion with 410 Gone once it is too old
   (`_local_api_watch`); label and field selectors (`_local_api_select`);
+- protobuf bodies of the kinds kubectl's typed commands create (`create namespace/secret/configmap`;
+  `_local_api_protobuf`), which kmock would try to read as text;
 - discovery, OpenAPI v2/v3 documents (`_local_api_discovery`) and server-side printing to Tables
   (`_local_api_tables`) for kubectl, and `pods/NAME/log` from the process kubelet's output files;
 - optionally, bearer-token authentication with a token that can rotate (401 with a stale one).
@@ -48,6 +50,7 @@ from ._local_api_admission import refuse
 from ._local_api_discovery import Kind
 from ._local_api_store import Key, Store
 from ._local_api_watch import RecordingBus, Revisions, WatchExpired, expired_event
+from .kubelet import pod_directory
 
 # (group, version, plural, kind, namespaced)
 CORE_RESOURCES: tuple[tuple[str, str, str, str, bool], ...] = (
@@ -78,7 +81,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
     """kmock's emulator serving as kube-apiserver (see the module's docstring)."""
 
     pod_logs: Path | None = None
-    """Where the process kubelet writes pods' output (`<pod_logs>/<pod>/log`), served as `pods/NAME/log`."""
+    """Where the process kubelet keeps pods' files (`kubelet.pod_directory`): their output is served as
+    `pods/NAME/log`."""
 
     token_file: Path | None = None
     """When set, every request must carry `Authorization: Bearer <the file's content>` (401 otherwise), read
@@ -154,20 +158,27 @@ class LocalApiServer(kmock.KubernetesEmulator):
     # ---- routing ------------------------------------------------------------------------------------
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """kmock reads `namespaces` in a path as the start of `namespaces/NS/...`, so it cannot parse the
-        paths of the namespaces resource itself (`/api/v1/namespaces[/NAME[/status]]`): those are parsed
-        here, everything else by kmock."""
+        paths of the namespaces resource itself (`/api/v1/namespaces[/NAME[/status]]`), and it decodes
+        every body as UTF-8 text, which a protobuf body is not: those requests are parsed here, everything
+        else by kmock."""
         parts = raw_request.path.strip("/").split("/")
-        if parts[:3] != ["api", "v1", "namespaces"] or (
-            len(parts) > 4 and parts[4] not in ("status", "finalize")
-        ):
+        namespaces = parts[:3] == ["api", "v1", "namespaces"] and (
+            len(parts) <= 4 or parts[4] in ("status", "finalize")
+        )
+        if not namespaces and "protobuf" not in raw_request.headers.get("Content-Type", ""):
             return await super().__call__(raw_request)
         body = await raw_request.read()
         try:
             data = json.loads(body) if body else None
         except ValueError:
             data = None
-        name = parts[3] if len(parts) > 3 else None
-        path = parsing.ParsedPath(group="", version="v1", plural="namespaces", name=name)
+        if namespaces:
+            name = parts[3] if len(parts) > 3 else None
+            path = parsing.ParsedPath(group="", version="v1", plural="namespaces", name=name)
+            subresource = parts[4] if len(parts) > 4 else None
+        else:
+            path = parsing.parse_path(raw_request.path)
+            name, subresource = path.name, path.subresource
         request = rendering.Request(
             raw_request=raw_request,
             url=raw_request.url,
@@ -178,9 +189,10 @@ class LocalApiServer(kmock.KubernetesEmulator):
             body=body,
             text=body.decode(errors="replace"),
             action=parsing.guess_k8s(path, enums.method(raw_request.method), dict(raw_request.query)),
-            resource=self._namespaces,
+            resource=self._namespaces if namespaces else _resource(path),
+            namespace=None if namespaces else path.namespace,
             name=name,
-            subresource=parts[4] if len(parts) > 4 else None,
+            subresource=subresource,
         )
         self._requests.append(request)
         response: aiohttp.web.StreamResponse = await self._handle(request)
@@ -291,7 +303,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         kubectl's `--tail` (`tailLines`), `--limit-bytes` (`limitBytes`) and `-f` (`follow`: new output as
         it comes, until the pod has ended or is gone). The lines carry no times: `sinceSeconds` is ignored."""
         self._existing(self.kind_of(key[0]), key)
-        path = self.pod_logs / key[2] / "log" if self.pod_logs is not None else None
+        path = None if self.pod_logs is None else pod_directory(self.pod_logs, key[1] or "", key[2]) / "log"
         text = path.read_text(errors="replace") if path is not None and path.exists() else ""
         tail = request.params.get("tailLines", "")
         if tail.isdigit():
@@ -419,6 +431,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
             raise refuse(404, "NotFound", f'namespaces "{space}" not found', name=space, kind="namespaces")
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
+        if kind.kind == "Namespace":
+            obj["status"] = {"phase": "Active"}  # as the namespace controller sets it at once
         obj, warnings = admission.admit(request.params, kind, obj, None)
         key: Key = (request.resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])  # type: ignore[assignment]
         if self._store.peek(key) is not None:
@@ -512,3 +526,10 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 if record[index] is request:
                     del record[index]
                     break
+
+
+def _resource(path: parsing.ParsedPath) -> references.resource | None:
+    """The resource of a parsed path, None outside /api and /apis (as kmock's own parsing gives)."""
+    if path.group is None:
+        return None
+    return references.resource(group=path.group, version=path.version, plural=path.plural)

