@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resilientjob.planner.plan import Plan
+from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.messages import PlanAnnouncement, workload_termination
 
 from . import api
@@ -153,9 +153,18 @@ def unconfirmed_copies(plan: Plan, stepped_generation: int | None, generation: i
     none, so one committed step says every copy arrived; before it, a failure can have cut a copy short
     (its source died mid-copy), and a plan that counted the joiner as a holder of its layers left the job
     waiting forever on layers nobody had (two quick kills of a two-node job hung it, Running and
-    AllHealthy). The planner counts them as holding nothing (`replan`'s `emptied`)."""
+    AllHealthy). The planner counts them as holding nothing (`replan`'s `emptied`).
+
+    After a restart from the checkpoint (a plan of policy `checkpoint` past generation 0) every node holds
+    only what it loads, and one that starts late reads the newest plan: a plan decided on top of the
+    restart before a step confirmed it made a node that had not loaded the checkpoint yet skip it, holding
+    nothing the next plan counted on (a join right after a restart: the restarted node could not send its
+    layers, waited out its plan timeout and was replaced). Every node of such a plan is unconfirmed: the
+    planner restarts from the checkpoint again, with the joiner in."""
     if stepped_generation is not None and stepped_generation >= generation:
         return set()
+    if plan.policy is Policy.CHECKPOINT and generation > 0:
+        return set(plan.nodes)
     copied: dict[int, set[int]] = {}
     for transfer in plan.transfers:
         copied.setdefault(transfer.dst, set()).add(transfer.layer)

@@ -32,7 +32,7 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
-from resilientjob.planner.plan import Plan
+from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
@@ -569,17 +569,24 @@ class JobController:
         detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)
         trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values())).reason
         why = "; ".join(f"node {n}: {f.cause}" for n, f in sorted(failures.items()))
-        unconfirmed: set[int] = set()
-        if failures:
-            progress = self._telemetry.progress
-            stepped = progress[0] if progress is not None else None
-            unconfirmed = _decide.unconfirmed_copies(current.plan, stepped, current.generation) - set(
-                failures
-            )
+        progress = self._telemetry.progress
+        stepped = progress[0] if progress is not None else None
+        unconfirmed = _decide.unconfirmed_copies(current.plan, stepped, current.generation) - set(failures)
         if unconfirmed:
-            why += (
-                f"; nodes {sorted(unconfirmed)} counted as holding nothing: no step of generation "
-                f"{current.generation} committed, so their copies may not have arrived"
+            arrived = (
+                "they may not have loaded the checkpoint"
+                if current.plan.policy is Policy.CHECKPOINT
+                else "their copies may not have arrived"
+            )
+            why = "; ".join(
+                filter(
+                    None,
+                    [
+                        why,
+                        f"nodes {sorted(unconfirmed)} counted as holding nothing: no step of generation "
+                        f"{current.generation} committed, so {arrived}",
+                    ],
+                )
             )
         if joins:
             why = "; ".join(filter(None, [why, f"nodes {sorted(joins)} joined"]))

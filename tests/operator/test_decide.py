@@ -105,3 +105,29 @@ def test_a_joiner_holds_its_copied_layers_only_once_a_step_of_its_generation_com
     # A node that kept a layer it had is no joiner: it still holds what it had.
     partly = _plan([1, 2]).model_copy(update={"transfers": (Transfer(layer=0, src=1, dst=2, bytes=8),)})
     assert unconfirmed_copies(partly, stepped_generation=1, generation=2) == set()
+
+
+def test_every_node_of_a_restart_from_the_checkpoint_holds_nothing_until_a_step_of_it_commits() -> None:
+    """A node that starts after the next plan is out reads that plan and never loads the checkpoint: a plan
+    on top of an unconfirmed restart restarts from the checkpoint again (the planner, given every node as
+    emptied, has no other choice), so a join right after a restart no longer counts on layers nobody
+    loaded."""
+    from resilientjob.operator._decide import unconfirmed_copies
+    from resilientjob.planner import ClusterSpec, JobSpec, uniform_profile
+    from resilientjob.planner.search import replan
+
+    restart = _plan([0, 1, 2]).model_copy(update={"policy": Policy.CHECKPOINT})
+    assert unconfirmed_copies(restart, stepped_generation=2, generation=3) == {0, 1, 2}
+    assert unconfirmed_copies(restart, stepped_generation=None, generation=3) == {0, 1, 2}
+    assert unconfirmed_copies(restart, stepped_generation=3, generation=3) == set()
+    # Generation 0 of policy checkpoint is the first start: every node initialises its layers itself.
+    assert unconfirmed_copies(restart, stepped_generation=None, generation=0) == set()
+
+    profile, job = uniform_profile(4), JobSpec(global_batch=12, microbatch_size=1, fault_tolerance=1)
+    cluster = ClusterSpec(nodes=4)
+    trusted = replan(restart, profile, cluster, job, joined=[3])
+    assert trusted.policy is not Policy.CHECKPOINT
+    doubted = replan(
+        restart, profile, cluster, job, joined=[3], emptied=sorted(unconfirmed_copies(restart, 2, 3))
+    )
+    assert doubted.policy is Policy.CHECKPOINT and 3 in doubted.nodes
