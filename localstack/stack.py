@@ -2,7 +2,13 @@
 real operator process and the process kubelet, supervised by one background process that writes where
 everything is to `<state>/state.json` and stops it all on SIGTERM (`rjob local down`); killed outright, it
 takes its children with it (`_tether`). `rjob local up` starts it as `python -m resilientjob.localstack
-<state>`."""
+<state>`.
+
+A redis-server or operator that exits is started again, as a cluster restarts a crashed pod of a Deployment:
+after RESTART_DELAY_S, doubling for each exit in a row up to RESTART_DELAY_MAX_S (an exit after
+RESTART_RESET_S of running starts the count again). Redis comes back on the same port and empty, as a Redis
+pod without persistence does; the operator rebuilds it from the job's durable record. `state.json` and
+`stack.log` say what was restarted."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import kmock
@@ -27,6 +35,51 @@ from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet, free_port
 
 __all__ = ["free_port", "serve"]
+
+RESTART_DELAY_S = 5.0
+"""The wait before a crashed component is started again: longer than a heartbeat's TTL, so a Redis restart
+comes back with every key expired, as a rescheduled Redis pod does."""
+RESTART_DELAY_MAX_S = 60.0
+RESTART_RESET_S = 60.0
+"""A component that ran this long before it exited starts its backoff over."""
+
+
+@dataclass(slots=True)
+class _Supervised:
+    """One restartable child of the stack: how to start it, and its restarts so far."""
+
+    name: str
+    start: Callable[[], subprocess.Popen[bytes]]
+    process: subprocess.Popen[bytes]
+    restarts: int = 0
+    crashes_in_a_row: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def backoff_s(self) -> float:
+        doubled: float = RESTART_DELAY_S * 2 ** max(self.crashes_in_a_row - 1, 0)
+        return min(doubled, RESTART_DELAY_MAX_S)
+
+
+async def _keep_running(child: _Supervised, stopped: asyncio.Event, on_restart: Callable[[], None]) -> None:
+    """Start `child` again each time it exits (its backoff first), until `stopped`. Says so on standard
+    output: `stack.log` under `rjob local up`."""
+    while not stopped.is_set():
+        code = child.process.poll()
+        if code is not None:
+            ran_s = time.monotonic() - child.started_at
+            child.crashes_in_a_row = 1 if ran_s >= RESTART_RESET_S else child.crashes_in_a_row + 1
+            wait = child.backoff_s()
+            print(f"{child.name} exited with code {code}; starting it again in {wait:.0f} s", flush=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), wait)
+            if stopped.is_set():
+                return
+            child.process, child.started_at = child.start(), time.monotonic()
+            child.restarts += 1
+            print(f"{child.name} started again (pid {child.process.pid})", flush=True)
+            on_restart()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), 0.5)
 
 
 def _wait_for_port(port: int, timeout_s: float = 5.0) -> None:
@@ -45,24 +98,17 @@ async def serve(state_dir: Path) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
     redis_port = free_port()
-    redis = subprocess.Popen(
-        tethered(
-            [
-                "redis-server",
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ]
-        ),
-        stdout=(state_dir / "redis.log").open("ab"),
-        stderr=subprocess.STDOUT,
-    )
-    operator: subprocess.Popen[bytes] | None = None
+
+    def start_redis() -> subprocess.Popen[bytes]:
+        command = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
+        return subprocess.Popen(
+            tethered([*command, "--appendonly", "no"]),
+            stdout=(state_dir / "redis.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+
+    redis = _Supervised("redis-server", start_redis, start_redis())
+    operator: _Supervised | None = None
     try:
         _wait_for_port(redis_port)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -77,35 +123,54 @@ async def serve(state_dir: Path) -> None:
                 "RJOB_STANDALONE": "1",
                 "RJOB_HEALTH_PORT": str(health_port),
             }
-            operator = subprocess.Popen(
-                tethered([sys.executable, "-m", "resilientjob.cli", "operator"]),
-                env=env,
-                stdout=(state_dir / "operator.log").open("ab"),
-                stderr=subprocess.STDOUT,
-            )
+
+            def start_operator() -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    tethered([sys.executable, "-m", "resilientjob.cli", "operator"]),
+                    env=env,
+                    stdout=(state_dir / "operator.log").open("ab"),
+                    stderr=subprocess.STDOUT,
+                )
+
+            operator = supervised = _Supervised("operator", start_operator, start_operator())
             kube = KubeApi(kopf.ConnectionInfo(server=api_url, insecure=True))
             kubelet = ProcessKubelet(kube, state_dir)
-            state = {
+            base = {
                 "api_url": api_url,
                 "redis_url": redis_url,
                 "pid": os.getpid(),
-                "operator_pid": operator.pid,
                 # kopf's liveness endpoint, as the chart's probes ask it in a cluster.
                 "health_url": f"http://127.0.0.1:{health_port}/healthz",
                 # For kubectl and any client that reads a kubeconfig (`rjob local kubeconfig` prints it).
                 "kubeconfig": str(kubeconfig),
             }
-            (state_dir / "state.json").write_text(json.dumps(state))
+            children = [redis, operator]
+
+            def write_state() -> None:
+                state = {
+                    **base,
+                    "operator_pid": supervised.process.pid,
+                    "redis_pid": redis.process.pid,
+                    "restarts": {child.name: child.restarts for child in children},
+                }
+                temporary = state_dir / ".state.json.tmp"
+                temporary.write_text(json.dumps(state))
+                os.replace(temporary, state_dir / "state.json")  # readers never see half of it
+
+            write_state()
+            supervisor = asyncio.gather(*(_keep_running(child, stopped, write_state) for child in children))
             try:
-                await kubelet.run(stopped, before_stop=lambda: _stop(operator))
+                await kubelet.run(stopped, before_stop=lambda: _stop(supervised.process))
             finally:
+                stopped.set()
+                await supervisor
                 await kube.close()
                 await emulator.close_streams()
     finally:
         # The operator stops first, while the API server is still up: it must not replan around workers
         # that are only being shut down, nor spin on a vanished API server.
-        _stop(operator)
-        _stop(redis)
+        _stop(operator.process if operator is not None else None)
+        _stop(redis.process)
         with contextlib.suppress(FileNotFoundError):
             (state_dir / "state.json").unlink()
 

@@ -1,5 +1,6 @@
 """The local stack's processes end with its supervisor, however it ends: SIGKILLed, it can clean nothing up,
-and its redis-server, operator and pods must not run on as orphans (`resilientjob.localstack._tether`)."""
+and its redis-server, operator and pods must not run on as orphans (`resilientjob.localstack._tether`).
+While it runs, a redis-server or operator that dies is started again, as a cluster restarts a crashed pod."""
 
 from __future__ import annotations
 
@@ -90,3 +91,48 @@ def test_a_killed_supervisor_takes_redis_the_operator_and_the_pods_with_it(tmp_p
         for pid in children:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_crashed_operator_or_redis_is_started_again(tmp_path: Path) -> None:
+    with (tmp_path / "stack.log").open("wb") as log:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "resilientjob.localstack", str(tmp_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _until((tmp_path / "state.json").exists, 60, "the stack's state.json")
+        first = json.loads((tmp_path / "state.json").read_text())
+        assert first["restarts"] == {"redis-server": 0, "operator": 0}
+
+        def restarted(name: str) -> bool:
+            state = json.loads((tmp_path / "state.json").read_text())
+            return bool(state["restarts"][name] == 1)
+
+        os.kill(first["operator_pid"], signal.SIGKILL)
+        os.kill(first["redis_pid"], signal.SIGKILL)
+        _until(lambda: restarted("operator") and restarted("redis-server"), 30, "both started again")
+        state = json.loads((tmp_path / "state.json").read_text())
+        assert _alive(state["operator_pid"]) and state["operator_pid"] != first["operator_pid"]
+        assert _alive(state["redis_pid"]) and state["redis_pid"] != first["redis_pid"]
+        assert state["redis_url"] == first["redis_url"]  # the same port: clients reconnect to it
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(state["health_url"], timeout=2) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        _until(healthy, 30, "the new operator's liveness endpoint")
+        text = (tmp_path / "stack.log").read_text()
+        assert "operator exited with code -9; starting it again in 5 s" in text
+        assert "redis-server exited with code -9" in text
+    finally:
+        supervisor.terminate()
+        try:
+            supervisor.wait(30)
+        finally:
+            if supervisor.poll() is None:
+                os.killpg(supervisor.pid, signal.SIGKILL)
