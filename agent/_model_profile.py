@@ -7,11 +7,11 @@ for the first plan, answers with a `ModelProfileReport`. Node 0 builds the model
 checks what every worker would otherwise find only at its start: the checkpoint's tensors and shapes (the
 safetensors headers), the data (missing, shorter than one sample, an odd dtype, token ids beyond the
 vocabulary on a sample), bf16 on a GPU without it. When asked, it also makes the profile: computed from
-`<dir>/config.json` or the configuration of `hf:<family>?k=v` (`planner.hf_profile`: FLOPs at the nominal
-device speed, exact bytes) or measured (`profiler.measure_profile`), with the layer count of the model as the
-runtime builds it. A failure is one line and the spec field it names. The operator validates the report,
-keeps a profile in a ConfigMap of the job, and plans, or fails the job naming the field before any worker
-trains.
+`<dir>/config.json` or the configuration of `hf:<family>?k=v` (`planner.hf_profile`: FLOPs at an
+accelerator's nominal speed or a CPU's timed matrix-product rate, exact bytes) or measured
+(`profiler.measure_profile`), with the layer count of the model as the runtime builds it. A failure is one
+line and the spec field it names. The operator validates the report, keeps a profile in a ConfigMap of the
+job, and plans, or fails the job naming the field before any worker trains.
 
 Every agent waits here, however long that takes: the store host registers only once a plan exists, so
 asking for the store earlier would time out.
@@ -202,6 +202,7 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
             return measure_profile(model, request.microbatch_size, device=device, bf16=bf16)
         except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
             raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
+    speed = _device_flops(workload.device)
     if model_source(request.model) is ModelSource.HF_DIRECTORY:
         path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
         try:
@@ -210,12 +211,32 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
             raise ValueError(f"model: cannot read {path}: {exc}") from None
         if not isinstance(config, dict):
             raise ValueError(f"model: {path} does not hold a JSON object")
-        return profile_from_hf_config(config, request.seq_len, request.microbatch_size, name=request.model)
+        return profile_from_hf_config(
+            config, request.seq_len, request.microbatch_size, device_flops=speed, name=request.model
+        )
     if model.hf is not None:  # hf:<family>?k=v: the configuration the model string spells out
         return profile_from_hf_config(
-            model.hf.config.to_dict(), request.seq_len, request.microbatch_size, name=request.model
+            model.hf.config.to_dict(),
+            request.seq_len,
+            request.microbatch_size,
+            device_flops=speed,
+            name=request.model,
         )
     raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")
+
+
+def _device_flops(device: str) -> float:
+    """The FLOP/s a computed profile prices the layers at: an accelerator's nominal sustained speed
+    (`hf_profile.NOMINAL_FLOPS`); a CPU's own fp32 matrix-product rate, timed here (about 0.1 s), as no
+    nominal speed fits every CPU: 150 TFLOP/s priced a CPU job's step about a thousand times too cheap, and
+    the planner weighed its layouts' compute as next to nothing against their transfers."""
+    from resilientjob.planner.hf_profile import NOMINAL_FLOPS
+
+    if device != "cpu":
+        return NOMINAL_FLOPS
+    from .validation import gemm_benchmark
+
+    return gemm_benchmark(size=512, repeats=3, stretched=False).flops_per_s
 
 
 class _Answerer:

@@ -200,3 +200,25 @@ def test_a_sequence_longer_than_the_models_positions_names_the_data_seq_len(tmp_
     report = make_report(request, Workload(model=model, data=data), {}, node=0)
     assert report.error_field == "spec.data.seqLen", report
     assert report.error.startswith(f"{2 * SEQ_LEN} exceeds the {SEQ_LEN} positions"), report.error
+
+
+def test_a_computed_profile_on_a_cpu_prices_the_layers_at_the_cpus_own_speed() -> None:
+    """A CPU job's computed profile at an accelerator's nominal 150 TFLOP/s made its step about a thousand
+    times too cheap; it is priced at the CPU's timed matrix-product rate (a few cores do well under 1
+    TFLOP/s)."""
+    from resilientjob.planner.hf_profile import profile_from_hf_config
+
+    model = (
+        "hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+        "&num_key_value_heads=2&vocab_size=64&max_position_embeddings=16"
+    )
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=16, seq_len=SEQ_LEN)
+    request = ModelProfileRequest(model=model, seq_len=SEQ_LEN, microbatch_size=1, profile=True)
+    report = make_report(request, Workload(model=model, data=data), {}, node=0)
+    assert not report.error and report.profile is not None and not report.measured
+    from resilientjob.agent.models import load_model
+
+    nominal = profile_from_hf_config(load_model(model, seq_len=SEQ_LEN).hf.config.to_dict(), SEQ_LEN, 1)
+    assert [a.state_bytes for a in report.profile.layers] == [b.state_bytes for b in nominal.layers]
+    ratios = [a.forward_s / b.forward_s for a, b in zip(report.profile.layers, nominal.layers, strict=True)]
+    assert min(ratios) > 150 and max(ratios) / min(ratios) < 1.001  # one speed for every layer
