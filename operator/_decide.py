@@ -285,6 +285,30 @@ def set_condition(
     return [c for c in conditions if c.type != type_] + [new]
 
 
+def telemetry_condition(
+    conditions: list[api.Condition], back_after_s: float | None, outage: BaseException | None
+) -> list[api.Condition]:
+    """Whether the status's telemetry is current: False while Redis is away (the throughput, step and loss
+    are as of its last answer: a user saw a Running job with fresh-looking figures through an outage), True
+    once it is back after `back_after_s`."""
+    if back_after_s is not None:
+        return set_condition(
+            conditions,
+            api.ConditionType.TELEMETRY_CURRENT,
+            True,
+            api.Reason.REDIS_AVAILABLE,
+            f"Redis is back after {back_after_s:.1f} s",
+        )
+    cause = type(outage).__name__ if outage is not None else "no answer"
+    message = (
+        f"Redis unreachable ({cause}): throughput, step and loss are as of its last answer; the workers "
+        "train on, and failed pods are still replanned around"
+    )
+    return set_condition(
+        conditions, api.ConditionType.TELEMETRY_CURRENT, False, api.Reason.REDIS_UNAVAILABLE, message
+    )
+
+
 def plan_status(
     status: api.ResilientJobStatus, plan: Plan, alive: int, parked: Iterable[int] = ()
 ) -> api.ResilientJobStatus:

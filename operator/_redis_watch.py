@@ -138,18 +138,21 @@ class RedisWatch:
             )
             self.back_at = finished
 
-    def ok(self) -> None:
-        """Note a successful pass: ends an outage (one log line) and starts the heartbeats' grace."""
-        if self.failures:
-            now = time.monotonic()
-            log.warning(
-                "job %s: Redis is back after %.1f s; heartbeats count again in %.1f s",
-                self.what,
-                now - self._down_since,
-                HEARTBEAT_GRACE_S,
-            )
-            self.failures = 0
-            self.back_at = now
+    def ok(self) -> float | None:
+        """Note a successful pass: ends an outage (one log line) and starts the heartbeats' grace. The
+        outage's length when this ended one, else None."""
+        if not self.failures:
+            return None
+        now = time.monotonic()
+        log.warning(
+            "job %s: Redis is back after %.1f s; heartbeats count again in %.1f s",
+            self.what,
+            now - self._down_since,
+            HEARTBEAT_GRACE_S,
+        )
+        self.failures = 0
+        self.back_at = now
+        return now - self._down_since
 
     def lost_state(self) -> None:
         """Redis answered but its state was gone or garbled (a restart that came back empty): the agents

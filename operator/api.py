@@ -96,6 +96,9 @@ class ConditionType(StrEnum):
     PLANNED = "Planned"
     DEGRADED = "Degraded"
     COMPLETE = "Complete"
+    TELEMETRY_CURRENT = "TelemetryCurrent"
+    """False while Redis is away: the throughput, step and loss shown are as of its last answer. Set from
+    the first outage on (a job that never lost Redis has no such condition)."""
 
 
 class Reason(StrEnum):
@@ -125,6 +128,8 @@ class Reason(StrEnum):
     INVALID_WORKLOAD = "InvalidWorkload"
     NODE_REPLACED = "NodeReplaced"
     REPLACEMENT_BACKOFF = "ReplacementBackoff"
+    REDIS_UNAVAILABLE = "RedisUnavailable"
+    REDIS_AVAILABLE = "RedisAvailable"
 
 
 class LayerSpec(_Api):

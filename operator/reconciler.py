@@ -299,9 +299,13 @@ class JobController:
                 wait = self.settings.poll_interval_s
                 try:
                     await self.reconcile_once()
-                    self.watch.ok()
+                    outage_s = self.watch.ok()
+                    if outage_s is not None:
+                        await self._telemetry_current(outage_s)
                 except REDIS_DOWN as exc:
                     wait = max(wait, self.watch.failed(exc))
+                    if self.watch.failures == 1:
+                        await self._telemetry_current(None, exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), wait)
                 self.wakeup.clear()
@@ -447,6 +451,14 @@ class JobController:
             self._telemetry.deferred = outcome.mitigation
         elif outcome.mitigation is not None:
             self.start_mitigation(current.message, outcome.mitigation)
+
+    async def _telemetry_current(
+        self, back_after_s: float | None, outage: BaseException | None = None
+    ) -> None:
+        """The TelemetryCurrent condition, written at once (the Kubernetes API is up when Redis is not)."""
+        conditions = _decide.telemetry_condition(self.status.conditions, back_after_s, outage)
+        self.status = self.status.model_copy(update={"conditions": conditions})
+        await self.write_status(force=True)
 
     def _pass_context(self) -> PassContext:
         spec, inputs, redis = self.require()

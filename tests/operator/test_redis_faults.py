@@ -253,6 +253,10 @@ async def _trains(stack: Faults) -> None:
     await eventually(lambda: _grew(stack, start), 40, "new iteration records")
 
 
+def _telemetry_condition(status: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c["type"] == "TelemetryCurrent"), None)
+
+
 async def _grew(stack: Faults, start: int) -> bool:
     return await stack.iterations() > start
 
@@ -268,9 +272,21 @@ async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Fa
     restores = faults.metric("rjob_redis_restores_total")
     faults.redis.kill()
     await asyncio.sleep(gap_s)
+    if gap_s >= 2.0:  # the status says its figures are stale while Redis is away
+        condition = _telemetry_condition(await faults.status())
+        assert condition is not None and condition["status"] == "False", condition
+        assert condition["reason"] == "RedisUnavailable" and "as of its last answer" in condition["message"]
     faults.redis.start()
     plan = await eventually(faults.plan, 40, "the plan key restored")
     assert plan.generation == 0
+    if gap_s >= 2.0:
+
+        async def current() -> dict[str, Any] | None:
+            condition = _telemetry_condition(await faults.status())
+            return condition if condition is not None and condition["status"] == "True" else None
+
+        condition = await eventually(current, 20, "TelemetryCurrent True again")
+        assert condition["reason"] == "RedisAvailable" and "Redis is back after" in condition["message"]
     await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
     await _quiet(HEARTBEAT_GRACE_S + 1.0)
     await _check(faults, 0, set())
