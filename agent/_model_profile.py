@@ -202,7 +202,6 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
             return measure_profile(model, request.microbatch_size, device=device, bf16=bf16)
         except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
             raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
-    speed = _device_flops(workload.device)
     if model_source(request.model) is ModelSource.HF_DIRECTORY:
         path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
         try:
@@ -212,14 +211,18 @@ def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec)
         if not isinstance(config, dict):
             raise ValueError(f"model: {path} does not hold a JSON object")
         return profile_from_hf_config(
-            config, request.seq_len, request.microbatch_size, device_flops=speed, name=request.model
+            config,
+            request.seq_len,
+            request.microbatch_size,
+            device_flops=_device_flops(workload.device),
+            name=request.model,
         )
     if model.hf is not None:  # hf:<family>?k=v: the configuration the model string spells out
         return profile_from_hf_config(
             model.hf.config.to_dict(),
             request.seq_len,
             request.microbatch_size,
-            device_flops=speed,
+            device_flops=_device_flops(workload.device),
             name=request.model,
         )
     raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")

@@ -200,11 +200,12 @@ def _apply(path: Path) -> int:
     targets = [(document, _resource_path(document)) for document in documents]
     for document, collection in targets:
         body, name = document.body, document.body["metadata"]["name"]
-        status, payload = _call("POST", collection, body)
+        # As kubectl asks: a misspelt field is refused by name, not pruned into a "required" complaint.
+        status, payload = _call("POST", f"{collection}?fieldValidation=Strict", body)
         if status == 409:
             status, payload = _call(
                 "PATCH",
-                f"{collection}/{name}",
+                f"{collection}/{name}?fieldValidation=Strict",
                 {"spec": body.get("spec"), "data": body.get("data")},
                 "application/merge-patch+json",
             )

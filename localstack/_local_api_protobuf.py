@@ -108,7 +108,7 @@ def _map_entry(data: bytes, value_type: str) -> tuple[str, Any]:
     key, value = "", _scalar_or_message(b"", value_type, "value")
     for number, field in _fields(data):
         if number == _MAP_ENTRY_KEY:
-            key = _need_bytes(field, "key").decode()
+            key = _scalar_or_message(field, "string", "key")
         elif number == _MAP_ENTRY_VALUE:
             value = _scalar_or_message(field, value_type, key)
     return key, value
@@ -122,7 +122,10 @@ def _scalar_or_message(value: int | bytes, field_type: Any, name: str) -> Any:
         return bool(number) if field_type == "bool" else number
     data = _need_bytes(value, name)
     if field_type == "string":
-        return data.decode()
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            raise ProtobufError(f"field {name} is not UTF-8 text") from None
     if field_type == "bytes":
         return base64.b64encode(data).decode()
     return _message(data, field_type)

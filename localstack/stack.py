@@ -74,7 +74,13 @@ async def _keep_running(child: _Supervised, stopped: asyncio.Event, on_restart: 
                 await asyncio.wait_for(stopped.wait(), wait)
             if stopped.is_set():
                 return
-            child.process, child.started_at = child.start(), time.monotonic()
+            try:
+                process = child.start()
+            except OSError as exc:  # counted as one more crash: tried again after a longer wait
+                print(f"{child.name} could not be started again: {exc}", flush=True)
+                child.started_at = time.monotonic()
+                continue
+            child.process, child.started_at = process, time.monotonic()
             child.restarts += 1
             print(f"{child.name} started again (pid {child.process.pid})", flush=True)
             on_restart()
@@ -101,11 +107,12 @@ async def serve(state_dir: Path) -> None:
 
     def start_redis() -> subprocess.Popen[bytes]:
         command = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
-        return subprocess.Popen(
-            tethered([*command, "--appendonly", "no"]),
-            stdout=(state_dir / "redis.log").open("ab"),
-            stderr=subprocess.STDOUT,
-        )
+        with (state_dir / "redis.log").open("ab") as log:
+            # A restart needs the same port back (every client has its URL); a pod's free_port() could
+            # have taken it meanwhile: redis-server then exits at once, and is tried again after its backoff.
+            return subprocess.Popen(
+                tethered([*command, "--appendonly", "no"]), stdout=log, stderr=subprocess.STDOUT
+            )
 
     redis = _Supervised("redis-server", start_redis, start_redis())
     operator: _Supervised | None = None
@@ -125,12 +132,13 @@ async def serve(state_dir: Path) -> None:
             }
 
             def start_operator() -> subprocess.Popen[bytes]:
-                return subprocess.Popen(
-                    tethered([sys.executable, "-m", "resilientjob.cli", "operator"]),
-                    env=env,
-                    stdout=(state_dir / "operator.log").open("ab"),
-                    stderr=subprocess.STDOUT,
-                )
+                with (state_dir / "operator.log").open("ab") as log:
+                    return subprocess.Popen(
+                        tethered([sys.executable, "-m", "resilientjob.cli", "operator"]),
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
 
             operator = supervised = _Supervised("operator", start_operator, start_operator())
             kube = KubeApi(kopf.ConnectionInfo(server=api_url, insecure=True))
@@ -158,7 +166,9 @@ async def serve(state_dir: Path) -> None:
                 os.replace(temporary, state_dir / "state.json")  # readers never see half of it
 
             write_state()
-            supervisor = asyncio.gather(*(_keep_running(child, stopped, write_state) for child in children))
+            supervisor = asyncio.gather(
+                *(_keep_running(child, stopped, write_state) for child in children), return_exceptions=True
+            )
             try:
                 await kubelet.run(stopped, before_stop=lambda: _stop(supervised.process))
             finally:

@@ -160,11 +160,14 @@ def unconfirmed_copies(plan: Plan, stepped_generation: int | None, generation: i
     restart before a step confirmed it made a node that had not loaded the checkpoint yet skip it, holding
     nothing the next plan counted on (a join right after a restart: the restarted node could not send its
     layers, waited out its plan timeout and was replaced). Every node of such a plan is unconfirmed: the
-    planner restarts from the checkpoint again, with the joiner in."""
+    planner restarts from the checkpoint again, with the joiner in. Only when the steps are known, though:
+    with `stepped_generation` None (unknown: Redis away or emptied before a restarted operator read a step),
+    a joiner is still counted as holding nothing (copying its layers again costs little) but a restart's
+    nodes are not (restarting again would cost every step since the checkpoint, perhaps hours of them)."""
     if stepped_generation is not None and stepped_generation >= generation:
         return set()
     if plan.policy is Policy.CHECKPOINT and generation > 0:
-        return set(plan.nodes)
+        return set(plan.nodes) if stepped_generation is not None else set()
     copied: dict[int, set[int]] = {}
     for transfer in plan.transfers:
         copied.setdefault(transfer.dst, set()).add(transfer.layer)
@@ -286,18 +289,27 @@ def set_condition(
 
 
 def telemetry_condition(
-    conditions: list[api.Condition], back_after_s: float | None, outage: BaseException | None
+    conditions: list[api.Condition],
+    redis_down: bool,
+    outage: BaseException | None = None,
+    back_after_s: float | None = None,
 ) -> list[api.Condition]:
     """Whether the status's telemetry is current: False while Redis is away (the throughput, step and loss
     are as of its last answer: a user saw a Running job with fresh-looking figures through an outage), True
-    once it is back after `back_after_s`."""
-    if back_after_s is not None:
+    once it answers again. Level-triggered: the conditions unchanged when they already say so (no write),
+    and none added to a job that never lost Redis; a False left by an operator that restarted during an
+    outage turns True with the first pass that finds Redis back."""
+    old = next((c for c in conditions if c.type == api.ConditionType.TELEMETRY_CURRENT), None)
+    if (old is None and not redis_down) or (old is not None and (old.status == "False") == redis_down):
+        return conditions
+    if not redis_down:
+        back = f"Redis answers again after {back_after_s:.1f} s" if back_after_s is not None else ""
         return set_condition(
             conditions,
             api.ConditionType.TELEMETRY_CURRENT,
             True,
             api.Reason.REDIS_AVAILABLE,
-            f"Redis is back after {back_after_s:.1f} s",
+            back or "Redis answers again",
         )
     cause = type(outage).__name__ if outage is not None else "no answer"
     message = (

@@ -166,7 +166,8 @@ class PlanRecord:
             watch.lost_state()
             self._repaired(key, f"replaced by generation {message.generation} from the plan ConfigMap")
         else:
-            log.info(
+            # Redis behind the record is how every decision passes (recorded first, then announced): no news.
+            log.debug(
                 "job %s/%s: Redis held generation %s, announced the recorded generation %d",
                 self.namespace,
                 self.name,

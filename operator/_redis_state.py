@@ -352,6 +352,15 @@ class JobRedis:
             self.keys.iterations, "_iterations_cursor", count, "operator.iterations", IterationRecord
         )
 
+    async def latest_iteration(self) -> IterationRecord | None:
+        """The newest iteration record in the stream, whether or not it was read (None: none, or one that
+        does not parse): what a restarted operator knows of the training before its first new record."""
+        last: Any = await self.client.xrevrange(self.keys.iterations, count=1)
+        if not last or not isinstance(last[0][1], dict):
+            return None
+        raw = last[0][1].get(b"m")
+        return decode(IterationRecord, raw, "operator.iterations") if isinstance(raw, bytes) else None
+
     async def new_reports(self, count: int = 1000) -> list[SlowReport]:
         """Slow reports since `reports_cursor` (from the start, or where a restored episode left off)."""
         return await self._read(self.keys.reports, "reports_cursor", count, "operator.reports", SlowReport)

@@ -297,15 +297,15 @@ class JobController:
         try:
             while not stopped and self.status.phase != api.Phase.SUCCEEDED:
                 wait = self.settings.poll_interval_s
+                outage: BaseException | None = None
+                back_after_s: float | None = None
                 try:
                     await self.reconcile_once()
-                    outage_s = self.watch.ok()
-                    if outage_s is not None:
-                        await self._telemetry_current(outage_s)
+                    back_after_s = self.watch.ok()
                 except REDIS_DOWN as exc:
                     wait = max(wait, self.watch.failed(exc))
-                    if self.watch.failures == 1:
-                        await self._telemetry_current(None, exc)
+                    outage = exc
+                await self._telemetry_current(outage, back_after_s)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), wait)
                 self.wakeup.clear()
@@ -452,13 +452,15 @@ class JobController:
         elif outcome.mitigation is not None:
             self.start_mitigation(current.message, outcome.mitigation)
 
-    async def _telemetry_current(
-        self, back_after_s: float | None, outage: BaseException | None = None
-    ) -> None:
-        """The TelemetryCurrent condition, written at once (the Kubernetes API is up when Redis is not)."""
-        conditions = _decide.telemetry_condition(self.status.conditions, back_after_s, outage)
-        self.status = self.status.model_copy(update={"conditions": conditions})
-        await self.write_status(force=True)
+    async def _telemetry_current(self, outage: BaseException | None, back_after_s: float | None) -> None:
+        """The TelemetryCurrent condition as Redis is now (`_decide.telemetry_condition`), written at once
+        when it changed: the Kubernetes API is up when Redis is not."""
+        conditions = _decide.telemetry_condition(
+            self.status.conditions, self.watch.down, outage, back_after_s
+        )
+        if conditions is not self.status.conditions:
+            self.status = self.status.model_copy(update={"conditions": conditions})
+            await self.write_status(force=True)
 
     def _pass_context(self) -> PassContext:
         spec, inputs, redis = self.require()
@@ -574,6 +576,18 @@ class JobController:
         if self.failslow is not None:
             self.failslow.forget(failures)
 
+    async def _stepped_generation(self) -> int | None:
+        """The newest generation a worker recorded a step under: from the telemetry read so far, or, in an
+        operator that has read none yet (just restarted: it reads only records that come after its start),
+        from the stream's newest record. None when unknown (Redis away or emptied)."""
+        progress = self._telemetry.progress
+        if progress is not None:
+            return progress[0]
+        with contextlib.suppress(*REDIS_DOWN):
+            record = await self.require()[2].latest_iteration()
+            return record.generation if record is not None else None
+        return None
+
     async def _reconfigure(
         self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
     ) -> None:
@@ -581,8 +595,7 @@ class JobController:
         detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)
         trigger = api.Reason.NODE_JOINED if not failures else next(iter(failures.values())).reason
         why = "; ".join(f"node {n}: {f.cause}" for n, f in sorted(failures.items()))
-        progress = self._telemetry.progress
-        stepped = progress[0] if progress is not None else None
+        stepped = await self._stepped_generation()
         unconfirmed = _decide.unconfirmed_copies(current.plan, stepped, current.generation) - set(failures)
         if unconfirmed:
             arrived = (

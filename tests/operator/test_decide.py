@@ -118,7 +118,9 @@ def test_every_node_of_a_restart_from_the_checkpoint_holds_nothing_until_a_step_
 
     restart = _plan([0, 1, 2]).model_copy(update={"policy": Policy.CHECKPOINT})
     assert unconfirmed_copies(restart, stepped_generation=2, generation=3) == {0, 1, 2}
-    assert unconfirmed_copies(restart, stepped_generation=None, generation=3) == {0, 1, 2}
+    # Unknown (a restarted operator with Redis emptied): not restarted again on a guess, which could cost
+    # every step since the checkpoint.
+    assert unconfirmed_copies(restart, stepped_generation=None, generation=3) == set()
     assert unconfirmed_copies(restart, stepped_generation=3, generation=3) == set()
     # Generation 0 of policy checkpoint is the first start: every node initialises its layers itself.
     assert unconfirmed_copies(restart, stepped_generation=None, generation=0) == set()
@@ -131,3 +133,22 @@ def test_every_node_of_a_restart_from_the_checkpoint_holds_nothing_until_a_step_
         restart, profile, cluster, job, joined=[3], emptied=sorted(unconfirmed_copies(restart, 2, 3))
     )
     assert doubted.policy is Policy.CHECKPOINT and 3 in doubted.nodes
+
+
+def test_the_telemetry_condition_follows_redis_and_changes_only_when_redis_does() -> None:
+    from resilientjob.operator import api
+    from resilientjob.operator._decide import telemetry_condition
+
+    never_lost: list[api.Condition] = []
+    assert telemetry_condition(never_lost, redis_down=False) is never_lost  # no condition, no write
+    down = telemetry_condition(never_lost, redis_down=True, outage=ConnectionError("refused"))
+    (condition,) = down
+    assert (condition.status, condition.reason) == ("False", api.Reason.REDIS_UNAVAILABLE)
+    assert "ConnectionError" in condition.message and "as of its last answer" in condition.message
+    assert telemetry_condition(down, redis_down=True) is down  # every failed pass: nothing to write
+    back = telemetry_condition(down, redis_down=False, back_after_s=12.34)
+    assert (back[0].status, back[0].reason) == ("True", api.Reason.REDIS_AVAILABLE)
+    assert back[0].message == "Redis answers again after 12.3 s"
+    assert telemetry_condition(back, redis_down=False) is back
+    # A False left by an operator that restarted during the outage: the first pass that finds Redis says so.
+    assert telemetry_condition(down, redis_down=False)[0].message == "Redis answers again"

@@ -188,6 +188,8 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
         refused = kubectl("apply", "-f", str(tmp_path / "bad.yaml"), ok=False)
         assert refused.returncode != 0 and 'unknown field "spec.nodez"' in refused.stderr, refused.stderr
+        done = rjob_local(state, "apply", "-f", str(tmp_path / "bad.yaml"))
+        assert done.returncode == 2 and 'unknown field "spec.nodez"' in done.stderr, done.stderr
         bad["spec"]["nodes"] = bad["spec"].pop("nodez")
         bad["metadata"]["name"], bad["spec"]["faultTolerance"] = "too-tolerant", 4
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))

@@ -316,7 +316,8 @@ async def test_protobuf_bodies_of_kubectls_typed_commands_are_read(server: Any) 
 
     # A kind this server cannot read as protobuf, and a truncated body: 415 saying to send JSON.
     pod_body = _kubernetes_protobuf("Pod", _field(1, _field(1, "p")))
-    for body in (pod_body, _kubernetes_protobuf("Secret", secret)[:-3]):
+    not_text = _kubernetes_protobuf("Secret", _field(1, _field(1, b"\xff\xfe")))
+    for body in (pod_body, _kubernetes_protobuf("Secret", secret)[:-3], not_text):
         refused = await client.post("/api/v1/namespaces/team-a/pods", data=body, headers=protobuf)
         assert refused.status == 415 and "send it as JSON" in (await refused.json())["message"]
 

@@ -286,7 +286,7 @@ async def test_redis_restarted_empty_is_restored_and_nobody_is_fenced(faults: Fa
             return condition if condition is not None and condition["status"] == "True" else None
 
         condition = await eventually(current, 20, "TelemetryCurrent True again")
-        assert condition["reason"] == "RedisAvailable" and "Redis is back after" in condition["message"]
+        assert condition["reason"] == "RedisAvailable" and "Redis answers again after" in condition["message"]
     await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
     await _quiet(HEARTBEAT_GRACE_S + 1.0)
     await _check(faults, 0, set())

@@ -64,6 +64,22 @@ async def test_stream_reads_are_incremental_and_drop_hostile_entries(client: aio
     assert [r.step for r in await state.new_iterations(count=10)] == [3]
 
 
+async def test_a_restarted_operator_reads_the_newest_iteration_it_never_saw(client: aioredis.Redis) -> None:
+    """Which generation the workers last stepped under, for an operator that has read no record yet (it
+    reads only those after its start): a join must not take a long-confirmed restart for an unconfirmed
+    one."""
+    keys = JobKeys("default", "latest")
+    state = JobRedis(client, keys)
+    assert await state.latest_iteration() is None
+    agent = Telemetry(client, keys, 0, "latest-node-0")
+    await agent.record_iteration(4, 120, 0.5, 4)
+    await agent.record_iteration(5, 121, 0.5, 4)
+    latest = await state.latest_iteration()
+    assert latest is not None and (latest.generation, latest.step) == (5, 121)
+    await client.xadd(keys.iterations, {"m": b"not json"})
+    assert await state.latest_iteration() is None  # garbage is not trusted
+
+
 def test_every_key_of_a_job_hashes_to_one_cluster_slot() -> None:
     from redis.crc import key_slot
 
