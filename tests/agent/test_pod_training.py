@@ -290,7 +290,8 @@ def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_
     """Two replicas; node 0 dies, its replacement joins and copies its layers from node 1, and node 1 dies
     before a step of that generation committed. The replacement may hold nothing: a plan that counted it as
     the holder of its layers left the job waiting forever (Running, AllHealthy). It is planned around, the
-    job restarts from its checkpoint and trains to the end."""
+    job restarts from its checkpoint and trains to the end; node 1's replacement, joining right after the
+    restart, is taken in without anyone waiting out a plan timeout."""
     steps = 150
     model_dir, tokens, output = (
         gpt2_directory(tmp_path / "gpt2"),
@@ -307,7 +308,8 @@ def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_
         faultTolerance=1,
         checkpoint={"path": str(tmp_path / "ckpt"), "intervalSteps": 10},
     )
-    # The replacement left out of the restart's successor waits this long for a plan with it (120 s).
+    # A node left out of a plan waits this long for one with it (120 s by default): what a plan that counted
+    # on layers nobody had cost before (see the end).
     manifest["spec"]["command"] += ["--plan-timeout", "20"]
     job = _apply(stack, tmp_path, manifest)
     _kill_at(job, "lastholder-node-0", 25)
@@ -327,4 +329,9 @@ def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_
     # The replacement counted as holding nothing: no layer had a holder left, so the job restarted from
     # its checkpoint on it (the old plan kept it as the holder of every layer, and the job hung).
     assert after and after[0]["nodes"] == [1] and after[0]["policy"] == "checkpoint", recoveries
+    # Node 1's replacement joining before a step of the restart confirmed it restarts from the checkpoint
+    # again, with it: a plan that counted on the restarted node's layers (it had not loaded them yet) left
+    # that node waiting out its plan timeout, and it was replaced.
+    later = [r for r in recoveries if r["generation"] > after[0]["generation"]]
+    assert all(r["trigger"] == "NodeJoined" for r in later), recoveries
     job.close()
