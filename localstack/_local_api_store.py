@@ -7,6 +7,9 @@ garbage collector write it.
   every object whose last `ownerReference` pointed at it; Foreground adds the `foregroundDeletion` finalizer,
   deletes the dependents first and removes the owner when the last one is gone; Orphan drops the
   dependents' references to the owner and keeps them.
+- Deleting a namespace is the namespace controller's work too: the namespace is `Terminating` while
+  everything in it is deleted (each object as its own deletion goes, finalizers holding it), and leaves
+  once nothing is left in it.
 - Removed objects leave the store (kmock keeps every version of every object, which a long-running local
   stack cannot afford), and an index by owner uid keeps collection from scanning every object.
 """
@@ -41,8 +44,10 @@ class Store:
         objects: k8s_views.ObjectsArray,
         buses: collections.defaultdict[references.resource, RecordingBus],
         revisions: Revisions,
+        namespaces: references.resource,
     ) -> None:
         self._objects = objects
+        self._namespaces = namespaces
         self.buses = buses
         self.revisions = revisions
         self._dependents: dict[str, set[Key]] = collections.defaultdict(set)
@@ -137,6 +142,33 @@ class Store:
         await self.remove(key)
         return obj
 
+    def terminating(self, namespace: str | None) -> bool:
+        """Whether `namespace` is being deleted (nothing new may be created in it)."""
+        obj = self.peek((self._namespaces, None, namespace or ""))
+        return obj is not None and bool(obj["metadata"].get("deletionTimestamp"))
+
+    async def delete_namespace(self, key: Key) -> dict[str, Any] | None:
+        """Delete a namespace and everything in it (see the module's docstring); its last state."""
+        obj = self.get(key)
+        if obj is None:
+            return None
+        if not obj["metadata"].get("deletionTimestamp"):
+            obj["metadata"]["deletionTimestamp"] = now()
+            obj["status"] = {"phase": "Terminating"}
+            obj = await self.put(key, obj, "MODIFIED")
+        for content in [k for k in list(self._objects._objects) if k[1] == key[2]]:
+            await self.delete(content, "Background")
+        await self._namespace_emptied(key[2])
+        return self.get(key) or obj
+
+    async def _namespace_emptied(self, namespace: str | None) -> None:
+        """Remove a Terminating namespace once nothing is left in it."""
+        if not namespace or not self.terminating(namespace):
+            return
+        if any(k[1] == namespace for k, stored in self._objects._objects.items() if not stored.deleted):
+            return
+        await self.remove((self._namespaces, None, namespace))
+
     async def released(self, key: Key, obj: dict[str, Any]) -> bool:
         """After a write: remove an object being deleted whose last finalizer just went (True if so)."""
         meta = obj["metadata"]
@@ -160,6 +192,7 @@ class Store:
             await self._drop_reference(dependent, uid, collect=True)
         for owner in _owner_uids(obj):
             await self._release_foreground(owner)
+        await self._namespace_emptied(key[1])
 
     async def _drop_reference(self, key: Key, owner_uid: str, collect: bool = False) -> None:
         """Remove the reference to a gone (or orphaning) owner; with `collect`, delete the object when no

@@ -104,7 +104,7 @@ class LocalApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._watch_buses = collections.defaultdict(lambda: RecordingBus(revisions=self._revisions))
         self._buses = self._watch_buses  # type: ignore[assignment]  # kmock's field, the same buses
-        self._store = Store(self._objects, self._watch_buses, self._revisions)
+        self._store = Store(self._objects, self._watch_buses, self._revisions, self._namespaces)
         for group, version, plural, kind, namespaced in CORE_RESOURCES:
             subresources = ("status",) if kind == "Pod" else ()
             # `kubectl get all` lists the kinds of the `all` category (pods and services, as a real server).
@@ -429,6 +429,14 @@ class LocalApiServer(kmock.KubernetesEmulator):
         space = obj["metadata"].get("namespace")
         if kind.namespaced and self._store.peek((self._namespaces, None, space)) is None:
             raise refuse(404, "NotFound", f'namespaces "{space}" not found', name=space, kind="namespaces")
+        if kind.namespaced and self._store.terminating(space):
+            name = obj["metadata"].get("name", "")
+            raise refuse(
+                403,
+                "Forbidden",
+                f'{kind.plural} "{name}" is forbidden: unable to create new content in namespace {space} '
+                "because it is being terminated",
+            )
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
         if kind.kind == "Namespace":
@@ -513,7 +521,10 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 )
         if request.params.get("dryRun") == "All" or options.get("dryRun"):
             return self._answer(old, 200, [])
-        last = await self._store.delete(key, policy)
+        if kind.kind == "Namespace":
+            last = await self._store.delete_namespace(key)
+        else:
+            last = await self._store.delete(key, policy)
         return self._answer(self._stamp_kind(kind, last or old), 200, [])
 
     # ---- kmock's request record -----------------------------------------------------------------------

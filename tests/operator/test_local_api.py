@@ -331,3 +331,30 @@ async def test_strict_field_validation_names_an_unknown_field_before_a_missing_o
     assert status == 400 and 'strict decoding error: unknown field "spec.nodez"' in body["message"]
     status, body = await call(client, "POST", jobs, manifest)  # without Strict: pruned, then invalid
     assert status == 422 and "spec.nodes: Required value" in body["message"]
+
+
+async def test_a_deleted_namespace_takes_what_is_in_it_and_waits_for_its_finalizers(server: Any) -> None:
+    _, client, _ = server
+    assert (await call(client, "POST", "/api/v1/namespaces", {"metadata": {"name": "gone"}}))[0] == 201
+    base = "/api/v1/namespaces/gone"
+    assert (await call(client, "POST", f"{base}/configmaps", {"metadata": {"name": "c"}}))[0] == 201
+    held = pod("held", finalizers=["example.com/cleanup"])
+    assert (await call(client, "POST", f"{base}/pods", held))[0] == 201
+    assert (await call(client, "POST", PODS, pod("elsewhere")))[0] == 201
+
+    status, body = await call(client, "DELETE", "/api/v1/namespaces/gone")
+    assert status == 200 and body["status"]["phase"] == "Terminating"
+    assert (await call(client, "GET", f"{base}/configmaps/c"))[0] == 404
+    _, stuck = await call(client, "GET", f"{base}/pods/held")
+    assert stuck["metadata"]["deletionTimestamp"]  # held by its finalizer, and the namespace with it
+    _, namespace = await call(client, "GET", "/api/v1/namespaces/gone")
+    assert namespace["status"]["phase"] == "Terminating"
+    status, body = await call(client, "POST", f"{base}/configmaps", {"metadata": {"name": "late"}})
+    assert status == 403 and "because it is being terminated" in body["message"]
+
+    patch = {"metadata": {"finalizers": []}}
+    headers = {"Content-Type": "application/merge-patch+json"}
+    async with client.patch(f"{base}/pods/held", json=patch, headers=headers) as response:
+        assert response.status == 200
+    assert (await call(client, "GET", "/api/v1/namespaces/gone"))[0] == 404  # empty: gone
+    assert (await call(client, "GET", f"{PODS}/elsewhere"))[0] == 200  # other namespaces untouched
