@@ -470,11 +470,18 @@ class JobRedis:
                 self.garbage("telemetry", stream, "an undecodable entry: ignored")
         return out
 
-    async def claim(self, uid: str) -> int:
+    async def claim(self, uid: str, started: bool = False) -> int:
         """Make the keys this job's (`uid`, the ResilientJob's): keys another job of the same name left (its
         deletion raced its agents, which wrote on: their heartbeat bitmap then fenced the new job's workers
-        as they started) are deleted first. How many were; 0 when the keys were this job's already."""
+        as they started) are deleted first. How many were; 0 when the keys were this job's already.
+
+        `started`: the job has published a plan before (its status says so). Keys without an owner are then
+        its own agents', written into a Redis that lost its state, and are kept: a restarted operator
+        wiped them, and logged that a deleted job had left them."""
         owner = await self.client.get(self.keys.owner)
+        if owner is None and started:
+            await self.client.set(self.keys.owner, uid)
+            return 0
         if (
             owner is not None
             and (owner.decode(errors="replace") if isinstance(owner, bytes) else owner) == uid

@@ -322,10 +322,12 @@ class JobController:
         redis = self.redis
         while not stopped and uid and redis is not None:
             try:
-                removed = await redis.claim(uid)
-                self.watch.ok()
+                removed = await redis.claim(uid, started=self.status.plan_generation >= 0)
+                await self._telemetry_current(None, self.watch.ok())
             except REDIS_DOWN as exc:
-                await stopped.wait(self.watch.failed(exc))
+                wait = self.watch.failed(exc)
+                await self._telemetry_current(exc, None)  # an operator restarted during an outage says so
+                await stopped.wait(wait)
                 continue
             if removed:
                 log.info(
@@ -351,10 +353,12 @@ class JobController:
                     # Once per process: a restarted operator continues a fail-slow episode where it was.
                     await restore_failslow(self._pass_context())
                     self._failslow_restored = True
-                self.watch.ok()
+                await self._telemetry_current(None, self.watch.ok())
                 break
             except REDIS_DOWN as exc:
-                await stopped.wait(self.watch.failed(exc))
+                wait = self.watch.failed(exc)
+                await self._telemetry_current(exc, None)
+                await stopped.wait(wait)
         else:
             return None
         # Fenced before a restart, still in the layout: planned around without waiting to detect them again.

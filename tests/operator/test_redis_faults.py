@@ -392,6 +392,27 @@ async def test_operator_killed_right_after_a_pod_kill_finishes_the_decision_once
     await _kill_pod_is_handled(faults, 0, {2})
 
 
+async def test_an_operator_restarted_while_redis_is_away_says_its_figures_are_stale(faults: Faults) -> None:
+    """It waits for Redis in its start-up, not in its loop: the status said TelemetryCurrent True (or
+    nothing) through the whole outage."""
+    await eventually(lambda: _settled(faults, 0), 40, "the job settled before the outage")
+    faults.operator.kill()
+    faults.redis.kill()
+    faults.operator.start()
+
+    async def telemetry(wanted: str) -> dict[str, Any] | None:
+        condition = _telemetry_condition(await faults.status())
+        return condition if condition is not None and condition["status"] == wanted else None
+
+    stale = await eventually(lambda: telemetry("False"), 30, "TelemetryCurrent False from the new operator")
+    assert stale["reason"] == "RedisUnavailable"
+    faults.redis.start()
+    await eventually(lambda: telemetry("True"), 40, "TelemetryCurrent True once Redis answers")
+    await eventually(lambda: _all_beating(faults), 40, "every agent beating again")
+    await _check(faults, 0, set())
+    assert "deleted job of this name" not in faults.log.read_text()  # its own agents' keys are kept
+
+
 # ---- the pure parts -------------------------------------------------------------------------------------
 def _message(generation: int) -> PlanAnnouncement:
     stages = (StagePlan(layers=(0, 4), node=0), StagePlan(layers=(4, 8), node=1))

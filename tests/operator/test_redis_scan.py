@@ -167,3 +167,8 @@ async def test_a_new_job_of_a_deleted_jobs_name_starts_from_clean_keys(client: a
     await client.setbit(keys.beaten, 1, 1)  # the new job's own agents
     assert await new.claim("uid-new") == 0  # a restarted operator of the same job keeps them
     assert await client.getbit(keys.beaten, 1) == 1
+    # Redis lost its state (the owner with it) and the job's agents wrote again before a restarted
+    # operator claimed the keys: a job that has run keeps them; a new one would take them for leftovers.
+    await client.delete(keys.owner)
+    assert await new.claim("uid-new", started=True) == 0 and await client.getbit(keys.beaten, 1) == 1
+    assert await client.get(keys.owner) == b"uid-new"
