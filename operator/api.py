@@ -259,26 +259,40 @@ class RedisSpec(_Api):
     password_secret_ref: SecretKeyRef | None = None
 
 
+def _spec_rules(schema: dict[str, Any]) -> None:
+    """The spec's CEL rules. A field's own `self == oldSelf` is not checked when the field is absent on
+    either side, so adding or removing an optional section (`failSlow: {enabled: false}` on a running job)
+    passed as no change: each optional field also keeps its presence."""
+    rules: list[dict[str, str]] = [
+        # fieldPath: the API server's refusal names the field (`spec.faultTolerance: ...`).
+        {
+            "rule": "self.faultTolerance < self.nodes",
+            "message": "faultTolerance must be < nodes",
+            "fieldPath": ".faultTolerance",
+        },
+        {
+            "rule": "self.globalBatchSize % self.microBatchSize == 0",
+            "message": "globalBatchSize must be a multiple of microBatchSize",
+            "fieldPath": ".globalBatchSize",
+        },
+    ]
+    required = set(schema.get("required") or ())
+    for name in schema.get("properties") or {}:
+        if name not in required:
+            rules.append(
+                {
+                    "rule": f"has(self.{name}) == has(oldSelf.{name})",
+                    "message": f"{name} is immutable: it cannot be added or removed once applied",
+                    "fieldPath": f".{name}",
+                }
+            )
+    schema["x-kubernetes-validations"] = rules
+
+
 class ResilientJobSpec(_Api):
     """What the user asks for. Fields that shape the model state cannot change while the job exists."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                # fieldPath: the API server's refusal names the field (`spec.faultTolerance: ...`).
-                {
-                    "rule": "self.faultTolerance < self.nodes",
-                    "message": "faultTolerance must be < nodes",
-                    "fieldPath": ".faultTolerance",
-                },
-                {
-                    "rule": "self.globalBatchSize % self.microBatchSize == 0",
-                    "message": "globalBatchSize must be a multiple of microBatchSize",
-                    "fieldPath": ".globalBatchSize",
-                },
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=_spec_rules)
 
     # Immutable, as everything the operator reads when it takes the job on: a running operator does not
     # re-read the spec, so an accepted edit was silently ignored until the operator restarted (then applied

@@ -105,7 +105,11 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         kubectl("patch", "rjob", "local-cpu", "--type", "merge", "-p", '{"metadata":{"labels":{"team":"a"}}}')
         assert kubectl("get", "rjob", "local-cpu", "-o", "jsonpath={.metadata.labels.team}").stdout == "a"
         # A running operator reads the spec once: an edit it would ignore is refused, naming the field.
-        for patch, field in (('{"spec":{"policy":"reroute"}}', "policy"), ('{"spec":{"nodes":6}}', "nodes")):
+        for patch, field in (
+            ('{"spec":{"policy":"reroute"}}', "policy"),
+            ('{"spec":{"nodes":6}}', "nodes"),
+            ('{"spec":{"failSlow":{"enabled":false}}}', "failSlow"),  # a section the manifest left out
+        ):
             refused = kubectl("patch", "rjob", "local-cpu", "--type", "merge", "-p", patch, ok=False)
             assert refused.returncode != 0 and f"{field} is immutable" in refused.stderr, refused.stderr
         assert kubectl("get", "rjob", "local-cpu", "-o", "jsonpath={.spec.policy}").stdout != "reroute"
