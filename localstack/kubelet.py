@@ -92,9 +92,6 @@ class ProcessKubelet:
         self.interval_s = interval_s
         self.pods: dict[str, RunningPod] = {}
 
-    def log_path(self, pod: str, namespace: str = "default") -> Path:
-        return pod_directory(self.state_dir / "pods", namespace, pod) / "log"
-
     async def run(self, stopped: asyncio.Event, before_stop: Callable[[], None] | None = None) -> None:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every
         pod's process, all at once so that shutting down takes one grace period, not one per pod."""
@@ -240,14 +237,6 @@ class ProcessKubelet:
         if phase != pod.reported:
             await self.kube.patch(core_path(pod.namespace, "pods", pod.name) + "/status", {"status": status})
             pod.reported = phase
-
-    def kill(self, pod_name: str, signum: int = signal.SIGKILL) -> bool:
-        """Chaos: signal a pod's processes (its phase then follows from the main process's exit)."""
-        for pod in self.pods.values():
-            if pod.name == pod_name and pod.process.poll() is None:
-                _signal_group(pod, signum)
-                return True
-        return False
 
     @staticmethod
     def _stop(pod: RunningPod) -> None:

@@ -303,13 +303,9 @@ def telemetry_condition(
     if (old is None and not redis_down) or (old is not None and (old.status == "False") == redis_down):
         return conditions
     if not redis_down:
-        back = f"Redis answers again after {back_after_s:.1f} s" if back_after_s is not None else ""
+        back = "Redis answers again" + (f" after {back_after_s:.1f} s" if back_after_s is not None else "")
         return set_condition(
-            conditions,
-            api.ConditionType.TELEMETRY_CURRENT,
-            True,
-            api.Reason.REDIS_AVAILABLE,
-            back or "Redis answers again",
+            conditions, api.ConditionType.TELEMETRY_CURRENT, True, api.Reason.REDIS_AVAILABLE, back
         )
     cause = type(outage).__name__ if outage is not None else "no answer"
     message = (
