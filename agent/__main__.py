@@ -1,6 +1,6 @@
 """`python -m resilientjob.agent [--collective-timeout S] [--plan-timeout S] [--model-option K=V]`: the worker
 pod's entry point. Reads its identity from the environment the operator puts in the pod (RJOB_JOB,
-RJOB_NAMESPACE, RJOB_NODE, RJOB_REDIS_URL, RJOB_REDIS_PASSWORD, POD_NAME) and what to train from
+RJOB_NAMESPACE, RJOB_NODE, RJOB_JOB_UID, RJOB_REDIS_URL, RJOB_REDIS_PASSWORD, POD_NAME) and what to train from
 RJOB_WORKLOAD (`protocol.workload`: model, data, training, output, checkpoints, device), and heartbeats to
 Redis. A `synthetic:<profile>` model runs the synthetic loop that only follows the published plans (scale
 tests of the control plane); every other model trains for real through `_bridge` (`protocol.models`)."""
@@ -20,10 +20,13 @@ from redis.exceptions import RedisError
 from resilientjob.protocol.keys import JobKeys
 
 from ._redis import connect
-from .telemetry import Telemetry
+from .telemetry import Superseded, Telemetry
 
 FINISHED_TTL_S = 30.0
 """The last heartbeat of an agent whose training finished lives this long: until its pod shows Completed."""
+
+SUPERSEDED_EXIT = 3
+"""Exit code of an agent whose job's Redis keys belong to a newer job of the same name."""
 
 
 async def main(argv: list[str]) -> int:
@@ -55,7 +58,13 @@ async def main(argv: list[str]) -> int:
     if env.get("RJOB_AGENT_METRICS_PORT"):
         start_http_server(int(env["RJOB_AGENT_METRICS_PORT"]))
     client = connect(url, env.get("RJOB_REDIS_PASSWORD"))
-    telemetry = Telemetry(client, JobKeys(namespace, job), node, env.get("POD_NAME", f"{job}-node-{node}"))
+    telemetry = Telemetry(
+        client,
+        JobKeys(namespace, job),
+        node,
+        env.get("POD_NAME", f"{job}-node-{node}"),
+        job_uid=env.get("RJOB_JOB_UID", ""),
+    )
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -76,11 +85,9 @@ async def main(argv: list[str]) -> int:
 
             await synthetic_train(telemetry, stopped, float(env.get("RJOB_SYNTHETIC_TIME_SCALE", "0.05")))
             code = 0
-        return code
     except (ValueError, TimeoutError) as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
         code = 2
-        return code
     finally:
         # Ended on its own (not stopped by a signal): training finished.
         finished = code == 0 and not stopped.is_set()
@@ -89,10 +96,12 @@ async def main(argv: list[str]) -> int:
         if finished:
             # The process still has to exit and the kubelet to report the pod Completed, which on a loaded
             # node takes longer than a heartbeat's TTL; a lapse meanwhile would be fenced as a failure.
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(RedisError, OSError, Superseded):
                 await telemetry.beat(ttl_s=FINISHED_TTL_S)
         with contextlib.suppress(Exception):
             await client.aclose()
+    # A deleted job's agent (the keys are another job's now) says so in its exit code too.
+    return SUPERSEDED_EXIT if telemetry.superseded else code
 
 
 if __name__ == "__main__":

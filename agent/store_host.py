@@ -69,6 +69,7 @@ class StoreHost:
         port: int = 0,
         steps: int | None = None,
         poll_s: float = 0.05,
+        job_uid: str = "",
     ) -> None:
         from torch._C._distributed_c10d import TCPStore
 
@@ -86,6 +87,10 @@ class StoreHost:
         self.plan: Plan | None = None
         self.parked: list[int] = []
         self.announced = 0
+        self.job_uid = job_uid
+        """The uid of the ResilientJob this host serves (RJOB_JOB_UID); "": never superseded."""
+        self.superseded = False
+        """The job's keys belong to another job of this name: this host's job was deleted."""
         self.seeded = False
         """Whether the failure counter was taken over from an earlier host (`JobKeys.store_failures`)."""
         self.validation = ValidationRelay(client, keys, self.store)
@@ -172,6 +177,15 @@ class StoreHost:
             return True
         return bool(await self.client.exists(*(self.keys.heartbeat(node) for node in sorted(nodes))))
 
+    async def _owned_by_another(self) -> bool:
+        """Whether the operator gave the job's keys to a newer job of this name (`JobRedis.claim`). Checked
+        before every registration: a host left behind by a deleted job (its pod stuck terminating on a node
+        cut off from the API server) would otherwise keep pointing the new job's workers at its store."""
+        if not self.job_uid:
+            return False
+        owner = await self.client.get(self.keys.owner)
+        return owner is not None and owner != self.job_uid.encode()
+
     def _trained(self) -> bool:
         if self.steps is None or not self.store.check([COMMITTED_KEY]):
             return False
@@ -196,6 +210,15 @@ class StoreHost:
                         await self.client.set(self.keys.store_failures, self.announced)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
+                    if await self._owned_by_another():
+                        print(
+                            f"store host: the Redis keys of job {self.keys.namespace}/{self.keys.job} belong "
+                            f"to another ResilientJob of that name; this pod's job (uid {self.job_uid}) was "
+                            "deleted: it stops",
+                            flush=True,
+                        )
+                        self.superseded = True
+                        return
                     # The address appears only once a plan is in the store: workers read it at once (and
                     # workers of a replaced host reconnect only once the plan is back). Rewritten into a
                     # Redis that came back empty, with the failure count.
@@ -239,18 +262,25 @@ async def host_main() -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
-    host = StoreHost(client, keys, env.get("POD_IP") or "127.0.0.1", port=port, steps=steps)
+    host = StoreHost(
+        client,
+        keys,
+        env.get("POD_IP") or "127.0.0.1",
+        port=port,
+        steps=steps,
+        job_uid=env.get("RJOB_JOB_UID", ""),
+    )
     print(f"store host: job {keys.namespace}/{keys.job} store at {host.address}", flush=True)
     try:
         await host.run(stopped)
     finally:
         with contextlib.suppress(*REDIS_DOWN):
             # Only our own address: the host that replaces this one must not lose its key.
-            if await client.get(keys.store) == host.address.encode():
+            if not host.superseded and await client.get(keys.store) == host.address.encode():
                 await client.delete(keys.store)
         with contextlib.suppress(Exception):
             await client.aclose()
-    return 0
+    return 3 if host.superseded else 0
 
 
 if __name__ == "__main__":

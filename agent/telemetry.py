@@ -8,6 +8,10 @@ Nothing here raises when Redis goes away either (`_redis.Outage`): heartbeats re
 and rewrite their key and bit when Redis is back (also when it came back empty), iteration records and
 profiles made meanwhile are dropped (the operator reads fresh ones once Redis is back), slow reports wait
 in a small outbox until they can be sent, and the plan follower resubscribes and re-reads the plan key.
+
+A beat is fenced by the job's uid (`BEAT`): an agent of a deleted job of the same name (a pod stuck
+terminating on a node cut off from the API server but not from Redis) finds the keys owned by the new
+job, writes nothing more and stops, instead of keeping a dead node of the new job alive.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = [
     "WARMUP_STEPS",
     "StepChange",
     "StepWatch",
+    "Superseded",
     "Telemetry",
     "queue_beat",
 ]
@@ -90,11 +95,36 @@ OUTBOX_SIZE = 64
 """Slow reports kept while Redis is away (the oldest go first past this)."""
 
 
-def queue_beat(pipe: Any, keys: JobKeys, node: int, message: bytes, ttl_s: float = HEARTBEAT_TTL_S) -> None:
-    """Queue one heartbeat on a pipeline (async or sync): the key with its TTL and the node's bit in the
-    job's `beaten` bitmap. One round trip per beat, or per batch of agents when one process drives many."""
-    pipe.set(keys.heartbeat(node), message, px=int(ttl_s * 1000))
-    pipe.setbit(keys.beaten, node, 1)
+# KEYS: the node's heartbeat key, the job's `beaten` bitmap, the job's owner key. ARGV: the beat, its TTL
+# in ms, the node, the uid of the agent's job ("": unknown, as for an agent started by hand). Returns 0 and
+# writes nothing when the owner key names another job: only the operator sets it, to the uid of the job it
+# runs, so a live agent of the current job is never refused. The bit is set with PCALL: a bitmap key
+# overwritten with another type must not stop the beat that keeps the node alive.
+BEAT = """
+if ARGV[4] ~= "" then
+  local owner = redis.pcall("GET", KEYS[3])
+  if type(owner) == "string" and owner ~= ARGV[4] then return 0 end
+end
+redis.call("SET", KEYS[1], ARGV[1], "PX", ARGV[2])
+redis.pcall("SETBIT", KEYS[2], ARGV[3], 1)
+return 1
+"""
+
+
+def queue_beat(
+    client: Any, keys: JobKeys, node: int, message: bytes, ttl_s: float = HEARTBEAT_TTL_S, job_uid: str = ""
+) -> Any:
+    """One heartbeat (`BEAT`) on a client or pipeline, async or sync: the key with its TTL and the node's
+    bit in the job's `beaten` bitmap, unless the keys belong to another job than `job_uid`. Returns what
+    the client's `eval` returns (1 written, 0 refused, once executed). One round trip per beat, or per
+    batch of agents when one process drives many."""
+    return client.eval(
+        BEAT, 3, keys.heartbeat(node), keys.beaten, keys.owner, message, int(ttl_s * 1000), node, job_uid
+    )
+
+
+class Superseded(Exception):
+    """The job's Redis keys belong to another job of the same name: this agent's job was deleted."""
 
 
 class Telemetry:
@@ -111,6 +141,7 @@ class Telemetry:
         heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
         detector: DetectorConfig | None = None,
         warmup: int = WARMUP_STEPS,
+        job_uid: str = "",
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be > 0 and below heartbeat_ttl_s")
@@ -120,6 +151,10 @@ class Telemetry:
         self.pod = pod
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.job_uid = job_uid
+        """The uid of the ResilientJob this agent works for (RJOB_JOB_UID); "" writes unfenced."""
+        self.superseded = False
+        """A beat found the keys owned by another job: nothing is written any more."""
         self.watch = StepWatch(detector or AGENT_DETECTOR, warmup)
         """The detectors on this worker's steps; `role` None until the first step."""
         self.generation = -1
@@ -131,20 +166,33 @@ class Telemetry:
         """Slow reports made while Redis was away, sent before the next write once it is back."""
 
     async def beat(self, ttl_s: float | None = None) -> None:
-        """One heartbeat, alive for `ttl_s` (default `heartbeat_ttl_s`)."""
+        """One heartbeat, alive for `ttl_s` (default `heartbeat_ttl_s`). Raises `Superseded` when the keys
+        belong to another job (and from then on writes nothing)."""
+        if self.superseded:
+            raise Superseded(self._superseded_line())
         message = Heartbeat(
             node=self.node, pod=self.pod, generation=self.generation, step=self.step, sent_at=time.time()
         )
-        async with self.client.pipeline(transaction=False) as pipe:
-            queue_beat(pipe, self.keys, self.node, encode(message), ttl_s or self.heartbeat_ttl_s)
-            await pipe.execute()
+        ttl = ttl_s or self.heartbeat_ttl_s
+        written = await queue_beat(self.client, self.keys, self.node, encode(message), ttl, self.job_uid)
+        if written == 0:
+            self.superseded = True
+            raise Superseded(self._superseded_line())
         HEARTBEATS.inc()
+
+    def _superseded_line(self) -> str:
+        return (
+            f"node {self.node}: the Redis keys of job {self.keys.namespace}/{self.keys.job} belong to "
+            f"another ResilientJob of that name; this pod's job (uid {self.job_uid}) was deleted: it stops"
+        )
 
     async def heartbeat_forever(self, stopped: asyncio.Event) -> None:
         """Beat until `stopped`. Redis away is never fatal: the beat is retried with capped backoff (at most
         the beat interval apart, so beats resume within one interval of Redis coming back), and each beat
         rewrites the key and the node's `beaten` bit, which re-registers the node in a Redis that came back
-        empty. The slow reports that waited meanwhile go out after the first beat that gets through."""
+        empty. The slow reports that waited meanwhile go out after the first beat that gets through.
+
+        Keys owned by another job (`Superseded`) end the loop and set `stopped`: the whole agent stops."""
         while not stopped.is_set():
             wait_s = self.heartbeat_interval_s
             try:
@@ -154,6 +202,10 @@ class Telemetry:
             except REDIS_DOWN as exc:
                 HEARTBEAT_ERRORS.inc()
                 wait_s = self.outage.failed(exc)
+            except Superseded as exc:
+                print(f"resilientjob.agent: {exc}", flush=True)
+                stopped.set()
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), wait_s)
 
@@ -165,7 +217,10 @@ class Telemetry:
 
     async def _send(self, stream: str, message: bytes, *, keep: bool) -> bool:
         """Append `message` to `stream`; False when Redis is away. A `keep` message (a slow report) waits
-        in the outbox meanwhile; the others are dropped and counted (they are superseded within seconds)."""
+        in the outbox meanwhile; the others are dropped and counted (they are superseded within seconds).
+        Nothing is sent once the keys belong to another job."""
+        if self.superseded:
+            return False
         if not self.outage.down:
             try:
                 await self._flush()

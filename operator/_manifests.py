@@ -222,6 +222,7 @@ def pod_manifest(
     namespace = body["metadata"]["namespace"]
     env: list[dict[str, Any]] = [
         {"name": "RJOB_JOB", "value": job},
+        {"name": "RJOB_JOB_UID", "value": body["metadata"].get("uid") or ""},
         {"name": "RJOB_NAMESPACE", "value": namespace},
         {"name": "RJOB_NODE", "value": str(node)},
         {"name": "RJOB_NODES", "value": str(spec.nodes)},
@@ -319,6 +320,7 @@ def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redi
     job = body["metadata"]["name"]
     env: list[dict[str, Any]] = [
         {"name": "RJOB_JOB", "value": job},
+        {"name": "RJOB_JOB_UID", "value": body["metadata"].get("uid") or ""},
         {"name": "RJOB_NAMESPACE", "value": body["metadata"]["namespace"]},
         {"name": "RJOB_REDIS_URL", "value": redis_url},
         {"name": "RJOB_STORE_PORT", "value": str(STORE_PORT)},  # agent.store_host.STORE_PORT_ENV

@@ -226,6 +226,8 @@ class JobRedis:
         self._scan = client.register_script(_SCAN)
         self._read_script = client.register_script(_READ)
         self._garbage_logged: set[str] = set()
+        self.uid = ""
+        """The uid of the job that claimed the keys (`claim`); "" before."""
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -257,6 +259,10 @@ class JobRedis:
             pipe.set(self.keys.plan, encode(message))
             pipe.set(self.keys.plan_generation, str(message.generation))
             pipe.publish(self.keys.plan_channel, encode(message))
+            if self.uid:
+                # A Redis that lost its state gets its owner back with the plan: agents of a deleted job of
+                # this name are refused again (`claim`).
+                pipe.set(self.keys.owner, self.uid, nx=True)
             if failslow is not None:
                 pipe.set(self.keys.failslow, self._failslow_payload(failslow))
             await pipe.execute()
@@ -473,11 +479,14 @@ class JobRedis:
     async def claim(self, uid: str, started: bool = False) -> int:
         """Make the keys this job's (`uid`, the ResilientJob's): keys another job of the same name left (its
         deletion raced its agents, which wrote on: their heartbeat bitmap then fenced the new job's workers
-        as they started) are deleted first. How many were; 0 when the keys were this job's already.
+        as they started) are deleted. How many were; 0 when the keys were this job's already. The owner key
+        is set first: from then on those agents' beats and store registrations are refused (they check it,
+        `agent.telemetry.BEAT`), so none slips in between the deletion and the claim.
 
         `started`: the job has published a plan before (its status says so). Keys without an owner are then
         its own agents', written into a Redis that lost its state, and are kept: a restarted operator
         wiped them, and logged that a deleted job had left them."""
+        self.uid = uid
         owner = await self.client.get(self.keys.owner)
         if owner is None and started:
             await self.client.set(self.keys.owner, uid)
@@ -487,13 +496,13 @@ class JobRedis:
             and (owner.decode(errors="replace") if isinstance(owner, bytes) else owner) == uid
         ):
             return 0
-        removed = await self.forget()
         await self.client.set(self.keys.owner, uid)
-        return removed
+        return await self.forget(keep=self.keys.owner)
 
-    async def forget(self) -> int:
-        """Delete every key of the job (on job deletion)."""
+    async def forget(self, keep: str | None = None) -> int:
+        """Delete every key of the job (on job deletion), but `keep`."""
         removed = 0
         async for key in self.client.scan_iter(match=f"{self.keys.prefix}*", count=500):
-            removed += await self.client.delete(key)
+            if keep is None or (key.decode(errors="replace") if isinstance(key, bytes) else key) != keep:
+                removed += await self.client.delete(key)
         return removed

@@ -172,6 +172,30 @@ async def test_the_store_host_reads_each_generations_plan_once_not_every_poll() 
             await host_client.aclose()
 
 
+async def test_a_deleted_jobs_store_host_stops_once_a_new_job_of_its_name_owns_the_keys() -> None:
+    """A store host left behind by a deleted job (its pod stuck terminating) must not keep pointing the new
+    job's workers at its store."""
+    keys = JobKeys("ns", "stale-host")
+    with redis_server() as url:
+        client = connect(url)
+        try:
+            state = JobRedis(client, keys)
+            await state.claim("uid-old")
+            await state.announce(announcement(_plan(0)))
+            host = StoreHost(client, keys, "127.0.0.1", poll_s=0.02, job_uid="uid-old")
+            running = asyncio.create_task(host.run(asyncio.Event()))
+            deadline = time.monotonic() + 10
+            while (await client.get(keys.store)) != host.address.encode():
+                assert time.monotonic() < deadline, "the host never registered"
+                await asyncio.sleep(0.02)
+            await JobRedis(client, keys).claim("uid-new")  # a new job of the same name
+            await client.set(keys.store, "10.0.0.9:29500")  # its own host registers
+            await asyncio.wait_for(running, 5)  # it stops on its own
+            assert host.superseded and await client.get(keys.store) == b"10.0.0.9:29500"
+        finally:
+            await client.aclose()
+
+
 def test_every_rendezvous_waits_for_every_worker_of_its_world() -> None:
     """Workers reach a rendezvous far apart (a fresh start, each reconnecting to a replaced store, a worker
     blocked in a collective until its timeout): none may enter a rendezvous whose timeout is the collective

@@ -4,13 +4,14 @@ stream reads that drop hostile entries."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from resilientjob.agent.telemetry import Telemetry
+from resilientjob.agent.telemetry import Superseded, Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement, node_list
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.keys import JobKeys
@@ -162,7 +163,7 @@ async def test_a_new_job_of_a_deleted_jobs_name_starts_from_clean_keys(client: a
     await client.setbit(keys.beaten, 5, 1)
     await client.xadd(keys.iterations, {"m": b"{}"})
     new = JobRedis(client, keys)
-    assert await new.claim("uid-new") == 3  # the bitmap, the stream and the old owner
+    assert await new.claim("uid-new") == 2  # the bitmap and the stream (the owner is overwritten)
     assert await client.getbit(keys.beaten, 5) == 0 and await client.exists(keys.iterations) == 0
     await client.setbit(keys.beaten, 1, 1)  # the new job's own agents
     assert await new.claim("uid-new") == 0  # a restarted operator of the same job keeps them
@@ -172,3 +173,35 @@ async def test_a_new_job_of_a_deleted_jobs_name_starts_from_clean_keys(client: a
     await client.delete(keys.owner)
     assert await new.claim("uid-new", started=True) == 0 and await client.getbit(keys.beaten, 1) == 1
     assert await client.get(keys.owner) == b"uid-new"
+
+
+async def test_a_deleted_jobs_agent_is_refused_once_a_new_job_owns_the_keys(client: aioredis.Redis) -> None:
+    """A pod of a deleted job stuck terminating on a node cut off from the API server (not from Redis) beats
+    on: it must not keep a node of the new job of that name alive, nor set its `beaten` bit (which fences
+    that node's new worker as it starts)."""
+    keys = JobKeys("ns", "zombie")
+    await JobRedis(client, keys).claim("uid-old")
+    stale = Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-old")
+    await stale.beat()
+    assert await client.exists(keys.heartbeat(4)) == 1  # its own job's keys: written
+    await JobRedis(client, keys).claim("uid-new")
+    assert await client.exists(keys.heartbeat(4)) == 0 and await client.getbit(keys.beaten, 4) == 0
+    stopped = asyncio.Event()
+    await asyncio.wait_for(stale.heartbeat_forever(stopped), 5)
+    assert stopped.is_set() and stale.superseded  # the whole agent stops
+    assert await client.exists(keys.heartbeat(4)) == 0 and await client.getbit(keys.beaten, 4) == 0
+    assert not await stale.record_iteration(0, 1, 0.1, 2) and await client.exists(keys.iterations) == 0
+    # The new job's agents, and an agent started by hand (no uid), still beat.
+    await Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-new").beat()
+    await Telemetry(client, keys, 5, "by-hand").beat()
+    assert await client.exists(keys.heartbeat(4), keys.heartbeat(5)) == 2
+    # Redis lost its state: the owner comes back with the plan the operator restores, and the deleted job's
+    # agent is refused again.
+    state = JobRedis(client, keys)
+    await state.claim("uid-new")
+    await client.flushdb()
+    plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(_one_stage(0),), step_time_s=1.0)
+    await state.announce(announcement(plan))
+    assert await client.get(keys.owner) == b"uid-new"
+    with pytest.raises(Superseded, match="belong to another ResilientJob"):
+        await Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-old").beat()
