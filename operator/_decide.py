@@ -207,6 +207,37 @@ def new_joins(idle: set[int], decided: Iterable[int]) -> set[int]:
     return idle - set(decided)
 
 
+def starting_nodes(plan: Plan, observed: Observation, parked: Iterable[int] = ()) -> set[int]:
+    """Pods for nodes the plan does not use that are neither running nor failed yet: replacements waiting
+    for the scheduler or still pulling their image. Once ready they are joins (`detect_joins`)."""
+    used = set(plan.nodes) | set(parked)
+    return {
+        node
+        for node, pod in observed.pods.items()
+        if node not in used and not pod.ready and pod.failed is None and not pod.completed
+    }
+
+
+def held_joins(
+    starting: set[int], stepped: int | None, generation: int, waited_s: float, settle_s: float
+) -> str | None:
+    """Why joins wait before a generation takes them in, or None when they go now. A join is never urgent
+    (the job trains on without it) and every generation makes every worker rendezvous again, so joins wait,
+    at most `settle_s` from when the first of them was ready (`waited_s`), for the replacements still
+    `starting` (they then join in the same generation, not one generation each) and for the first committed
+    step of the current `generation` (`stepped`: the newest generation a step was recorded under; None,
+    unknown, holds nothing): a generation decided before that step counts the nodes the current one copied
+    to or restarted as holding nothing, and restarts them again. Failures never wait, and take any ready
+    join with them."""
+    if waited_s >= settle_s:
+        return None
+    if starting:
+        return f"nodes {sorted(starting)} are still starting"
+    if stepped is not None and stepped < generation:
+        return f"generation {generation} has not committed a step yet"
+    return None
+
+
 def same_work(current: Plan, plan: Plan) -> bool:
     """Whether `plan` gives every node the work `current` gives it: the same pipelines (stages, layers,
     micro-batches, reroutes), the same all-reduce rounds and nothing to copy. Published as a generation, it

@@ -24,19 +24,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
 import kopf
-import numpy as np
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
-from resilientjob.protocol.keys import HEARTBEAT_TTL_S, JobKeys
+from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
+from ._fencing import Fenced, Fencing
 from ._mitigation import mitigation_message
 from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
 from ._pods import WorkerPods
@@ -53,15 +52,6 @@ log = logging.getLogger("resilientjob.operator")
 
 class InvalidJob(Exception):
     """The spec cannot run; the condition and Event are already recorded."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Fenced:
-    """A failed node already fenced, waiting for a generation that leaves it out."""
-
-    reason: api.Reason
-    cause: str
-    detect_s: float | None
 
 
 class JobController:
@@ -82,21 +72,24 @@ class JobController:
         self.body: Mapping[str, Any] = {}
         self.status = api.ResilientJobStatus()
         self._written_status: dict[str, Any] | None = None
-        self._heartbeat_seen: dict[int, float] = {}
         self._status_due = 0.0
         self._published: Published | None = None
-        self._fenced: dict[int, _Fenced] = {}
         self._deciding: asyncio.Task[None] | None = None
         self._telemetry = TelemetryPass()
         self._failslow_restored = False
         self._declined: tuple[int, frozenset[int]] = (-1, frozenset())
         """Joined nodes the planner left idle, and under which generation (`_decline_joins`)."""
+        self._joins_since: float | None = None
+        """When the joins now waiting were first seen ready (`_joins_settled`); None: none waits."""
+        self._joins_held = ""
+        """Why they wait, as last logged."""
         self.store = StoreKeeper(kube, namespace, name)
         self.record = _durable.PlanRecord(kube, namespace, name)
         self.watch = RedisWatch(name)
         self.capacity = _capacity.CapacityKeeper(
             _capacity.Backoff(settings.replace_backoff_s, settings.replace_backoff_max_s)
         )
+        self.fencing = Fencing(self, self.workers, self.capacity)
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -361,9 +354,7 @@ class JobController:
                 await stopped.wait(wait)
         else:
             return None
-        # Fenced before a restart, still in the layout: planned around without waiting to detect them again.
-        for node in set(self.status.fenced_nodes) & set(published.plan.nodes):
-            self._fenced.setdefault(node, _Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None))
+        self.fencing.restore(self.status.fenced_nodes, published.plan.nodes)
         return published
 
     async def _current(self) -> tuple[Published, HeartbeatScan]:
@@ -411,8 +402,8 @@ class JobController:
             self._start(lambda: self._rendezvous_again(published))
             deciding = True
         plan = published.plan
-        self._fenced = {n: f for n, f in self._fenced.items() if n in current.plan_nodes}
-        expired = self._expired_heartbeats(scan) if scan is not None else []
+        self.fencing.keep_planned(current.plan_nodes)
+        expired = self.fencing.expired(scan) if scan is not None else []
         if self._trained_to_the_end(spec):
             # Every worker committed the last step (commits are atomic); they are exporting and exiting, and
             # an agent's heartbeat stops before its pod reports Succeeded: silence now is no failure.
@@ -422,7 +413,9 @@ class JobController:
             await self._complete(published)
             return
         suspects = {
-            n: cause for n, cause in _decide.detect_failures(plan, observed).items() if n not in self._fenced
+            n: cause
+            for n, cause in _decide.detect_failures(plan, observed).items()
+            if n not in self.fencing.fenced
         }
         stopped_by_spec = _decide.workload_error(plan, observed)
         if stopped_by_spec is None and suspects:
@@ -432,9 +425,12 @@ class JobController:
         if stopped_by_spec is not None:
             await self._workload_failed(*stopped_by_spec)
         if suspects:
-            await self._fence(await self._confirmed(suspects))
+            confirmed = await self.fencing.confirmed(suspects)
+            await self.fencing.fence(confirmed)
+            if self.failslow is not None:
+                self.failslow.forget(confirmed)
         if spec.replace_failed_nodes and not self._trained_to_the_end(spec):
-            await self.capacity.keep_up(self, published, self._fenced)
+            await self.capacity.keep_up(self, published, self.fencing.fenced)
         # A job at its last step takes no one in: the workers exit before a joiner could rendezvous.
         joins = (
             set()
@@ -442,8 +438,13 @@ class JobController:
             else _decide.detect_joins(plan, observed, published.parked)
         )
         declined = self._declined[1] if self._declined[0] == published.generation else frozenset()
-        if not deciding and (self._fenced or _decide.new_joins(joins, [*published.nodes, *declined])):
-            failures = dict(self._fenced)
+        fresh = _decide.new_joins(joins, [*published.nodes, *declined])
+        if not fresh or self.fencing.fenced:
+            self._joins_since = None
+        elif not deciding and not await self._joins_settled(published, observed):
+            fresh = set()
+        if not deciding and (self.fencing.fenced or fresh):
+            failures = dict(self.fencing.fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
         if outage is not None:
@@ -524,62 +525,6 @@ class JobController:
         await self.workers.delete_all()
         raise InvalidJob(str(error)) from None
 
-    async def _confirmed(
-        self, failures: dict[int, tuple[api.Reason, str]]
-    ) -> dict[int, tuple[api.Reason, str]]:
-        """Re-read each suspected pod before fencing: the watch may lag behind our own creations."""
-        confirmed: dict[int, tuple[api.Reason, str]] = {}
-        for node, cause in failures.items():
-            if cause[0] is api.Reason.NODE_FAILED and node not in self.pods:
-                pod = await self.kube.get(self.workers.path(node))
-                if pod is not None and _decide.pod_view(pod, self.name) is not None:
-                    self.observe_pod(pod, deleted=False)
-                    view = self.pods.get(node)
-                    if view is not None and view.failed is None:
-                        continue
-            confirmed[node] = cause
-        return confirmed
-
-    def _expired_heartbeats(self, scan: HeartbeatScan) -> list[int]:
-        """Nodes that have beaten (the agents' bitmap, or seen alive by this operator) and whose key has
-        expired. A node that never beat (still starting) is judged by its pod alone."""
-        now = time.monotonic()
-        live = scan.live
-        # When each live node last beat, on Redis's clock: the agents set the key with HEARTBEAT_TTL_S.
-        beat_at = now - np.maximum(0.0, HEARTBEAT_TTL_S - scan.left_s[live])
-        self._heartbeat_seen.update(zip(scan.nodes[live].tolist(), beat_at.tolist(), strict=True))
-        if not self.watch.heartbeats_trusted(now):
-            return []  # Redis was away, emptied or paused: its silence says nothing yet
-        silent: list[int] = scan.nodes[~live].tolist()
-        beaten = set(scan.expired)
-        return [node for node in silent if node in beaten or node in self._heartbeat_seen]
-
-    async def _fence(self, failures: dict[int, tuple[api.Reason, str]]) -> None:
-        """Delete failed nodes' pods at once (before any planning), so that a worker that lost its
-        heartbeat but still runs cannot come back with the weights of a generation the job has left."""
-        redis = self.require()[2]
-        detected = time.monotonic()
-        for node, (reason, cause) in failures.items():
-            path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
-            since = self._heartbeat_seen.get(node) if path == "heartbeat" else self.workers.seen_at.get(node)
-            latency = max(0.0, detected - since) if since is not None else None
-            if latency is not None:
-                metrics.DETECTION_SECONDS.labels(path).observe(latency)
-                metrics.RECOVERY_SECONDS.labels("detect").observe(latency)
-            log.info("job %s/%s: fencing node %d (%s)", self.namespace, self.name, node, cause)
-            if node not in self.status.fenced_nodes:  # durable before the pod goes (`_start_up`)
-                fenced = sorted({*self.status.fenced_nodes, node})
-                self.status = self.status.model_copy(update={"fenced_nodes": fenced})
-                await self._write_status(force=True)
-            self.capacity.fenced(self, node)
-            await self.kube.delete(self.workers.path(node), grace_period_s=0)
-            with contextlib.suppress(*REDIS_DOWN):  # the fence is durable; a heartbeat left behind expires
-                await redis.fence(node)
-            self._heartbeat_seen.pop(node, None)
-            self._fenced[node] = _Fenced(reason, cause, latency)
-        if self.failslow is not None:
-            self.failslow.forget(failures)
-
     async def _stepped_generation(self) -> int | None:
         """The newest generation a worker recorded a step under: from the telemetry read so far, or, in an
         operator that has read none yet (just restarted: it reads only records that come after its start),
@@ -592,8 +537,28 @@ class JobController:
             return record.generation if record is not None else None
         return None
 
+    async def _joins_settled(self, published: PlanAnnouncement, observed: _decide.Observation) -> bool:
+        """Whether the joins seen now go into a generation (`_decide.held_joins`); says once why they wait."""
+        now = time.monotonic()
+        if self._joins_since is None:
+            self._joins_since = now
+        held = _decide.held_joins(
+            _decide.starting_nodes(published.plan, observed, published.parked),
+            await self._stepped_generation(),
+            published.generation,
+            now - self._joins_since,
+            self.settings.join_settle_s,
+        )
+        if held is None:
+            self._joins_since, self._joins_held = None, ""
+            return True
+        if held != self._joins_held:
+            self._joins_held = held
+            log.info("job %s/%s: joins wait: %s", self.namespace, self.name, held)
+        return False
+
     async def _reconfigure(
-        self, current: PlanAnnouncement, failures: dict[int, _Fenced], joins: set[int]
+        self, current: PlanAnnouncement, failures: dict[int, Fenced], joins: set[int]
     ) -> None:
         spec, inputs, _ = self.require()
         detect_s = max((f.detect_s for f in failures.values() if f.detect_s is not None), default=0.0)

@@ -46,6 +46,11 @@ class OperatorSettings:
     replace_backoff_max_s: float = 300.0
     """Upper bound of that wait."""
 
+    join_settle_s: float = 10.0
+    """Longest a ready replacement waits before a generation takes it in: for the other replacements still
+    starting (they join together, one rendezvous instead of one each) and for the current generation's first
+    committed step (`_decide.held_joins`); 0 takes every join at once."""
+
     standalone: bool = False
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
@@ -55,6 +60,8 @@ class OperatorSettings:
         for name, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
             if not 0 <= port < 65536:
                 raise ValueError(f"{name} must be 0..65535, got {port}")
+        if self.join_settle_s < 0:
+            raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
         if not 0 <= self.replace_backoff_s <= self.replace_backoff_max_s:
             raise ValueError("need 0 <= replace_backoff_s <= replace_backoff_max_s")
         if self.health_port and self.health_port == self.metrics_port:
@@ -77,6 +84,7 @@ class OperatorSettings:
             ("worker_defaults", "RJOB_WORKER_DEFAULTS", str),
             ("replace_backoff_s", "RJOB_REPLACE_BACKOFF_S", float),
             ("replace_backoff_max_s", "RJOB_REPLACE_BACKOFF_MAX_S", float),
+            ("join_settle_s", "RJOB_JOIN_SETTLE_S", float),
         ):
             if env.get(variable):
                 given[name] = kind(env[variable])
@@ -98,6 +106,7 @@ class OperatorSettings:
             "RJOB_STANDALONE": "1" if self.standalone else "",
             "RJOB_REPLACE_BACKOFF_S": str(self.replace_backoff_s),
             "RJOB_REPLACE_BACKOFF_MAX_S": str(self.replace_backoff_max_s),
+            "RJOB_JOIN_SETTLE_S": str(self.join_settle_s),
         }
         for key, value in (
             ("RJOB_API_URL", self.api_url),

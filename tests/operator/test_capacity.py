@@ -19,9 +19,11 @@ from resilientjob.operator._decide import (
     Observation,
     PodView,
     detect_joins,
+    held_joins,
     new_joins,
     pod_view,
     same_work,
+    starting_nodes,
 )
 from resilientjob.operator._manifests import ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
 from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
@@ -131,6 +133,34 @@ def test_joins_include_replacement_ids_beyond_spec_nodes_and_are_not_asked_twice
     assert new_joins(idle, decided=[1, 2]) == {4}
     # The last generation already decided about node 4 (and left it idle): not a new join.
     assert new_joins(idle, decided=[4]) == set()
+
+
+def test_joins_wait_for_replacements_still_starting_and_the_first_step_but_not_past_the_settle_time() -> None:
+    plan = _plan([0, 3])
+    pods = {
+        0: _pod(0),
+        3: _pod(3),
+        4: _pod(4),
+        5: _pod(5, ready=False, phase="Pending"),
+        6: _pod(6, ready=False, phase="Failed"),
+        7: _pod(7, ready=False, phase="Pending"),
+    }
+    observed = Observation(pods=pods, expired_heartbeats=frozenset())
+    # Node 7 is parked by a fail-slow mitigation: it rejoins through its recovery report, not as a join.
+    starting = starting_nodes(plan, observed, parked=[7])
+    assert starting == {5}  # node 6 failed: nothing to wait for
+    assert (
+        held_joins(starting, stepped=4, generation=4, waited_s=2.0, settle_s=10.0)
+        == "nodes [5] are still starting"
+    )
+    assert held_joins(set(), stepped=3, generation=4, waited_s=2.0, settle_s=10.0) == (
+        "generation 4 has not committed a step yet"
+    )
+    assert held_joins(set(), stepped=4, generation=4, waited_s=2.0, settle_s=10.0) is None
+    assert held_joins(set(), stepped=None, generation=4, waited_s=0.0, settle_s=10.0) is None  # unknown
+    # Never past the settle time, and 0 turns the wait off.
+    assert held_joins(starting, stepped=3, generation=4, waited_s=10.0, settle_s=10.0) is None
+    assert held_joins(starting, stepped=3, generation=4, waited_s=0.0, settle_s=0.0) is None
 
 
 def test_pod_view_reads_the_strikes_and_creation_time() -> None:

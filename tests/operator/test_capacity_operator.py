@@ -72,18 +72,21 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
     assert all((pods[n].get("status") or {}).get("phase", "Pending") == "Pending" for n in (4, 5))
     assert all("resilientjob.io/strikes" not in pods[n]["metadata"]["annotations"] for n in (4, 5))
 
-    # They run: the planner takes them in (a scale-up chosen by eq. 8), and the layout grows back.
-    for node in (4, 5):
-        await _set_phase(kube, f"grow-node-{node}", "Running")
+    # They run: the planner takes them in (a scale-up chosen by eq. 8), and the layout grows back. Node 4
+    # runs first and waits for node 5, still starting: one generation takes both in, not one each.
+    await _set_phase(kube, "grow-node-4", "Running")
+    await asyncio.sleep(1.5)
+    assert (await kube.job_status("grow"))["planGeneration"] == shrunk["planGeneration"]
+    await _set_phase(kube, "grow-node-5", "Running")
     grown = await eventually(
         lambda: status_where(lambda s: s.get("workersTotal") == 4 and s.get("workers") == "4/4"),
         15,
         "the layout grown back to four workers",
     )
     decision = grown["lastDecision"]
-    # One generation takes both in, or two (the operator may see node 4 run a pass before node 5).
-    joined = [n for r in grown.get("recoveries") or [] if r["trigger"] == "NodeJoined" for n in r["nodes"]]
-    assert decision["trigger"] == "NodeJoined" and sorted(joined) == [4, 5], grown.get("recoveries")
+    joined = [r["nodes"] for r in grown.get("recoveries") or [] if r["trigger"] == "NodeJoined"]
+    assert decision["trigger"] == "NodeJoined" and joined == [[4, 5]], grown.get("recoveries")
+    assert grown["planGeneration"] == shrunk["planGeneration"] + 1
     # The planner's choice: the best score, then the shortest transition (policies often tie on a layout).
     feasible = [c for c in decision["candidates"] if c["feasible"]]
     top = max(c["score"] for c in feasible)
