@@ -80,13 +80,17 @@ def numbered(message: PlanAnnouncement, generation: int) -> PlanAnnouncement:
     return message.model_copy(update={"generation": generation, "plan": plan})
 
 
-def pods_to_create(message: PlanAnnouncement, applied: int, fenced: Iterable[int]) -> list[int]:
-    """The worker pods a (re)start creates: the plan's, until a generation was applied (`applied` < 0: the
-    first start, or a crash before it finished); none afterwards. Never a fenced node's."""
+def pods_to_create(
+    message: PlanAnnouncement, applied: int, fenced: Iterable[int], nodes: int = 0
+) -> list[int]:
+    """The worker pods a (re)start creates: the plan's and the rest of the spec's `nodes` (ids 0..nodes-1:
+    a first plan that leaves some idle; they wait as joins the planner declined, ready for a failure),
+    until a generation was applied (`applied` < 0: the first start, or a crash before it finished); none
+    afterwards. Never a fenced node's."""
     if applied >= 0:
         return []
     out = set(fenced)
-    return [node for node in message.plan.nodes if node not in out]
+    return sorted((set(message.plan.nodes) | set(range(nodes))) - out)
 
 
 class PlanRecord:

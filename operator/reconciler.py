@@ -188,7 +188,9 @@ class JobController:
         await self.record.write(self.body, published)
         # Every pod at the first start only: later, a missing pod is a failure to detect and plan around
         # (an operator restarted right after a pod kill must not bring the node back), never a pod to make.
-        nodes = _durable.pods_to_create(published, self.status.plan_generation, self.status.fenced_nodes)
+        nodes = _durable.pods_to_create(
+            published, self.status.plan_generation, self.status.fenced_nodes, spec.nodes
+        )
         await self.create_pods(nodes, published.generation, published.layout)
         return published
 

@@ -75,6 +75,15 @@ class ModelProfile(BaseModel):
         "profile cannot be rescaled to another size).",
     )
 
+    @field_validator("layers")
+    @classmethod
+    def _some_work(cls, value: tuple[LayerProfile, ...]) -> tuple[LayerProfile, ...]:
+        # Every time the planner balances is a share of this work: with none, nothing can be balanced (and
+        # the templates' rate bounds divide by it).
+        if not any(layer.forward_s + layer.backward_s > 0 for layer in value):
+            raise ValueError("every layer takes 0 s (forward_s + backward_s): profile the model's real times")
+        return value
+
     @field_validator("multi_gpu_speedup")
     @classmethod
     def _speedups_positive(cls, value: dict[int, float]) -> dict[int, float]:

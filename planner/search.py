@@ -192,7 +192,8 @@ def initial_plan(
     policy: Policy = Policy.AUTO,
     costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
 ) -> Plan:
-    """Generation 0 over every node of `cluster` (node ids 0..nodes-1).
+    """Generation 0 over the nodes of `cluster` (node ids 0..nodes-1): every one of them, unless no layout
+    that uses them all fits; then identical pipelines with some nodes idle (the highest ids).
 
     `templates` instantiates Oobleck templates; every other policy runs Algorithm 1 over every DP degree
     (at least f + 1 pipelines so any f failures leave a replica of every layer). `reroute` and `checkpoint`
@@ -213,6 +214,10 @@ def initial_plan(
     search = DynamicSearch(profile, cluster, job, nodes)
     degrees = all_degrees(nodes, job, minimum=job.fault_tolerance + 1)
     layouts = search.search(degrees, INITIAL_SPREAD, keep=INITIAL_ALTERNATIVES)
+    if not layouts:
+        # No layout fits that uses every node (more nodes than layers, or depths memory rules out):
+        # identical pipelines with some nodes idle, as a replan would take.
+        layouts = search.symmetric(keep=INITIAL_ALTERNATIVES, minimum=job.fault_tolerance + 1)
     if not layouts:
         raise _no_layout(search, nodes, f"{nodes} nodes")
     chosen = layouts[0]
@@ -485,6 +490,7 @@ class _Replanner:
                 self.cluster,
                 self.job,
                 joined=self.change.joined,
+                emptied=self.change.emptied,
             )
             how = "reinstantiated"
         else:

@@ -53,13 +53,17 @@ def _check_nodes(current: Plan, failed: set[int], joined: set[int]) -> None:
         raise PlannerError("joined", "node ids must be non-negative")
 
 
-def _regroup(templates: TemplateSet, current: Plan, failed: set[int], joined: list[int]) -> list[_Group]:
+def _regroup(
+    templates: TemplateSet, current: Plan, failed: set[int], joined: list[int], emptied: set[int]
+) -> list[_Group]:
     n0, largest = templates.n0, templates.sizes[-1]
     groups: list[_Group] = []
     for pipeline in current.pipelines:
         alive = [node for node in pipeline.nodes if node not in failed]
+        # A pipeline with an emptied node is rebuilt: its layers must be copied there again.
+        untouched = len(alive) == len(pipeline.nodes) and not emptied & set(pipeline.nodes)
         if alive:
-            groups.append(_Group(alive, pipeline if len(alive) == len(pipeline.nodes) else None))
+            groups.append(_Group(alive, pipeline if untouched else None))
     pool = list(joined)
     # Pipelines below n0: joined nodes first, then borrowing, then merging.
     while True:
@@ -96,8 +100,12 @@ def _regroup(templates: TemplateSet, current: Plan, failed: set[int], joined: li
         if growable:
             min(growable, key=lambda g: len(g.nodes)).give([pool.pop(0)])
             continue
-        # Every pipeline is at the largest size: split one into two that both reach n0.
-        donor = groups[-1]
+        # Every pipeline is at the largest size: split one into two that both reach n0; when no pipeline
+        # and the pool make two, the pool's nodes stay idle (the job keeps its layout).
+        donors = [g for g in groups if len(g.nodes) + len(pool) >= 2 * n0]
+        if not donors:
+            break
+        donor = max(donors, key=lambda g: (len(g.nodes), -groups.index(g)))
         donor.give(pool)
         pool = []
         groups.append(_Group(donor.nodes[-n0:], None))
@@ -207,8 +215,11 @@ def reinstantiate(
     cluster: ClusterSpec,
     job: JobSpec,
     joined: Collection[int] = (),
+    emptied: Collection[int] = (),
 ) -> Plan:
-    """The plan after `failed` nodes leave (and `joined` nodes arrive), changing as little as possible."""
+    """The plan after `failed` nodes leave (and `joined` nodes arrive), changing as little as possible.
+    `emptied`: surviving nodes whose layers are not to be trusted (`search.replan`): they hold nothing, are
+    no copy's source, and their pipelines are rebuilt."""
     began = time.perf_counter()
     failed_set, joined_list = set(failed), sorted(set(joined))
     _check_nodes(current, failed_set, set(joined_list))
@@ -220,9 +231,14 @@ def reinstantiate(
             f"{len(alive)} nodes remain; {minimum} pipelines of at least {templates.n0} nodes need "
             f"{minimum * templates.n0}: restart from a checkpoint",
         )
-    holdings = {node: layers for node, layers in current.layers_by_node().items() if node not in failed_set}
+    emptied_set = set(emptied) - failed_set
+    holdings = {
+        node: set() if node in emptied_set else layers
+        for node, layers in current.layers_by_node().items()
+        if node not in failed_set
+    }
     holdings.update({node: set() for node in joined_list})
-    groups = _regroup(templates, current, failed_set, joined_list)
+    groups = _regroup(templates, current, failed_set, joined_list, emptied_set)
     if len(groups) >= minimum:
         pipelines = [_layout(templates, group, holdings, profile) for group in groups]
         plan = balanced_plan(profile, cluster, job, pipelines)

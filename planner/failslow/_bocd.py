@@ -99,8 +99,9 @@ class DetectorConfig:
 
     @property
     def history(self) -> int:
-        """Raw samples kept per worker: the before-window plus the longest after-window."""
-        return self.baseline + self.window + 1
+        """Raw samples kept per worker: the before-window plus the longest after-window, which is a late
+        candidate's (`_candidate_runs`: up to 2 x window - 1 samples), and the newest sample."""
+        return self.baseline + 2 * self.window
 
 
 class _Constants:

@@ -470,6 +470,8 @@ def test_a_restart_creates_pods_only_before_the_first_generation_applied() -> No
     assert _durable.pods_to_create(message, -1, []) == [0, 1]
     assert _durable.pods_to_create(message, -1, [1]) == [0]
     assert _durable.pods_to_create(message, 0, []) == []  # a missing pod now is a failure, not a pod to make
+    # A first plan that leaves nodes idle still gets a pod for every node of the spec: standbys.
+    assert _durable.pods_to_create(message, -1, [3], nodes=4) == [0, 1, 2]
 
 
 def test_missing_heartbeats_count_only_after_a_full_grace() -> None:

@@ -194,6 +194,49 @@ def test_a_node_whose_copy_is_in_doubt_holds_nothing_it_was_given() -> None:
     assert "may not hold the layers" in _candidate(kept, Policy.REROUTE).reason
 
 
+def test_templates_copy_again_to_a_node_whose_copy_is_in_doubt() -> None:
+    """Reinstantiated templates honour `emptied` too: the node's pipeline is rebuilt, its layers are copied
+    to it again from another replica, and it is no copy's source (it kept its stage and got nothing)."""
+    profile = uniform_profile(4)
+    cluster = ClusterSpec(nodes=4)
+    job = JobSpec(global_batch=12, microbatch_size=1, fault_tolerance=1)
+    current = initial_plan(profile, cluster, job, policy=Policy.TEMPLATES)
+    plan = replan(current, profile, cluster, job, failed=[0], emptied=[3], policy=Policy.TEMPLATES)
+    assert plan.policy is Policy.TEMPLATES and 3 in plan.nodes
+    held = plan.layers_by_node()[3]
+    assert {t.layer for t in plan.transfers if t.dst == 3} == held
+    assert all(t.src != 3 for t in plan.transfers)
+
+
+def test_a_first_plan_leaves_nodes_idle_when_no_layout_of_them_all_fits() -> None:
+    """Five nodes, four layers, and memory that rules out sharing a stage's layers between fewer than four
+    nodes: no layout uses all five, and the job runs DP1 PP4 with one node idle (it failed to start, the
+    error blaming `fault_tolerance`)."""
+    plan = initial_plan(
+        uniform_profile(4),
+        ClusterSpec(nodes=5, device_memory_bytes=600 * 2**20),
+        JobSpec(global_batch=8, microbatch_size=1, fault_tolerance=0),
+    )
+    assert plan.layout == "DP1 PP[4]" and plan.nodes == (0, 1, 2, 3)
+
+
+def test_a_joined_node_that_cannot_make_a_pipeline_stays_idle_under_templates() -> None:
+    """Every pipeline at the largest template and one node joins: splitting one would leave a pipeline below
+    the smallest template (templates were infeasible, and `policy: templates` restarted from a checkpoint)."""
+    profile = uniform_profile(4)
+    cluster = ClusterSpec(nodes=4, device_memory_bytes=1200 * 2**20)
+    job = JobSpec(global_batch=12, microbatch_size=1, fault_tolerance=1)
+    current = initial_plan(profile, cluster, job, policy=Policy.TEMPLATES)
+    plan = replan(current, profile, cluster, job, joined=[4], policy=Policy.TEMPLATES)
+    assert plan.policy is Policy.TEMPLATES and 4 not in plan.nodes and not plan.transfers
+
+
+def test_a_profile_without_any_work_is_refused_naming_the_field() -> None:
+    layer = {"forward_s": 0, "backward_s": 0, "param_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1}
+    with pytest.raises(PlannerError, match=r"^profile\.layers: every layer takes 0 s"):
+        ModelProfile.from_mapping({"layers": [layer, layer]})
+
+
 def test_stage_that_lost_every_replica_goes_to_checkpoint() -> None:
     profile = uniform_profile(8)
     cluster = ClusterSpec(nodes=4)

@@ -217,3 +217,31 @@ def test_sliding_window_baseline_finds_a_step_and_ignores_a_spike() -> None:
     (event,) = SlidingWindowDetector().detect(values)
     assert event.kind is ChangeKind.SLOWDOWN
     assert abs(event.index - 150) <= 5
+
+
+def test_a_late_candidates_window_fits_in_the_kept_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A late candidate (a run between one and two windows long) is verified on up to baseline + 2 x window
+    samples; a shorter ring buffer wrapped and fed the newest slow samples in as the level "before"."""
+    from resilientjob.planner.failslow import _bocd
+
+    longest: list[int] = []
+    verify = _bocd._verify
+
+    def measured(values: np.ndarray, split: int, config: DetectorConfig, *, settled: bool = False) -> object:
+        longest.append(len(values))
+        return verify(values, split, config, settled=settled)
+
+    monkeypatch.setattr(_bocd, "_verify", measured)
+    rng = np.random.default_rng(0)
+    config = DetectorConfig()
+    for _ in range(9):
+        base, noise = rng.uniform(0.2, 2), rng.uniform(0.01, 0.15)
+        trace = base * (1 + noise * rng.standard_normal(200)).clip(0.5)
+        onset = int(rng.integers(40, 150))
+        trace[onset : onset + int(rng.integers(10, 80))] *= rng.uniform(1.05, 1.6)
+        ChangeDetector(config).detect(list(trace))
+        batch = BatchDetector(1, config)
+        for value in trace:
+            batch.feed([float(value)])
+    assert max(longest) > config.baseline + config.window + 1  # late candidates were verified
+    assert max(longest) <= config.history
