@@ -160,6 +160,12 @@ class RedisWatch:
         self.back_at = time.monotonic()
 
     def heartbeats_trusted(self, now: float | None = None) -> bool:
+        """Whether missing heartbeats count now: not during an outage, and not in the pass that ends one
+        (its scan is the first answer; `ok` starts the grace only after the pass). Judged there, a key that
+        expired while Redis was away, or one a restarted Redis reloaded already expired, fenced a live
+        worker."""
+        if self.failures:
+            return False
         return heartbeats_trusted(time.monotonic() if now is None else now, self.back_at)
 
 

@@ -490,6 +490,8 @@ def test_an_outage_or_a_slow_answer_starts_the_grace() -> None:
     assert watch.back_at == 20.0 + STALL_S
     watch.back_at = None
     assert watch.failed(ConnectionError("refused")) > 0 and watch.down
+    # The first outage since the start (no grace ever started): the pass whose scan ends it judges nothing.
+    assert not watch.heartbeats_trusted()
     watch.failed(ConnectionError("refused"))
     assert watch.outages == 1  # one outage however many retries
     watch.ok()
