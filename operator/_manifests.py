@@ -210,6 +210,23 @@ def workload(spec: api.ResilientJobSpec) -> Workload:
     )
 
 
+CANN_ENV_SCRIPTS = ("/usr/local/Ascend/ascend-toolkit/set_env.sh", "/usr/local/Ascend/nnal/atb/set_env.sh")
+"""What the image's entry point sources on Ascend (deploy/image/entrypoint.sh) so torch_npu finds CANN."""
+
+
+def _worker_command(spec: api.ResilientJobSpec) -> list[str]:
+    """The worker container's command: the job's, else the agent. A pod's `command` replaces the image's
+    entry point, which on Ascend loads CANN's environment; an Ascend worker's command therefore runs behind
+    a shell that sources the same scripts where the image has them (vendor images that set the variables
+    with ENV have none, and lose nothing)."""
+    command = list(spec.command) or list(AGENT_COMMAND)
+    if spec.device_resource is not api.DeviceResource.ASCEND_NPU:
+        return command
+    load = " ".join(CANN_ENV_SCRIPTS)
+    script = f'for f in {load}; do if [ -f "$f" ]; then . "$f"; fi; done; exec "$@"'
+    return ["sh", "-c", script, "sh", *command]
+
+
 def pod_manifest(
     body: Mapping[str, Any],
     spec: api.ResilientJobSpec,
@@ -241,7 +258,7 @@ def pod_manifest(
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image,
-        "command": list(spec.command) or list(AGENT_COMMAND),
+        "command": _worker_command(spec),
         "env": env,
         "ports": [{"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
         "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),

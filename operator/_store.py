@@ -109,8 +109,8 @@ class StoreKeeper:
             return
         manifest = _manifests.store_pod_manifest(body, spec, redis_url)
         if worker_defaults:
-            # The chart's scheduling and pull settings: the store pod runs the workers' image.
-            manifest = load_worker_defaults(worker_defaults).apply(manifest)
+            # The chart's settings that let a pod run beside the workers, without the accelerator's.
+            manifest = load_worker_defaults(worker_defaults).apply(manifest, worker=False)
         if await self.kube.create(core_path(self.namespace, "pods"), manifest):
             self.created += 1
             self.replaced = self.replaced or self._had_one

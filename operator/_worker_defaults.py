@@ -78,21 +78,26 @@ class WorkerDefaults(BaseModel):
         except ValidationError as exc:
             raise error_from_validation(exc, prefix="workers") from None
 
-    def apply(self, pod: dict[str, Any]) -> dict[str, Any]:
-        """The pod with these defaults merged in; the job's own settings win where both speak."""
+    def apply(self, pod: dict[str, Any], *, worker: bool = True) -> dict[str, Any]:
+        """The pod with these defaults merged in; the job's own settings win where both speak.
+
+        `worker` False: the job's store pod, which runs no device and no data loader. It takes what lets it
+        run beside the workers (tolerations, priority, security contexts, env, the Redis password) but not
+        what places a pod on an accelerator node or sizes it for training (node selector, affinity, runtime
+        class, requests, /dev/shm): it asked for 8 CPUs and 64Gi on a GPU node before."""
         spec = pod["spec"]
         container = spec["containers"][0]
-        if self.node_selector:
+        if self.node_selector and worker:
             spec["nodeSelector"] = {**self.node_selector, **spec.get("nodeSelector", {})}
         if self.tolerations:
             spec["tolerations"] = [*spec.get("tolerations", []), *self.tolerations]
-        if self.affinity:
+        if self.affinity and worker:
             spec.setdefault("affinity", self.affinity)
         if self.priority_class_name:
             spec.setdefault("priorityClassName", self.priority_class_name)
-        if self.runtime_class_name:
+        if self.runtime_class_name and worker:
             spec.setdefault("runtimeClassName", self.runtime_class_name)
-        if self.resources:
+        if self.resources and worker:
             merged = container.setdefault("resources", {})
             for kind, amounts in self.resources.items():
                 # The accelerator count comes from the job; the defaults add CPU, memory, RDMA, ...
@@ -106,7 +111,7 @@ class WorkerDefaults(BaseModel):
             container["securityContext"] = dict(self.security_context)
         if self.redis is not None:
             _password_from_secret(container, self.redis)
-        if self.shm_size:
+        if self.shm_size and worker:
             spec["volumes"].append(
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": self.shm_size}}
             )

@@ -68,6 +68,24 @@ def test_operator_arguments_are_accepted_by_rjob_operator(values: list[Path]) ->
     assert parsed.metrics_port == 9090 and parsed.health_port == 8080
 
 
+def test_the_operators_tuning_values_reach_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilientjob.operator.settings import OperatorSettings
+
+    sets = {"operator.joinSettleSeconds": "3", "operator.replaceBackoffMaxSeconds": "60"}
+    sets |= {"operator.env[0].name": "RJOB_PEERING_PRIORITY", "operator.env[0].value": "seven"}
+    env = {name: item.get("value") for name, item in env_of(operator_container(objects(sets=sets))).items()}
+    assert env["RJOB_PEERING_PRIORITY"] == "seven"
+    for name, value in env.items():
+        if name.startswith("RJOB_") and name != "RJOB_PEERING_PRIORITY" and isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    settings = OperatorSettings.from_env()
+    assert (settings.join_settle_s, settings.replace_backoff_s, settings.replace_backoff_max_s) == (
+        3.0,
+        10.0,
+        60.0,
+    )
+
+
 def test_defaults_watch_the_release_namespace_with_peering() -> None:
     docs = objects()
     args = operator_container(docs)["args"]

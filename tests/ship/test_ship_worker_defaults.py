@@ -4,6 +4,8 @@ the pods it creates, and the result is still a valid Pod."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 from _chart import CHART, objects, one, validate
 
 from resilientjob.operator import api
-from resilientjob.operator._manifests import pod_manifest
+from resilientjob.operator._manifests import pod_manifest, store_pod_manifest
 from resilientjob.operator._worker_defaults import WorkerDefaults
 from resilientjob.planner import PlannerError
 
@@ -52,6 +54,47 @@ def test_chart_defaults_schedule_worker_pods(values: str, device: str) -> None:
     assert container["resources"]["limits"][device] == "8"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     validate(pod)
+
+
+def test_the_store_pod_runs_beside_the_workers_without_their_accelerator_or_size() -> None:
+    defaults = WorkerDefaults.model_validate(_rendered_defaults(CHART / "ci" / "gpu-values.yaml"))
+    spec = api.parse_spec(
+        {
+            "image": "example/worker:1",
+            "model": "llama2-7b",
+            "nodes": 4,
+            "gpusPerNode": 8,
+            "deviceResource": "nvidia.com/gpu",
+            "globalBatchSize": 64,
+            "microBatchSize": 1,
+        }
+    )
+    body = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
+    pod = defaults.apply(store_pod_manifest(body, spec, "redis://r:6379/0"), worker=False)
+    spec_out, container = pod["spec"], pod["spec"]["containers"][0]
+    assert "nodeSelector" not in spec_out and "affinity" not in spec_out
+    assert "cpu" not in (container.get("resources") or {}).get("requests", {})
+    assert all(volume["name"] != "dshm" for volume in spec_out.get("volumes", []))
+    # Still admitted where the workers are: their tolerations, priority and security contexts.
+    assert spec_out["tolerations"] and spec_out["priorityClassName"] == "training-high"
+    assert spec_out["securityContext"] == defaults.pod_security_context
+    validate(pod)
+
+
+def test_an_ascend_worker_loads_canns_environment_before_the_agent() -> None:
+    """A pod's `command` replaces the image's entry point, which sources CANN's set_env.sh on Ascend: the
+    worker's command does it itself, then runs the agent with its arguments untouched."""
+    command = _job_pod("huawei.com/Ascend910")["spec"]["containers"][0]["command"]
+    assert command[:2] == ["sh", "-c"] and "/usr/local/Ascend/ascend-toolkit/set_env.sh" in command[2]
+    assert command[-3:] == ["python", "-m", "resilientjob.agent"]
+    # The wrapper runs (no CANN here: nothing to source) and hands every argument through.
+    wrapped = [*command[:4], sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "c"]
+    assert subprocess.run(wrapped, capture_output=True, text=True, check=True).stdout == "['a b', 'c']\n"
+    assert _job_pod("nvidia.com/gpu")["spec"]["containers"][0]["command"] == [
+        "python",
+        "-m",
+        "resilientjob.agent",
+    ]
 
 
 def test_job_settings_win_over_defaults() -> None:
