@@ -128,6 +128,9 @@ class _ProbeHooks(StepHooks):
     def on_plan(self, plan: Plan) -> None:
         self.probe.on_plan(plan)
 
+    def on_applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
+        self.probe.applied(generation, rendezvous_s, copy_s, copied_bytes)
+
     def before_step(self, store: Any, generation: int, step: int, world_rank: int | None) -> None:
         # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
         self.probe.maybe_validate(store, generation, step, world_rank)
@@ -187,6 +190,8 @@ class TrainingAgent:
         self.sink = self.directory / "steps.jsonl"
         self.sink.touch()
         self.context: Any = None
+        self.switches: dict[int, tuple[float, float, int]] = {}
+        """Generation -> (rendezvous s, copy s, bytes) of this node's switch to it, until its first step."""
 
     def devices(self) -> int:
         """Workers this node starts: one per device of its stages in the store's current plan. Blocks until
@@ -240,6 +245,8 @@ class TrainingAgent:
                 + (f" (chaos {chaos:.3f}s)" if chaos > 0 else ""),
                 flush=True,
             )
+            # The switch to this generation goes out with its first step's record (`IterationRecord`).
+            switch = self.switches.pop(event["generation"], None)
             await self.telemetry.record_iteration(
                 event["generation"],
                 event["step"],
@@ -250,7 +257,10 @@ class TrainingAgent:
                 communication_s=event["communication_s"],
                 loss=event["loss"],
                 chaos_s=chaos,
+                switch=switch,
             )
+        elif kind == "applied":
+            self.switches[event["generation"]] = (event["rendezvous_s"], event["copy_s"], event["bytes"])
         elif kind == "profile":
             await self.telemetry.record_profile(
                 generation=event["generation"],

@@ -333,6 +333,18 @@ class WorkerProbe:
             }
         )
 
+    def applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
+        """This node's switch to `generation`, for the agent to send with the generation's first step."""
+        self._write(
+            {
+                "kind": "applied",
+                "generation": generation,
+                "rendezvous_s": rendezvous_s,
+                "copy_s": copy_s,
+                "bytes": copied_bytes,
+            }
+        )
+
     def _write(self, line: Mapping[str, Any]) -> None:
         self.sink.write(json.dumps(line) + "\n")
 

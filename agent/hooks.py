@@ -19,6 +19,10 @@ class StepHooks:
     def on_plan(self, plan: Plan) -> None:
         """A plan is about to be applied: before its world is joined and its layers are copied."""
 
+    def on_applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
+        """This node switched to `generation`: how long its rendezvous and its layer copies took, and the
+        bytes it received (called by the node's first device only)."""
+
     def before_step(self, store: Store | None, generation: int, step: int, world_rank: int | None) -> None:
         """Step `step` of `generation` is about to run (an iteration boundary); `world_rank` None: this
         node has no part in the current plan."""

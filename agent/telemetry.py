@@ -246,6 +246,7 @@ class Telemetry:
         communication_s: float | None = None,
         loss: float | None = None,
         chaos_s: float | None = None,
+        switch: tuple[float, float, int] | None = None,
     ) -> SlowReport | None:
         """Append one step to the job's iteration stream; report a change point when a detector sees one
         (`StepWatch.feed`: `compute_s` is the step's time outside communication, from the trace).
@@ -257,7 +258,9 @@ class Telemetry:
         a detector in its warm-up cannot see a change yet.
 
         `chaos_s` (the delay a chaos order added to the step) travels in the record for whoever measures a
-        slowdown ordered on purpose (`rjob demo`, the benches); the detectors never read it."""
+        slowdown ordered on purpose (`rjob demo`, the benches); the detectors never read it. `switch`: the
+        (rendezvous s, copy s, bytes received) of this node's switch to `generation`, sent with its first
+        step there."""
         key = role if role is not None else generation
         if generation != self.generation:
             self.generation = generation
@@ -281,6 +284,9 @@ class Telemetry:
             communication_s=communication_s,
             loss=loss,
             chaos_s=chaos_s or None,
+            rendezvous_s=None if switch is None else max(0.0, switch[0]),
+            copy_s=None if switch is None else max(0.0, switch[1]),
+            copied_bytes=None if switch is None else max(0, int(switch[2])),
         )
         await self._send(self.keys.iterations, encode(record), keep=False)
         change = self.watch.feed(step, key, seconds, compute_s)

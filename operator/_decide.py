@@ -238,6 +238,31 @@ def held_joins(
     return None
 
 
+def measured_switches(
+    recoveries: list[api.Recovery], switches: Mapping[int, tuple[float, float, int]]
+) -> list[api.Recovery] | None:
+    """The recoveries with what the workers measured of each one's switch (`TelemetryPass.switches`: the
+    slowest rendezvous and copies, the bytes received); None when that changes nothing (no status patch)."""
+    updated, changed = [], False
+    for recovery in recoveries:
+        measured = switches.get(recovery.generation)
+        values = (
+            {}
+            if measured is None
+            else {
+                "rendezvous_s": round(measured[0], 4),
+                "copy_s": round(measured[1], 4),
+                "copied_bytes": measured[2],
+            }
+        )
+        if any(getattr(recovery, key) != value for key, value in values.items()):
+            updated.append(recovery.model_copy(update=values))
+            changed = True
+        else:
+            updated.append(recovery)
+    return updated if changed else None
+
+
 def same_work(current: Plan, plan: Plan) -> bool:
     """Whether `plan` gives every node the work `current` gives it: the same pipelines (stages, layers,
     micro-batches, reroutes), the same all-reduce rounds and nothing to copy. Published as a generation, it

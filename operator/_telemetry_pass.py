@@ -91,6 +91,10 @@ class PassOutcome:
     """A mitigation to publish (or, while another decision runs, to hand back as `deferred`)."""
 
 
+SWITCHES_KEPT = 8
+"""Generations whose measured switch the pass keeps (a recovery's workers report within a few steps)."""
+
+
 @dataclass(slots=True)
 class TelemetryPass:
     """Per-job telemetry state kept between passes."""
@@ -107,6 +111,9 @@ class TelemetryPass:
     transaction), not before, so that a kill in between neither loses nor repeats the decision."""
     dismissals: EventThrottle = field(default_factory=EventThrottle)
     """Dismissed reports' Events (`DISMISSED_EVENT_INTERVAL_S`)."""
+    switches: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    """Generation -> (slowest rendezvous s, slowest copy s, bytes received) the workers reported so far
+    (`_decide.measured_switches` puts them into the status's recoveries); the newest few kept."""
 
     async def run(self, ctl: PassContext, current: Published) -> PassOutcome:
         """Read the new telemetry; the outcome holds the status it measured and a mitigation to start."""
@@ -129,6 +136,10 @@ class TelemetryPass:
                 self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)
+            if record.rendezvous_s is not None and record.copy_s is not None:
+                self._switched(
+                    record.generation, record.rendezvous_s, record.copy_s, record.copied_bytes or 0
+                )
             if record.node in current.plan_nodes and record.node not in current.idle:
                 # Parked and drained nodes' probe steps are other work: not in the levels.
                 tracker.observe(record)
@@ -148,6 +159,16 @@ class TelemetryPass:
             tracker.changed = False
         status = self._status(ctl, current)
         return PassOutcome(status, force_status=set(tracker.slow) != slow_before, mitigation=mitigation)
+
+    def _switched(self, generation: int, rendezvous_s: float, copy_s: float, copied: int) -> None:
+        """One worker's switch to `generation` (its first step's record): per worker in the histogram, the
+        slowest worker's for the generation's recovery."""
+        metrics.RECOVERY_SECONDS.labels("resume").observe(rendezvous_s)
+        metrics.RECOVERY_SECONDS.labels("transfer").observe(copy_s)
+        before = self.switches.get(generation, (0.0, 0.0, 0))
+        self.switches[generation] = (max(before[0], rendezvous_s), max(before[1], copy_s), before[2] + copied)
+        for old in sorted(self.switches)[:-SWITCHES_KEPT]:
+            del self.switches[old]
 
     async def _validation(self, ctl: PassContext, published: PlanAnnouncement) -> None:
         redis, tracker = ctl.redis, ctl.tracker

@@ -500,6 +500,19 @@ class Recovery(_Api):
         default=None, ge=0, description="Fail-slow: the step at which the operator opened the episode."
     )
     plan_s: float = Field(default=0.0, ge=0)
+    rendezvous_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Measured by the workers: the slowest one's rendezvous into the generation.",
+    )
+    copy_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Measured by the workers: the slowest one's peer-to-peer layer copies.",
+    )
+    copied_bytes: int | None = Field(
+        default=None, ge=0, description="Bytes the workers received in those copies."
+    )
     at: str = ""
 
 

@@ -24,7 +24,8 @@ RECONFIGURATIONS = Counter(
 )
 RECOVERY_SECONDS = Histogram(
     "rjob_recovery_seconds",
-    "Recovery time by phase: detect, plan (decision), transfer and resume (reported by workers).",
+    "Recovery time by phase: detect and plan (the operator's, per recovery), transfer (layer copies) and "
+    "resume (rendezvous into the new generation), per worker as each reports its switch.",
     ["phase"],
     buckets=_LATENCY_BUCKETS,
 )

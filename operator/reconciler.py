@@ -453,6 +453,9 @@ class JobController:
             raise outage  # the telemetry pass reads Redis; the loop backs off and keeps count of the outage
         outcome = await self._telemetry.run(self._pass_context(), current)
         self.status = self.status.model_copy(update=outcome.status)
+        recoveries = _decide.measured_switches(self.status.recoveries, self._telemetry.switches)
+        if recoveries is not None:
+            self.status = self.status.model_copy(update={"recoveries": recoveries})
         await self.write_status(force=outcome.force_status)
         if outcome.mitigation is not None and deciding:
             self._telemetry.deferred = outcome.mitigation

@@ -117,6 +117,23 @@ class IterationRecord(_Message):
         description="Of `compute_s`, the delay a chaos order (`rjob chaos slow`) added in this step: when a "
         "slowdown ordered on purpose took effect. Measurement only; detection never reads it.",
     )
+    rendezvous_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="On a node's first step of a generation: how long its switch's rendezvous took.",
+    )
+    copy_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="On a node's first step of a generation: how long the layer copies it received took.",
+    )
+    copied_bytes: int | None = Field(
+        default=None, ge=0, le=2**53, description="On a node's first step of a generation: bytes it received."
+    )
 
 
 class SlowKind(StrEnum):

@@ -196,6 +196,11 @@ def test_hf_directory_job_survives_a_kill_and_exports_the_model(stack: Path, tmp
     assert until(lambda: _finished(job), 180, "the job to finish") == "Succeeded", job.status()
     recovered = job.published()
     assert recovered.generation >= 1 and victim not in recovered.plan.nodes
+    # The workers measured the switch and the status has it: the slowest rendezvous and copies, the bytes.
+    recoveries = job.status().get("recoveries") or []
+    failed = next(r for r in recoveries if r["trigger"] == "NodeFailed")
+    assert failed.get("rendezvousS") is not None and failed.get("copyS") is not None, failed
+    assert (failed["copiedBytes"] > 0) == (failed["policy"] != "reroute"), failed
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
     job.close()
 

@@ -191,3 +191,19 @@ def test_a_join_left_idle_gives_no_node_other_work(policy: str, kept: bool) -> N
     assert same_work(shrunk, grown) is kept
     assert (4 in grown.nodes) is not kept
     assert not same_work(plan_initial(spec, inputs), shrunk)  # the failure itself moved work
+
+
+def test_the_workers_measured_switch_goes_into_its_recovery_once() -> None:
+    from resilientjob.operator._decide import measured_switches
+
+    recoveries = [
+        api.Recovery(generation=1, trigger=api.Reason.NODE_FAILED, policy="dynamic", layout="DP3 PP[1,1,1]"),
+        api.Recovery(
+            generation=2, trigger=api.Reason.NODE_JOINED, policy="dynamic", layout="DP4 PP[1,1,1,1]"
+        ),
+    ]
+    updated = measured_switches(recoveries, {1: (0.04012, 0.081, 3 << 20), 7: (1.0, 1.0, 1)})
+    assert updated is not None
+    assert (updated[0].rendezvous_s, updated[0].copy_s, updated[0].copied_bytes) == (0.0401, 0.081, 3 << 20)
+    assert updated[1] == recoveries[1]  # nothing reported for it (yet)
+    assert measured_switches(updated, {1: (0.04012, 0.081, 3 << 20)}) is None  # unchanged: no status patch
