@@ -132,9 +132,15 @@ def checkpoint_state(spec: ResilientJobSpec, current: Plan, step: int | None) ->
     schedule: every `interval_steps`, or for a time interval every `interval_s / step time` steps as the
     current plan estimates it; the last one due is taken as written. None when the step is unknown: the
     planner then charges half an interval, the expected loss. (`checkpoint.path` is required, so every job
-    the operator runs writes checkpoints.)"""
+    the operator runs writes checkpoints.)
+
+    Without a volume the path is an emptyDir of each pod: every node keeps only the layers it wrote, no
+    restart finds a complete checkpoint, and a restart starts over from the initial weights. It is priced
+    so: every step so far redone."""
     if step is None:
         return None
+    if not spec.checkpoint.volume:
+        return CheckpointState(configured=True, step=step, last_step=None)
     every = spec.checkpoint.interval_steps
     if not every and current.step_time_s > 0:
         every = max(1, int(spec.checkpoint.interval_s / current.step_time_s))

@@ -171,11 +171,23 @@ class ProfileSource(_Api):
 
 
 class StrategyOverheads(_Api):
-    """Fixed costs (seconds) of each fail-slow mitigation level, the ski-rental 'buy' prices."""
+    """Fixed costs (seconds) of each fail-slow mitigation level, the ski-rental 'buy' prices. Two of them
+    are also the planner's transition costs at every failure (eq. 8): `topologyS` a new layout's, `restartS`
+    a checkpoint restart's (before the copies and the steps redone)."""
 
-    microbatch_s: float = Field(default=1.0, ge=0, le=86400, description="Rebalance micro-batches.")
-    topology_s: float = Field(default=20.0, ge=0, le=86400, description="Move stages off a slow node.")
-    restart_s: float = Field(default=120.0, ge=0, le=86400, description="Checkpoint and restart.")
+    microbatch_s: float = Field(default=1.0, ge=0, le=86400, description="Rebalance micro-batches (S2).")
+    topology_s: float = Field(
+        default=20.0,
+        ge=0,
+        le=86400,
+        description="Move stages off a slow node (S3); also the planner's fixed cost of any layout change.",
+    )
+    restart_s: float = Field(
+        default=120.0,
+        ge=0,
+        le=86400,
+        description="Checkpoint and restart (S4); also the planner's fixed cost of a checkpoint restart.",
+    )
 
 
 class FailSlowSpec(_Api):
@@ -226,7 +238,8 @@ class CheckpointSpec(_Api):
         default=None,
         max_length=253,
         description="PersistentVolumeClaim name; a restart from a checkpoint needs every worker to read it "
-        "(ReadWriteMany).",
+        "(ReadWriteMany). Unset: the path is an emptyDir of each pod, node-local, so a restart finds no "
+        "complete checkpoint and starts over from the initial weights (and is priced so).",
     )
     path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
     interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")

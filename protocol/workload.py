@@ -80,7 +80,10 @@ class TrainingSpec(_Wire):
     steps: int = Field(default=1000, ge=1, le=2**40, description="Global steps; then the job succeeds.")
     lr: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate.")
     betas: list[float] = Field(
-        default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2, description="AdamW betas."
+        default_factory=lambda: [0.9, 0.95],
+        min_length=2,
+        max_length=2,
+        description="AdamW betas (default [0.9, 0.95]).",
     )
     weight_decay: float = Field(
         default=0.1, ge=0, le=10, description="AdamW weight decay of matrices (not of norms, biases)."

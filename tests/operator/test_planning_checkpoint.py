@@ -11,8 +11,8 @@ from resilientjob.operator.api import parse_spec
 from resilientjob.planner import Policy
 
 
-def _spec(checkpoint: dict[str, int]):  # type: ignore[no-untyped-def]
-    return parse_spec(bert_spec_fields(checkpoint=checkpoint))
+def _spec(checkpoint: dict[str, int | str]):  # type: ignore[no-untyped-def]
+    return parse_spec(bert_spec_fields(checkpoint={"volume": "shared-checkpoints", **checkpoint}))
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,18 @@ def test_last_checkpoint_follows_the_schedule(
         last = step - step % every or None
     assert state.last_step == last
     assert checkpoint_state(spec, current, None) is None
+
+
+def test_checkpoints_without_a_volume_are_node_local_and_a_restart_starts_over() -> None:
+    spec = parse_spec(bert_spec_fields(checkpoint={"intervalSteps": 10}))
+    inputs = planner_inputs(spec)
+    current = plan_initial(spec, inputs)
+    state = checkpoint_state(spec, current, 25)
+    assert state is not None and state.last_step is None and state.lost_steps() == 25
+    stage0 = [pipeline.stages[0].node for pipeline in current.pipelines]
+    plan = plan_next(spec, inputs, current, failed=stage0, step=25)
+    candidate = next(c for c in plan.candidates if c.policy is Policy.CHECKPOINT)
+    assert "all 25 steps so far redone" in candidate.reason, candidate.reason
 
 
 def test_replan_beyond_f_charges_the_steps_since_the_checkpoint() -> None:
