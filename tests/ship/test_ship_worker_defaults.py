@@ -24,8 +24,8 @@ def _rendered_defaults(values: Path) -> dict[str, Any]:
     return data
 
 
-def _job_pod(device: str) -> dict[str, Any]:
-    spec = api.parse_spec(
+def _job_spec(device: str) -> api.ResilientJobSpec:
+    return api.parse_spec(
         {
             "image": "example/worker:1",
             "model": "llama2-7b",
@@ -36,8 +36,15 @@ def _job_pod(device: str) -> dict[str, Any]:
             "microBatchSize": 1,
         }
     )
-    body = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
-    return pod_manifest(body, spec, node=2, generation=0, layout="DP1 PP[4]", redis_url="redis://r:6379/0")
+
+
+BODY = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
+
+
+def _job_pod(device: str) -> dict[str, Any]:
+    return pod_manifest(
+        BODY, _job_spec(device), node=2, generation=0, layout="DP1 PP[4]", redis_url="redis://r:6379/0"
+    )
 
 
 @pytest.mark.parametrize(
@@ -58,19 +65,8 @@ def test_chart_defaults_schedule_worker_pods(values: str, device: str) -> None:
 
 def test_the_store_pod_runs_beside_the_workers_without_their_accelerator_or_size() -> None:
     defaults = WorkerDefaults.model_validate(_rendered_defaults(CHART / "ci" / "gpu-values.yaml"))
-    spec = api.parse_spec(
-        {
-            "image": "example/worker:1",
-            "model": "llama2-7b",
-            "nodes": 4,
-            "gpusPerNode": 8,
-            "deviceResource": "nvidia.com/gpu",
-            "globalBatchSize": 64,
-            "microBatchSize": 1,
-        }
-    )
-    body = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
-    pod = defaults.apply(store_pod_manifest(body, spec, "redis://r:6379/0"), worker=False)
+    store = store_pod_manifest(BODY, _job_spec("nvidia.com/gpu"), "redis://r:6379/0")
+    pod = defaults.apply(store, worker=False)
     spec_out, container = pod["spec"], pod["spec"]["containers"][0]
     assert "nodeSelector" not in spec_out and "affinity" not in spec_out
     assert "cpu" not in (container.get("resources") or {}).get("requests", {})
