@@ -29,6 +29,10 @@ def refuse(code: int, reason: str, message: str, **details: Any) -> KubernetesEr
     return KubernetesError(status=code, reason=reason, message=message, details=details or {})
 
 
+WITHOUT_GENERATION = frozenset({"ConfigMap", "Secret", "Namespace", "Service", "ServiceAccount", "Event"})
+"""Kinds a real API server keeps no `metadata.generation` for (they have no spec to count changes of)."""
+
+
 def stamp(kind: Kind, obj: dict[str, Any], namespace: str | None) -> dict[str, Any]:
     """A new object's server-owned fields, as the API server sets them on create."""
     obj = {**obj, "kind": kind.kind, "apiVersion": kind.api_version}
@@ -39,8 +43,12 @@ def stamp(kind: Kind, obj: dict[str, Any], namespace: str | None) -> dict[str, A
         meta["namespace"] = namespace or meta.get("namespace") or "default"
     meta["uid"] = str(uuid.uuid4())
     meta["creationTimestamp"] = now()
-    meta["generation"] = 1
+    meta.pop("generation", None)
+    if kind.kind not in WITHOUT_GENERATION:
+        meta["generation"] = 1
     meta["resourceVersion"] = "0"
+    if kind.kind == "Secret":
+        obj.setdefault("type", "Opaque")
     for server_only in ("deletionTimestamp", "deletionGracePeriodSeconds"):
         meta.pop(server_only, None)
     return obj

@@ -66,6 +66,8 @@ CORE_RESOURCES: tuple[tuple[str, str, str, str, bool], ...] = (
     ("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", False),
 )
 _CRDS = "customresourcedefinitions"
+UNDELETABLE_NAMESPACES = frozenset({"default", "kube-system", "kube-public"})
+"""The namespaces a real API server's NamespaceLifecycle admission refuses to delete."""
 _SHORT_NAMES = {
     "pods": ("po",),
     "configmaps": ("cm",),
@@ -494,8 +496,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
         new = admission.owned_parts(kind, request.subresource, old, new)
         if new == old:
             return self._answer(self._stamp_kind(kind, old), 200, [])
-        if new.get("spec") != old.get("spec"):
-            new["metadata"]["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        if new.get("spec") != old.get("spec") and "generation" in old["metadata"]:
+            new["metadata"]["generation"] = int(old["metadata"]["generation"]) + 1
         new, warnings = admission.admit(request.params, kind, new, old)
         if request.params.get("dryRun") == "All":
             return self._answer(new, 200, warnings)
@@ -519,6 +521,14 @@ class LocalApiServer(kmock.KubernetesEmulator):
                     f"Precondition failed: {field} in precondition: {preconditions[field]}, "
                     f"{field} in object meta: {old['metadata'].get(field)}",
                 )
+        if kind.kind == "Namespace" and key[2] in UNDELETABLE_NAMESPACES:
+            raise refuse(
+                403,
+                "Forbidden",
+                f'namespaces "{key[2]}" is forbidden: this namespace may not be deleted',
+                name=key[2],
+                kind="namespaces",
+            )
         if request.params.get("dryRun") == "All" or options.get("dryRun"):
             return self._answer(old, 200, [])
         if kind.kind == "Namespace":

@@ -250,6 +250,13 @@ async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any)
     assert (await call(client, "POST", "/api/v1/namespaces/nope/configmaps", {"metadata": {"name": "c"}}))[
         0
     ] == 201
+    # What a real server fills in: a Secret's default type; no generation where there is no spec to count.
+    status, secret = await call(client, "POST", secrets_, {"metadata": {"name": "s"}, "data": {"a": "eQ=="}})
+    assert status == 201 and secret["type"] == "Opaque" and "generation" not in secret["metadata"]
+    _, made = await call(client, "GET", "/api/v1/namespaces/nope/configmaps/c")
+    assert "generation" not in made["metadata"]
+    _, worker = await call(client, "POST", PODS, pod("counted"))
+    assert worker["metadata"]["generation"] == 1
 
 
 def _varint(value: int) -> bytes:
@@ -358,3 +365,10 @@ async def test_a_deleted_namespace_takes_what_is_in_it_and_waits_for_its_finaliz
         assert response.status == 200
     assert (await call(client, "GET", "/api/v1/namespaces/gone"))[0] == 404  # empty: gone
     assert (await call(client, "GET", f"{PODS}/elsewhere"))[0] == 200  # other namespaces untouched
+    # As a real API server: the system namespaces may not be deleted.
+    status, body = await call(client, "DELETE", "/api/v1/namespaces/default")
+    assert (
+        status == 403
+        and body["message"] == 'namespaces "default" is forbidden: this namespace may not be deleted'
+    )
+    assert (await call(client, "GET", f"{PODS}/elsewhere"))[0] == 200
