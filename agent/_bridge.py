@@ -247,6 +247,8 @@ class TrainingAgent:
             )
             # The switch to this generation goes out with its first step's record (`IterationRecord`).
             switch = self.switches.pop(event["generation"], None)
+            for older in [g for g in self.switches if g < event["generation"]]:
+                del self.switches[older]  # a generation this node switched to but never stepped in
             await self.telemetry.record_iteration(
                 event["generation"],
                 event["step"],

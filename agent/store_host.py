@@ -38,6 +38,7 @@ from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, dec
 from resilientjob.protocol.store_keys import COMMITTED_KEY, joining_key
 
 from ._redis import REDIS_DOWN, Outage, connect
+from .telemetry import SUPERSEDED_AFTER_S
 
 STORE_PORT_ENV = "RJOB_STORE_PORT"
 """The port the store listens on (0 or unset: any free port)."""
@@ -91,6 +92,9 @@ class StoreHost:
         """The uid of the ResilientJob this host serves (RJOB_JOB_UID); "": never superseded."""
         self.superseded = False
         """The job's keys belong to another job of this name: this host's job was deleted."""
+        self.foreign_since: float | None = None
+        """Since when the owner key names another job (the operator sets it back within a pass when a
+        reloaded Redis named a deleted job: the host waits `SUPERSEDED_AFTER_S` before it stops)."""
         self.seeded = False
         """Whether the failure counter was taken over from an earlier host (`JobKeys.store_failures`)."""
         self.validation = ValidationRelay(client, keys, self.store)
@@ -186,6 +190,24 @@ class StoreHost:
         owner = await self.client.get(self.keys.owner)
         return owner is not None and owner != self.job_uid.encode()
 
+    async def _superseded(self) -> bool:
+        """Whether this host's job was deleted: the keys have named another job for `SUPERSEDED_AFTER_S`
+        (until then the host only stops registering). Says so once it stops."""
+        if not await self._owned_by_another():
+            self.foreign_since = None
+            return False
+        now = time.monotonic()
+        self.foreign_since = self.foreign_since or now
+        if now - self.foreign_since < SUPERSEDED_AFTER_S:
+            return False
+        print(
+            f"store host: the Redis keys of job {self.keys.namespace}/{self.keys.job} belong to another "
+            f"ResilientJob of that name; this pod's job (uid {self.job_uid}) was deleted: it stops",
+            flush=True,
+        )
+        self.superseded = True
+        return True
+
     def _trained(self) -> bool:
         if self.steps is None or not self.store.check([COMMITTED_KEY]):
             return False
@@ -210,19 +232,15 @@ class StoreHost:
                         await self.client.set(self.keys.store_failures, self.announced)
                 await self.validation.poll(self.plan.generation if self.plan is not None else None)
                 if self.plan is not None and time.monotonic() - registered_at > REGISTER_EVERY_S:
-                    if await self._owned_by_another():
-                        print(
-                            f"store host: the Redis keys of job {self.keys.namespace}/{self.keys.job} belong "
-                            f"to another ResilientJob of that name; this pod's job (uid {self.job_uid}) was "
-                            "deleted: it stops",
-                            flush=True,
-                        )
-                        self.superseded = True
+                    if await self._superseded():
                         return
                     # The address appears only once a plan is in the store: workers read it at once (and
                     # workers of a replaced host reconnect only once the plan is back). Rewritten into a
-                    # Redis that came back empty, with the failure count.
-                    if await self.client.get(self.keys.store) != self.address.encode():
+                    # Redis that came back empty, with the failure count; never into another job's keys.
+                    if (
+                        self.foreign_since is None
+                        and await self.client.get(self.keys.store) != self.address.encode()
+                    ):
                         await self.client.set(self.keys.store_failures, self.announced)
                         await self.client.set(self.keys.store, self.address)
                     registered_at = time.monotonic()

@@ -9,9 +9,10 @@ and rewrite their key and bit when Redis is back (also when it came back empty),
 profiles made meanwhile are dropped (the operator reads fresh ones once Redis is back), slow reports wait
 in a small outbox until they can be sent, and the plan follower resubscribes and re-reads the plan key.
 
-A beat is fenced by the job's uid (`BEAT`): an agent of a deleted job of the same name (a pod stuck
-terminating on a node cut off from the API server but not from Redis) finds the keys owned by the new
-job, writes nothing more and stops, instead of keeping a dead node of the new job alive.
+Beats and appends are fenced by the job's uid (`BEAT`, `SEND`): an agent of a deleted job of the same
+name (a pod stuck terminating on a node cut off from the API server but not from Redis) finds the keys
+owned by the new job, has its writes refused and stops after `SUPERSEDED_AFTER_S`, instead of keeping a
+dead node of the new job alive or feeding it a deleted job's steps.
 """
 
 from __future__ import annotations
@@ -123,6 +124,24 @@ def queue_beat(
     )
 
 
+# KEYS: a stream, the job's owner key. ARGV: the message, the stream's approximate cap, the agent's job uid.
+# The same fence as `BEAT` for everything an agent appends (step records, slow reports): a deleted job's
+# agent must not feed the new job's detectors or date its generations. Returns 0 when refused.
+SEND = """
+if ARGV[3] ~= "" then
+  local owner = redis.pcall("GET", KEYS[2])
+  if type(owner) == "string" and owner ~= ARGV[3] then return 0 end
+end
+redis.call("XADD", KEYS[1], "MAXLEN", "~", ARGV[2], "*", "m", ARGV[1])
+return 1
+"""
+
+SUPERSEDED_AFTER_S = 5.0
+"""How long the keys must stay another job's before an agent stops: the operator sets the owner back within
+a pass when it was wrong (a Redis that reloaded an older state naming a deleted job), and a deleted job's
+agent stops within this."""
+
+
 class Superseded(Exception):
     """The job's Redis keys belong to another job of the same name: this agent's job was deleted."""
 
@@ -142,6 +161,7 @@ class Telemetry:
         detector: DetectorConfig | None = None,
         warmup: int = WARMUP_STEPS,
         job_uid: str = "",
+        superseded_after_s: float = SUPERSEDED_AFTER_S,
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be > 0 and below heartbeat_ttl_s")
@@ -154,7 +174,10 @@ class Telemetry:
         self.job_uid = job_uid
         """The uid of the ResilientJob this agent works for (RJOB_JOB_UID); "" writes unfenced."""
         self.superseded = False
-        """A beat found the keys owned by another job: nothing is written any more."""
+        """The keys have belonged to another job for `SUPERSEDED_AFTER_S`: nothing is written any more."""
+        self.superseded_after_s = superseded_after_s
+        self.refused_since: float | None = None
+        """When writes began to be refused (the keys another job's); None while they are accepted."""
         self.watch = StepWatch(detector or AGENT_DETECTOR, warmup)
         """The detectors on this worker's steps; `role` None until the first step."""
         self.generation = -1
@@ -175,10 +198,32 @@ class Telemetry:
         )
         ttl = ttl_s or self.heartbeat_ttl_s
         written = await queue_beat(self.client, self.keys, self.node, encode(message), ttl, self.job_uid)
-        if written == 0:
+        self._owned(written != 0)
+        if written:
+            HEARTBEATS.inc()
+
+    def _owned(self, accepted: bool) -> None:
+        """Note whether a write was accepted; raises `Superseded` once refusals have lasted
+        `superseded_after_s` (one refusal alone may be a Redis that reloaded an older owner)."""
+        if accepted:
+            if self.refused_since is not None:
+                print(
+                    f"resilientjob.agent: node {self.node}: the job's Redis keys are its own again",
+                    flush=True,
+                )
+            self.refused_since = None
+            return
+        now = time.monotonic()
+        if self.refused_since is None:
+            self.refused_since = now
+            print(
+                f"resilientjob.agent: node {self.node}: Redis refuses this pod's writes: the keys name "
+                f"another job of this name; stopping in {self.superseded_after_s:.0f} s unless that changes",
+                flush=True,
+            )
+        if now - self.refused_since >= self.superseded_after_s:
             self.superseded = True
             raise Superseded(self._superseded_line())
-        HEARTBEATS.inc()
 
     def _superseded_line(self) -> str:
         return (
@@ -192,7 +237,8 @@ class Telemetry:
         rewrites the key and the node's `beaten` bit, which re-registers the node in a Redis that came back
         empty. The slow reports that waited meanwhile go out after the first beat that gets through.
 
-        Keys owned by another job (`Superseded`) end the loop and set `stopped`: the whole agent stops."""
+        Keys owned by another job for `SUPERSEDED_AFTER_S` (`Superseded`) end the loop and set `stopped`:
+        the whole agent stops."""
         while not stopped.is_set():
             wait_s = self.heartbeat_interval_s
             try:
@@ -209,23 +255,29 @@ class Telemetry:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), wait_s)
 
+    async def _append(self, stream: str, message: bytes) -> bool:
+        """XADD through the owner fence (`SEND`); False when refused."""
+        written = await self.client.eval(
+            SEND, 2, stream, self.keys.owner, message, STREAM_MAXLEN, self.job_uid
+        )
+        return bool(written)
+
     async def _flush(self) -> None:
         while self.outbox:
             stream, message = self.outbox[0]
-            await self.client.xadd(stream, {"m": message}, maxlen=STREAM_MAXLEN, approximate=True)
+            await self._append(stream, message)  # refused: the report was for a job that is gone
             self.outbox.popleft()
 
     async def _send(self, stream: str, message: bytes, *, keep: bool) -> bool:
         """Append `message` to `stream`; False when Redis is away. A `keep` message (a slow report) waits
         in the outbox meanwhile; the others are dropped and counted (they are superseded within seconds).
         Nothing is sent once the keys belong to another job."""
-        if self.superseded:
+        if self.superseded or self.refused_since is not None:
             return False
         if not self.outage.down:
             try:
                 await self._flush()
-                await self.client.xadd(stream, {"m": message}, maxlen=STREAM_MAXLEN, approximate=True)
-                return True
+                return await self._append(stream, message)
             except REDIS_DOWN as exc:
                 self.outage.failed(exc)
         if keep:

@@ -221,7 +221,8 @@ def _settle(
         trainer.received.clear()
         if trainer.local_rank > 0:  # events are per node: local rank 0 writes them
             return joined
-        trainer.hooks.on_applied(generation, timings.rendezvous_s, timings.copy_s, timings.bytes_received)
+        if joined:  # a node left out keeps the last switch's timings: nothing to report
+            trainer.hooks.on_applied(generation, timings.rendezvous_s, timings.copy_s, timings.bytes_received)
         store.set(
             event_key("applied", generation, trainer.node),
             json.dumps(

@@ -169,6 +169,7 @@ def plan_next(
         failed=sorted(failed),
         joined=sorted(joined),
         emptied=sorted(emptied),
+        standby=(),  # every ready idle node is in `joined`; an idle id without a running pod is not alive
         policy=spec.policy,
         costs=inputs.costs,
         checkpoint=checkpoint_state(spec, current, step),

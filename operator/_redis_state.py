@@ -84,7 +84,10 @@ def announcement(
 
 
 # ARGV: heartbeat key prefix, nodes as "1,2,5", beaten-bitmap key, plan-generation key, heartbeat TTL in ms,
-# plan key. Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever beaten"
+# plan key, owner key, the job's uid ("": none claimed). The owner key is set back to the uid when it holds
+# anything else (a Redis that reloaded an older state naming a deleted job of this name would have every
+# agent of this one refused, `agent.telemetry.BEAT`; this operator runs the job, so its uid is the owner).
+# Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever beaten"
 # bytes (0/1), the committed generation, the nodes whose key had no TTL, as "1,5", and the plan's length
 # (-1: another type), which tells a plan overwritten in place without reading it. An agent always sets its
 # key with a TTL, so a key without one is garbage (hand-written, another type): it gets the TTL of a fresh
@@ -110,6 +113,9 @@ for node in string.gmatch(ARGV[2], "%d+") do
     if type(bit) ~= "number" then bit = 0 end
     beaten[i] = string.char(bit)
   end
+end
+if ARGV[8] ~= "" and redis.pcall("GET", ARGV[7]) ~= ARGV[8] then
+  redis.call("SET", ARGV[7], ARGV[8])
 end
 local generation = redis.pcall("GET", ARGV[4])
 if type(generation) ~= "string" then generation = "" end
@@ -284,6 +290,8 @@ class JobRedis:
                 self.keys.plan_generation,
                 ttl_ms,
                 self.keys.plan,
+                self.keys.owner,
+                self.uid,
             ]
         )
         packed, beaten, generation, repaired_arg, plan_bytes = reply
@@ -496,8 +504,12 @@ class JobRedis:
             and (owner.decode(errors="replace") if isinstance(owner, bytes) else owner) == uid
         ):
             return 0
+        # "claiming:" until the leftovers are gone: it refuses the old agents already, and a claim cut short
+        # (Redis away in the middle of the deletion) finds it on its retry and deletes the rest.
+        await self.client.set(self.keys.owner, f"claiming:{uid}")
+        removed = await self.forget(keep=self.keys.owner)
         await self.client.set(self.keys.owner, uid)
-        return await self.forget(keep=self.keys.owner)
+        return removed
 
     async def forget(self, keep: str | None = None) -> int:
         """Delete every key of the job (on job deletion), but `keep`."""

@@ -136,7 +136,8 @@ class TelemetryPass:
                 self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)
-            if record.rendezvous_s is not None and record.copy_s is not None:
+            # Generation 0's rendezvous is the job's start (image pulls, model loading): no recovery.
+            if record.generation > 0 and record.rendezvous_s is not None and record.copy_s is not None:
                 self._switched(
                     record.generation, record.rendezvous_s, record.copy_s, record.copied_bytes or 0
                 )

@@ -52,6 +52,8 @@ class WorkerDefaults(BaseModel):
     accelerator: str = "none"
     resource_name: str = Field(default="", alias="resourceName")
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    accelerator_node_selector: dict[str, str] = Field(default_factory=dict, alias="acceleratorNodeSelector")
+    """The part of `node_selector` that picks accelerator nodes (the chart's `workers.<accelerator>`)."""
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
     resources: dict[str, dict[str, str | int]] = Field(default_factory=dict)
@@ -82,13 +84,19 @@ class WorkerDefaults(BaseModel):
         """The pod with these defaults merged in; the job's own settings win where both speak.
 
         `worker` False: the job's store pod, which runs no device and no data loader. It takes what lets it
-        run beside the workers (tolerations, priority, security contexts, env, the Redis password) but not
-        what places a pod on an accelerator node or sizes it for training (node selector, affinity, runtime
-        class, requests, /dev/shm): it asked for 8 CPUs and 64Gi on a GPU node before."""
+        run beside the workers (tolerations, priority, security contexts, env, the Redis password, the node
+        selector but the accelerator's: an image built for arm64 still needs arm64 nodes) but not what
+        places a pod on an accelerator node or sizes it for training (the accelerator's node selector,
+        affinity, runtime class, requests, /dev/shm): it asked for 8 CPUs and 64Gi on a GPU node before."""
         spec = pod["spec"]
         container = spec["containers"][0]
-        if self.node_selector and worker:
-            spec["nodeSelector"] = {**self.node_selector, **spec.get("nodeSelector", {})}
+        selector = (
+            self.node_selector
+            if worker
+            else {k: v for k, v in self.node_selector.items() if k not in self.accelerator_node_selector}
+        )
+        if selector:
+            spec["nodeSelector"] = {**selector, **spec.get("nodeSelector", {})}
         if self.tolerations:
             spec["tolerations"] = [*spec.get("tolerations", []), *self.tolerations]
         if self.affinity and worker:

@@ -271,6 +271,7 @@ def _change(
     failed: Collection[int],
     joined: Collection[int],
     emptied: Collection[int] = (),
+    standby: Collection[int] | None = None,
 ) -> _Change:
     if profile.num_layers != current.num_layers:
         raise PlannerError(
@@ -282,8 +283,10 @@ def _change(
         raise PlannerError("joined", f"node {min(both)} is listed as both failed and joined")
     previously_failed = set(current.failed_nodes)
     running = set(current.nodes)
-    # Alive before the change: the initial cluster and any node the plan runs on, minus earlier failures.
-    before = (set(range(cluster.nodes)) | running) - previously_failed
+    # Alive before the change: the nodes the plan runs on and the idle ones (`standby`; None: every node of
+    # the initial cluster), minus earlier failures.
+    idle = set(range(cluster.nodes)) if standby is None else set(standby)
+    before = (idle | running) - previously_failed
     for node in sorted(failed_set):
         if node not in before:
             state = "already failed" if node in previously_failed else "not a node of the cluster"
@@ -587,6 +590,7 @@ def replan(
     failed: Collection[int] = (),
     joined: Collection[int] = (),
     emptied: Collection[int] = (),
+    standby: Collection[int] | None = None,
     policy: Policy = Policy.AUTO,
     costs: TransitionCosts = TransitionCosts(),  # noqa: B008 - frozen model, safe as a default
     failure_rate_per_node_hour: float = 0.01,
@@ -595,6 +599,9 @@ def replan(
     """The plan after `failed` nodes stopped and `joined` nodes arrived; generation current + 1. `emptied`:
     alive nodes of the current plan whose layers are not to be trusted (a copy to them may have been cut
     short): they run again, but hold nothing, and their layers count as lost where no other node has them.
+    `standby`: the nodes outside the current plan that can run a stage besides `joined`; None (a simulation,
+    the CLI): every node of the cluster that has not failed. The operator passes none: it lists each ready
+    idle node in `joined`, and an idle id whose pod is not running must not be planned on.
 
     `failed_nodes` accumulates every failure so far; `candidates` lists every policy considered with its
     step time, transition time and score; `policy` is the concrete policy chosen (never `auto`); transfers
@@ -606,7 +613,7 @@ def replan(
     rate = failure_rate_per_node_hour
     if not (math.isfinite(rate) and rate >= 0):
         raise PlannerError("failure_rate_per_node_hour", f"must be a finite number >= 0, got {rate}")
-    change = _change(current, profile, cluster, failed, joined, emptied)
+    change = _change(current, profile, cluster, failed, joined, emptied, standby)
     between = mean_time_between_failures(rate, len(change.alive))
     replanner = _Replanner(current, profile, cluster, job, change, costs, checkpoint, policy is Policy.AUTO)
     order = AUTO_POLICIES if policy is Policy.AUTO else (policy,)

@@ -17,7 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -84,6 +84,10 @@ def export_drop_counts() -> None:
 class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    sparse: ClassVar[bool] = False
+    """Encoded without its unset (None) fields: a message that gained optional fields still reaches a
+    reader of the older schema (which forbids fields it does not know) when they are not set."""
+
 
 class Heartbeat(_Message):
     node: int = Field(ge=0, le=1_000_000)
@@ -94,6 +98,10 @@ class Heartbeat(_Message):
 
 
 class IterationRecord(_Message):
+    # An agent may run a newer image than the operator (worker pods run `spec.image`): the record of every
+    # step must not carry a field that is only set on a generation's first step.
+    sparse = True
+
     node: int = Field(ge=0, le=1_000_000)
     generation: int = Field(ge=0)
     step: int = Field(ge=0)
@@ -331,7 +339,7 @@ def dropped(source: str, reason: DropReason) -> float:
 
 
 def encode(message: BaseModel) -> bytes:
-    return message.model_dump_json().encode()
+    return message.model_dump_json(exclude_none=isinstance(message, _Message) and message.sparse).encode()
 
 
 WORKLOAD_TERMINATION_PREFIX = "workload: "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from resilientjob.agent.telemetry import Superseded, Telemetry
+from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement, node_list
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.keys import JobKeys
@@ -173,35 +173,76 @@ async def test_a_new_job_of_a_deleted_jobs_name_starts_from_clean_keys(client: a
     await client.delete(keys.owner)
     assert await new.claim("uid-new", started=True) == 0 and await client.getbit(keys.beaten, 1) == 1
     assert await client.get(keys.owner) == b"uid-new"
+    # A claim cut short (Redis gone in the middle of the deletion) is finished by its retry.
+    again = JobKeys("ns", "cut-short")
+    await client.set(again.owner, "claiming:uid-new")
+    await client.setbit(again.beaten, 3, 1)
+    assert await JobRedis(client, again).claim("uid-new") == 1
+    assert await client.exists(again.beaten) == 0 and await client.get(again.owner) == b"uid-new"
 
 
 async def test_a_deleted_jobs_agent_is_refused_once_a_new_job_owns_the_keys(client: aioredis.Redis) -> None:
     """A pod of a deleted job stuck terminating on a node cut off from the API server (not from Redis) beats
     on: it must not keep a node of the new job of that name alive, nor set its `beaten` bit (which fences
-    that node's new worker as it starts)."""
+    that node's new worker as it starts), nor append steps to its streams."""
     keys = JobKeys("ns", "zombie")
     await JobRedis(client, keys).claim("uid-old")
-    stale = Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-old")
+    stale = Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-old", superseded_after_s=0.3)
     await stale.beat()
     assert await client.exists(keys.heartbeat(4)) == 1  # its own job's keys: written
     await JobRedis(client, keys).claim("uid-new")
     assert await client.exists(keys.heartbeat(4)) == 0 and await client.getbit(keys.beaten, 4) == 0
+    await stale.beat()  # refused, written nowhere; one refusal alone stops nothing
+    assert not stale.superseded and stale.refused_since is not None
+    assert not await stale._send(keys.iterations, b"{}", keep=False)
     stopped = asyncio.Event()
     await asyncio.wait_for(stale.heartbeat_forever(stopped), 5)
-    assert stopped.is_set() and stale.superseded  # the whole agent stops
-    assert await client.exists(keys.heartbeat(4)) == 0 and await client.getbit(keys.beaten, 4) == 0
-    assert not await stale.record_iteration(0, 1, 0.1, 2) and await client.exists(keys.iterations) == 0
-    # The new job's agents, and an agent started by hand (no uid), still beat.
-    await Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-new").beat()
+    assert stopped.is_set() and stale.superseded  # refused for the grace: the whole agent stops
+    assert (
+        await client.exists(keys.heartbeat(4), keys.iterations) == 0
+        and await client.getbit(keys.beaten, 4) == 0
+    )
+    # The new job's agents, and an agent started by hand (no uid), beat and append.
+    fresh = Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-new")
+    await fresh.beat()
+    assert await fresh.record_iteration(0, 1, 0.1, 2) is None and await client.xlen(keys.iterations) == 1
     await Telemetry(client, keys, 5, "by-hand").beat()
     assert await client.exists(keys.heartbeat(4), keys.heartbeat(5)) == 2
-    # Redis lost its state: the owner comes back with the plan the operator restores, and the deleted job's
-    # agent is refused again.
+    # Redis reloaded an older state that names the deleted job: the new job's agents are refused, the
+    # operator's next scan sets the owner back, and they are accepted again before their grace is out.
     state = JobRedis(client, keys)
     await state.claim("uid-new")
+    await client.set(keys.owner, "uid-old")
+    await fresh.beat()
+    assert fresh.refused_since is not None
+    await state.scan(np.asarray([4]), node_list([4]))
+    assert await client.get(keys.owner) == b"uid-new"
+    await fresh.beat()
+    assert fresh.refused_since is None and not fresh.superseded
+    # Redis lost its state: the owner comes back with the plan the operator restores.
     await client.flushdb()
     plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(_one_stage(0),), step_time_s=1.0)
     await state.announce(announcement(plan))
     assert await client.get(keys.owner) == b"uid-new"
-    with pytest.raises(Superseded, match="belong to another ResilientJob"):
-        await Telemetry(client, keys, 4, "zombie-node-4", job_uid="uid-old").beat()
+
+
+def test_a_step_record_reaches_an_operator_of_the_schema_before_the_switch_fields() -> None:
+    """Worker pods run the job's image, which may be newer than the operator's: a record carries the fields
+    only a generation's first step sets only when they are set, since the older schema forbids unknown
+    fields (it dropped every record of a newer agent)."""
+    import json
+
+    from resilientjob.protocol.messages import IterationRecord, encode
+
+    plain = IterationRecord(node=1, generation=2, step=3, seconds=0.1, samples=4, sent_at=1.0, compute_s=0.08)
+    assert set(json.loads(encode(plain))) == {
+        "node",
+        "generation",
+        "step",
+        "seconds",
+        "samples",
+        "sent_at",
+        "compute_s",
+    }
+    first = plain.model_copy(update={"rendezvous_s": 0.04, "copy_s": 0.08, "copied_bytes": 512})
+    assert {"rendezvous_s", "copy_s", "copied_bytes"} <= set(json.loads(encode(first)))

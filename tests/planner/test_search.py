@@ -218,6 +218,14 @@ def test_a_first_plan_leaves_nodes_idle_when_no_layout_of_them_all_fits() -> Non
         JobSpec(global_batch=8, microbatch_size=1, fault_tolerance=0),
     )
     assert plan.layout == "DP1 PP[4]" and plan.nodes == (0, 1, 2, 3)
+    # A failure: the idle node is planned on only when it is said to run (the operator lists the ready
+    # ones as joined; a pod still Pending or gone is no node to wait for).
+    profile, job = uniform_profile(4), JobSpec(global_batch=8, microbatch_size=1, fault_tolerance=0)
+    cluster = ClusterSpec(nodes=5, device_memory_bytes=600 * 2**20)
+    assert 4 in replan(plan, profile, cluster, job, failed=[1]).nodes  # the simulator's view: alive
+    with pytest.raises(PlannerError, match="3 alive nodes"):  # the model needs four
+        replan(plan, profile, cluster, job, failed=[1], standby=())
+    assert 4 in replan(plan, profile, cluster, job, failed=[1], joined=[4], standby=()).nodes
 
 
 def test_a_joined_node_that_cannot_make_a_pipeline_stays_idle_under_templates() -> None:

@@ -140,6 +140,12 @@ def test_two_replicas_without_peering_is_refused() -> None:
     assert "needs operator.peering" in done.stderr
 
 
+def test_a_backoff_above_its_maximum_is_refused() -> None:
+    done = render(sets={"operator.replaceBackoffSeconds": "400"}, check=False)
+    assert not isinstance(done, list) and done.returncode != 0
+    assert "must not exceed operator.replaceBackoffMaxSeconds" in done.stderr
+
+
 def test_standalone_without_peering_recreates() -> None:
     docs = objects(sets={"operator.peering": "false"})
     assert "--standalone" in operator_container(docs)["args"]

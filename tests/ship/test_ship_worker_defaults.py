@@ -64,11 +64,13 @@ def test_chart_defaults_schedule_worker_pods(values: str, device: str) -> None:
 
 
 def test_the_store_pod_runs_beside_the_workers_without_their_accelerator_or_size() -> None:
-    defaults = WorkerDefaults.model_validate(_rendered_defaults(CHART / "ci" / "gpu-values.yaml"))
+    rendered = _rendered_defaults(CHART / "ci" / "gpu-values.yaml")
+    rendered["nodeSelector"]["kubernetes.io/arch"] = "arm64"  # the chart's workers.nodeSelector, say
+    defaults = WorkerDefaults.model_validate(rendered)
     store = store_pod_manifest(BODY, _job_spec("nvidia.com/gpu"), "redis://r:6379/0")
     pod = defaults.apply(store, worker=False)
     spec_out, container = pod["spec"], pod["spec"]["containers"][0]
-    assert "nodeSelector" not in spec_out and "affinity" not in spec_out
+    assert spec_out["nodeSelector"] == {"kubernetes.io/arch": "arm64"} and "affinity" not in spec_out
     assert "cpu" not in (container.get("resources") or {}).get("requests", {})
     assert all(volume["name"] != "dshm" for volume in spec_out.get("volumes", []))
     # Still admitted where the workers are: their tolerations, priority and security contexts.

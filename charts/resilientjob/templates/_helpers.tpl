@@ -112,6 +112,7 @@ password
     "accelerator" $w.accelerator
     "resourceName" $preset.resourceName
     "nodeSelector" (merge (dict) $w.nodeSelector $preset.nodeSelector)
+    "acceleratorNodeSelector" $preset.nodeSelector
     "tolerations" $tolerations
     "affinity" $w.affinity
     "resources" $w.resources
