@@ -173,11 +173,20 @@ class MitigationController:
         return None
 
     def localized(self, causes: tuple[RootCause, ...], nodes: tuple[int, ...] = ()) -> None:
-        """Profiling and validation found the root cause(s) and the slow nodes of the current episode."""
-        if self._episode is None:
+        """Profiling and validation found the root cause(s) and the slow nodes of the current episode.
+
+        A slow node found after S2 was applied makes S2 pending again: the micro-batches are balanced anew
+        with it, the cheapest answer, before any rung the ladder has not tried (a host's noise opened an
+        episode on one node, S2 answered it, and a real x4 straggler found later got no S2 of its own: the
+        next rungs declined, and the job ran slowed to the end)."""
+        episode = self._episode
+        if episode is None:
             raise PlannerError("episode", "no fail-slow in progress to attach a root cause to")
-        self._episode.causes.update(causes)
-        self._episode.nodes = tuple(sorted(set(self._episode.nodes) | set(nodes)))
+        episode.causes.update(causes)
+        added = set(nodes) - set(episode.nodes)
+        episode.nodes = tuple(sorted(set(episode.nodes) | set(nodes)))
+        if added and Strategy.MICROBATCH in episode.applied:
+            episode.applied.remove(Strategy.MICROBATCH)
 
     def on_iteration(self, seconds: float) -> Decision | None:
         """One more iteration: add its excess over the healthy time; escalate when the loss pays for it."""
