@@ -20,13 +20,10 @@ from redis.exceptions import RedisError
 from resilientjob.protocol.keys import JobKeys
 
 from ._redis import connect
-from .telemetry import Superseded, Telemetry
+from .telemetry import SUPERSEDED_EXIT, Superseded, Telemetry
 
 FINISHED_TTL_S = 30.0
 """The last heartbeat of an agent whose training finished lives this long: until its pod shows Completed."""
-
-SUPERSEDED_EXIT = 3
-"""Exit code of an agent whose job's Redis keys belong to a newer job of the same name."""
 
 
 async def main(argv: list[str]) -> int:

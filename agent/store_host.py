@@ -38,7 +38,7 @@ from resilientjob.protocol.messages import MAX_PLAN_BYTES, PlanAnnouncement, dec
 from resilientjob.protocol.store_keys import COMMITTED_KEY, joining_key
 
 from ._redis import REDIS_DOWN, Outage, connect
-from .telemetry import SUPERSEDED_AFTER_S
+from .telemetry import SUPERSEDED_EXIT, Refusals
 
 STORE_PORT_ENV = "RJOB_STORE_PORT"
 """The port the store listens on (0 or unset: any free port)."""
@@ -92,9 +92,9 @@ class StoreHost:
         """The uid of the ResilientJob this host serves (RJOB_JOB_UID); "": never superseded."""
         self.superseded = False
         """The job's keys belong to another job of this name: this host's job was deleted."""
-        self.foreign_since: float | None = None
+        self.refusals = Refusals()
         """Since when the owner key names another job (the operator sets it back within a pass when a
-        reloaded Redis named a deleted job: the host waits `SUPERSEDED_AFTER_S` before it stops)."""
+        reloaded Redis named a deleted job: the host waits the agents' grace before it stops)."""
         self.seeded = False
         """Whether the failure counter was taken over from an earlier host (`JobKeys.store_failures`)."""
         self.validation = ValidationRelay(client, keys, self.store)
@@ -191,14 +191,9 @@ class StoreHost:
         return owner is not None and owner != self.job_uid.encode()
 
     async def _superseded(self) -> bool:
-        """Whether this host's job was deleted: the keys have named another job for `SUPERSEDED_AFTER_S`
-        (until then the host only stops registering). Says so once it stops."""
-        if not await self._owned_by_another():
-            self.foreign_since = None
-            return False
-        now = time.monotonic()
-        self.foreign_since = self.foreign_since or now
-        if now - self.foreign_since < SUPERSEDED_AFTER_S:
+        """Whether this host's job was deleted: the keys have named another job for the agents' grace
+        (`Refusals`; until then the host only stops registering). Says so once it stops."""
+        if not self.refusals.note(not await self._owned_by_another()):
             return False
         print(
             f"store host: the Redis keys of job {self.keys.namespace}/{self.keys.job} belong to another "
@@ -238,7 +233,7 @@ class StoreHost:
                     # workers of a replaced host reconnect only once the plan is back). Rewritten into a
                     # Redis that came back empty, with the failure count; never into another job's keys.
                     if (
-                        self.foreign_since is None
+                        self.refusals.since is None
                         and await self.client.get(self.keys.store) != self.address.encode()
                     ):
                         await self.client.set(self.keys.store_failures, self.announced)
@@ -298,7 +293,7 @@ async def host_main() -> int:
                 await client.delete(keys.store)
         with contextlib.suppress(Exception):
             await client.aclose()
-    return 3 if host.superseded else 0
+    return SUPERSEDED_EXIT if host.superseded else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -96,20 +97,27 @@ OUTBOX_SIZE = 64
 """Slow reports kept while Redis is away (the oldest go first past this)."""
 
 
-# KEYS: the node's heartbeat key, the job's `beaten` bitmap, the job's owner key. ARGV: the beat, its TTL
-# in ms, the node, the uid of the agent's job ("": unknown, as for an agent started by hand). Returns 0 and
-# writes nothing when the owner key names another job: only the operator sets it, to the uid of the job it
-# runs, so a live agent of the current job is never refused. The bit is set with PCALL: a bitmap key
-# overwritten with another type must not stop the beat that keeps the node alive.
-BEAT = """
-if ARGV[4] ~= "" then
-  local owner = redis.pcall("GET", KEYS[3])
-  if type(owner) == "string" and owner ~= ARGV[4] then return 0 end
+# ARGV[uid] is the writer's job uid ("": unknown, as for an agent started by hand), KEYS[owner] the job's
+# owner key: the script returns 0 and writes nothing when the owner names another job. Only the operator
+# sets the owner, to the uid of the job it runs, so a live agent of the current job is never refused.
+_OWNER_FENCE = """
+if ARGV[{uid}] ~= "" then
+  local owner = redis.pcall("GET", KEYS[{owner}])
+  if type(owner) == "string" and owner ~= ARGV[{uid}] then return 0 end
 end
+"""
+
+# KEYS: the node's heartbeat key, the job's `beaten` bitmap, the owner key. ARGV: the beat, its TTL in ms,
+# the node, the uid. The bit is set with PCALL: a bitmap key overwritten with another type must not stop
+# the beat that keeps the node alive.
+BEAT = (
+    _OWNER_FENCE.format(uid=4, owner=3)
+    + """
 redis.call("SET", KEYS[1], ARGV[1], "PX", ARGV[2])
 redis.pcall("SETBIT", KEYS[2], ARGV[3], 1)
 return 1
 """
+)
 
 
 def queue_beat(
@@ -124,17 +132,16 @@ def queue_beat(
     )
 
 
-# KEYS: a stream, the job's owner key. ARGV: the message, the stream's approximate cap, the agent's job uid.
-# The same fence as `BEAT` for everything an agent appends (step records, slow reports): a deleted job's
-# agent must not feed the new job's detectors or date its generations. Returns 0 when refused.
-SEND = """
-if ARGV[3] ~= "" then
-  local owner = redis.pcall("GET", KEYS[2])
-  if type(owner) == "string" and owner ~= ARGV[3] then return 0 end
-end
+# KEYS: a stream, the owner key. ARGV: the message, the stream's approximate cap, the uid. The same fence
+# as `BEAT` for everything an agent appends (step records, slow reports): a deleted job's agent must not
+# feed the new job's detectors or date its generations.
+SEND = (
+    _OWNER_FENCE.format(uid=3, owner=2)
+    + """
 redis.call("XADD", KEYS[1], "MAXLEN", "~", ARGV[2], "*", "m", ARGV[1])
 return 1
 """
+)
 
 SUPERSEDED_AFTER_S = 5.0
 """How long the keys must stay another job's before an agent stops: the operator sets the owner back within
@@ -142,8 +149,31 @@ a pass when it was wrong (a Redis that reloaded an older state naming a deleted 
 agent stops within this."""
 
 
+SUPERSEDED_EXIT = 3
+"""Exit code of an agent or store host whose job's Redis keys belong to a newer job of the same name."""
+
+
 class Superseded(Exception):
     """The job's Redis keys belong to another job of the same name: this agent's job was deleted."""
+
+
+@dataclass(slots=True)
+class Refusals:
+    """How long the job's keys have named another job, as one writer sees it (agent or store host)."""
+
+    after_s: float = SUPERSEDED_AFTER_S
+    since: float | None = None
+    """When refusals began; None while the keys are this job's."""
+
+    def note(self, owned: bool, now: float | None = None) -> bool:
+        """Note one check; True once refusals have lasted `after_s` (one alone may be a Redis that
+        reloaded an older owner, which the operator sets back within a pass)."""
+        if owned:
+            self.since = None
+            return False
+        now = time.monotonic() if now is None else now
+        self.since = now if self.since is None else self.since
+        return now - self.since >= self.after_s
 
 
 class Telemetry:
@@ -174,10 +204,9 @@ class Telemetry:
         self.job_uid = job_uid
         """The uid of the ResilientJob this agent works for (RJOB_JOB_UID); "" writes unfenced."""
         self.superseded = False
-        """The keys have belonged to another job for `SUPERSEDED_AFTER_S`: nothing is written any more."""
-        self.superseded_after_s = superseded_after_s
-        self.refused_since: float | None = None
-        """When writes began to be refused (the keys another job's); None while they are accepted."""
+        """The keys have belonged to another job for the grace (`Refusals`): nothing is written any more."""
+        self.refusals = Refusals(superseded_after_s)
+        """Since when writes have been refused (the keys another job's)."""
         self.watch = StepWatch(detector or AGENT_DETECTOR, warmup)
         """The detectors on this worker's steps; `role` None until the first step."""
         self.generation = -1
@@ -203,27 +232,20 @@ class Telemetry:
             HEARTBEATS.inc()
 
     def _owned(self, accepted: bool) -> None:
-        """Note whether a write was accepted; raises `Superseded` once refusals have lasted
-        `superseded_after_s` (one refusal alone may be a Redis that reloaded an older owner)."""
-        if accepted:
-            if self.refused_since is not None:
-                print(
-                    f"resilientjob.agent: node {self.node}: the job's Redis keys are its own again",
-                    flush=True,
-                )
-            self.refused_since = None
-            return
-        now = time.monotonic()
-        if self.refused_since is None:
-            self.refused_since = now
-            print(
-                f"resilientjob.agent: node {self.node}: Redis refuses this pod's writes: the keys name "
-                f"another job of this name; stopping in {self.superseded_after_s:.0f} s unless that changes",
-                flush=True,
-            )
-        if now - self.refused_since >= self.superseded_after_s:
+        """Note whether a write was accepted; raises `Superseded` once refusals have lasted the grace
+        (`Refusals`). Says when refusals begin and end."""
+        refused_before = self.refusals.since is not None
+        if self.refusals.note(accepted):
             self.superseded = True
             raise Superseded(self._superseded_line())
+        if accepted and refused_before:
+            print(f"resilientjob.agent: node {self.node}: the job's Redis keys are its own again", flush=True)
+        elif not accepted and not refused_before:
+            print(
+                f"resilientjob.agent: node {self.node}: Redis refuses this pod's writes: the keys name "
+                f"another job of this name; stopping in {self.refusals.after_s:.0f} s unless that changes",
+                flush=True,
+            )
 
     def _superseded_line(self) -> str:
         return (
@@ -272,7 +294,7 @@ class Telemetry:
         """Append `message` to `stream`; False when Redis is away. A `keep` message (a slow report) waits
         in the outbox meanwhile; the others are dropped and counted (they are superseded within seconds).
         Nothing is sent once the keys belong to another job."""
-        if self.superseded or self.refused_since is not None:
+        if self.superseded or self.refusals.since is not None:
             return False
         if not self.outage.down:
             try:

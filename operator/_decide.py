@@ -243,24 +243,19 @@ def measured_switches(
 ) -> list[api.Recovery] | None:
     """The recoveries with what the workers measured of each one's switch (`TelemetryPass.switches`: the
     slowest rendezvous and copies, the bytes received); None when that changes nothing (no status patch)."""
-    updated, changed = [], False
-    for recovery in recoveries:
-        measured = switches.get(recovery.generation)
-        values = (
-            {}
-            if measured is None
-            else {
-                "rendezvous_s": round(measured[0], 4),
-                "copy_s": round(measured[1], 4),
-                "copied_bytes": measured[2],
-            }
-        )
-        if any(getattr(recovery, key) != value for key, value in values.items()):
-            updated.append(recovery.model_copy(update=values))
-            changed = True
-        else:
-            updated.append(recovery)
-    return updated if changed else None
+    updated = [_with_switch(recovery, switches.get(recovery.generation)) for recovery in recoveries]
+    return updated if updated != recoveries else None
+
+
+def _with_switch(recovery: api.Recovery, measured: tuple[float, float, int] | None) -> api.Recovery:
+    if measured is None:
+        return recovery
+    update = {
+        "rendezvous_s": round(measured[0], 4),
+        "copy_s": round(measured[1], 4),
+        "copied_bytes": measured[2],
+    }
+    return recovery.model_copy(update=update)
 
 
 def same_work(current: Plan, plan: Plan) -> bool:

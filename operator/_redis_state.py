@@ -499,10 +499,7 @@ class JobRedis:
         if owner is None and started:
             await self.client.set(self.keys.owner, uid)
             return 0
-        if (
-            owner is not None
-            and (owner.decode(errors="replace") if isinstance(owner, bytes) else owner) == uid
-        ):
+        if owner is not None and _text(owner) == uid:
             return 0
         # "claiming:" until the leftovers are gone: it refuses the old agents already, and a claim cut short
         # (Redis away in the middle of the deletion) finds it on its retry and deletes the rest.
@@ -515,6 +512,11 @@ class JobRedis:
         """Delete every key of the job (on job deletion), but `keep`."""
         removed = 0
         async for key in self.client.scan_iter(match=f"{self.keys.prefix}*", count=500):
-            if keep is None or (key.decode(errors="replace") if isinstance(key, bytes) else key) != keep:
+            if keep is None or _text(key) != keep:
                 removed += await self.client.delete(key)
         return removed
+
+
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text (the client may or may not decode replies)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -21,7 +21,7 @@ from torch.distributed import DistNetworkError
 from resilientjob.agent._redis import connect
 from resilientjob.agent._store_client import ReconnectingStore
 from resilientjob.agent.store_host import StoreHost
-from resilientjob.agent.telemetry import SUPERSEDED_AFTER_S
+from resilientjob.agent.telemetry import Refusals
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
 from resilientjob.protocol.keys import JobKeys
@@ -192,7 +192,7 @@ async def test_a_deleted_jobs_store_host_stops_once_a_new_job_of_its_name_owns_t
             await JobRedis(client, keys).claim("uid-new")  # a new job of the same name
             await client.set(keys.store, "10.0.0.9:29500")  # its own host registers
             # It registers no more at once, and stops on its own after the agents' grace.
-            await asyncio.wait_for(running, 5 + SUPERSEDED_AFTER_S)
+            await asyncio.wait_for(running, 5 + Refusals().after_s)
             assert host.superseded and await client.get(keys.store) == b"10.0.0.9:29500"
         finally:
             await client.aclose()

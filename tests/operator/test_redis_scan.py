@@ -193,7 +193,7 @@ async def test_a_deleted_jobs_agent_is_refused_once_a_new_job_owns_the_keys(clie
     await JobRedis(client, keys).claim("uid-new")
     assert await client.exists(keys.heartbeat(4)) == 0 and await client.getbit(keys.beaten, 4) == 0
     await stale.beat()  # refused, written nowhere; one refusal alone stops nothing
-    assert not stale.superseded and stale.refused_since is not None
+    assert not stale.superseded and stale.refusals.since is not None
     assert not await stale._send(keys.iterations, b"{}", keep=False)
     stopped = asyncio.Event()
     await asyncio.wait_for(stale.heartbeat_forever(stopped), 5)
@@ -214,11 +214,11 @@ async def test_a_deleted_jobs_agent_is_refused_once_a_new_job_owns_the_keys(clie
     await state.claim("uid-new")
     await client.set(keys.owner, "uid-old")
     await fresh.beat()
-    assert fresh.refused_since is not None
+    assert fresh.refusals.since is not None
     await state.scan(np.asarray([4]), node_list([4]))
     assert await client.get(keys.owner) == b"uid-new"
     await fresh.beat()
-    assert fresh.refused_since is None and not fresh.superseded
+    assert fresh.refusals.since is None and not fresh.superseded
     # Redis lost its state: the owner comes back with the plan the operator restores.
     await client.flushdb()
     plan = Plan(policy=Policy.DYNAMIC, microbatch_size=1, pipelines=(_one_stage(0),), step_time_s=1.0)
