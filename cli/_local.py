@@ -216,28 +216,32 @@ def _apply(path: Path) -> int:
 
 
 def _get() -> int:
+    """Every job and pod of the stack, in all namespaces (as `kubectl get -A`)."""
     _, jobs = _call("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}")
     print(
-        f"{'NAME':<20} {'PHASE':<14} {'WORKERS':<8} {'LAYOUT':<24} {'THROUGHPUT':>10} {'STEP':>8} "
-        f"{'LOSS':>8} GEN"
+        f"{'NAMESPACE':<12} {'NAME':<20} {'PHASE':<14} {'WORKERS':<8} {'LAYOUT':<24} {'THROUGHPUT':>10} "
+        f"{'STEP':>8} {'LOSS':>8} GEN"
     )
     for job in (jobs or {}).get("items", []):
-        status = job.get("status") or {}
+        status, meta = job.get("status") or {}, job["metadata"]
         print(
-            f"{job['metadata']['name']:<20} {status.get('phase', ''):<14} {status.get('workers', ''):<8} "
-            f"{status.get('layout', ''):<24} {status.get('throughput', 0):>10} {status.get('step', 0):>8} "
-            f"{_loss(status.get('loss')):>8} {status.get('planGeneration', '')}"
+            f"{meta.get('namespace', ''):<12} {meta['name']:<20} {status.get('phase', ''):<14} "
+            f"{status.get('workers', ''):<8} {status.get('layout', ''):<24} "
+            f"{status.get('throughput', 0):>10} {status.get('step', 0):>8} {_loss(status.get('loss')):>8} "
+            f"{status.get('planGeneration', '')}"
         )
         why = _failure(status)
         if why:
             print(f"  {why}")
     _, pods = _call("GET", "/api/v1/pods")
-    print(f"\n{'POD':<28} {'PHASE':<10} GENERATION")
+    print(f"\n{'NAMESPACE':<12} {'POD':<28} {'PHASE':<10} GENERATION")
     for pod in (pods or {}).get("items", []):
-        annotations = pod["metadata"].get("annotations") or {}
+        meta = pod["metadata"]
+        annotations = meta.get("annotations") or {}
         phase = (pod.get("status") or {}).get("phase", "Pending")
         print(
-            f"{pod['metadata']['name']:<28} {phase:<10} {annotations.get('resilientjob.io/generation', '')}"
+            f"{meta.get('namespace', ''):<12} {meta['name']:<28} {phase:<10} "
+            f"{annotations.get('resilientjob.io/generation', '')}"
         )
     return 0
 

@@ -8,6 +8,7 @@ object. Every refusal is the Status a real server sends (422 Invalid naming the 
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -106,10 +107,22 @@ def admit(
         decoding = schema.decoding_error(kind.kind, obj)
         if decoding:
             raise refuse(400, "BadRequest", decoding)
-        return obj, []
+        return _folded(kind, obj), []
     if outcome.errors:
         raise invalid(kind, name, outcome.errors)
-    return outcome.obj, unknown if directive != "Ignore" else []
+    return _folded(kind, outcome.obj), unknown if directive != "Ignore" else []
+
+
+def _folded(kind: Kind, obj: dict[str, Any]) -> dict[str, Any]:
+    """A Secret's `stringData` written into its `data` (base64), as the API server does on every write:
+    `stringData` is write-only, and a reader (the operator's Redis password) finds every key in `data`."""
+    if kind.kind != "Secret" or not isinstance(obj.get("stringData"), dict):
+        return obj
+    obj = dict(obj)
+    strings = obj.pop("stringData")
+    encoded = {key: base64.b64encode(str(value).encode()).decode() for key, value in strings.items()}
+    obj["data"] = {**(obj.get("data") or {}), **encoded}
+    return obj
 
 
 def body(request: rendering.Request) -> Any:

@@ -5,14 +5,15 @@ shows the CRD's `additionalPrinterColumns` and `kubectl get pods` a pod's readin
 Reproduces kube-apiserver's table convertors trimmed to what kubectl prints: a CRD's columns are its
 printer columns after Name (simple `.a.b` JSON paths; `date` columns shown as an age), built-in kinds get
 Name and Age, namespaces their Status too, pods Name, Ready, Status, Restarts and Age, events their time,
-type, reason, object and message. Each row carries the object's metadata (`includeObject=Metadata`, the
+type, reason, object and message, ConfigMaps and Secrets their Data count (Secrets their Type), Services their
+type, address and ports. Each row carries the object's metadata (`includeObject=Metadata`, the
 default) or the object itself (`includeObject=Object`).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._local_api_discovery import Kind
@@ -65,6 +66,47 @@ _EVENT_COLUMNS = (
 )
 
 
+def _count(*fields: str) -> Callable[[Mapping[str, Any]], int]:
+    """A cell counting the keys of the object's maps `fields` (a ConfigMap's or Secret's Data column)."""
+
+    def cell(obj: Mapping[str, Any]) -> int:
+        return sum(len(obj.get(name) or {}) for name in fields)
+
+    return cell
+
+
+def _ports(service: Mapping[str, Any]) -> str:
+    ports = (service.get("spec") or {}).get("ports") or []
+    shown = [f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in ports if isinstance(p, Mapping)]
+    return ",".join(shown) or "<none>"
+
+
+# Built-in kinds whose columns kube-apiserver computes rather than reads from a path (`cell`).
+_COMPUTED: dict[str, tuple[dict[str, Any], ...]] = {
+    "ConfigMap": ({"name": "Data", "type": "string", "cell": _count("data", "binaryData")}, _AGE),
+    "Secret": (
+        {"name": "Type", "type": "string", "jsonPath": ".type"},
+        {"name": "Data", "type": "string", "cell": _count("data")},
+        _AGE,
+    ),
+    "Service": (
+        {
+            "name": "Type",
+            "type": "string",
+            "cell": lambda o: (o.get("spec") or {}).get("type") or "ClusterIP",
+        },
+        {
+            "name": "Cluster-IP",
+            "type": "string",
+            "cell": lambda o: (o.get("spec") or {}).get("clusterIP") or "<none>",
+        },
+        {"name": "External-IP", "type": "string", "cell": lambda o: "<none>"},
+        {"name": "Port(s)", "type": "string", "cell": _ports},
+        _AGE,
+    ),
+}
+
+
 def _columns(kind: Kind) -> tuple[dict[str, Any], ...]:
     if kind.printer_columns:
         return tuple(kind.printer_columns)
@@ -74,7 +116,7 @@ def _columns(kind: Kind) -> tuple[dict[str, Any], ...]:
         return _EVENT_COLUMNS
     if kind.kind == "Namespace":
         return ({"name": "Status", "type": "string", "jsonPath": ".status.phase"}, _AGE)
-    return (_AGE,)
+    return _COMPUTED.get(kind.kind, (_AGE,))
 
 
 def _pod_cells(pod: Mapping[str, Any]) -> list[Any]:
@@ -95,6 +137,9 @@ def _cells(kind: Kind, obj: Mapping[str, Any]) -> list[Any]:
         cells.extend(_pod_cells(obj))
         return [*cells, _age(_path(obj, ".metadata.creationTimestamp"))]
     for column in _columns(kind):
+        if "cell" in column:
+            cells.append(column["cell"](obj))
+            continue
         value = _path(obj, column["jsonPath"])
         cells.append(_age(value) if column.get("type") == "date" else value)
     return cells

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,6 +36,8 @@ from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet, free_port
 
 __all__ = ["free_port", "serve"]
+
+logger = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 5.0
 """The wait before a crashed component is started again: longer than a heartbeat's TTL, so a Redis restart
@@ -62,14 +65,14 @@ class _Supervised:
 
 async def _keep_running(child: _Supervised, stopped: asyncio.Event, on_restart: Callable[[], None]) -> None:
     """Start `child` again each time it exits (its backoff first), until `stopped`. Says so on standard
-    output: `stack.log` under `rjob local up`."""
+    output: `stack.log` under `rjob local up`, each line dated (`__main__`)."""
     while not stopped.is_set():
         code = child.process.poll()
         if code is not None:
             ran_s = time.monotonic() - child.started_at
             child.crashes_in_a_row = 1 if ran_s >= RESTART_RESET_S else child.crashes_in_a_row + 1
             wait = child.backoff_s()
-            print(f"{child.name} exited with code {code}; starting it again in {wait:.0f} s", flush=True)
+            logger.warning("%s exited with code %s; starting it again in %.0f s", child.name, code, wait)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), wait)
             if stopped.is_set():
@@ -77,12 +80,12 @@ async def _keep_running(child: _Supervised, stopped: asyncio.Event, on_restart: 
             try:
                 process = child.start()
             except OSError as exc:  # counted as one more crash: tried again after a longer wait
-                print(f"{child.name} could not be started again: {exc}", flush=True)
+                logger.warning("%s could not be started again: %s", child.name, exc)
                 child.started_at = time.monotonic()
                 continue
             child.process, child.started_at = process, time.monotonic()
             child.restarts += 1
-            print(f"{child.name} started again (pid {child.process.pid})", flush=True)
+            logger.warning("%s started again (pid %d)", child.name, child.process.pid)
             on_restart()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), 0.5)

@@ -226,7 +226,7 @@ def test_two_devices_per_node_train_tensor_parallel_to_the_end_and_the_job_succe
     keys = JobKeys("default", "tp")
 
     def phase() -> str | None:
-        rows = [line.split() for line in rjob_ok(stack, "get").splitlines()]
+        rows = [line.split()[1:] for line in rjob_ok(stack, "get").splitlines()]  # after the namespace
         row = next((r for r in rows if r and r[0] == "tp"), None)
         return row[1] if row and row[1] in ("Succeeded", "Failed") else None
 

@@ -492,23 +492,25 @@ def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
         # over the test (in CI one slowed phase of nine steps read 4.68x after and before phases at 1.0x,
         # its every product 17% slower), and each phase's fastest step, as a busy host only slows a product.
         unslowed = [min(steps(3))]
+        slowed: list[float] = []
         ratios = []
         for _ in range(4):
             write_order(client, KEYS, 3, ChaosOrder(factor=factor, until=time.time() + 60))
             probe.watcher.poll()
-            slowed = min(steps(3))
+            slowed.append(min(steps(3)))
             clear_order(client, KEYS, 3)
             probe.watcher.poll()
             unslowed.append(min(steps(3)))
-            ratios.append(slowed / math.sqrt(unslowed[-2] * unslowed[-1]))
+            ratios.append(slowed[-1] / math.sqrt(unslowed[-2] * unslowed[-1]))
     finally:
         probe.stop()
         tracing.uninstall()
         torch.set_num_threads(threads)
-    # Each order's end shows too: back to the level before it. The median, as the host can slow a whole
-    # phase (in CI two unslowed phases of five read 1.44x the others, each of their three products); an order
-    # left standing would slow four of the five.
-    assert statistics.median(unslowed) < min(unslowed) * 1.3
+    # Each order's end shows too: the unslowed phases sit nearer their own level than the slowed one (past
+    # the geometric midpoint). Medians on both sides, as the host can speed up or slow a whole 2 ms phase (in
+    # CI two unslowed phases of five read 1.44x the others, and once one read 0.72x: a check against the
+    # fastest phase failed on it); an order left standing would slow four of the five.
+    assert statistics.median(unslowed) * math.sqrt(factor) < statistics.median(slowed)
     assert factor * 0.85 <= statistics.median(ratios) <= factor * 1.15
 
 

@@ -50,8 +50,9 @@ def _job(state: Path) -> dict[str, Any]:
 
 def _pods(table: str) -> dict[int, str]:
     """Worker pods of `rjob local get`: node id -> phase."""
-    rows = [line.split() for line in table.splitlines() if line.startswith("local-cpu-node-")]
-    return {int(row[0].rsplit("-", 1)[1]): row[1] for row in rows}
+    rows = [line.split()[1:] for line in table.splitlines()]  # after the namespace column
+    pods = [row for row in rows if row and row[0].startswith("local-cpu-node-")]
+    return {int(row[0].rsplit("-", 1)[1]): row[1] for row in pods}
 
 
 def test_two_killed_workers_come_back_as_new_nodes_and_the_layout_grows_again(

@@ -259,6 +259,50 @@ async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any)
     assert worker["metadata"]["generation"] == 1
 
 
+async def test_a_secrets_string_data_is_stored_in_its_data_and_tables_count_keys(server: Any) -> None:
+    """`stringData` is write-only: a real server stores it base64 in `data`, where the operator reads the
+    Redis password; `kubectl get secrets,configmaps,services` prints what kube-apiserver computes."""
+    _, client, _ = server
+    secrets_ = "/api/v1/namespaces/default/secrets"
+    body = {
+        "metadata": {"name": "redis-auth"},
+        "data": {"user": "cmpvYg=="},
+        "stringData": {"password": "p4ss"},
+    }
+    status, made = await call(client, "POST", secrets_, body)
+    assert status == 201 and "stringData" not in made
+    assert made["data"] == {"user": "cmpvYg==", "password": base64.b64encode(b"p4ss").decode()}
+    status, patched = await call(
+        client,
+        "PATCH",
+        f"{secrets_}/redis-auth",
+        {"stringData": {"password": "n3w"}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert status == 200 and "stringData" not in patched
+    assert base64.b64decode(patched["data"]["password"]) == b"n3w" and patched["data"]["user"] == "cmpvYg=="
+    await call(
+        client,
+        "POST",
+        "/api/v1/namespaces/default/configmaps",
+        {"metadata": {"name": "c"}, "data": {"a": "1"}},
+    )
+    service = {"metadata": {"name": "redis"}, "spec": {"ports": [{"port": 6379}], "selector": {"app": "r"}}}
+    await call(client, "POST", "/api/v1/namespaces/default/services", service)
+    table_accept = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
+
+    async def printed(plural: str) -> dict[str, dict[str, Any]]:
+        _, table = await call(client, "GET", f"/api/v1/namespaces/default/{plural}", headers=table_accept)
+        names = [c["name"] for c in table["columnDefinitions"]]
+        return {row["cells"][0]: dict(zip(names, row["cells"], strict=True)) for row in table["rows"]}
+
+    secret_row = (await printed("secrets"))["redis-auth"]
+    assert (secret_row["Type"], secret_row["Data"]) == ("Opaque", 2) and "Age" in secret_row
+    assert (await printed("configmaps"))["c"]["Data"] == 1
+    service_row = (await printed("services"))["redis"]
+    assert (service_row["Type"], service_row["Port(s)"]) == ("ClusterIP", "6379/TCP")
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:

@@ -50,7 +50,16 @@ def alive(pid: int) -> bool:
 
 
 def job_row(table: str) -> list[str]:
-    return next(line.split() for line in table.splitlines() if line.startswith("local-cpu "))
+    """The job's row of `rjob local get`, after its namespace (the example names none: `default`)."""
+    row = next(line.split() for line in table.splitlines() if line.split()[1:2] == ["local-cpu"])
+    assert row[0] == "default", table
+    return row[1:]
+
+
+def pod_rows(table: str) -> list[list[str]]:
+    """The job's pods in `rjob local get`, each row after its namespace."""
+    rows = [line.split() for line in table.splitlines()]
+    return [row[1:] for row in rows if row[1:2] and row[1].startswith("local-cpu-node-")]
 
 
 def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
@@ -58,8 +67,8 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
 
     def running() -> str | None:
         table = rjob(stack, "get").stdout
-        pods = [line for line in table.splitlines() if line.startswith("local-cpu-node-")]
-        healthy = len(pods) == 4 and all(line.split()[1:] == ["Running", "0"] for line in pods)
+        pods = pod_rows(table)
+        healthy = len(pods) == 4 and all(row[1:] == ["Running", "0"] for row in pods)
         return table if healthy and job_row(table)[1] == "Running" else None
 
     until(running, 40, "4 running workers on generation 0")
@@ -91,7 +100,7 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     # The killed worker is out of the layout (3/3), or already replaced by a pod under a new node id that
     # joined (4/4; `test_capacity_local`).
     assert job_row(table)[2] in ("3/3", "4/4")
-    assert "local-cpu-node-2 " not in table  # fenced: its pod is deleted
+    assert "local-cpu-node-2" not in [row[0] for row in pod_rows(table)]  # fenced: its pod is deleted
     until(lambda: "gone" if not alive(killed_pid) else None, 5, "the killed worker reaped")
     slow = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--factor", "2", "--for", "5s")
     assert "slowed x2.0" in slow.stdout

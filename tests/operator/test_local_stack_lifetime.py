@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def test_a_crashed_operator_or_redis_is_started_again(tmp_path: Path) -> None:
         _until(healthy, 30, "the new operator's liveness endpoint")
         text = (tmp_path / "stack.log").read_text()
         assert "operator exited with code -9; starting it again in 5 s" in text
+        # Dated, as a kubelet's log lines are: when it restarted is what a reader of the log looks for.
+        line = next(line for line in text.splitlines() if "operator exited with code -9" in line)
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING ", line), line
         assert "redis-server exited with code -9" in text
     finally:
         supervisor.terminate()
