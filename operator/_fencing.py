@@ -21,12 +21,13 @@ import numpy as np
 
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S
 
-from . import _decide, api, metrics
+from . import _decide, _manifests, api, metrics
 from ._capacity import CapacityKeeper
 from ._job_view import JobView
 from ._pods import WorkerPods
 from ._redis_state import HeartbeatScan
 from ._redis_watch import REDIS_DOWN
+from .kube import core_path
 
 log = logging.getLogger("resilientjob.operator")
 
@@ -54,11 +55,31 @@ class Fencing:
         self.heartbeat_seen: dict[int, float] = {}
         """When each node last beat (monotonic, on Redis's clock as far as the TTL tells it)."""
 
-    def restore(self, fenced_nodes: Iterable[int], plan_nodes: Iterable[int]) -> None:
-        """Nodes a restarted operator finds fenced in the status and still in the layout: planned around
-        without being detected again."""
-        for node in set(fenced_nodes) & set(plan_nodes):
+    async def restore(self, fenced_nodes: Iterable[int], plan_nodes: Iterable[int]) -> None:
+        """Nodes a restarted operator finds fenced in the status: those still in the layout are planned
+        around without being detected again, and any pod of a fenced node still there is deleted. The fence
+        is written before its pod is deleted (`fence`); an operator stopped between the two left a live pod
+        that a later generation, having left the node out, took for a join (node ids are never reused, so
+        no pod of a fenced node belongs)."""
+        fenced = set(fenced_nodes)
+        for node in fenced & set(plan_nodes):
             self.fenced.setdefault(node, Fenced(api.Reason.NODE_FAILED, "fenced before a restart", None))
+        if not fenced:
+            return
+        listed = await self.ctl.kube.list(
+            core_path(self.ctl.namespace, "pods"), _manifests.job_selector(self.ctl.name)
+        )
+        for pod in listed:
+            view = _decide.pod_view(pod, self.ctl.name)
+            if view is not None and view.node in fenced:
+                log.info(
+                    "job %s/%s: deleting the pod of fenced node %d",
+                    self.ctl.namespace,
+                    self.ctl.name,
+                    view.node,
+                )
+                await self.ctl.kube.delete(self.workers.path(view.node), grace_period_s=0)
+                self.workers.observe(pod, deleted=True)
 
     def keep_planned(self, plan_nodes: Iterable[int]) -> None:
         """Forget the fenced nodes a committed generation has left out."""

@@ -126,6 +126,16 @@ def plan_initial(spec: ResilientJobSpec, inputs: PlannerInputs) -> Plan:
     return updated
 
 
+NODE_LOCAL_CHECKPOINTS = (
+    "spec.checkpoint.volume is unset: each pod writes its checkpoints to its own emptyDir, which goes with "
+    "the pod, so a restart (a failure that leaves some layers on no survivor, or a slow node replaced) is "
+    "planned as starting over from the initial weights; name a shared (ReadWriteMany) claim there to restart "
+    "from the last checkpoint"
+)
+"""The Warning Event (`CheckpointNodeLocal`) with a job's first plan when it has no checkpoint volume: why its
+restarts are priced as they are (`checkpoint_state`)."""
+
+
 def checkpoint_state(spec: ResilientJobSpec, current: Plan, step: int | None) -> CheckpointState | None:
     """What a checkpoint restart could start from at global step `step`. The agents write checkpoints into
     `spec.checkpoint.path` (the claim `spec.checkpoint.volume`, else a directory of the pod) on their

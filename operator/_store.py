@@ -35,9 +35,11 @@ def needs_store(spec: api.ResilientJobSpec) -> bool:
 
 
 def is_store_pod(pod: Mapping[str, Any], job: str) -> bool:
+    """Whether `pod` is job `job`'s store pod: its job label holds the name as a label value (hashed past
+    63 characters, `_manifests.job_label`)."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
     role = labels.get(_manifests.LABEL_ROLE)
-    return labels.get(_manifests.LABEL_JOB) == job and role == _manifests.ROLE_STORE
+    return labels.get(_manifests.LABEL_JOB) == _manifests.job_label(job) and role == _manifests.ROLE_STORE
 
 
 def rendezvous_again(current: PlanAnnouncement) -> PlanAnnouncement:

@@ -130,6 +130,8 @@ class Reason(StrEnum):
     REPLACEMENT_BACKOFF = "ReplacementBackoff"
     REDIS_UNAVAILABLE = "RedisUnavailable"
     REDIS_AVAILABLE = "RedisAvailable"
+    CHECKPOINT_NODE_LOCAL = "CheckpointNodeLocal"
+    WAITING_FOR_EARLIER_JOB = "WaitingForEarlierJob"
 
 
 class LayerSpec(_Api):

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
 
-from . import api
+from . import api, metrics
 from ._manifests import LABEL_JOB, LABEL_MANAGED_BY, MANAGER
 from ._redis_watch import forget_job, forget_keys, job_client
 from ._worker_defaults import load_worker_defaults
@@ -162,20 +162,31 @@ async def run_job(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """The job's controller for as long as the job exists (restarted by kopf on errors, with backoff)."""
+    """The job's controller for as long as the job exists (restarted by kopf on errors, with backoff).
+
+    A controller outlives a daemon that kopf restarts after an error (its caches, its Redis client), but
+    never its job: one of the same name with another uid (deleted and applied again) gets a new one, and a
+    controller whose `run` returned (the job succeeded) is closed, as kopf will not run its daemon again."""
     key, controllers = (namespace, name), shared_of(memo).controllers
-    controller = controllers.get(key) or JobController(
-        _api(shared_of(memo)), settings_of(memo), namespace, name
-    )
+    uid = str(body.get("metadata", {}).get("uid") or "")
+    controller = controllers.get(key)
+    if controller is not None and controller.uid != uid:
+        controllers.pop(key, None)
+        await controller.close()
+        controller = None
+    if controller is None:
+        controller = JobController(_api(shared_of(memo)), settings_of(memo), namespace, name, uid)
     controllers[key] = controller
+    ended = False
     try:
         await controller.setup(body)
         await controller.run(stopped)
+        ended = True
     except InvalidJob as exc:
         logger.warning(f"job not runnable: {exc}")
         await stopped.wait()
     finally:
-        if stopped:
+        if (stopped or ended) and controllers.get(key) is controller:
             controllers.pop(key, None)
             await controller.close()
 
@@ -186,10 +197,12 @@ def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     meta = pod.get("metadata") or {}
     # The owner names the job (the job label holds a hashed form of a name longer than a label value).
     refs = meta.get("ownerReferences")
-    owners = [r.get("name") for r in refs if r.get("kind") == api.KIND] if isinstance(refs, list) else []
-    job = owners[0] if owners else (meta.get("labels") or {}).get(LABEL_JOB)
+    owners = [r for r in refs if r.get("kind") == api.KIND] if isinstance(refs, list) else []
+    job = owners[0].get("name") if owners else (meta.get("labels") or {}).get(LABEL_JOB)
     controllers = shared_of(memo).controllers
     controller = controllers.get((str(meta.get("namespace")), job)) if job else None
+    if controller is not None and owners and controller.uid and owners[0].get("uid") != controller.uid:
+        return  # a pod of an earlier job of the same name, still being deleted (`_lifecycle`)
     if controller is not None:
         controller.observe_pod(pod, deleted=event.get("type") == "DELETED")
 
@@ -200,7 +213,9 @@ async def forget(
 ) -> None:
     """Remove a deleted job's Redis keys with a client of this handler's own: the job's daemon, stopping at
     the same moment, closes the controller's. Redis is not the job's record, so an unreachable Redis delays
-    the deletion by a few short retries, never by kopf's default minute, and then lets the job go."""
+    the deletion by a few short retries, never by kopf's default minute, and then lets the job go. Its
+    metric series go too."""
+    metrics.forget_job(name)
     settings = settings_of(memo)
     try:
         parsed = api.parse_spec(dict(spec))

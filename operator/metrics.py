@@ -6,6 +6,8 @@ the scrape job's name. The worker agents' series get the same `rjob` label from 
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from resilientjob.protocol.messages import export_drop_counts
@@ -50,6 +52,36 @@ REDIS_REPAIRS = Counter(
     [JOB_LABEL, "kind"],
 )
 REDIS_OUTAGES = Counter("rjob_redis_outages_total", "Redis outages seen by a job's loop.", [JOB_LABEL])
+
+_PER_JOB: dict[Counter | Gauge, tuple[str, ...]] = {
+    PLAN_GENERATION: (),
+    ACTIVE_WORKERS: (),
+    STEP_TIME: (),
+    SAMPLES_PER_SECOND: (),
+    TRAINING_STEP: (),
+    TRAINING_LOSS: (),
+    RECONFIGURATIONS: ("policy",),
+    FAIL_SLOW_EVENTS: (),
+    REDIS_RESTORES: (),
+    REDIS_REPAIRS: ("kind",),
+    REDIS_OUTAGES: (),
+}
+"""The series that name a job, with their other labels: a deleted job's go with it (`forget_job`)."""
+
+
+def forget_job(job: str) -> None:
+    """Drop every series of the deleted job `job`: a long-lived operator that ran thousands of jobs kept
+    exporting each one's last step time and throughput, as if it still ran."""
+    for metric, others in _PER_JOB.items():
+        found = {
+            tuple(sample.labels[name] for name in others)
+            for family in metric.collect()
+            for sample in family.samples
+            if sample.labels.get(JOB_LABEL) == job
+        }
+        for rest in found:
+            with contextlib.suppress(KeyError):
+                metric.remove(job, *rest)
 
 
 export_drop_counts()

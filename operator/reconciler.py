@@ -34,10 +34,18 @@ from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
-from . import _capacity, _decide, _durable, _failslow, _manifests, _profile_source, api, metrics
+from . import _capacity, _decide, _durable, _failslow, _lifecycle, _manifests, _profile_source, api, metrics
 from ._fencing import Fenced, Fencing
 from ._mitigation import mitigation_message
-from ._planning import PlannerInputs, plan_initial, plan_next, planner_inputs, profile_from_pod, warm_planner
+from ._planning import (
+    NODE_LOCAL_CHECKPOINTS,
+    PlannerInputs,
+    plan_initial,
+    plan_next,
+    planner_inputs,
+    profile_from_pod,
+    warm_planner,
+)
 from ._pods import WorkerPods
 from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
 from ._redis_watch import REDIS_DOWN, RedisWatch, job_client
@@ -57,11 +65,15 @@ class InvalidJob(Exception):
 class JobController:
     """State and actions for one job, owned by its kopf daemon."""
 
-    def __init__(self, kube: KubeApi, settings: OperatorSettings, namespace: str, name: str) -> None:
+    def __init__(
+        self, kube: KubeApi, settings: OperatorSettings, namespace: str, name: str, uid: str = ""
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self.namespace = namespace
         self.name = name
+        self.uid = uid
+        """The job's `metadata.uid`: a job deleted and applied again under the same name is another job."""
         self.wakeup = asyncio.Event()
         self.workers = WorkerPods(kube, namespace, name, self.wakeup)
         self.spec: api.ResilientJobSpec | None = None
@@ -173,14 +185,14 @@ class JobController:
             try:
                 plan = plan_initial(spec, inputs)
             except PlannerError as exc:
-                await self._infeasible(exc)
-                # The pods of node 0's workload check, if any: they never trained and hold devices.
-                await self.workers.delete_all()
+                await self._infeasible(exc)  # and the pods of node 0's workload check, if any
                 raise InvalidJob(str(exc)) from None
             message = announcement(plan, trigger=api.Reason.PLANNED, nodes=plan.nodes, reason="initial plan")
             published = await self.record.commit(redis, self.body, message, None, self.status.plan_generation)
             if published is None:  # unreachable: no record, so none newer than the first plan
                 raise kopf.TemporaryError("a plan was recorded meanwhile", delay=1.0)
+            if not spec.checkpoint.volume:  # said once, with the first plan: a restart costs the whole run
+                self.event("Warning", api.Reason.CHECKPOINT_NODE_LOCAL, NODE_LOCAL_CHECKPOINTS)
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"
         )
@@ -241,12 +253,15 @@ class JobController:
         return self.failslow
 
     async def _infeasible(self, error: PlannerError, reason: api.Reason = api.Reason.PLAN_INFEASIBLE) -> None:
+        """The job fails: no plan can run it. Its pods go (workers, replacements, the store): they hold
+        devices, and nothing will train on them."""
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.PLANNED, False, reason, str(error)
         )
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
+        await self.workers.delete_all()
 
     # ---- applying a committed generation -------------------------------------------------------------
     async def apply(self, message: PlanAnnouncement) -> None:
@@ -271,6 +286,13 @@ class JobController:
     # ---- the loop ------------------------------------------------------------------------------------
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         """Reconcile until the job is deleted or the operator stops."""
+        try:
+            if await _lifecycle.ended(self, self.workers):
+                return
+        except _lifecycle.JobEnded as exc:
+            raise InvalidJob(str(exc)) from None
+        if not await _lifecycle.earlier_job_gone(self, self.uid, stopped):
+            return
         if not await self._claim_keys(stopped):
             return
         if await self._before_first_plan():
@@ -280,7 +302,6 @@ class JobController:
                 await self._workload_rejected(exc, "nothing to plan: the workload cannot train")
             except PlannerError as exc:
                 await self._infeasible(exc, api.Reason.PROFILE_FAILED)
-                await self.workers.delete_all()
                 raise InvalidJob(str(exc)) from None
             if report is None:
                 return
@@ -356,7 +377,7 @@ class JobController:
                 await stopped.wait(wait)
         else:
             return None
-        self.fencing.restore(self.status.fenced_nodes, published.plan.nodes)
+        await self.fencing.restore(self.status.fenced_nodes, published.plan.nodes)
         return published
 
     async def _current(self) -> tuple[Published, HeartbeatScan]:
@@ -441,11 +462,20 @@ class JobController:
         )
         declined = self._declined[1] if self._declined[0] == published.generation else frozenset()
         fresh = _decide.new_joins(joins, [*published.nodes, *declined])
-        if not fresh or self.fencing.fenced:
+        # Every node of the plan lost at once (a spot reclaim, a drained pool): nobody to plan around, and
+        # the planner would fail the job. Its replacements restart it from its checkpoint once they run,
+        # joining as joins do (all of them, or those ready within the settle time).
+        lost_all = bool(self.fencing.fenced) and not set(plan.nodes) - set(self.fencing.fenced)
+        waits_for_replacements = lost_all and spec.replace_failed_nodes and not self._trained_to_the_end(spec)
+        if not fresh or (self.fencing.fenced and not waits_for_replacements):
             self._joins_since = None
         elif not deciding and not await self._joins_settled(published, observed):
             fresh = set()
-        if not deciding and (self.fencing.fenced or fresh):
+        if waits_for_replacements and not fresh:
+            if not self._joins_held:
+                self._joins_held = "every node of the plan failed: waiting for their replacements"
+                log.info("job %s/%s: %s", self.namespace, self.name, self._joins_held)
+        elif not deciding and (self.fencing.fenced or fresh):
             failures = dict(self.fencing.fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True

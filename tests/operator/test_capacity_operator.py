@@ -192,3 +192,42 @@ async def _settled(kube: Kube, job: str, seconds: float) -> dict[str, Any]:
     status = await kube.job_status(job)
     assert status is not None
     return status
+
+
+async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(stack: Stack) -> None:
+    """A spot reclaim of the whole job: every worker pod goes at once. Nobody survives to plan around, and
+    the planner alone would fail the job (and leave the replacements holding devices); it waits for them
+    and restarts from its checkpoint on them."""
+    kube = stack.kube
+    await kube.create_job(job_manifest("reclaimed", failSlow={"enabled": False}))
+
+    async def status_where(check: Any) -> dict[str, Any] | None:
+        status = await kube.job_status("reclaimed")
+        return status if status and check(status) else None
+
+    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+    for node in range(4):
+        await _set_phase(kube, f"reclaimed-node-{node}", "Running")
+    for node in range(4):
+        await kube.delete("pods", f"reclaimed-node-{node}")
+
+    async def replacements() -> dict[int, dict[str, Any]] | None:
+        pods = await _nodes(kube, "reclaimed")
+        return pods if sorted(pods) == [4, 5, 6, 7] else None
+
+    await eventually(replacements, 15, "four replacement pods under new ids")
+    await asyncio.sleep(1.0)
+    waiting = await kube.job_status("reclaimed")
+    assert waiting.get("phase") != "Failed" and waiting.get("planGeneration") == 0, waiting
+    for node in range(4, 8):
+        await _set_phase(kube, f"reclaimed-node-{node}", "Running")
+    restarted = await eventually(
+        lambda: status_where(lambda s: s.get("planGeneration", 0) >= 1),
+        30,
+        "a generation on the replacements",
+    )
+    assert restarted.get("phase") != "Failed", restarted
+    recovery = restarted["recoveries"][-1]
+    assert recovery["policy"] == "checkpoint" and sorted(restarted["failedNodes"]) == [0, 1, 2, 3], restarted
+    plan = json.loads((await kube.get("configmaps", "reclaimed-plan") or {})["data"]["plan.json"])
+    assert sorted({s["node"] for p in plan["plan"]["pipelines"] for s in p["stages"]}) == [4, 5, 6, 7]

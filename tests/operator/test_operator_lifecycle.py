@@ -167,6 +167,74 @@ async def test_sigkill_mid_reconfiguration_then_restart_gives_one_generation(sta
     assert {p["metadata"]["annotations"]["resilientjob.io/generation"] for p in pods} == {"1"}
 
 
+async def test_a_pod_that_outlived_its_fence_goes_when_the_operator_restarts(stack: Stack) -> None:
+    """The fence is written to the status before the pod is deleted; an operator stopped between the two
+    left the pod running. The restarted operator deletes it and plans around the node, never back in."""
+    kube, operator = stack.kube, stack.operator
+    await kube.create_job(job_manifest("outlived"))
+
+    async def generation(g: int) -> dict[str, Any] | None:
+        status = await kube.job_status("outlived")
+        return status if status.get("planGeneration") == g else None
+
+    await eventually(lambda: generation(0), 20, "generation 0")
+    operator.kill()
+    await kube.api.patch(kube.path(PLURAL, "outlived", status=True), {"status": {"fencedNodes": [2]}})
+    assert await kube.get("pods", "outlived-node-2") is not None
+    operator.start()
+
+    async def gone() -> bool | None:
+        return True if await kube.get("pods", "outlived-node-2") is None else None
+
+    await eventually(gone, 20, "the fenced node's pod deleted")
+    status = await eventually(lambda: generation(1), 20, "generation 1 without node 2")
+    assert status["recoveries"][-1]["nodes"] == [2]
+    await asyncio.sleep(1.5)  # a pod left running would have joined by now
+    status = await kube.job_status("outlived")
+    assert status["planGeneration"] == 1
+    nodes = {int(p["metadata"]["labels"]["resilientjob.io/node"]) for p in await kube.job_pods("outlived")}
+    assert 2 not in nodes
+
+
+async def test_a_restarted_operator_leaves_ended_jobs_ended(stack: Stack) -> None:
+    """An operator that restarts (an upgrade, a failover) finds jobs that ended: nothing of them runs again.
+    A failed job's pods go if its failure was cut short before they did; a succeeded one's stay for their
+    logs. Before, the restart ran a failed job's generation (or pre-flight) again."""
+    kube, operator = stack.kube, stack.operator
+    for name in ("ended-ok", "ended-bad"):
+        await kube.create_job(job_manifest(name))
+    for name in ("ended-ok", "ended-bad"):
+
+        async def planned(name: str = name) -> dict[str, Any] | None:
+            status = await kube.job_status(name)
+            return status if status.get("planGeneration") == 0 else None
+
+        await eventually(planned, 20, f"{name} generation 0")
+    operator.kill()
+    await kube.api.patch(kube.path(PLURAL, "ended-ok", status=True), {"status": {"phase": "Succeeded"}})
+    failed = {
+        "type": "Planned",
+        "status": "False",
+        "reason": "PlanInfeasible",
+        "message": "failed: no node survives; the job cannot continue",
+    }
+    await kube.api.patch(
+        kube.path(PLURAL, "ended-bad", status=True), {"status": {"phase": "Failed", "conditions": [failed]}}
+    )
+    assert len(await kube.job_pods("ended-bad")) == 4
+    operator.start()
+
+    async def bad_pods_gone() -> bool | None:
+        return True if not await kube.job_pods("ended-bad") else None
+
+    await eventually(bad_pods_gone, 20, "the failed job's pods deleted")
+    await asyncio.sleep(1.0)
+    for name, phase in (("ended-ok", "Succeeded"), ("ended-bad", "Failed")):
+        status = await kube.job_status(name)
+        assert status["phase"] == phase and status["planGeneration"] == 0, status
+    assert len(await kube.job_pods("ended-ok")) == 4
+
+
 async def test_status_shows_the_committed_step_and_its_loss(stack: Stack) -> None:
     """The agents' real telemetry code reports committed steps with their loss; the status follows the newest
     (generation first: a restart from a checkpoint goes back to the restored step) and never goes back for a

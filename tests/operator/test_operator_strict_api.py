@@ -6,6 +6,7 @@ handles a failure."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -64,6 +65,29 @@ async def test_the_operator_sees_the_schemas_defaults(stack: Stack) -> None:
     assert handled["failSlow"]["slowdownThreshold"] == 1.1 and handled["failSlow"]["enabled"] is True
 
 
+async def test_a_job_without_a_checkpoint_volume_is_warned_with_its_first_plan(stack: Stack) -> None:
+    """Its checkpoints die with each pod, and its restarts are priced as starting over: the user is told
+    once, naming the field; a job with a shared claim is not."""
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("node-local")) is None
+    shared = job_manifest("shared", checkpoint={"volume": "shared-checkpoints"})
+    assert await kube.create_job(shared) is None
+    for name in ("node-local", "shared"):
+        await eventually(lambda name=name: generation(kube, name, 0), 20, f"{name} planned")
+
+    async def warned() -> list[dict[str, Any]] | None:
+        events = [e for e in await kube.events_of("node-local") if e.get("reason") == "CheckpointNodeLocal"]
+        return events or None
+
+    events = await eventually(warned, 10, "the CheckpointNodeLocal event")
+    assert (
+        len(events) == 1
+        and events[0]["type"] == "Warning"
+        and "spec.checkpoint.volume" in events[0]["message"]
+    )
+    assert "CheckpointNodeLocal" not in [e.get("reason") for e in await kube.events_of("shared")]
+
+
 async def test_a_deleted_jobs_pods_disappear(stack: Stack) -> None:
     kube = stack.kube
     assert await kube.create_job(job_manifest("gone")) is None
@@ -93,6 +117,42 @@ async def test_a_deleted_jobs_pods_disappear(stack: Stack) -> None:
         assert [key async for key in redis.scan_iter(match=f"{stack.keys('gone').prefix}*")] == []
     finally:
         await redis.aclose()
+
+
+async def test_a_job_applied_again_at_once_waits_for_the_deleted_ones_pods(stack: Stack) -> None:
+    """Delete a job and apply it again (the way to change a spec): the first job's pods take their grace
+    period to go (a finalizer holds one here). The new job must not take that Terminating pod for its own
+    (it fenced every node of generation 0 and failed); it waits, says so, and starts once the pod is gone."""
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("again")) is None
+    await eventually(lambda: generation(kube, "again", 0), 20, "the first job's generation 0")
+    first_uid = ((await kube.get(PLURAL, "again")) or {})["metadata"]["uid"]
+    held = kube.path("pods", "again-node-1")
+    await kube.api.patch(held, {"metadata": {"finalizers": ["test.resilientjob.io/hold"]}})
+    assert await kube.delete(PLURAL, "again")
+
+    async def job_gone() -> bool:
+        return await kube.get(PLURAL, "again") is None
+
+    await eventually(job_gone, 60, "the first job deleted")
+    assert await kube.create_job(job_manifest("again")) is None
+
+    async def waiting() -> list[dict[str, Any]] | None:
+        events = [e for e in await kube.events_of("again") if e.get("reason") == "WaitingForEarlierJob"]
+        return events or None
+
+    told = (await eventually(waiting, 20, "the WaitingForEarlierJob event"))[0]
+    assert "pod/again-node-1" in told["message"], told
+    await asyncio.sleep(1.0)
+    status = await kube.job_status("again")
+    assert status.get("planGeneration", -1) <= 0 and not status.get("fencedNodes"), status
+    await kube.api.patch(held, {"metadata": {"finalizers": None}})
+    planned = await eventually(lambda: generation(kube, "again", 0), 30, "the new job's generation 0")
+    assert planned.get("phase") != "Failed" and not planned.get("fencedNodes"), planned
+    new_uid = ((await kube.get(PLURAL, "again")) or {})["metadata"]["uid"]
+    pods = await kube.job_pods("again")
+    assert new_uid != first_uid and len(pods) == 4
+    assert {p["metadata"]["ownerReferences"][0]["uid"] for p in pods} == {new_uid}
 
 
 async def test_a_job_whose_redis_is_unreachable_is_deleted_without_a_long_wait(stack: Stack) -> None:

@@ -11,10 +11,11 @@ and fails when these rules grant anything else or miss anything.
 - apiGroups: [""]
   resources: [pods]
   verbs: [create, delete, get, list, patch, watch]
-# The headless Service that gives each worker a stable DNS name.
+# The headless Service that gives each worker a stable DNS name (read: is it an earlier job's, still
+# being deleted?).
 - apiGroups: [""]
   resources: [services]
-  verbs: [create]
+  verbs: [create, get]
 # The plan ConfigMap (created, then patched each generation) and profiles referenced by spec.profile.
 - apiGroups: [""]
   resources: [configmaps]

@@ -1,0 +1,97 @@
+"""A job's daemon at its start: does anything of the job still need running, and is an earlier job of the
+same name out of the way?
+
+An ended job stays ended (`ended`). An operator that restarts (an upgrade, a failover) starts a daemon for
+every job, ended ones too; it ran a failed job's pre-flight or generation again on each restart, and gave a
+succeeded one a store pod that waited for steps forever.
+
+An earlier job's objects, still being deleted, are not this job's (`earlier_job_gone`). Deleting a job
+deletes its pods, ConfigMaps and Service in the background (garbage collection by owner), and a pod takes
+its grace period to go. A job applied again under the same name right away (the way to change a spec, which
+is immutable) found them under its own names: it took the old terminating pods for its own and fenced every
+node at generation 0, restored the old job's plan and profile from their ConfigMaps against its new spec,
+and its `create` of the Service met the old one. What it finds is named by owner uid, so objects a user made
+or orphaned (no ResilientJob owner) are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from . import _manifests, api
+from ._job_view import JobView
+from ._pods import WorkerPods
+from .kube import KubeApi, core_path
+
+log = logging.getLogger("resilientjob.operator")
+
+
+class JobEnded(Exception):
+    """The job failed before this daemon started; its message says why (its failed condition)."""
+
+
+async def ended(ctl: JobView, workers: WorkerPods) -> bool:
+    """Whether the job ended before this daemon started: nothing of it runs again. A succeeded job's pods
+    stay for their logs (True). A failed job's pods are deleted, in case its failure was cut short before
+    they went, and JobEnded says why it failed."""
+    if ctl.status.phase == api.Phase.SUCCEEDED:
+        log.info("job %s/%s: succeeded before; nothing to run", ctl.namespace, ctl.name)
+        return True
+    if ctl.status.phase != api.Phase.FAILED:
+        return False
+    await workers.delete_all()
+    failed = [c for c in ctl.status.conditions if c.status == "False" and c.message]
+    raise JobEnded(failed[0].message if failed else "the job failed before")
+
+
+async def earlier_job_gone(ctl: JobView, uid: str, stopped: kopf.DaemonStopped) -> bool:
+    """Wait while an earlier job of this name is still being deleted (`leftovers`), saying so once in an
+    Event; False when stopped meanwhile. Only before the first plan: later, the job's own objects are all
+    it finds."""
+    said = False
+    while not stopped and ctl.status.plan_generation < 0 and uid:
+        found = await leftovers(ctl.kube, ctl.namespace, ctl.name, uid)
+        if not found:
+            return True
+        if not said:
+            said = True
+            message = f"waiting for an earlier job of this name to be deleted: {', '.join(found[:4])}"
+            log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
+            ctl.event("Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
+        await stopped.wait(1.0)
+    return not stopped
+
+
+def _foreign(obj: Mapping[str, Any] | None, uid: str) -> bool:
+    """Whether `obj` is owned by a ResilientJob other than the one of `uid`."""
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(
+        isinstance(ref, Mapping) and ref.get("kind") == api.KIND and ref.get("uid") not in (None, "", uid)
+        for ref in refs
+    )
+
+
+async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[str]:
+    """The objects under job `job`'s names that another job (an earlier one of the same name) owns, as
+    `kind/name`; empty when there are none."""
+    found = [
+        f"pod/{pod['metadata']['name']}"
+        for pod in await kube.list(core_path(namespace, "pods"), _manifests.job_selector(job))
+        if _foreign(pod, uid)
+    ]
+    objects = {
+        f"configmap/{_manifests.plan_configmap_name(job)}": await kube.get(
+            core_path(namespace, "configmaps", _manifests.plan_configmap_name(job))
+        ),
+        f"configmap/{_manifests.profile_configmap_name(job)}": await kube.get(
+            core_path(namespace, "configmaps", _manifests.profile_configmap_name(job))
+        ),
+        f"service/{_manifests.service_name(job)}": await kube.get(
+            core_path(namespace, "services", _manifests.service_name(job))
+        ),
+    }
+    return found + [name for name, obj in objects.items() if _foreign(obj, uid)]

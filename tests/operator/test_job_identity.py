@@ -1,0 +1,132 @@
+"""A job is its uid, not its name: a job deleted and applied again under the same name is another job, and
+nothing of the first (its controller's caches, Redis client, training progress) may carry over; a job whose
+name is longer than a label value still finds its own store pod."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import kopf
+import pytest
+from kopf._cogs.aiokits import aioenums
+
+from resilientjob.operator import _manifests, handlers
+from resilientjob.operator._store import is_store_pod
+
+
+class _Controller:
+    """Stands in for `JobController`, which needs a Kubernetes API: the handler's bookkeeping is under
+    test here (which controller a daemon gets, which ones it closes), not the controller."""
+
+    made: ClassVar[list[_Controller]] = []
+    failures = 0
+    """How many of the next runs fail (as a run does while Redis is away: kopf restarts the daemon)."""
+
+    def __init__(self, kube: Any, settings: Any, namespace: str, name: str, uid: str = "") -> None:
+        self.uid, self.closed, self.runs = uid, False, 0
+        _Controller.made.append(self)
+
+    async def setup(self, body: Any) -> None:
+        assert body["metadata"]["uid"] == self.uid, "a controller set up for another job"
+
+    async def run(self, stopped: Any) -> None:
+        self.runs += 1
+        if _Controller.failures:
+            _Controller.failures -= 1
+            raise kopf.TemporaryError("Redis away", delay=1)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def _daemon(memo: kopf.Memo, uid: str) -> None:
+    setter = aioenums.FlagSetter()
+    body = {"metadata": {"name": "train", "namespace": "ns", "uid": uid}}
+    await handlers.run_job(  # type: ignore[call-arg]
+        body=body,
+        name="train",
+        namespace="ns",
+        stopped=aioenums.FlagWaiter(setter),
+        logger=logging.getLogger("test"),
+        memo=memo,
+    )
+
+
+async def test_a_job_applied_again_under_its_name_gets_a_controller_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handlers, "JobController", _Controller)
+    _Controller.made = []
+    memo = kopf.Memo()
+    shared = handlers.shared_of(memo)
+    shared.api = object()  # type: ignore[assignment]
+
+    # A daemon that kopf restarts after an error keeps its controller (its caches, its Redis client).
+    _Controller.failures = 1
+    with pytest.raises(kopf.TemporaryError):
+        await _daemon(memo, "uid-1")
+    first = shared.controllers[("ns", "train")]
+    assert not first.closed
+    # The job succeeds: `run` returns, kopf will not run the daemon again, and the controller is closed.
+    await _daemon(memo, "uid-1")
+    assert len(_Controller.made) == 1 and first.runs == 2 and first.closed
+    assert ("ns", "train") not in shared.controllers
+
+    # Deleted and applied again: the same name, another uid, another controller.
+    await _daemon(memo, "uid-2")
+    assert [c.uid for c in _Controller.made] == ["uid-1", "uid-2"]
+
+
+async def test_a_stale_controller_of_a_job_of_the_same_name_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handlers, "JobController", _Controller)
+    _Controller.made = []
+    memo = kopf.Memo()
+    shared = handlers.shared_of(memo)
+    shared.api = object()  # type: ignore[assignment]
+    stale = _Controller(None, None, "ns", "train", "uid-old")
+    shared.controllers[("ns", "train")] = stale  # type: ignore[assignment]
+    await _daemon(memo, "uid-new")
+    assert stale.closed and stale.runs == 0
+    assert [c.uid for c in _Controller.made] == ["uid-old", "uid-new"]
+
+
+@pytest.mark.parametrize(
+    "name", ["short", "a-job-with-a-name-far-longer-than-a-label-value-may-be-" + "x" * 40]
+)
+def test_a_job_finds_its_store_pod_whatever_the_length_of_its_name(name: str) -> None:
+    pod = {
+        "metadata": {"labels": {**_manifests.job_labels(name), _manifests.LABEL_ROLE: _manifests.ROLE_STORE}}
+    }
+    assert len(_manifests.job_label(name)) <= 63
+    assert is_store_pod(pod, name)
+    assert not is_store_pod(pod, name + "-other")
+
+
+def test_a_deleted_jobs_metric_series_go_with_it() -> None:
+    """A long-lived operator that ran many jobs kept exporting each one's last throughput and step time."""
+    from prometheus_client import REGISTRY
+
+    from resilientjob.operator import metrics
+
+    metrics.SAMPLES_PER_SECOND.labels("gone-job").set(120.0)
+    metrics.RECONFIGURATIONS.labels("gone-job", "dynamic").inc()
+    metrics.REDIS_REPAIRS.labels("gone-job", "plan").inc()
+    metrics.SAMPLES_PER_SECOND.labels("kept-job").set(80.0)
+
+    def series(job: str) -> list[str]:
+        return [
+            sample.name
+            for family in REGISTRY.collect()
+            for sample in family.samples
+            if sample.labels.get(metrics.JOB_LABEL) == job
+        ]
+
+    assert len(series("gone-job")) >= 3
+    metrics.forget_job("gone-job")
+    metrics.forget_job("gone-job")  # kopf may run the deletion handler again: nothing left is no error
+    assert series("gone-job") == []
+    assert series("kept-job") == ["rjob_samples_per_second"]
+    metrics.forget_job("kept-job")
