@@ -179,10 +179,17 @@ def _advised_map(tokens: np.memmap[Any, Any]) -> mmap.mmap | None:
 
 
 def _eos_id(tokenizer: Any, directory: Path) -> int | None:
+    """The token that ends each document: `tokenizer_config.json`'s `eos_token`, else a usual name."""
     config = directory / "tokenizer_config.json"
     names: list[str] = []
     if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token")
+        try:
+            settings = json.loads(config.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError("spec.data.tokenizer", f"{config}: not JSON ({exc})") from None
+        if not isinstance(settings, dict):
+            raise DataError("spec.data.tokenizer", f"{config}: not a JSON object")
+        eos = settings.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str):
@@ -215,6 +222,9 @@ def _cache_name(path: Path, tokenizer_json: Path, text_field: str, dtype: TokenD
     for part in identity:
         digest.update(str(part).encode() + b"\0")
     digest.update(hashlib.sha256(tokenizer_json.read_bytes()).digest())
+    # It names the token that ends each document (`_eos_id`): an edited config must not serve old tokens.
+    config = tokenizer_json.parent / "tokenizer_config.json"
+    digest.update(hashlib.sha256(config.read_bytes() if config.is_file() else b"").digest())
     return f"{path.stem}-{digest.hexdigest()[:20]}.{dtype.value}.bin"
 
 
@@ -319,4 +329,10 @@ def _text_of(record: object, text_field: str, where: str) -> str:
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__
         raise DataError("spec.data.path", f"{where}: {json.dumps(text_field)} is {kind}, not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # an escaped lone surrogate ("\ud800") is valid JSON, not text
+        raise DataError(
+            "spec.data.path", f"{where}: {json.dumps(text_field)} holds no text at character {exc.start}"
+        ) from None
     return text

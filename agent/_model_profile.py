@@ -163,8 +163,10 @@ def make_report(
         _check_splits(model, request.devices_per_stage)
         _check_workload(model, workload, cache_dir, request.global_batch)
         profile = _profile(request, workload, model) if request.profile else None
-    except (ValueError, OSError, ImportError) as exc:  # PlannerError, DataError are ValueErrors
+    except Exception as exc:  # the user's model code may raise anything: one line naming a field, no crash
         line = " ".join(str(exc).split())
+        if not isinstance(exc, ValueError | OSError | ImportError):  # PlannerError, DataError are ValueErrors
+            line = f"{type(exc).__name__}: {line}"
         field = _failed_field(exc)
         # Errors of the model say "model: ..."; the operator's line names the spec field once.
         line = line.removeprefix(f"{field}: ").removeprefix("model: ")

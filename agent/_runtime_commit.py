@@ -55,6 +55,7 @@ from torch._C._distributed_c10d import Store
 
 from resilientjob.protocol.store_keys import samples_key, vote_key
 
+from ._data_files import DataError
 from ._runtime_wait import Wait
 
 _ABORT = "abort"
@@ -218,16 +219,29 @@ def agree_on_step(
     committed: CommittedStep | None,
     comm_device: torch.device,
     wait: Wait,
+    num_samples: int = 0,
 ) -> tuple[int, RolledStep | None]:
     """The step every rank of a new world resumes at, and the step this rank must apply first to get there
     (None when it is there already). A collective: every rank of the world calls it, right after joining.
 
     A joining rank has no step of its own: it votes for neither bound and takes the agreed one. Ranks one
-    step behind catch up if they can (module doc); otherwise every rank raises `ReconfigurationError`."""
+    step behind catch up if they can (module doc); otherwise every rank raises `ReconfigurationError`.
+
+    Every rank also states how many samples its data set holds (`num_samples`): the order of the samples
+    follows from it, and two ranks that opened different data (a file that grew or was replaced while the
+    job ran, nodes with different copies) would feed one micro-batch's first and last stages different
+    samples without anything failing. Every rank then raises `DataError` naming `spec.data.path`."""
     mine = (0, _NOBODY) if joining else (step, -step)
-    bounds = torch.tensor(mine, dtype=torch.int64, device=comm_device)
+    bounds = torch.tensor([*mine, num_samples, -num_samples], dtype=torch.int64, device=comm_device)
     wait(dist.all_reduce(bounds, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
     high, low = int(bounds[0]), -int(bounds[1])
+    most, fewest = int(bounds[2]), -int(bounds[3])
+    if most != fewest:
+        raise DataError(
+            "spec.data.path",
+            f"the workers opened data sets of {fewest} to {most} samples: the data changed while the job "
+            "ran, or the nodes read different copies",
+        )
     if low in (high, -_NOBODY):  # agreed (or a world of joiners only)
         return high, None
     if high != low + 1:

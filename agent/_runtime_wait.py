@@ -33,6 +33,14 @@ class PeerFailure(RuntimeError):
     """A peer failed (announced in the store) or did not answer in time: abandon the current step."""
 
 
+class ComputeError(Exception):
+    """This worker's own computation failed (the model's code, out of memory, the device), not a peer: no
+    new plan would help, so the worker waits for none and exits with the error, which its log shows. Not a
+    RuntimeError on purpose: the worker takes any RuntimeError of a step for a peer's failure (gloo reports
+    a dead peer as a plain RuntimeError), and a user's shape error or an out-of-memory taken so left the
+    worker waiting `plan_timeout_s` for a plan nobody published, then dying of a TimeoutError that hid it."""
+
+
 Wait = Callable[[dist.Work | None, str], None]
 """How the runtime waits on a work item (`Trainer._wait`): abandonable, bounded, `what` names it in errors."""
 

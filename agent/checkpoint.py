@@ -38,7 +38,7 @@ class Checkpointer:
     """Checkpoint every this many committed steps; 0: only when the trainer asks (time interval)."""
     asynchronous: bool = True
     keep: int = 2
-    """Complete checkpoints to keep; older ones are deleted by whoever saves the newest."""
+    """Complete checkpoints to keep; every worker deletes older ones after it saved (`prune`)."""
     shard: int = 0
     """This worker's local rank: the shard of each layer it writes and loads."""
     shards: int = 1
@@ -48,6 +48,8 @@ class Checkpointer:
     """Our own background writer where this torch's `async_save` cannot skip collectives."""
 
     def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep: must be >= 1, got {self.keep}")
         if self.interval < 0:
             raise ValueError(f"checkpoint_interval: must be >= 0 (0: only when asked), got {self.interval}")
         self.directory = Path(self.directory)
@@ -115,14 +117,26 @@ class Checkpointer:
         return max(steps) if steps else None
 
     def prune(self, num_layers: int) -> None:
-        """Delete complete checkpoints older than the newest `keep` (incomplete ones may still be written)."""
-        complete = []
+        """Delete the checkpoints older than the newest `keep` complete ones, and any step left incomplete
+        before them (a save cut short by a failure); the newer ones may still be written. A directory that
+        never holds a complete checkpoint (an emptyDir of each pod: every node writes only its own layers)
+        keeps its newest `keep` steps. Run by every worker after it saved, so a long job's checkpoints do
+        not fill its volume; workers deleting the same step at once is harmless."""
+        steps: list[int] = []
+        complete: list[int] = []
         for child in self.directory.iterdir() if self.directory.exists() else ():
             match = _STEP.match(child.name)
-            if match and self._complete(child, num_layers):
-                complete.append(int(match.group(1)))
-        for step in sorted(complete)[: -self.keep]:
-            shutil.rmtree(self.directory / f"step{step}", ignore_errors=True)
+            if match is None:
+                continue
+            steps.append(int(match.group(1)))
+            if self._complete(child, num_layers):
+                complete.append(steps[-1])
+        kept = sorted(complete or steps)[-self.keep :]
+        if len(kept) < self.keep:
+            return
+        for step in steps:
+            if step < kept[0]:
+                shutil.rmtree(self.directory / f"step{step}", ignore_errors=True)
 
     def load(self, step: int, layer: LayerState) -> None:
         """Overwrite `layer`'s parameters and optimizer state in place from checkpoint `step`."""

@@ -305,11 +305,13 @@ def builtin_model(config: ModelConfig) -> ModelSpec:
     )
 
 
-def user_model(target: str, vocab: int, seq_len: int, seed: int = 0) -> ModelSpec:
+def user_model(target: str, vocab: int | None, seq_len: int, seed: int = 0) -> ModelSpec:
     """A model from `module:function`; the function returns the ordered layers (embedding ... head).
 
     The function is called once (seeded), layers are deep-copied on demand, and the activation shape between
-    layers is read from one forward pass over a one-sample batch (the layers must share it).
+    layers is read from one forward pass over a one-sample batch (the layers must share it). The vocabulary
+    is the model's: what both its first layer (an embedding's rows) and its head (logits per token) take;
+    `vocab` (the `vocab` model option) only where the model does not tell (a head that is no LM head).
     """
     module_name, sep, function_name = target.partition(":")
     if not sep or not module_name or not function_name:
@@ -328,16 +330,20 @@ def user_model(target: str, vocab: int, seq_len: int, seed: int = 0) -> ModelSpe
         for layer in layers[:-1]:
             x = layer(x)
             shapes.append(tuple(x.shape[1:]))
+        logits = layers[-1](x)
     if len(set(shapes)) > 1:
         raise ValueError(
             f"model: layers of {target!r} must share one activation shape, got {sorted(set(shapes))}"
         )
     inner = shapes[0] if shapes else (seq_len,)
+    widths = [int(logits.shape[-1])] if isinstance(logits, torch.Tensor) and logits.dim() == 3 else []
+    rows = getattr(layers[0], "num_embeddings", None)
+    widths += [rows] if isinstance(rows, int) else []
     return ModelSpec(
         name=target,
         num_layers=len(layers),
         build=lambda index: copy.deepcopy(layers[index]),
-        vocab=vocab,
+        vocab=min(widths) if widths else (vocab or 32),
         seq_len=seq_len,
         hidden_shape=lambda micro: (micro, *inner),
     )
@@ -389,9 +395,10 @@ def load_model(name: str, **overrides: object) -> ModelSpec:
             seed=int(overrides.get("seed", 0)),  # type: ignore[call-overload]
         )
     if ":" in name:
+        vocab = overrides.get("vocab")
         return user_model(
             name,
-            vocab=int(overrides.get("vocab", 32)),  # type: ignore[call-overload]
+            vocab=None if vocab is None else int(vocab),  # type: ignore[call-overload]
             seq_len=int(overrides.get("seq_len", 16)),  # type: ignore[call-overload]
             seed=int(overrides.get("seed", 0)),  # type: ignore[call-overload]
         )

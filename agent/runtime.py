@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -67,7 +68,7 @@ from ._runtime_commit import (
 from ._runtime_grads import GradientSync
 from ._runtime_p2p import PeerChannels, directional_groups, send_order
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, lane_ranks, world_nodes
-from ._runtime_wait import FailureNotice, PeerFailure, Waiter
+from ._runtime_wait import ComputeError, FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_groups, stage_mesh, tp_degree
 from .data import SampleOrder, TokenDataset
 from .hooks import StepHooks
@@ -379,7 +380,13 @@ class Trainer:
         # A rank one step behind (its commit was lost with a replaced store) applies the step its peers
         # committed, before any layer moves (`_runtime_commit.agree_on_step`).
         agreed, rolled = agree_on_step(
-            self.step, self.joining, self._voted, self._committed, self.comm_device, self._wait
+            self.step,
+            self.joining,
+            self._voted,
+            self._committed,
+            self.comm_device,
+            self._wait,
+            self.dataset.num_samples,
         )
         if rolled is not None:
             self._apply_update(rolled.sq_norm)
@@ -450,8 +457,21 @@ class Trainer:
             return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def _own_compute(self, what: str) -> Iterator[None]:
+        """Around this worker's own computation: its RuntimeError (a shape error in the model, an
+        out-of-memory, a device fault) becomes a ComputeError, which no new plan answers. Tensor-parallel
+        layers talk to their peers inside forward and backward, so there an error may be a peer's and stays
+        a RuntimeError."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.degree > 1 or isinstance(exc, PeerFailure):
+                raise
+            raise ComputeError(f"node {self.node}, step {self.step}: {what} failed: {exc}") from exc
+
     def _forward(self, layers: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
+        with self._own_compute(f"forward of layers {layers[0]}..{layers[1] - 1}"), self._autocast():
             for index in range(*layers):
                 x = self.layers[index].module(x)
         # Activations cross stages in fp32 whatever the compute precision: the residual stream stays exact.
@@ -521,7 +541,7 @@ class Trainer:
                 if op.last:
                     if not op.first:  # a node that ran the first layers already holds the targets
                         ids, _, targets = self._inputs(step, op.microbatch)
-                    with self._autocast():
+                    with self._own_compute("the loss"), self._autocast():
                         y = lm_loss(y, targets) / plan.global_batch
                     if self.local_rank == 0:  # the k ranks of a stage compute the same loss: count it once
                         loss_sum += y.detach().to(loss_sum.dtype)
@@ -532,10 +552,12 @@ class Trainer:
             else:
                 inputs, y = saved.pop(key)
                 if op.last:
-                    torch.autograd.backward([y])
+                    with self._own_compute(f"backward of layers from {op.layers[0]}"):
+                        torch.autograd.backward([y])
                 else:
                     grad = self._recv(tuple(y.shape), _peer(op.recv_from, op), op.tag, mailbox)
-                    torch.autograd.backward([y], [grad])
+                    with self._own_compute(f"backward of layers from {op.layers[0]}"):
+                        torch.autograd.backward([y], [grad])
                 if inputs is not None:
                     if inputs.grad is None:
                         raise RuntimeError(f"backward: no input gradient for {op}")

@@ -158,6 +158,27 @@ def await_peers(
     return False
 
 
+def check_in(
+    trainer: Trainer,
+    store: Store,
+    plan: Plan,
+    timeout_s: float,
+    restart: bool,
+    checkpointer: Checkpointer | None,
+    steps: int | None = None,
+) -> None:
+    """Wait for the plan's world (`await_peers`); for a `restart`, then load the newest complete checkpoint
+    (`_restore`). Each worker's own saves are on disk before it checks in, so that past the barrier every
+    worker finds the same newest step: a survivor still writing the newest checkpoint when the restart came
+    made a peer that looked first restore the step before, and the rendezvous failed the job on the
+    disagreement."""
+    if restart and checkpointer is not None:
+        checkpointer.wait()
+    await_peers(store, plan, trainer.node, trainer.degree, timeout_s, steps)
+    if restart:
+        _restore(trainer, checkpointer, plan)
+
+
 def _restore(trainer: Trainer, checkpointer: Checkpointer | None, plan: Plan) -> None:
     """A plan of policy `checkpoint` after generation 0: the job restarts from the last complete
     checkpoint (weights, optimizer state; the schedule and the data position follow from the step), in
@@ -198,9 +219,7 @@ def _settle(
     while True:
         restart = plan.policy == Policy.CHECKPOINT and plan.generation > max(trainer.generation, 0)
         try:
-            await_peers(store, plan, trainer.node, trainer.degree, timeout_s, steps)
-            if restart:
-                _restore(trainer, checkpointer, plan)
+            check_in(trainer, store, plan, timeout_s, restart, checkpointer, steps)
             joined = trainer.apply_plan(plan, store)
             if restart and checkpointer is not None:
                 _load_shards(trainer, checkpointer, trainer.step or None)
@@ -363,6 +382,7 @@ def worker_main(
             checkpointer.save(
                 trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
             )
+            checkpointer.prune(trainer.model.num_layers)
         latest = read_plan(store, read_generation(store)) if switch else None
         if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s, checkpointer):
             break

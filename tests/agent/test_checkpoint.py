@@ -74,3 +74,103 @@ def test_the_writer_thread_saves_the_weights_of_the_step_not_later_ones(
 
 def _must_not_be_called(*_: object, **__: object) -> None:
     raise AssertionError("this entry point has no `no_dist` on the torch being emulated")
+
+
+def test_old_checkpoints_are_pruned_to_the_newest_complete_ones(tmp_path: Path) -> None:
+    """Two nodes write one layer each to a shared directory: a step counts once both layers are in. After
+    each save the newest `keep` complete steps and any newer ones still being written stay; on a directory
+    of one node's own layers (an emptyDir, never complete), its newest `keep` steps stay."""
+    shared = [Checkpointer(tmp_path / "shared", interval=1, asynchronous=False) for _ in range(2)]
+    layers = [{0: _layer(seed=1)}, {1: LayerState(index=1, module=nn.Linear(4, 3))}]
+    for step in range(1, 6):
+        for node, checkpointer in enumerate(shared):
+            if step == 5 and node == 1:
+                break  # step 5 is still being written by node 1
+            checkpointer.save(step, layers[node], owned={node})
+            checkpointer.prune(num_layers=2)
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step3", "step4", "step5"]
+    assert shared[0].latest_complete(num_layers=2) == 4
+
+    local = Checkpointer(tmp_path / "local", interval=1, asynchronous=False, keep=2)
+    for step in range(1, 5):
+        local.save(step, layers[0], owned={0})
+        local.prune(num_layers=2)  # layer 1 is on another node's disk: never complete here
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step3", "step4"]
+
+
+def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two survivors on one checkpoint volume; node 1 is still writing step 6 when the restart plan comes.
+    Node 0 checks in first: it must not look for the newest checkpoint before node 1's save is on disk (it
+    restored step 3, node 1 step 6, and the rendezvous failed the job on the disagreement)."""
+    import socket
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import TCPStore
+
+    from resilientjob.agent._runtime_schedule import designated_holders
+    from resilientjob.agent.data import SyntheticDataset
+    from resilientjob.agent.models import ModelConfig, builtin_model
+    from resilientjob.agent.runtime import Trainer
+    from resilientjob.agent.worker import check_in
+    from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+
+    def plan(policy: Policy, generation: int) -> Plan:
+        stages = (StagePlan(layers=(0, 2), node=0), StagePlan(layers=(2, 4), node=1))
+        pipelines = (PipelinePlan(stages=stages, microbatches=2),)
+        return Plan(
+            policy=policy, generation=generation, microbatch_size=2, step_time_s=1.0, pipelines=pipelines
+        )
+
+    monkeypatch.setattr(_dcp_compat, "ASYNC_SAVE_NO_DIST", False)  # the checkpointer's own writer thread
+    written = _dcp_compat.save_local
+    model, data, first = (
+        builtin_model(ModelConfig(layers=4)),
+        SyntheticDataset(64, seq_len=16, vocab=32),
+        plan(Policy.DYNAMIC, 0),
+    )
+    owners = designated_holders(first)
+    trainers = [Trainer(node=node, model=model, dataset=data, global_batch=4) for node in (0, 1)]
+    savers = [Checkpointer(tmp_path, interval=3) for _ in (0, 1)]
+    for node in (0, 1):
+        trainers[node].init_layers(first)
+        savers[node].save(3, trainers[node].layers, {i for i, o in owners.items() if o == node})
+        savers[node].wait()
+    savers[0].save(6, trainers[0].layers, {i for i, o in owners.items() if o == 0})
+    savers[0].wait()
+
+    def slow(state: object, target: Path) -> None:
+        time.sleep(1.0)  # a large layer on a network volume
+        written(state, target)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_dcp_compat, "save_local", slow)
+    savers[1].save(6, trainers[1].layers, {i for i, o in owners.items() if o == 1})
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    restart = plan(Policy.CHECKPOINT, 1)
+    errors: list[BaseException] = []
+
+    def survivor(node: int, delay: float) -> None:
+        try:
+            time.sleep(delay)
+            store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            check_in(trainers[node], store, restart, 20.0, True, savers[node])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=survivor, args=(0, 0.0)),
+        threading.Thread(target=survivor, args=(1, 0.2)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    del server
+    assert not errors, errors
+    assert [trainer.step for trainer in trainers] == [6, 6]

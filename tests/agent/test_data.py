@@ -396,6 +396,7 @@ def test_a_same_size_edit_with_the_old_timestamp_is_not_served_from_the_cache(tm
         ('{"text": 7}', '"text" is int, not a string'),
         ('{"text": null}', '"text" is null, not a string'),
         ('["the cat"]', "not a JSON object"),
+        ('{"text": "the \\ud800 cat"}', "holds no text at character 4"),  # a lone surrogate: valid JSON
     ],
 )
 def test_a_bad_line_names_the_path_and_line_number(tmp_path: Path, bad_line: str, what: str) -> None:
@@ -407,6 +408,28 @@ def test_a_bad_line_names_the_path_and_line_number(tmp_path: Path, bad_line: str
     message = _one_line_naming(error, "spec.data.path")
     assert "line 3" in message and what in message and str(source) in message
     assert os.listdir(cache) == []  # nothing half-written stays in the cache
+
+
+@pytest.mark.parametrize("config", ["{not json", "[]", '"</s>"'])
+def test_a_tokenizer_config_that_is_no_json_object_names_the_tokenizer(tmp_path: Path, config: str) -> None:
+    tokenizer = _tokenizer_dir(tmp_path)
+    (tokenizer / "tokenizer_config.json").write_text(config)
+    source = _write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    with pytest.raises(DataError) as error:
+        tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, tmp_path / "cache")
+    assert "tokenizer_config.json" in _one_line_naming(error, "spec.data.tokenizer")
+
+
+def test_an_edited_tokenizer_config_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    """The config names the token that ends each document: tokens made with the old one are stale."""
+    tokenizer, cache = _tokenizer_dir(tmp_path), tmp_path / "cache"
+    source = _write_jsonl(tmp_path / "docs.jsonl", ["the cat", "a dog"])
+    first = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
+    assert np.fromfile(first, dtype=np.uint16).tolist() == _expected_ids(["the cat", "a dog"])
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": "mat"}))
+    again = tokenize_jsonl(source, tokenizer, "text", TokenDtype.UINT16, cache)
+    mat = WORDS.index("mat")
+    assert np.fromfile(again, dtype=np.uint16).tolist() == [2, 3, mat, 6, 8, mat]
 
 
 def test_a_line_that_is_not_utf8_names_the_path_and_line_number(tmp_path: Path) -> None:

@@ -53,6 +53,8 @@ def test_user_model_from_module_function(tmp_path: Path, monkeypatch: pytest.Mon
             import torch
             def build():
                 return [torch.nn.Embedding(7, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 7)]
+            def wide():
+                return [torch.nn.Embedding(1000, 4), torch.nn.Linear(4, 1000)]
             """
         )
     )
@@ -60,6 +62,10 @@ def test_user_model_from_module_function(tmp_path: Path, monkeypatch: pytest.Mon
     spec = load_model("my_layers:build", vocab=7, seq_len=5)
     assert spec.num_layers == 3
     assert spec.hidden_shape(2) == (2, 5, 4)
+    # The vocabulary is the model's own (its embedding's rows, its head's logits), not the option's default:
+    # token data for it was refused as "outside the model's vocabulary (32)".
+    assert load_model("my_layers:build", seq_len=5).vocab == 7
+    assert load_model("my_layers:wide", seq_len=5).vocab == 1000
     with pytest.raises(ValueError, match="model"):
         load_model("my_layers:missing")
     sys.modules.pop("my_layers", None)

@@ -239,6 +239,11 @@ def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_
     log = rjob_ok(stack, "logs", "beyond-node-0")
     assert "restarted from checkpoint step" in log, log[-2000:]
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
+    # Twelve checkpoints were written; the older ones went as newer ones completed (a volume must not fill).
+    kept = sorted(
+        int(d.name.removeprefix("step")) for d in checkpoints.iterdir() if d.name.startswith("step")
+    )
+    assert kept[-1] == steps and len(kept) <= 3, kept
     job.close()
 
 

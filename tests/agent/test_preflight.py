@@ -73,6 +73,16 @@ def test_a_missing_model_directory_names_the_model(tmp_path: Path, good_data: Da
     _failed(_report(f"hf:{tmp_path / 'nowhere'}", good_data), "spec.model", "nowhere", "not a directory")
 
 
+def test_a_model_function_that_raises_anything_is_one_line_naming_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, good_data: DataSpec
+) -> None:
+    """The user's own code may raise any exception while the model is built; node 0's agent reports it as
+    one line naming `spec.model` and its type, instead of dying with a traceback."""
+    (tmp_path / "broken_layers.py").write_text("def layers():\n    return {}['embedding']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _failed(_report("broken_layers:layers", good_data, profile=False), "spec.model", "KeyError", "embedding")
+
+
 def test_an_unsupported_family_names_the_model(tmp_path: Path, good_data: DataSpec) -> None:
     directory = tmp_path / "bert"
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2)

@@ -301,3 +301,51 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
         assert sorted(losses) == list(range(STEPS)), collected[node]
         for index in range(STEPS):
             assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
+
+
+def _agree(rank: int, port: int, num_samples: int, results: Queue[Any]) -> None:
+    """One rank of a two-rank world that agrees on its step with a data set of `num_samples`."""
+    import torch.distributed as dist
+
+    from resilientjob.agent._runtime_commit import agree_on_step
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        step, _ = agree_on_step(
+            3, False, None, None, torch.device("cpu"), lambda work, _: work.wait(), num_samples
+        )
+        results.put((rank, "agreed", step))
+    except Exception as exc:
+        results.put((rank, type(exc).__name__, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("sizes", [(64, 64), (64, 72)])
+def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(sizes: tuple[int, int]) -> None:
+    """The order of the samples follows from the data set's size: ranks that read different copies (or a
+    file that grew meanwhile) would train one micro-batch on different samples in different stages."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
+    results: Queue[Any] = context.Queue()
+    ranks = [
+        context.Process(target=_agree, args=(r, store.port, sizes[r], results), daemon=True) for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        outcomes = sorted(results.get(timeout=60) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(10)
+    if sizes[0] == sizes[1]:
+        assert outcomes == [(0, "agreed", 3), (1, "agreed", 3)]
+    else:
+        assert [kind for _, kind, _ in outcomes] == ["DataError", "DataError"], outcomes
+        assert all(
+            "spec.data.path: " in str(text) and "64 to 72 samples" in str(text) for *_, text in outcomes
+        )
