@@ -116,17 +116,19 @@ class Checkpointer:
                     steps.append(int(match.group(1)))
         return max(steps) if steps else None
 
-    def prune(self, num_layers: int) -> None:
-        """Delete the checkpoints older than the newest `keep` complete ones, and any step left incomplete
-        before them (a save cut short by a failure); the newer ones may still be written. A directory that
+    def prune(self, num_layers: int, current: int) -> None:
+        """Delete the checkpoints older than the newest `keep` complete ones up to `current` (the step just
+        saved), and any step left incomplete before them (a save cut short by a failure). A directory that
         never holds a complete checkpoint (an emptyDir of each pod: every node writes only its own layers)
-        keeps its newest `keep` steps. Run by every worker after it saved, so a long job's checkpoints do
-        not fill its volume; workers deleting the same step at once is harmless."""
+        keeps its newest `keep` steps up to `current`. Steps past `current` are left alone: after a restart
+        to an older step they are a run's leftovers that this one writes again, and a worker that counted
+        them in deleted the step its peers were writing. Run by every worker after it saved, so a long job's
+        checkpoints do not fill its volume; workers deleting the same step at once is harmless."""
         steps: list[int] = []
         complete: list[int] = []
         for child in self.directory.iterdir() if self.directory.exists() else ():
             match = _STEP.match(child.name)
-            if match is None:
+            if match is None or int(match.group(1)) > current:
                 continue
             steps.append(int(match.group(1)))
             if self._complete(child, num_layers):

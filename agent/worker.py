@@ -38,6 +38,7 @@ from resilientjob.protocol.store_keys import (
 
 from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
+from ._runtime_wait import ComputeError
 from ._tensor_parallel import full_parameters, local, tp_degree
 from ._termination import WorkloadError
 from .checkpoint import Checkpointer
@@ -356,6 +357,9 @@ def worker_main(
         began = time.perf_counter()
         try:
             loss, switch, _ = trainer.run_step(read_generation(store))
+        except ComputeError:
+            trainer.close()  # its peers see the process go; an embedding caller gets its group back
+            raise
         except ReconfigurationError:
             raise
         except RuntimeError:
@@ -382,7 +386,7 @@ def worker_main(
             checkpointer.save(
                 trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
             )
-            checkpointer.prune(trainer.model.num_layers)
+            checkpointer.prune(trainer.model.num_layers, trainer.step)
         latest = read_plan(store, read_generation(store)) if switch else None
         if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s, checkpointer):
             break

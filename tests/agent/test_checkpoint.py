@@ -87,15 +87,21 @@ def test_old_checkpoints_are_pruned_to_the_newest_complete_ones(tmp_path: Path) 
             if step == 5 and node == 1:
                 break  # step 5 is still being written by node 1
             checkpointer.save(step, layers[node], owned={node})
-            checkpointer.prune(num_layers=2)
+            checkpointer.prune(num_layers=2, current=step)
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step3", "step4", "step5"]
     assert shared[0].latest_complete(num_layers=2) == 4
 
     local = Checkpointer(tmp_path / "local", interval=1, asynchronous=False, keep=2)
     for step in range(1, 5):
         local.save(step, layers[0], owned={0})
-        local.prune(num_layers=2)  # layer 1 is on another node's disk: never complete here
+        local.prune(num_layers=2, current=step)  # layer 1 is on another node's disk: never complete here
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step3", "step4"]
+
+    # A job that started over (nothing complete to restart from) writes step 1 again beside the steps its
+    # dead run left: they are not counted, and the step its peers are writing stays.
+    local.save(1, layers[0], owned={0})
+    local.prune(num_layers=2, current=1)
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step1", "step3", "step4"]
 
 
 def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(

@@ -154,8 +154,12 @@ def _check_run(job: _Job, tmp_path: Path, model_dir: Path, tokens: Path, steps: 
     trained_ids = [job.samples(step) for step in range(steps)]
     status = job.status()
     expected, trained = plain_pytorch(model_dir, tokens, steps)
+    # Float summation order (micro-batches, replicas, pipeline stages against one batch) moves the losses
+    # apart from the first steps on, before any fault, and AdamW at lr 2e-2 amplifies it: up to 2.9e-4 by
+    # step 63 on one sample order (1e-4 held on another). A lost, repeated or misweighted sample moves a
+    # step's loss by ~1e-2 (one of 8 samples).
     for step in range(steps):
-        assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, got[step], expected[step])
+        assert got[step] == pytest.approx(expected[step], abs=5e-4), (step, got[step], expected[step])
     order = SampleOrder((tokens.stat().st_size // 2 - 1) // SEQ, BATCH, seed=3)
     for step, ids in enumerate(trained_ids):
         assert sorted(ids) == sorted(order.step_ids(step)), f"step {step}: each sample exactly once"

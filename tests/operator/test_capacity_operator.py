@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = [
     emulator_only("the test sets pod phases itself, as the kubelet of a real cluster would"),
 ]
 
+StatusWhere = Callable[[Callable[[dict[str, Any]], bool]], Awaitable[dict[str, Any] | None]]
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 2.0
 
@@ -41,19 +43,27 @@ async def _nodes(kube: Kube, job: str) -> dict[int, dict[str, Any]]:
     return {int(pod["metadata"]["labels"]["resilientjob.io/node"]): pod for pod in await kube.job_pods(job)}
 
 
-async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_off(
-    fast_backoff: None, stack: Stack
-) -> None:
-    kube = stack.kube
-    await kube.create_job(job_manifest("grow", failSlow={"enabled": False}))
+async def _started(kube: Kube, job: str, **spec: Any) -> tuple[dict[str, Any], StatusWhere]:
+    """Create `job` (fail-slow off: a noisy shared CPU must not add generations), wait for its generation 0
+    and run its four pods as a kubelet would; its status then, and a reader of its status that answers once
+    a check holds."""
+    await kube.create_job(job_manifest(job, failSlow={"enabled": False}, **spec))
 
-    async def status_where(check: Any) -> dict[str, Any] | None:
-        status = await kube.job_status("grow")
+    async def status_where(check: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        status = await kube.job_status(job)
         return status if status and check(status) else None
 
     first = await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
     for node in range(4):
-        await _set_phase(kube, f"grow-node-{node}", "Running")
+        await _set_phase(kube, f"{job}-node-{node}", "Running")
+    return first, status_where
+
+
+async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_off(
+    fast_backoff: None, stack: Stack
+) -> None:
+    kube = stack.kube
+    first, status_where = await _started(kube, "grow")
     assert first["workersTotal"] == 4
 
     # Two workers die at once: fenced, planned around, and two pods asked for under new ids 4 and 5.
@@ -146,15 +156,7 @@ async def test_a_join_the_planner_declines_publishes_no_generation(stack: Stack)
     """`policy: reroute` keeps the layout when a node joins: the replacement stays idle. Publishing the same
     layout again would make every worker rendezvous for nothing; the decision is in the status instead."""
     kube = stack.kube
-    await kube.create_job(job_manifest("idle", policy="reroute", failSlow={"enabled": False}))
-
-    async def status_where(check: Any) -> dict[str, Any] | None:
-        status = await kube.job_status("idle")
-        return status if status and check(status) else None
-
-    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
-    for node in range(4):
-        await _set_phase(kube, f"idle-node-{node}", "Running")
+    _, status_where = await _started(kube, "idle", policy="reroute")
     await kube.delete("pods", "idle-node-1")
     shrunk = await eventually(
         lambda: status_where(lambda s: s.get("failedNodes") == [1]), 10, "node 1 out, rerouted"
@@ -199,17 +201,13 @@ async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(s
     the planner alone would fail the job (and leave the replacements holding devices); it waits for them
     and restarts from its checkpoint on them."""
     kube = stack.kube
-    await kube.create_job(job_manifest("reclaimed", failSlow={"enabled": False}))
-
-    async def status_where(check: Any) -> dict[str, Any] | None:
-        status = await kube.job_status("reclaimed")
-        return status if status and check(status) else None
-
-    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
-    for node in range(4):
-        await _set_phase(kube, f"reclaimed-node-{node}", "Running")
+    _, status_where = await _started(kube, "reclaimed")
+    # All at once, as the operator sees it: deleted one by one under its eyes, the last one could still be
+    # planned on alone. The operator is down meanwhile, as it may well be when a whole node pool goes.
+    stack.operator.kill()
     for node in range(4):
         await kube.delete("pods", f"reclaimed-node-{node}")
+    stack.operator.start()
 
     async def replacements() -> dict[int, dict[str, Any]] | None:
         pods = await _nodes(kube, "reclaimed")

@@ -53,15 +53,18 @@ async def _daemon(memo: kopf.Memo, uid: str) -> None:
     )
 
 
-async def test_a_job_applied_again_under_its_name_gets_a_controller_of_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def memo(monkeypatch: pytest.MonkeyPatch) -> kopf.Memo:
+    """An operator's memo whose daemons make `_Controller`s."""
     monkeypatch.setattr(handlers, "JobController", _Controller)
-    _Controller.made = []
+    monkeypatch.setattr(_Controller, "made", [])
     memo = kopf.Memo()
-    shared = handlers.shared_of(memo)
-    shared.api = object()  # type: ignore[assignment]
+    handlers.shared_of(memo).api = object()  # type: ignore[assignment]
+    return memo
 
+
+async def test_a_job_applied_again_under_its_name_gets_a_controller_of_its_own(memo: kopf.Memo) -> None:
+    shared = handlers.shared_of(memo)
     # A daemon that kopf restarts after an error keeps its controller (its caches, its Redis client).
     _Controller.failures = 1
     with pytest.raises(kopf.TemporaryError):
@@ -78,14 +81,8 @@ async def test_a_job_applied_again_under_its_name_gets_a_controller_of_its_own(
     assert [c.uid for c in _Controller.made] == ["uid-1", "uid-2"]
 
 
-async def test_a_stale_controller_of_a_job_of_the_same_name_is_closed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(handlers, "JobController", _Controller)
-    _Controller.made = []
-    memo = kopf.Memo()
+async def test_a_stale_controller_of_a_job_of_the_same_name_is_closed(memo: kopf.Memo) -> None:
     shared = handlers.shared_of(memo)
-    shared.api = object()  # type: ignore[assignment]
     stale = _Controller(None, None, "ns", "train", "uid-old")
     shared.controllers[("ns", "train")] = stale  # type: ignore[assignment]
     await _daemon(memo, "uid-new")
