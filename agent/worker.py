@@ -10,6 +10,7 @@ which mirrors the operator's Redis plan into the job's store), `run_from_plan` t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import warnings
@@ -358,7 +359,8 @@ def worker_main(
         try:
             loss, switch, _ = trainer.run_step(read_generation(store))
         except ComputeError:
-            trainer.close()  # its peers see the process go; an embedding caller gets its group back
+            with contextlib.suppress(Exception):  # the error to report is the step's, not the close's
+                trainer.close()  # its peers see the process go; an embedding caller gets its group back
             raise
         except ReconfigurationError:
             raise

@@ -129,6 +129,10 @@ class JobController:
         """Validate and connect; raises InvalidJob after recording why (condition + Event, no pods)."""
         self.body = body
         self.status = api.parse_status(body.get("status"))
+        if self.status.phase in (api.Phase.SUCCEEDED, api.Phase.FAILED):
+            # Ended before this daemon (`_lifecycle.ended`, in `run`): nothing of its spec is read again. A
+            # profile ConfigMap or Secret cleaned up since must not turn a Succeeded job into a Failed one.
+            return
         try:
             spec = api.parse_spec(body.get("spec"))
             referenced = await _profile_source.referenced_profile(self.kube, self.namespace, self.name, spec)

@@ -12,6 +12,7 @@ import pytest
 from _rjob_stack import Stack, eventually, heartbeats, job_manifest, redis_client
 
 from resilientjob.operator.api import PLURAL
+from resilientjob.planner.profile import uniform_profile
 
 pytestmark = pytest.mark.cluster
 
@@ -201,8 +202,14 @@ async def test_a_restarted_operator_leaves_ended_jobs_ended(stack: Stack) -> Non
     A failed job's pods go if its failure was cut short before they did; a succeeded one's stay for their
     logs. Before, the restart ran a failed job's generation (or pre-flight) again."""
     kube, operator = stack.kube, stack.operator
-    for name in ("ended-ok", "ended-bad"):
-        await kube.create_job(job_manifest(name))
+    # The succeeded job's profile ConfigMap is cleaned up after it ended: its spec is not read again (it was,
+    # and the job turned Failed on the missing ConfigMap).
+    profile = json.dumps(uniform_profile(8).model_dump(mode="json"))
+    await kube.api.create(
+        kube.path("configmaps"), {"metadata": {"name": "ok-profile"}, "data": {"profile.json": profile}}
+    )
+    await kube.create_job(job_manifest("ended-ok", profile={"configMapRef": {"name": "ok-profile"}}))
+    await kube.create_job(job_manifest("ended-bad"))
     for name in ("ended-ok", "ended-bad"):
 
         async def planned(name: str = name) -> dict[str, Any] | None:
@@ -211,6 +218,7 @@ async def test_a_restarted_operator_leaves_ended_jobs_ended(stack: Stack) -> Non
 
         await eventually(planned, 20, f"{name} generation 0")
     operator.kill()
+    assert await kube.delete("configmaps", "ok-profile")
     await kube.api.patch(kube.path(PLURAL, "ended-ok", status=True), {"status": {"phase": "Succeeded"}})
     failed = {
         "type": "Planned",
