@@ -458,20 +458,22 @@ class Trainer:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _own_compute(self, what: str) -> Iterator[None]:
+    def _own_compute(self, what: str, *args: object) -> Iterator[None]:
         """Around this worker's own computation: its RuntimeError (a shape error in the model, an
         out-of-memory, a device fault) becomes a ComputeError, which no new plan answers. Tensor-parallel
         layers talk to their peers inside forward and backward, so there an error may be a peer's and stays
-        a RuntimeError."""
+        a RuntimeError. `what` is formatted with `args` only on an error: this wraps every micro-batch."""
         try:
             yield
         except RuntimeError as exc:
             if self.degree > 1 or isinstance(exc, PeerFailure):
                 raise
-            raise ComputeError(f"node {self.node}, step {self.step}: {what} failed: {exc}") from exc
+            raise ComputeError(
+                f"node {self.node}, step {self.step}: {what.format(*args)} failed: {exc}"
+            ) from exc
 
     def _forward(self, layers: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-        with self._own_compute(f"forward of layers {layers[0]}..{layers[1] - 1}"), self._autocast():
+        with self._own_compute("forward of layers {}..{}", layers[0], layers[1] - 1), self._autocast():
             for index in range(*layers):
                 x = self.layers[index].module(x)
         # Activations cross stages in fp32 whatever the compute precision: the residual stream stays exact.
@@ -552,11 +554,11 @@ class Trainer:
             else:
                 inputs, y = saved.pop(key)
                 if op.last:
-                    with self._own_compute(f"backward of layers from {op.layers[0]}"):
+                    with self._own_compute("backward of layers from {}", op.layers[0]):
                         torch.autograd.backward([y])
                 else:
                     grad = self._recv(tuple(y.shape), _peer(op.recv_from, op), op.tag, mailbox)
-                    with self._own_compute(f"backward of layers from {op.layers[0]}"):
+                    with self._own_compute("backward of layers from {}", op.layers[0]):
                         torch.autograd.backward([y], [grad])
                 if inputs is not None:
                     if inputs.grad is None:

@@ -338,8 +338,7 @@ class JobController:
     async def _claim_keys(self, stopped: kopf.DaemonStopped) -> bool:
         """The job's Redis keys made its own (`JobRedis.claim`) before anything reads them, retried while
         Redis is away; False when stopped meanwhile."""
-        uid = str((self.body.get("metadata") or {}).get("uid") or "")
-        redis = self.redis
+        uid, redis = self.uid, self.redis
         while not stopped and uid and redis is not None:
             try:
                 removed = await redis.claim(uid, started=self.status.plan_generation >= 0)
