@@ -24,6 +24,10 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+LAST_WORDS_SHOWN = 300
+"""Characters of a failed container's last line that a failure's cause quotes."""
+
+
 @dataclass(frozen=True, slots=True)
 class PodView:
     """What the reconciler needs to know about one worker pod."""
@@ -43,6 +47,8 @@ class PodView:
     """Quick failures in a row of the pods this one replaced (`_capacity`)."""
     last_words: str = ""
     """The worker container's termination message, when it left one."""
+    unschedulable: str = ""
+    """Why the scheduler finds no node for it (its PodScheduled condition), while it finds none."""
 
     @property
     def completed(self) -> bool:
@@ -55,7 +61,11 @@ class PodView:
         if self.deleting:
             return "pod is being deleted"
         if self.phase == "Failed":
-            return "pod failed" + (f" ({self.reason})" if self.reason else "")
+            # The container's last words (its termination message) say what crashed; their last line is
+            # the exception, as a Python traceback ends.
+            lines = self.last_words.strip().splitlines()
+            said = f": {lines[-1][:LAST_WORDS_SHOWN]}" if lines else ""
+            return "pod failed" + (f" ({self.reason})" if self.reason else "") + said
         if self.reason in NODE_LOST_REASONS:
             return f"node lost ({self.reason})"
         return None
@@ -86,6 +96,16 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         terminated = ((container or {}).get("state") or {}).get("terminated") or {}
         if isinstance(terminated.get("message"), str):
             last_words = terminated["message"][:4096]
+    unschedulable = next(
+        (
+            str(c.get("message") or "no node fits it")[:1024]
+            for c in conditions
+            if c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ),
+        "",
+    )
     return PodView(
         node=node,
         name=str(meta.get("name", "")),
@@ -98,6 +118,7 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         created=str(meta.get("creationTimestamp") or ""),
         strikes=int(strikes) if strikes.isdigit() else 0,
         last_words=last_words,
+        unschedulable=unschedulable,
     )
 
 

@@ -132,6 +132,8 @@ class Reason(StrEnum):
     REDIS_AVAILABLE = "RedisAvailable"
     CHECKPOINT_NODE_LOCAL = "CheckpointNodeLocal"
     WAITING_FOR_EARLIER_JOB = "WaitingForEarlierJob"
+    WAITING_FOR_REPLACEMENTS = "WaitingForReplacements"
+    RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
 
 
 class LayerSpec(_Api):
@@ -247,6 +249,14 @@ class CheckpointSpec(_Api):
     interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")
     interval_steps: int = Field(
         default=0, ge=0, le=2**40, description="Also checkpoint every this many steps (0: by time only)."
+    )
+    restart_limit: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Restarts from the checkpoint after every node of the plan failed, in a row with no step "
+        "committed past the failure before, that the job makes; one more such failure ends it (a crash that "
+        "every worker meets at the same step). 0: the first ends it.",
     )
 
 
@@ -538,6 +548,16 @@ class WaitingReplacement(_Api):
     not_before: str = Field(default="", description="RFC 3339: no replacement pod before this time.")
 
 
+class WholeJobLoss(_Api):
+    """Every node of a generation failed at once: the job restarts from its checkpoint on replacements."""
+
+    generation: int = Field(ge=0, description="The generation whose every node failed.")
+    step: int = Field(ge=0, description="Steps committed when it failed (the most of this run of losses).")
+    in_a_row: int = Field(
+        ge=1, description="Such failures in a row with no step committed past the one before."
+    )
+
+
 class CapacityStatus(_Api):
     """Replacement of failed workers: the operator keeps `spec.nodes` worker pods asked for."""
 
@@ -547,6 +567,10 @@ class CapacityStatus(_Api):
     replaced: int = Field(default=0, ge=0, description="Replacement pods created so far.")
     waiting: list[WaitingReplacement] = Field(
         default_factory=list, max_length=10_000, description="Replacements held back by their backoff."
+    )
+    whole_job_loss: WholeJobLoss | None = Field(
+        default=None,
+        description="The last time every node of the plan failed at once (`checkpoint.restartLimit`).",
     )
 
 

@@ -34,7 +34,18 @@ from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
-from . import _capacity, _decide, _durable, _failslow, _lifecycle, _manifests, _profile_source, api, metrics
+from . import (
+    _capacity,
+    _decide,
+    _durable,
+    _failslow,
+    _lifecycle,
+    _manifests,
+    _profile_source,
+    _whole_job,
+    api,
+    metrics,
+)
 from ._fencing import Fenced, Fencing
 from ._mitigation import mitigation_message
 from ._planning import (
@@ -102,6 +113,7 @@ class JobController:
             _capacity.Backoff(settings.replace_backoff_s, settings.replace_backoff_max_s)
         )
         self.fencing = Fencing(self, self.workers, self.capacity)
+        self.whole_job = _whole_job.WholeJobLosses()
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -474,11 +486,11 @@ class JobController:
             self._joins_since = None
         elif not deciding and not await self._joins_settled(published, observed):
             fresh = set()
-        if waits_for_replacements and not fresh:
-            if not self._joins_held:
-                self._joins_held = "every node of the plan failed: waiting for their replacements"
-                log.info("job %s/%s: %s", self.namespace, self.name, self._joins_held)
-        elif not deciding and (self.fencing.fenced or fresh):
+        if waits_for_replacements and not deciding:
+            await self._lost_every_node(published.generation, set(plan.nodes))
+        # A job that lost every node has nobody to plan on but its replacements, once they are ready.
+        to_plan = fresh if waits_for_replacements else self.fencing.fenced or fresh
+        if not deciding and to_plan:
             failures = dict(self.fencing.fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
@@ -517,6 +529,17 @@ class JobController:
             working=self.workers.working,
             event=self.event,
         )
+
+    async def _lost_every_node(self, generation: int, plan_nodes: set[int]) -> None:
+        """Every node of `generation` failed: counted once, said while the replacements come; the job ends
+        when it keeps losing them all at the same step (`_whole_job`)."""
+        ended = await self.whole_job.wait(self, generation, plan_nodes, self.fencing.fenced)
+        if ended is not None:
+            log.warning("job %s/%s: %s", self.namespace, self.name, ended)
+            await self._infeasible(
+                PlannerError("checkpoint.restartLimit", ended), api.Reason.RESTART_LIMIT_EXCEEDED
+            )
+            raise InvalidJob(ended)
 
     def _trained_to_the_end(self, spec: api.ResilientJobSpec) -> bool:
         progress = self._telemetry.progress

@@ -214,9 +214,30 @@ async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(s
         return pods if sorted(pods) == [4, 5, 6, 7] else None
 
     await eventually(replacements, 15, "four replacement pods under new ids")
-    await asyncio.sleep(1.0)
-    waiting = await kube.job_status("reclaimed")
+    # The scheduler finds no room for one of them: the wait says so where a user looks.
+    unschedulable = "0/3 nodes are available: 3 Insufficient cpu."
+    scheduling = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    await kube.api.patch(
+        kube.path("pods", "reclaimed-node-5", status=True),
+        {"status": {"phase": "Pending", "conditions": [{**scheduling, "message": unschedulable}]}},
+    )
+
+    def planned(status: dict[str, Any]) -> dict[str, Any]:
+        return next(c for c in status.get("conditions", []) if c["type"] == "Planned")
+
+    waiting = await eventually(
+        lambda: status_where(lambda s: "cannot be scheduled" in planned(s)["message"]),
+        10,
+        "the Planned condition naming the replacement the scheduler cannot place",
+    )
     assert waiting.get("phase") != "Failed" and waiting.get("planGeneration") == 0, waiting
+    condition = planned(waiting)
+    assert (condition["status"], condition["reason"]) == ("False", "WaitingForReplacements"), condition
+    assert "every node of generation 0 failed" in condition["message"], condition
+    assert "node 5 cannot be scheduled: 0/3 nodes are available: 3 Insufficient cpu" in condition["message"]
+    assert waiting["capacity"]["wholeJobLoss"] == {"generation": 0, "step": 0, "inARow": 1}, waiting
+    told = [e for e in await kube.events_of("reclaimed") if e.get("reason") == "WaitingForReplacements"]
+    assert len(told) == 1 and told[0]["type"] == "Warning", told
     for node in range(4, 8):
         await _set_phase(kube, f"reclaimed-node-{node}", "Running")
     restarted = await eventually(
@@ -225,7 +246,73 @@ async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(s
         "a generation on the replacements",
     )
     assert restarted.get("phase") != "Failed", restarted
+    assert planned(restarted)["status"] == "True", restarted
     recovery = restarted["recoveries"][-1]
     assert recovery["policy"] == "checkpoint" and sorted(restarted["failedNodes"]) == [0, 1, 2, 3], restarted
     plan = json.loads((await kube.get("configmaps", "reclaimed-plan") or {})["data"]["plan.json"])
     assert sorted({s["node"] for p in plan["plan"]["pipelines"] for s in p["stages"]}) == [4, 5, 6, 7]
+
+
+async def test_a_job_whose_every_worker_keeps_crashing_at_the_same_step_ends(
+    fast_backoff: None, stack: Stack
+) -> None:
+    """A bug that crashes every worker at the same step: each restart from the checkpoint meets it again.
+    The job restarts `checkpoint.restartLimit` times, then fails naming the field and the crash, and its
+    pods go; it does not loop for ever (its pods holding devices)."""
+    kube = stack.kube
+    _, status_where = await _started(kube, "crashing", checkpoint={"restartLimit": 1})
+    crash = "ZeroDivisionError: division by zero (in the user's loss)"
+
+    async def crash_all(nodes: range) -> None:
+        for node in nodes:
+            status = {
+                "phase": "Failed",
+                "reason": "Error",
+                "conditions": [{"type": "Ready", "status": "False"}],
+                "containerStatuses": [
+                    {"name": "worker", "state": {"terminated": {"exitCode": 1, "message": crash}}}
+                ],
+            }
+            await kube.api.patch(kube.path("pods", f"crashing-node-{node}", status=True), {"status": status})
+
+    async def pods_are(nodes: range) -> dict[int, dict[str, Any]] | None:
+        pods = await _nodes(kube, "crashing")
+        return pods if sorted(pods) == list(nodes) else None
+
+    # First loss: counted, replacements asked for, and the job restarts on them (restart 1 of 1).
+    stack.operator.kill()  # all at once, as the operator sees it
+    await crash_all(range(4))
+    stack.operator.start()
+    await eventually(lambda: pods_are(range(4, 8)), 15, "four replacements")
+    for node in range(4, 8):
+        await _set_phase(kube, f"crashing-node-{node}", "Running")
+    restarted = await eventually(
+        lambda: status_where(lambda s: s.get("planGeneration", 0) >= 1), 30, "the restart on them"
+    )
+    assert restarted["capacity"]["wholeJobLoss"]["inARow"] == 1, restarted
+    assert restarted["phase"] != "Failed", restarted
+
+    # They crash at the same step (no step committed past the first loss): one past the limit, it ends.
+    stack.operator.kill()
+    await crash_all(range(4, 8))
+    stack.operator.start()
+    ended = await eventually(
+        lambda: status_where(lambda s: s.get("phase") == "Failed"), 20, "the job failed on the crash loop"
+    )
+    planned = next(c for c in ended["conditions"] if c["type"] == "Planned")
+    assert planned["reason"] == "RestartLimitExceeded", planned
+    assert planned["message"].startswith("checkpoint.restartLimit: every node failed 2 times in a row")
+    assert crash in planned["message"], planned
+    assert ended["capacity"]["wholeJobLoss"]["inARow"] == 2, ended
+    async def no_pods() -> bool:
+        return not await _nodes(kube, "crashing")
+
+    await eventually(no_pods, 15, "every worker pod deleted")
+
+    async def told() -> list[str] | None:
+        # kopf posts Events from a queue: the last ones may lag a moment behind the status.
+        reasons = [e.get("reason", "") for e in await kube.events_of("crashing")]
+        return reasons if "RestartLimitExceeded" in reasons else None
+
+    reasons = await eventually(told, 5, "the RestartLimitExceeded Event")
+    assert reasons.count("WaitingForReplacements") == 1, reasons  # the second loss ended the job

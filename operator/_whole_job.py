@@ -1,0 +1,124 @@
+"""Every node of the plan lost at once: wait for the replacements, restart from the checkpoint, and end a
+crash loop.
+
+A spot reclaim or a drained node pool takes every worker of a generation; so does a bug that crashes every
+worker at the same step. Nobody survives to plan around (the planner alone would fail the job), so the job
+waits for its replacement pods (`_capacity`) and restarts from its checkpoint on them.
+
+The wait is said where a user looks: the Planned condition turns False (WaitingForReplacements) naming what
+failed and what the replacements are doing, a replacement the scheduler cannot place included, and each loss
+is told once in an Event. Each loss is counted once, in the status (`status.capacity.wholeJobLoss`), so that
+an operator restarted while the job waits neither forgets nor doubles it. A loss after a restart that
+committed no step past the one before is one more in a row; one past `spec.checkpoint.restartLimit` in a
+row ends the job (RestartLimitExceeded): every restart met the same crash, and another would too.
+
+The record (`counted`) and the words (`waiting_message`, `limit_message`) are pure; `WholeJobLosses` keeps
+one job's state between passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import _decide, api
+from ._fencing import Fenced
+from ._job_view import JobView
+
+CAUSES_SHOWN = 3
+"""Failed nodes whose causes a message names (a job of hundreds lost at once says the first few)."""
+
+
+def counted(record: api.WholeJobLoss | None, generation: int, step: int) -> api.WholeJobLoss:
+    """The record once every node of `generation` failed with `step` committed. The same loss seen again
+    only raises its step (the last steps' telemetry may arrive after the failure); a new one is one more in
+    a row, or the first of a new row when a step past the previous loss's committed since."""
+    if record is not None and record.generation == generation:
+        return record if step <= record.step else record.model_copy(update={"step": step})
+    if record is not None and step <= record.step:
+        return api.WholeJobLoss(generation=generation, step=record.step, in_a_row=record.in_a_row + 1)
+    return api.WholeJobLoss(generation=generation, step=step, in_a_row=1)
+
+
+def _causes(fenced: Mapping[int, Fenced]) -> str:
+    named = [f"node {node}: {fenced[node].cause}" for node in sorted(fenced)[:CAUSES_SHOWN]]
+    more = len(fenced) - CAUSES_SHOWN
+    return "; ".join(named) + (f"; {more} more" if more > 0 else "")
+
+
+def _replacements(pods: Mapping[int, _decide.PodView], plan_nodes: set[int]) -> str:
+    """What the pods outside the lost plan (the replacements) are doing, as '2 Running, 2 Pending (...)'."""
+    waiting = [pod for node, pod in sorted(pods.items()) if node not in plan_nodes and pod.failed is None]
+    if not waiting:
+        return "none asked for yet"
+    phases: dict[str, int] = {}
+    for pod in waiting:
+        phases[pod.phase] = phases.get(pod.phase, 0) + 1
+    said = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
+    unschedulable = next((pod for pod in waiting if pod.unschedulable), None)
+    if unschedulable is not None:
+        said += f"; node {unschedulable.node} cannot be scheduled: {unschedulable.unschedulable.rstrip('.')}"
+    return said
+
+
+def waiting_message(
+    record: api.WholeJobLoss,
+    limit: int,
+    fenced: Mapping[int, Fenced],
+    pods: Mapping[int, _decide.PodView],
+    plan_nodes: set[int],
+) -> str:
+    """The Planned condition's message while the job waits for its replacements."""
+    return (
+        f"every node of generation {record.generation} failed at step {record.step} ({_causes(fenced)}); "
+        f"restarting from the checkpoint once the replacements run: {_replacements(pods, plan_nodes)}. "
+        f"Whole-job failure {record.in_a_row} in a row; the job ends after {limit + 1} "
+        "(checkpoint.restartLimit)"
+    )
+
+
+def limit_message(record: api.WholeJobLoss, limit: int, fenced: Mapping[int, Fenced]) -> str:
+    """Why the job ends: every restart allowed was lost before it passed the step of the one before."""
+    return (
+        f"every node failed {record.in_a_row} times in a row with no step committed past step {record.step} "
+        f"(limit {limit}); the last time: {_causes(fenced)}"
+    )
+
+
+@dataclass(slots=True)
+class WholeJobLosses:
+    """One job's whole-job losses between passes (the count itself is in the status)."""
+
+    said: str = ""
+    """The waiting message as last written to the Planned condition."""
+
+    async def wait(
+        self, ctl: JobView, generation: int, plan_nodes: set[int], fenced: Mapping[int, Fenced]
+    ) -> str | None:
+        """Count the loss of `generation` (once) and say that the job waits; the line ending the job when
+        this loss is one past `checkpoint.restartLimit`, else None."""
+        spec = ctl.require_spec()
+        limit = spec.checkpoint.restart_limit
+        before = ctl.status.capacity.whole_job_loss
+        record = counted(before, generation, ctl.status.step)
+        new = before is None or before.generation != generation
+        if record != before:
+            capacity = ctl.status.capacity.model_copy(update={"whole_job_loss": record})
+            ctl.status = ctl.status.model_copy(update={"capacity": capacity})
+        if record.in_a_row > limit:
+            return limit_message(record, limit, fenced)
+        message = waiting_message(record, limit, fenced, ctl.pods, plan_nodes)
+        if message != self.said or record != before:
+            self.said = message
+            conditions = _decide.set_condition(
+                ctl.status.conditions,
+                api.ConditionType.PLANNED,
+                False,
+                api.Reason.WAITING_FOR_REPLACEMENTS,
+                message,
+            )
+            ctl.status = ctl.status.model_copy(update={"conditions": conditions})
+            await ctl.write_status(force=True)  # the count is durable before anything else is done
+        if new:
+            ctl.event("Warning", api.Reason.WAITING_FOR_REPLACEMENTS, message)
+        return None
