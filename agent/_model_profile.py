@@ -55,11 +55,12 @@ POLL_S = 0.25
 
 
 def _check_workload(
-    model: ModelSpec, workload: Workload, cache_dir: Path | None, global_batch: int = 0
+    model: ModelSpec, workload: Workload, cache_dir: Path | None, global_batch: int = 0, job: str = ""
 ) -> None:
     """What every worker would find at its start, found once, before any plan: the checkpoint's tensors
     (headers only), the data (a file shorter than one sample, an odd dtype, token ids beyond the model's
-    vocabulary on a sample), and bf16 where the device has none. Raises ValueError naming the field."""
+    vocabulary on a sample), the output and checkpoint directories (the latter claimed for `job`,
+    `namespace/name`), and bf16 where the device has none. Raises ValueError naming the field."""
     from .data import open_dataset
 
     if model.hf is not None:
@@ -75,6 +76,8 @@ def _check_workload(
         )
     if workload.output is not None:
         _check_output(Path(workload.output.path))
+    if workload.checkpoint.path and job:
+        _claim_checkpoints(Path(workload.checkpoint.path), job)
     if workload.training.precision is Precision.BF16 and workload.device == "cuda":
         import torch
 
@@ -95,6 +98,26 @@ def _check_output(directory: Path) -> None:
         reason = exc.strerror or type(exc).__name__
         raise _FieldError(
             "spec.output.path", f"{directory}: cannot write the trained model there: {reason}"
+        ) from None
+
+
+def _claim_checkpoints(directory: Path, job: str) -> None:
+    """The checkpoint directory claimed for this job (`checkpoint.claim`): one that another job's
+    checkpoints fill fails the job before it trains, not at its first restart, nor by deleting them."""
+    from .checkpoint import CheckpointTaken, claim
+
+    try:
+        claim(directory, job)
+    except CheckpointTaken as exc:
+        raise _FieldError(
+            "spec.checkpoint.path",
+            f"{exc}: give this job a path of its own (steps are named by number, so each job would restore "
+            "the other's weights and delete the other's steps)",
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise _FieldError(
+            "spec.checkpoint.path", f"{directory}: cannot write checkpoints there: {reason}"
         ) from None
 
 
@@ -147,9 +170,10 @@ def make_report(
     model_options: Mapping[str, object],
     node: int,
     cache_dir: Path | None = None,
+    job: str = "",
 ) -> ModelProfileReport:
-    """Build the model as the runtime does, check the workload and, when asked, profile the model
-    (blocking: run it in a thread)."""
+    """Build the model as the runtime does, check the workload (its checkpoint directory claimed for `job`,
+    `namespace/name`) and, when asked, profile the model (blocking: run it in a thread)."""
     from .models import load_model
 
     try:
@@ -161,7 +185,7 @@ def make_report(
             # What the model cannot take is the data's sequence length: that is the field to change.
             raise _FieldError("spec.data.seqLen", str(exc).removeprefix("seq_len: ")) from None
         _check_splits(model, request.devices_per_stage)
-        _check_workload(model, workload, cache_dir, request.global_batch)
+        _check_workload(model, workload, cache_dir, request.global_batch, job)
         profile = _profile(request, workload, model) if request.profile else None
     except Exception as exc:  # the user's model code may raise anything: one line naming a field, no crash
         line = " ".join(str(exc).split())
@@ -273,8 +297,9 @@ class _Answerer:
             what = "measuring" if request.measure else "computing"
             task = f"{what} the profile of" if request.profile else "checking"
             print(f"pre-flight: {task} {request.model} and the data for the operator", flush=True)
+            job = f"{keys.namespace}/{keys.job}"
             report = await self.device_work.run(
-                make_report, request, self.workload, dict(self.model_options), self.telemetry.node
+                make_report, request, self.workload, dict(self.model_options), self.telemetry.node, None, job
             )
             failed = f"{report.error_field}: {report.error}"
             outcome = failed if report.error else f"{report.num_layers} layers, workload checked"

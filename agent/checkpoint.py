@@ -10,12 +10,19 @@ DCP writes a layer's `.metadata` last, so a step counts as complete only when ev
 that has just died (`_dcp_compat` finds the entry points of this torch that take it). With k devices per
 stage (tensor parallelism) each layer is k shards: local rank j of the designated node writes shard j to
 `layer<i>-tp<j>of<k>/`, and local rank j loads that shard back.
+
+Steps are named by number only, so a directory holds one job's checkpoints: node 0's pre-flight `claim`s it
+for the job (`namespace/name`, in `.resilientjob-owner`) before any worker trains, and a job whose path
+another job holds fails naming `spec.checkpoint.path`; run there, each would restore the other's weights
+and delete the other's steps. A job applied again under the same name is the same owner: it resumes.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +34,36 @@ from . import _dcp_compat
 from .p2p import LayerState
 
 _STEP = re.compile(r"^step(\d+)$")
+OWNER_FILE = ".resilientjob-owner"
+
+
+class CheckpointTaken(Exception):
+    """The checkpoint directory holds another job's checkpoints."""
+
+    def __init__(self, directory: Path, holder: str) -> None:
+        super().__init__(f"{directory} holds the checkpoints of job {holder}")
+        self.holder = holder
+
+
+def claim(directory: Path, job: str) -> None:
+    """Mark `directory` as job `job`'s (`namespace/name`), or raise CheckpointTaken naming the job that
+    holds it; OSError when it cannot be written. A directory of checkpoints from before owners were marked
+    is claimed as it is. The mark appears whole or not at all (a hard link of a written file fails when the
+    name exists), so of two jobs claiming at once one wins and the other reads the winner's name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / OWNER_FILE
+    fd, written = tempfile.mkstemp(prefix=".owner-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(job + "\n")
+        os.link(written, marker)
+        return
+    except FileExistsError:
+        holder = marker.read_text(errors="replace").strip()
+    finally:
+        os.unlink(written)
+    if holder != job:
+        raise CheckpointTaken(directory, holder or "(unnamed)")
 
 
 @dataclass(slots=True)

@@ -13,6 +13,13 @@ All pods share this host's network, so a port a pod's spec fixes (the agent's me
 worker pod; the store pod's TCPStore port) is replaced by a free one per pod, written to
 `metrics-port` in the pod's directory for the metrics port.
 
+Pods share this host's file system too, so an emptyDir volume, which on a node is the pod's own, would be
+one directory for every pod (a job's checkpoints at `/checkpoints` mixed every job's and every node's). A
+pod's emptyDir volumes are directories of the pod here (`volumes/<pod uid>/<volume>`, new for each pod, as
+emptyDir is), and the paths under their mounts that a worker writes, which all come in its workload (the
+checkpoint and output paths of `RJOB_WORKLOAD`), are moved there. `/tmp` stays the host's: the pods' caches
+and the files a test hands a job live there. Other volumes (claims) are the host's paths as they are.
+
 Pods run in every namespace, as a node's kubelet runs whatever is scheduled to it. A pod's files (its output
 `log`, `pid`, `podinfo/`) are under `pods/<name>/` for a pod in `default` and `pods/<namespace>_<name>/` for
 one elsewhere (no name or namespace holds an underscore, so no two pods share a directory).
@@ -25,6 +32,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +53,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "resilientjob-operator"
 AGENT_METRICS_ENV = "RJOB_AGENT_METRICS_PORT"
 STORE_PORT_ENV = "RJOB_STORE_PORT"
+WORKLOAD_ENV = "RJOB_WORKLOAD"
+HOST_TMP = "/tmp"
 
 
 def free_port() -> int:
@@ -145,7 +155,7 @@ class ProcessKubelet:
             temporary.write_text(downward_annotations_text(values))
             os.replace(temporary, directory / name)
 
-    async def _env(self, body: dict[str, Any], podinfo: Path) -> dict[str, str]:
+    async def _env(self, body: dict[str, Any], podinfo: Path, volumes: Mapping[str, Path]) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if not key.startswith("RJOB_")}
         container = body["spec"]["containers"][0]
         fields = {
@@ -174,6 +184,8 @@ class ProcessKubelet:
             env[AGENT_METRICS_ENV] = str(free_port())
         if env.get(STORE_PORT_ENV):
             env[STORE_PORT_ENV] = "0"  # the store host binds a free port and registers it in Redis
+        if env.get(WORKLOAD_ENV):
+            env[WORKLOAD_ENV] = _workload_in_volumes(env[WORKLOAD_ENV], volumes)
         return env
 
     async def _start(self, body: dict[str, Any]) -> RunningPod:
@@ -186,7 +198,7 @@ class ProcessKubelet:
         command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
         if command[0] in ("python", "python3"):
             command[0] = sys.executable  # the image's python is this environment's python
-        env = await self._env(body, podinfo)
+        env = await self._env(body, podinfo, _empty_dirs(body, directory))
         metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
         if metrics_port is not None:
             (directory / "metrics-port").write_text(str(metrics_port))
@@ -249,6 +261,51 @@ class ProcessKubelet:
         pod.ended = True
         with contextlib.suppress(subprocess.TimeoutExpired):
             pod.process.wait(3)
+
+
+def _empty_dirs(body: Mapping[str, Any], directory: Path) -> dict[str, Path]:
+    """The pod's emptyDir mounts (but `/tmp`) as mount path -> its own directory, made empty: the pod's uid
+    names it (a pod of the same name before had its own), and those of earlier pods of the name go."""
+    spec = body.get("spec") or {}
+    empty = {v["name"] for v in spec.get("volumes") or [] if isinstance(v, dict) and "emptyDir" in v}
+    mounts = (spec.get("containers") or [{}])[0].get("volumeMounts") or []
+    root = directory / "volumes"
+    uid = str(body["metadata"].get("uid") or "pod")
+    if root.exists():
+        for earlier in root.iterdir():
+            if earlier.name != uid:
+                shutil.rmtree(earlier, ignore_errors=True)
+    found: dict[str, Path] = {}
+    for mount in mounts:
+        path = str(mount.get("mountPath") or "").rstrip("/")
+        if mount.get("name") in empty and path and path != HOST_TMP:
+            found[path] = root / uid / str(mount["name"])
+            found[path].mkdir(parents=True, exist_ok=True)
+    return found
+
+
+def _workload_in_volumes(raw: str, mounts: Mapping[str, Path]) -> str:
+    """The workload JSON with its checkpoint and output paths moved into the pod's own volumes when they
+    lie under an emptyDir mount (`_empty_dirs`); as it was otherwise, or when it is not a JSON object."""
+    try:
+        workload = json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+    if not mounts or not isinstance(workload, dict):
+        return raw
+
+    def moved(path: object) -> object:
+        if not isinstance(path, str):
+            return path
+        for mount, host in mounts.items():
+            if path.rstrip("/") == mount or path.startswith(mount + "/"):
+                return str(host) + path.rstrip("/")[len(mount) :]
+        return path
+
+    for section in ("checkpoint", "output"):
+        if isinstance(workload.get(section), dict) and "path" in workload[section]:
+            workload[section]["path"] = moved(workload[section]["path"])
+    return json.dumps(workload)
 
 
 def _signal_group(pod: RunningPod, signum: int) -> None:

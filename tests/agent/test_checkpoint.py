@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from resilientjob.agent import _dcp_compat
-from resilientjob.agent.checkpoint import Checkpointer
+from resilientjob.agent.checkpoint import OWNER_FILE, Checkpointer, CheckpointTaken, claim
 from resilientjob.agent.p2p import LayerState
 
 # One process writes each layer on purpose (the worker silences DCP's note that it assumes so).
@@ -180,3 +180,26 @@ def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
     del server
     assert not errors, errors
     assert [trainer.step for trainer in trainers] == [6, 6]
+
+
+def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [f"ns/job-{i}" for i in range(8)]
+
+    def attempt(job: str) -> str | None:
+        try:
+            claim(tmp_path / "ckpt", job)
+        except CheckpointTaken as exc:
+            return exc.holder
+        return None
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(attempt, jobs))
+    winners = [job for job, holder in zip(jobs, outcomes, strict=True) if holder is None]
+    assert len(winners) == 1, outcomes
+    # Every loser read the winner's whole name (never an empty or half-written mark).
+    assert {holder for holder in outcomes if holder is not None} == set(winners)
+    assert (tmp_path / "ckpt" / OWNER_FILE).read_text() == winners[0] + "\n"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]  # no temporary left
+    claim(tmp_path / "ckpt", winners[0])  # the owner again: fine

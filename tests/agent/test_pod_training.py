@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import torch
@@ -260,8 +261,6 @@ def test_a_bad_token_the_pre_flight_did_not_read_fails_the_job_naming_the_data(
     vocabulary between them shows only when a worker trains on it. The job fails then, naming
     `spec.data.path` in its Valid condition, with no generation after the first and no replacement pod:
     before, each such worker failure was replanned as a node failure and the line sat in pod logs."""
-    import numpy as np
-
     from resilientjob.agent._data_files import CHECK_CHUNK_TOKENS, CHECK_CHUNKS
 
     ids = np.random.default_rng(0).integers(0, VOCAB, 2_200_000).astype(np.uint16)
@@ -293,6 +292,50 @@ def test_a_bad_token_the_pre_flight_did_not_read_fails_the_job_naming_the_data(
         "badtok-node-0",
         "badtok-node-1",
     }
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+def test_a_checkpoint_path_another_job_holds_fails_the_job_before_it_trains(
+    stack: Path, tmp_path: Path
+) -> None:
+    """Another job's checkpoints on the claim at the same path: node 0's pre-flight finds the path claimed
+    and the job fails naming `spec.checkpoint.path`, its pods gone, the other job's steps untouched."""
+    from resilientjob.agent.checkpoint import OWNER_FILE
+
+    checkpoints = tmp_path / "ckpt"
+    (checkpoints / "step30").mkdir(parents=True)
+    (checkpoints / OWNER_FILE).write_text("default/pretrain\n")
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, VOCAB, 4096 * SEQ).astype(np.uint16).tofile(tokens)
+    manifest = _manifest(
+        "finetune",
+        gpt2_directory(tmp_path / "gpt2"),
+        tokens,
+        tmp_path / "out",
+        steps=20,
+        nodes=2,
+        checkpoint={"volume": "shared-checkpoints", "path": str(checkpoints)},
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    rjob_ok(stack, "apply", "-f", str(path))  # no plan will exist: no store to connect to (`_Job`)
+    api_url = json.loads((stack / "state.json").read_text())["api_url"]
+
+    def failed() -> dict[str, Any] | None:
+        url = f"{api_url}/apis/resilientjob.io/v1alpha1/namespaces/default/resilientjobs/finetune"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            status = json.loads(response.read()).get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    status = until(failed, 120, "a failed job")
+    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    assert valid["reason"] == "InvalidWorkload", valid
+    assert valid["message"].startswith(
+        f"spec.checkpoint.path: {checkpoints} holds the checkpoints of job default/pretrain"
+    ), valid
+    assert status.get("planGeneration", -1) < 0, status  # refused before any plan: nothing trained
+    assert sorted(p.name for p in checkpoints.iterdir()) == [OWNER_FILE, "step30"]
 
 
 @pytest.mark.torch

@@ -12,7 +12,14 @@ import pytest
 
 from resilientjob.agent._model_profile import make_report
 from resilientjob.protocol.messages import ModelProfileReport, ModelProfileRequest
-from resilientjob.protocol.workload import DataFormat, DataSpec, OutputSpec, TokenDtype, Workload
+from resilientjob.protocol.workload import (
+    DataFormat,
+    DataSpec,
+    OutputSpec,
+    TokenDtype,
+    Workload,
+    WorkloadCheckpoint,
+)
 
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
@@ -236,3 +243,29 @@ def test_a_computed_profile_on_a_cpu_prices_the_layers_at_the_cpus_own_speed() -
     # machine (the nominal price would give 1).
     expected = NOMINAL_FLOPS / gemm_benchmark(size=512, repeats=3, stretched=False).flops_per_s
     assert expected / 10 < ratios[0] < expected * 10, (ratios[0], expected)
+
+
+def test_a_checkpoint_path_another_job_holds_is_refused_before_training(tmp_path: Path) -> None:
+    """Steps are named by number: a job on another job's checkpoint path would restore its weights and
+    prune its steps. The first job to check the path claims it; the same job (applied again) resumes there."""
+    data = DataSpec(format=DataFormat.SYNTHETIC, num_samples=16, seq_len=SEQ_LEN)
+    request = ModelProfileRequest(model="gpt", seq_len=SEQ_LEN, microbatch_size=1, profile=False)
+    path = tmp_path / "ckpt"
+    workload = Workload(model="gpt", data=data, checkpoint=WorkloadCheckpoint(path=str(path)))
+
+    def check(job: str) -> ModelProfileReport:
+        return make_report(request, workload, {"layers": 4}, node=0, job=job)
+
+    assert not check("team-a/pretrain").error and path.is_dir()
+    (path / "step40").mkdir()  # its first checkpoint
+    assert not check("team-a/pretrain").error  # the same job again: its own path
+    other = check("team-b/finetune")
+    assert other.error_field == "spec.checkpoint.path", other
+    assert f"{path} holds the checkpoints of job team-a/pretrain" in other.error
+    assert "give this job a path of its own" in other.error
+    assert (path / "step40").is_dir()  # nothing of the first job's was touched
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    unwritable = Workload(model="gpt", data=data, checkpoint=WorkloadCheckpoint(path=str(blocker / "c")))
+    report = make_report(request, unwritable, {"layers": 4}, node=0, job="team-a/pretrain")
+    assert report.error_field == "spec.checkpoint.path" and "cannot write checkpoints there" in report.error

@@ -3,9 +3,13 @@ reads it (the local stack imports neither: `resilientjob.localstack.kubelet` rep
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from resilientjob.agent import store_host
 from resilientjob.localstack import kubelet
 from resilientjob.operator import _manifests
+from resilientjob.protocol import workload
 
 
 def test_the_kubelet_uses_the_operators_labels_and_env_names() -> None:
@@ -13,8 +17,40 @@ def test_the_kubelet_uses_the_operators_labels_and_env_names() -> None:
     assert kubelet.MANAGER == _manifests.MANAGER
     assert kubelet.AGENT_METRICS_ENV == _manifests.AGENT_METRICS_ENV
     assert kubelet.STORE_PORT_ENV == store_host.STORE_PORT_ENV
+    assert kubelet.WORKLOAD_ENV == workload.WORKLOAD_ENV
+    assert kubelet.HOST_TMP == _manifests.SCRATCH_DIR
 
 
 def test_the_downward_api_file_is_one_quoted_line_per_key_sorted() -> None:
     text = kubelet.downward_annotations_text({"b": 'say "hi"', "a": "1"})
     assert text == 'a="1"\nb="say \\"hi\\""\n'
+
+
+def _pod(uid: str, checkpoint_volume: dict[str, object]) -> dict[str, object]:
+    volumes = [{"name": "scratch", "emptyDir": {}}, {"name": "checkpoint", **checkpoint_volume}]
+    mounts = [{"name": "scratch", "mountPath": "/tmp"}, {"name": "checkpoint", "mountPath": "/checkpoints"}]
+    return {"metadata": {"uid": uid}, "spec": {"volumes": volumes, "containers": [{"volumeMounts": mounts}]}}
+
+
+def test_an_empty_dir_is_the_pods_own_and_its_workload_paths_move_into_it(tmp_path: Path) -> None:
+    """Two pods (two jobs, or two nodes of one) never share an emptyDir's files, as on a cluster; /tmp and
+    claims stay the host's paths."""
+    raw = json.dumps(
+        {"model": "gpt", "checkpoint": {"path": "/checkpoints"}, "output": {"path": "/checkpoints/final"}}
+    )
+    first = kubelet._empty_dirs(_pod("u1", {"emptyDir": {}}), tmp_path / "a")
+    assert list(first) == ["/checkpoints"] and first["/checkpoints"].is_dir()
+    moved = json.loads(kubelet._workload_in_volumes(raw, first))
+    assert moved["checkpoint"]["path"] == str(first["/checkpoints"])
+    assert moved["output"]["path"] == str(first["/checkpoints"] / "final")
+    other = kubelet._empty_dirs(_pod("u2", {"emptyDir": {}}), tmp_path / "b")
+    assert other["/checkpoints"] != first["/checkpoints"]
+    # A later pod of the same name (same directory) starts with an empty volume.
+    (first["/checkpoints"] / "step10").mkdir()
+    again = kubelet._empty_dirs(_pod("u3", {"emptyDir": {}}), tmp_path / "a")
+    assert not first["/checkpoints"].exists() and not any(again["/checkpoints"].iterdir())
+    # A claim is the host's path; so is anything under /tmp.
+    claimed = kubelet._empty_dirs(_pod("u4", {"persistentVolumeClaim": {"claimName": "c"}}), tmp_path / "c")
+    assert claimed == {} and kubelet._workload_in_volumes(raw, claimed) == raw
+    in_tmp = json.dumps({"model": "gpt", "checkpoint": {"path": "/tmp/ckpt"}})
+    assert json.loads(kubelet._workload_in_volumes(in_tmp, first))["checkpoint"]["path"] == "/tmp/ckpt"
