@@ -7,6 +7,10 @@ garbage collector write it.
   every object whose last `ownerReference` pointed at it; Foreground adds the `foregroundDeletion` finalizer,
   deletes the dependents first and removes the owner when the last one is gone; Orphan drops the
   dependents' references to the owner and keeps them.
+- A pod bound to a node (`spec.nodeName`) is deleted gracefully: it stays with a `deletionTimestamp` at the
+  end of its grace period (the request's `gracePeriodSeconds`, else its `terminationGracePeriodSeconds`,
+  else 30) until a delete with grace 0 removes it, as its node's kubelet sends once the containers stopped
+  (or `kubectl delete --force` where that node is gone). An unbound pod goes at once.
 - Deleting a namespace is the namespace controller's work too: the namespace is `Terminating` while
   everything in it is deleted (each object as its own deletion goes, finalizers holding it), and leaves
   once nothing is left in it.
@@ -28,6 +32,8 @@ from ._local_api_watch import RecordingBus, Revisions
 
 Key = tuple[references.resource, str | None, str]
 FOREGROUND = "foregroundDeletion"
+DEFAULT_GRACE_S = 30
+"""A pod's `terminationGracePeriodSeconds` when its spec gives none."""
 
 
 def now() -> str:
@@ -113,15 +119,28 @@ class Store:
             if not self._dependents[uid]:
                 del self._dependents[uid]
 
-    async def delete(self, key: Key, policy: str = "Background") -> dict[str, Any] | None:
+    async def delete(
+        self, key: Key, policy: str = "Background", grace_s: int | None = None
+    ) -> dict[str, Any] | None:
         """Delete as the API server does (see the module's docstring); the object's last state, or None
-        when it is not there."""
+        when it is not there. `grace_s`: the request's `gracePeriodSeconds` (pods only)."""
         obj = self.get(key)
         if obj is None:
             return None
         meta = obj["metadata"]
+        bound_pod = key[0].plural == "pods" and bool((obj.get("spec") or {}).get("nodeName"))
         if meta.get("deletionTimestamp"):
-            return obj
+            if bound_pod and grace_s == 0 and not meta.get("finalizers"):
+                await self.remove(key)  # the kubelet's confirmation, or a forced delete
+            return self.get(key) or obj
+        if bound_pod:
+            grace = (obj.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)
+            grace = int(grace if grace_s is None else grace_s)
+            if grace > 0:
+                ends = datetime.datetime.now(tz=datetime.UTC) + datetime.timedelta(seconds=grace)
+                meta["deletionTimestamp"] = ends.strftime("%Y-%m-%dT%H:%M:%SZ")
+                meta["deletionGracePeriodSeconds"] = grace
+                return await self.put(key, obj, "MODIFIED")
         uid = str(meta["uid"])
         if policy == "Orphan":
             for dependent in list(self._dependents.get(uid, ())):

@@ -534,7 +534,12 @@ class LocalApiServer(kmock.KubernetesEmulator):
         if kind.kind == "Namespace":
             last = await self._store.delete_namespace(key)
         else:
-            last = await self._store.delete(key, policy)
+            raw = options.get("gracePeriodSeconds", request.params.get("gracePeriodSeconds"))
+            try:
+                grace = None if raw is None else int(raw)
+            except (TypeError, ValueError):
+                raise refuse(400, "BadRequest", f"gracePeriodSeconds: {raw!r} is not an integer") from None
+            last = await self._store.delete(key, policy, grace)
         return self._answer(self._stamp_kind(kind, last or old), 200, [])
 
     # ---- kmock's request record -----------------------------------------------------------------------

@@ -17,12 +17,14 @@ or orphaned (no ResilientJob owner) are left alone.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from . import _manifests, api
+from . import _capacity, _manifests, api
 from ._job_view import JobView
 from ._pods import WorkerPods
 from .kube import KubeApi, core_path
@@ -51,19 +53,43 @@ async def ended(ctl: JobView, workers: WorkerPods) -> bool:
 async def earlier_job_gone(ctl: JobView, uid: str, stopped: kopf.DaemonStopped) -> bool:
     """Wait while an earlier job of this name is still being deleted (`leftovers`), saying so once in an
     Event; False when stopped meanwhile. Only before the first plan: later, the job's own objects are all
-    it finds."""
+    it finds. A pod of it stuck terminating is force-deleted (`stuck`)."""
     said = False
+    forced: set[str] = set()
     while not stopped and ctl.status.plan_generation < 0 and uid:
         found = await leftovers(ctl.kube, ctl.namespace, ctl.name, uid)
         if not found:
             return True
         if not said:
             said = True
-            message = f"waiting for an earlier job of this name to be deleted: {', '.join(found[:4])}"
+            names = ", ".join(leftover.name for leftover in found[:4])
+            message = f"waiting for an earlier job of this name to be deleted: {names}"
             log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
             ctl.event("Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
+        for leftover in found:
+            pod = leftover.name.removeprefix("pod/")
+            if pod == leftover.name or pod in forced:
+                continue
+            if stuck(leftover.obj, time.time(), ctl.settings.leftover_grace_s):
+                forced.add(pod)
+                await ctl.kube.delete(core_path(ctl.namespace, "pods", pod), grace_period_s=0)
+                message = (
+                    f"force-deleted {leftover.name} of an earlier job of this name: still terminating "
+                    f"{ctl.settings.leftover_grace_s:.0f} s after its grace period ended (its node is gone?)"
+                )
+                log.warning("job %s/%s: %s", ctl.namespace, ctl.name, message)
+                ctl.event("Warning", api.Reason.WAITING_FOR_EARLIER_JOB, message)
         await stopped.wait(1.0)
     return not stopped
+
+
+def stuck(pod: Mapping[str, Any], now: float, grace_s: float) -> bool:
+    """Whether a pod being deleted is `grace_s` past the end of its grace period (its `deletionTimestamp`):
+    its node is gone and no kubelet will confirm it, so only a forced delete (grace 0, as `kubectl delete
+    --force`) takes it out. A finalizer on it is left to whoever set it."""
+    stamp = (pod.get("metadata") or {}).get("deletionTimestamp")
+    ends = _capacity.unix_time(str(stamp)) if stamp else None
+    return ends is not None and now - ends >= grace_s
 
 
 def _foreign(obj: Mapping[str, Any] | None, uid: str) -> bool:
@@ -75,11 +101,19 @@ def _foreign(obj: Mapping[str, Any] | None, uid: str) -> bool:
     )
 
 
-async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[str]:
-    """The objects under job `job`'s names that another job (an earlier one of the same name) owns, as
-    `kind/name`; empty when there are none."""
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """An object under this job's names that an earlier job of the name owns."""
+
+    name: str
+    """`kind/name`."""
+    obj: Mapping[str, Any]
+
+
+async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[Leftover]:
+    """The objects under job `job`'s names that another job (an earlier one of the same name) owns."""
     found = [
-        f"pod/{pod['metadata']['name']}"
+        Leftover(f"pod/{pod['metadata']['name']}", pod)
         for pod in await kube.list(core_path(namespace, "pods"), _manifests.job_selector(job))
         if _foreign(pod, uid)
     ]
@@ -94,4 +128,6 @@ async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[s
             core_path(namespace, "services", _manifests.service_name(job))
         ),
     }
-    return found + [name for name, obj in objects.items() if _foreign(obj, uid)]
+    return found + [
+        Leftover(name, obj) for name, obj in objects.items() if obj is not None and _foreign(obj, uid)
+    ]

@@ -51,6 +51,11 @@ class OperatorSettings:
     starting (they join together, one rendezvous instead of one each) and for the current generation's first
     committed step (`_decide.held_joins`); 0 takes every join at once."""
 
+    leftover_grace_s: float = 60.0
+    """A job applied again under a deleted one's name waits for that earlier job's pods to go; one still
+    terminating this long after its grace period ended (its node is gone, and no kubelet will ever confirm
+    it) is force-deleted (`_lifecycle.earlier_job_gone`)."""
+
     standalone: bool = False
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
@@ -62,6 +67,8 @@ class OperatorSettings:
                 raise ValueError(f"{name} must be 0..65535, got {port}")
         if self.join_settle_s < 0:
             raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
+        if self.leftover_grace_s < 0:
+            raise ValueError(f"leftover_grace_s must be >= 0, got {self.leftover_grace_s}")
         if not 0 <= self.replace_backoff_s <= self.replace_backoff_max_s:
             raise ValueError("need 0 <= replace_backoff_s <= replace_backoff_max_s")
         if self.health_port and self.health_port == self.metrics_port:
@@ -85,6 +92,7 @@ class OperatorSettings:
             ("replace_backoff_s", "RJOB_REPLACE_BACKOFF_S", float),
             ("replace_backoff_max_s", "RJOB_REPLACE_BACKOFF_MAX_S", float),
             ("join_settle_s", "RJOB_JOIN_SETTLE_S", float),
+            ("leftover_grace_s", "RJOB_LEFTOVER_GRACE_S", float),
         ):
             if env.get(variable):
                 given[name] = kind(env[variable])
@@ -107,6 +115,7 @@ class OperatorSettings:
             "RJOB_REPLACE_BACKOFF_S": str(self.replace_backoff_s),
             "RJOB_REPLACE_BACKOFF_MAX_S": str(self.replace_backoff_max_s),
             "RJOB_JOIN_SETTLE_S": str(self.join_settle_s),
+            "RJOB_LEFTOVER_GRACE_S": str(self.leftover_grace_s),
         }
         for key, value in (
             ("RJOB_API_URL", self.api_url),

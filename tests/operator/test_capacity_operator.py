@@ -304,6 +304,7 @@ async def test_a_job_whose_every_worker_keeps_crashing_at_the_same_step_ends(
     assert planned["message"].startswith("checkpoint.restartLimit: every node failed 2 times in a row")
     assert crash in planned["message"], planned
     assert ended["capacity"]["wholeJobLoss"]["inARow"] == 2, ended
+
     async def no_pods() -> bool:
         return not await _nodes(kube, "crashing")
 

@@ -11,7 +11,7 @@ import kopf
 import pytest
 from kopf._cogs.aiokits import aioenums
 
-from resilientjob.operator import _manifests, handlers
+from resilientjob.operator import _lifecycle, _manifests, handlers
 from resilientjob.operator._store import is_store_pod
 
 
@@ -127,3 +127,11 @@ def test_a_deleted_jobs_metric_series_go_with_it() -> None:
     assert series("gone-job") == []
     assert series("kept-job") == ["rjob_samples_per_second"]
     metrics.forget_job("kept-job")
+
+
+def test_an_earlier_jobs_pod_is_forced_out_only_once_its_grace_is_spent() -> None:
+    at = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+    terminating = {"metadata": {"name": "late-node-1", "deletionTimestamp": "2027-01-15T08:00:00Z"}}
+    assert not _lifecycle.stuck(terminating, at + 59, 60.0)  # its kubelet may still confirm it
+    assert _lifecycle.stuck(terminating, at + 60, 60.0)  # counted from the end of its grace period
+    assert not _lifecycle.stuck({"metadata": {"name": "late-node-2"}}, at + 600, 60.0)  # not being deleted

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -185,6 +186,30 @@ async def test_finalizers_hold_an_object_and_foreground_waits_for_dependents(ser
     await call(client, "PATCH", f"{PODS}/held-0", {"metadata": {"finalizers": None}}, headers=merge)
     assert (await call(client, "GET", f"{PODS}/held-0"))[0] == 404
     assert (await call(client, "GET", rjob_path("held")))[0] == 404
+
+
+async def test_a_pod_bound_to_a_node_stays_terminating_until_its_kubelet_or_a_force_confirms(
+    server: Any,
+) -> None:
+    """kube-apiserver keeps a bound pod through its grace period until its node's kubelet deletes it with
+    grace 0; on a lost node nothing does, and `kubectl delete --force` (grace 0) takes it out."""
+    _, client, _ = server
+    bound = pod("bound-0")
+    bound["spec"] = {**bound.get("spec", {}), "nodeName": "node-a", "terminationGracePeriodSeconds": 45}
+    await call(client, "POST", PODS, bound)
+    status, body = await call(client, "DELETE", f"{PODS}/bound-0")
+    assert status == 200 and body["metadata"]["deletionGracePeriodSeconds"] == 45
+    ends = datetime.datetime.fromisoformat(body["metadata"]["deletionTimestamp"].replace("Z", "+00:00"))
+    assert 40 <= (ends - datetime.datetime.now(tz=datetime.UTC)).total_seconds() <= 46
+    assert (await call(client, "GET", f"{PODS}/bound-0"))[0] == 200  # Terminating
+    await call(client, "DELETE", f"{PODS}/bound-0")  # deleting again changes nothing
+    assert (await call(client, "GET", f"{PODS}/bound-0"))[0] == 200
+    status, _ = await call(client, "DELETE", f"{PODS}/bound-0", {"gracePeriodSeconds": 0})
+    assert status == 200 and (await call(client, "GET", f"{PODS}/bound-0"))[0] == 404
+    # An unbound pod (no node ran it) goes at once, as does one deleted with grace 0 from the start.
+    await call(client, "POST", PODS, pod("unbound-0"))
+    await call(client, "DELETE", f"{PODS}/unbound-0")
+    assert (await call(client, "GET", f"{PODS}/unbound-0"))[0] == 404
 
 
 async def test_watch_from_a_version_then_410_after_expiry(server: Any) -> None:

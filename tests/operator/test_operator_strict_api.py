@@ -155,6 +155,48 @@ async def test_a_job_applied_again_at_once_waits_for_the_deleted_ones_pods(stack
     assert {p["metadata"]["ownerReferences"][0]["uid"] for p in pods} == {new_uid}
 
 
+@pytest.fixture
+def short_leftover_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator (started by `stack` after this) force-deletes an earlier job's stuck pods after 2 s."""
+    monkeypatch.setenv("RJOB_LEFTOVER_GRACE_S", "2")
+
+
+async def test_an_earlier_jobs_pod_stuck_terminating_is_force_deleted_after_the_grace(
+    short_leftover_grace: None, stack: Stack
+) -> None:
+    """The earlier job's pod was on a node that is gone: deleted, it stays Terminating for ever, as no
+    kubelet confirms it (the API server keeps a bound pod until one does). The job applied again under the
+    name would wait for it for ever; past its grace period by `RJOB_LEFTOVER_GRACE_S` it is force-deleted,
+    said in an Event, and the job starts."""
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("late")) is None
+    await eventually(lambda: generation(kube, "late", 0), 20, "the first job's generation 0")
+    pod = kube.path("pods", "late-node-1")
+    # Bound to a node that no kubelet serves any more, with a short grace period.
+    await kube.api.patch(pod, {"spec": {"nodeName": "lost-node", "terminationGracePeriodSeconds": 1}})
+    assert await kube.delete(PLURAL, "late")
+
+    async def job_gone() -> bool:
+        return await kube.get(PLURAL, "late") is None
+
+    await eventually(job_gone, 60, "the first job deleted")
+    stuck = await kube.get("pods", "late-node-1")
+    assert stuck and stuck["metadata"].get("deletionTimestamp"), stuck  # Terminating, and stays so
+    assert await kube.create_job(job_manifest("late")) is None
+    planned = await eventually(lambda: generation(kube, "late", 0), 30, "generation 0 after the grace")
+    assert planned.get("phase") != "Failed" and not planned.get("fencedNodes"), planned
+    new_uid = ((await kube.get(PLURAL, "late")) or {})["metadata"]["uid"]
+    assert {p["metadata"]["ownerReferences"][0]["uid"] for p in await kube.job_pods("late")} == {new_uid}
+
+    async def told() -> list[str] | None:
+        # kopf posts Events from a queue: they may lag a moment behind the status.
+        events = [e for e in await kube.events_of("late") if e.get("reason") == "WaitingForEarlierJob"]
+        messages = [e["message"] for e in events]
+        return messages if any("force-deleted pod/late-node-1" in m for m in messages) else None
+
+    await eventually(told, 10, "the Event saying the stuck pod was force-deleted")
+
+
 async def test_a_job_whose_redis_is_unreachable_is_deleted_without_a_long_wait(stack: Stack) -> None:
     # Redis is a channel, not the job's record: its clean-up gets a few short retries (FORGET_ATTEMPTS x
     # FORGET_RETRY_DELAY_S, about 8 s), not kopf's default minute per retry, and then lets the job go.
