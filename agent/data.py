@@ -237,5 +237,7 @@ def _shuffle(num_samples: int, seed: int, epoch: int) -> EpochShuffle:
     if num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
     half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
-    keys = np.random.default_rng([seed, epoch]).integers(0, 2**63, size=4, dtype=np.uint64)
+    # SeedSequence's state is fixed by NumPy's policy across versions and platforms, where a Generator's
+    # draws may change with a release: every worker must compute the same order, whatever image it runs.
+    keys = np.random.SeedSequence([seed, epoch]).generate_state(4, dtype=np.uint64)
     return EpochShuffle(num_samples, half_bits, (int(keys[0]), int(keys[1]), int(keys[2]), int(keys[3])))

@@ -654,3 +654,15 @@ def test_open_dataset_jsonl(tmp_path: Path) -> None:
     with pytest.raises(DataError) as error:
         open_dataset(spec.model_copy(update={"tokenizer": str(tmp_path)}), vocab=len(WORDS), cache_dir=cache)
     _one_line_naming(error, "spec.data.tokenizer")
+
+
+def test_an_epochs_order_is_the_same_on_every_numpy() -> None:
+    """Pinned: workers on different images (a replacement pulled later) must draw the same samples. The
+    keys come from SeedSequence, whose output NumPy keeps fixed across releases; a Generator's draws, which
+    the keys came from before, may change with one. A change here is a change of every job's order."""
+    from resilientjob.agent.data import EpochShuffle
+
+    positions = np.arange(12, dtype=np.uint64)
+    assert EpochShuffle.of(12, 3, 0).ids(positions).tolist() == [7, 4, 11, 8, 2, 10, 5, 0, 1, 9, 6, 3]
+    assert EpochShuffle.of(12, 3, 1).ids(positions).tolist() == [10, 0, 3, 2, 7, 6, 11, 4, 9, 8, 5, 1]
+    assert EpochShuffle.of(12, 3, 0).keys[0] == 12467808127879573787
