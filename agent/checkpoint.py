@@ -177,6 +177,17 @@ class Checkpointer:
             if step < kept[0]:
                 shutil.rmtree(self.directory / f"step{step}", ignore_errors=True)
 
+    def discard_after(self, step: int) -> None:
+        """Delete every step past `step`, the one the job restarted from: what a dead run saved there is
+        not this run's past. Left, a step the new run saves again looked complete while it was being
+        written (the dead run's `.metadata` of the layers not yet rewritten), and a restart then could load
+        a mix of both runs. Called by every worker once the restart's step is agreed and before its first
+        step, so that no peer can have saved a step of the new run yet."""
+        for child in self.directory.iterdir() if self.directory.exists() else ():
+            match = _STEP.match(child.name)
+            if match is not None and int(match.group(1)) > step:
+                shutil.rmtree(child, ignore_errors=True)
+
     def load(self, step: int, layer: LayerState) -> None:
         """Overwrite `layer`'s parameters and optimizer state in place from checkpoint `step`."""
         state = layer.named_tensors()

@@ -225,6 +225,7 @@ def _settle(
             joined = trainer.apply_plan(plan, store)
             if restart and checkpointer is not None:
                 _load_shards(trainer, checkpointer, trainer.step or None)
+                checkpointer.discard_after(trainer.step)  # the step is agreed; nobody has trained past it
         except ReconfigurationError:
             raise
         except RuntimeError:

@@ -104,6 +104,25 @@ def test_old_checkpoints_are_pruned_to_the_newest_complete_ones(tmp_path: Path) 
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step1", "step3", "step4"]
 
 
+def test_a_restart_discards_the_steps_its_dead_run_saved_past_it(tmp_path: Path) -> None:
+    """A run saved step 6 whole and step 9 in part (node 0's layer), then died; the job restarted from 6.
+    When the new run saves step 9 again, node 1's layer first, the dead run's layer 0 must not make step 9
+    look complete: a restart then would load layer 0 from the dead run and layer 1 from this one."""
+    shared = [Checkpointer(tmp_path, interval=1, asynchronous=False) for _ in range(2)]
+    layers = [{0: _layer(seed=1)}, {1: LayerState(index=1, module=nn.Linear(4, 3))}]
+    for node in (0, 1):
+        shared[node].save(6, layers[node], owned={node})
+    shared[0].save(9, layers[0], owned={0})  # the dead run's last, cut short
+    assert shared[0].latest_complete(num_layers=2) == 6
+    for checkpointer in shared:  # every worker, once the restart's step is agreed
+        checkpointer.discard_after(6)
+    shared[1].save(9, layers[1], owned={1})  # the new run's step 9, node 0's layer still being written
+    assert shared[0].latest_complete(num_layers=2) == 6
+    assert sorted(p.name for p in (tmp_path / "step9").iterdir()) == ["layer1"]
+    shared[0].save(9, layers[0], owned={0})
+    assert shared[1].latest_complete(num_layers=2) == 9
+
+
 def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
