@@ -178,6 +178,7 @@ async def run_job(
         controller = JobController(_api(shared_of(memo)), settings_of(memo), namespace, name, uid)
     controllers[key] = controller
     ended = False
+    controller.running = True
     try:
         await controller.setup(body)
         await controller.run(stopped)
@@ -186,9 +187,23 @@ async def run_job(
         logger.warning(f"job not runnable: {exc}")
         await stopped.wait()
     finally:
+        controller.running = False
         if (stopped or ended) and controllers.get(key) is controller:
             controllers.pop(key, None)
             await controller.close()
+
+
+async def idle_controller(
+    controllers: dict[tuple[str, str], JobController], key: tuple[str, str], uid: str
+) -> None:
+    """Close and drop the controller of a deleted job (`uid`) that no daemon runs: one whose daemon failed
+    and was waiting out kopf's backoff when the job was deleted. kopf starts no daemon for a deleted job,
+    so nothing else would close it (its Redis client, its tasks) while the operator lives. A controller a
+    daemon still runs is closed by that daemon as it stops; closing twice is harmless."""
+    controller = controllers.get(key)
+    if controller is not None and controller.uid == uid and not controller.running:
+        controllers.pop(key, None)
+        await controller.close()
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGER})
@@ -209,13 +224,21 @@ def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)  # type: ignore[arg-type]
 async def forget(
-    spec: kopf.Spec, name: str, namespace: str, retry: int, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    spec: kopf.Spec,
+    name: str,
+    namespace: str,
+    uid: str,
+    retry: int,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
 ) -> None:
     """Remove a deleted job's Redis keys with a client of this handler's own: the job's daemon, stopping at
     the same moment, closes the controller's. Redis is not the job's record, so an unreachable Redis delays
     the deletion by a few short retries, never by kopf's default minute, and then lets the job go. Its
-    metric series go too."""
+    metric series go too, and its controller, when no daemon holds it (`idle_controller`)."""
     metrics.forget_job(name)
+    await idle_controller(shared_of(memo).controllers, (namespace, name), uid)
     settings = settings_of(memo)
     try:
         parsed = api.parse_spec(dict(spec))

@@ -86,6 +86,8 @@ class JobController:
         self.uid = uid
         """The job's `metadata.uid`: a job deleted and applied again under the same name is another job."""
         self.wakeup = asyncio.Event()
+        self.running = False
+        """Whether a kopf daemon runs this controller now (`handlers.run_job`)."""
         self.workers = WorkerPods(kube, namespace, name, self.wakeup)
         self.spec: api.ResilientJobSpec | None = None
         self.inputs: PlannerInputs | None = None

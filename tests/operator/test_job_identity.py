@@ -24,7 +24,7 @@ class _Controller:
     """How many of the next runs fail (as a run does while Redis is away: kopf restarts the daemon)."""
 
     def __init__(self, kube: Any, settings: Any, namespace: str, name: str, uid: str = "") -> None:
-        self.uid, self.closed, self.runs = uid, False, 0
+        self.uid, self.closed, self.runs, self.running = uid, False, 0, False
         _Controller.made.append(self)
 
     async def setup(self, body: Any) -> None:
@@ -79,6 +79,25 @@ async def test_a_job_applied_again_under_its_name_gets_a_controller_of_its_own(m
     # Deleted and applied again: the same name, another uid, another controller.
     await _daemon(memo, "uid-2")
     assert [c.uid for c in _Controller.made] == ["uid-1", "uid-2"]
+
+
+async def test_a_job_deleted_while_its_daemon_backs_off_has_its_controller_closed(memo: kopf.Memo) -> None:
+    """The daemon failed (kopf waits out its backoff before the next) and the job is deleted meanwhile:
+    kopf starts no daemon for it again, so the delete handler closes the controller, which nothing else
+    would; one a daemon still runs, or of another job of the name, is left to its daemon."""
+    shared = handlers.shared_of(memo)
+    _Controller.failures = 1
+    with pytest.raises(kopf.TemporaryError):
+        await _daemon(memo, "uid-1")
+    idle = shared.controllers[("ns", "train")]
+    await handlers.idle_controller(shared.controllers, ("ns", "train"), "uid-other")
+    assert not idle.closed  # another job of the name
+    idle.running = True
+    await handlers.idle_controller(shared.controllers, ("ns", "train"), "uid-1")
+    assert not idle.closed  # its daemon closes it as it stops
+    idle.running = False
+    await handlers.idle_controller(shared.controllers, ("ns", "train"), "uid-1")
+    assert idle.closed and ("ns", "train") not in shared.controllers
 
 
 async def test_a_stale_controller_of_a_job_of_the_same_name_is_closed(memo: kopf.Memo) -> None:
