@@ -220,6 +220,7 @@ def agree_on_step(
     comm_device: torch.device,
     wait: Wait,
     num_samples: int = 0,
+    data_fingerprint: int = 0,
 ) -> tuple[int, RolledStep | None]:
     """The step every rank of a new world resumes at, and the step this rank must apply first to get there
     (None when it is there already). A collective: every rank of the world calls it, right after joining.
@@ -227,12 +228,14 @@ def agree_on_step(
     A joining rank has no step of its own: it votes for neither bound and takes the agreed one. Ranks one
     step behind catch up if they can (module doc); otherwise every rank raises `ReconfigurationError`.
 
-    Every rank also states how many samples its data set holds (`num_samples`): the order of the samples
-    follows from it, and two ranks that opened different data (a file that grew or was replaced while the
-    job ran, nodes with different copies) would feed one micro-batch's first and last stages different
-    samples without anything failing. Every rank then raises `DataError` naming `spec.data.path`."""
+    Every rank also states how many samples its data set holds (`num_samples`) and a digest of a few of
+    them (`data_fingerprint`, `data.fingerprint`): the order of the samples follows from the first, and
+    two ranks that opened different data (a file that grew or was replaced while the job ran, nodes with
+    different copies) would feed one micro-batch's first and last stages different samples without
+    anything failing. Every rank then raises `DataError` naming `spec.data.path`."""
     mine = (0, _NOBODY) if joining else (step, -step)
-    bounds = torch.tensor([*mine, num_samples, -num_samples], dtype=torch.int64, device=comm_device)
+    stated = [num_samples, -num_samples, data_fingerprint, -data_fingerprint]
+    bounds = torch.tensor([*mine, *stated], dtype=torch.int64, device=comm_device)
     wait(dist.all_reduce(bounds, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
     high, low = int(bounds[0]), -int(bounds[1])
     most, fewest = int(bounds[2]), -int(bounds[3])
@@ -241,6 +244,12 @@ def agree_on_step(
             "spec.data.path",
             f"the workers opened data sets of {fewest} to {most} samples: the data changed while the job "
             "ran, or the nodes read different copies",
+        )
+    if int(bounds[4]) != -int(bounds[5]):
+        raise DataError(
+            "spec.data.path",
+            f"the workers opened data sets of {num_samples} samples with different contents: the data "
+            "changed while the job ran, or the nodes read different copies",
         )
     if low in (high, -_NOBODY):  # agreed (or a world of joiners only)
         return high, None

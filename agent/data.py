@@ -17,6 +17,7 @@ sample is processed exactly once per epoch as long as the global batch B stays t
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,6 +78,27 @@ def open_dataset(spec: DataSpec, vocab: int, cache_dir: Path) -> TokenDataset:
             f"{spec.tokenizer} makes token ids the model cannot embed, from {spec.path} ({error.message})",
         ) from None
     return dataset
+
+
+FINGERPRINT_SAMPLES = 16
+"""Samples, evenly spaced over a data set, that its fingerprint reads."""
+
+
+def fingerprint(dataset: TokenDataset) -> int:
+    """A 62-bit digest of what `dataset` feeds: its size, sequence length and seed, and the tokens of a few
+    evenly spaced samples. Ranks compare it when a world forms (`_runtime_commit.agree_on_step`): two
+    copies of a data set of the same size but other contents, on two nodes, would feed one micro-batch's
+    stages different samples without anything failing."""
+    count = dataset.num_samples
+    ids = sorted(
+        {round(i * (count - 1) / max(1, FINGERPRINT_SAMPLES - 1)) for i in range(FINGERPRINT_SAMPLES)}
+    )
+    inputs, targets = dataset.batch(ids)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(np.array([count, dataset.seq_len, dataset.seed], dtype=np.int64).tobytes())
+    digest.update(inputs.to(torch.int64).numpy().tobytes())
+    digest.update(targets[:, -1:].to(torch.int64).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 2  # -value still fits an int64
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,7 @@ from ._runtime_p2p import PeerChannels, directional_groups, send_order
 from ._runtime_schedule import Op, OpKind, build_ops, held_layers, lane_ranks, world_nodes
 from ._runtime_wait import ComputeError, FailureNotice, PeerFailure, Waiter
 from ._tensor_parallel import shard_layer, stage_groups, stage_mesh, tp_degree
-from .data import SampleOrder, TokenDataset
+from .data import SampleOrder, TokenDataset, fingerprint
 from .hooks import StepHooks
 from .models import ModelSpec, lm_loss
 from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr
@@ -225,12 +225,14 @@ class Trainer:
     """The last committed step is one every worker checkpoints (time interval, decided by world rank 0)."""
     _checkpoint_clock: float = field(default_factory=time.monotonic)
     last_grad_norm: float = 0.0
+    """Global gradient norm of the last committed step (before clipping)."""
     _voted: VotedStep | None = None
     """The step this rank voted for and has not applied (its summed gradients are still in `.grad`)."""
     _committed: CommittedStep | None = None
     rolled: list[RolledStep] = field(default_factory=list)
     """Steps applied at a rendezvous because the peers had committed them (the worker records them)."""
-    """Global gradient norm of the last committed step (before clipping)."""
+    _fingerprint: int | None = None
+    """The data set's digest (`data.fingerprint`), read once, at the first rendezvous."""
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
@@ -267,6 +269,11 @@ class Trainer:
         self._grads, self._pending, self._abandoned = None, [], False
         self._tp_groups, self._mesh = [], None
         self._channels = None
+
+    def _data_fingerprint(self) -> int:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.dataset)
+        return self._fingerprint
 
     def close(self) -> None:
         """Leave the process group and stop the wait helpers."""
@@ -387,6 +394,7 @@ class Trainer:
             self.comm_device,
             self._wait,
             self.dataset.num_samples,
+            self._data_fingerprint(),
         )
         if rolled is not None:
             self._apply_update(rolled.sq_norm)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -303,8 +304,8 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
             assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
 
 
-def _agree(rank: int, port: int, num_samples: int, results: Queue[Any]) -> None:
-    """One rank of a two-rank world that agrees on its step with a data set of `num_samples`."""
+def _agree(rank: int, port: int, data: tuple[int, int], results: Queue[Any]) -> None:
+    """One rank of a two-rank world that agrees on its step with a data set of `data` (size, digest)."""
     import torch.distributed as dist
 
     from resilientjob.agent._runtime_commit import agree_on_step
@@ -313,9 +314,7 @@ def _agree(rank: int, port: int, num_samples: int, results: Queue[Any]) -> None:
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
     try:
-        step, _ = agree_on_step(
-            3, False, None, None, torch.device("cpu"), lambda work, _: work.wait(), num_samples
-        )
+        step, _ = agree_on_step(3, False, None, None, torch.device("cpu"), lambda work, _: work.wait(), *data)
         results.put((rank, "agreed", step))
     except Exception as exc:
         results.put((rank, type(exc).__name__, str(exc)))
@@ -324,16 +323,26 @@ def _agree(rank: int, port: int, num_samples: int, results: Queue[Any]) -> None:
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("sizes", [(64, 64), (64, 72)])
-def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(sizes: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (((64, 7), (64, 7)), ""),
+        (((64, 7), (72, 7)), "64 to 72 samples"),
+        (((64, 7), (64, 8)), "64 samples with different contents"),
+    ],
+)
+def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(
+    data: tuple[tuple[int, int], tuple[int, int]], says: str
+) -> None:
     """The order of the samples follows from the data set's size: ranks that read different copies (or a
-    file that grew meanwhile) would train one micro-batch on different samples in different stages."""
+    file that grew meanwhile) would train one micro-batch on different samples in different stages. Copies
+    of one size but other contents differ in their digest (`data.fingerprint`)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
     results: Queue[Any] = context.Queue()
     ranks = [
-        context.Process(target=_agree, args=(r, store.port, sizes[r], results), daemon=True) for r in (0, 1)
+        context.Process(target=_agree, args=(r, store.port, data[r], results), daemon=True) for r in (0, 1)
     ]
     for process in ranks:
         process.start()
@@ -342,10 +351,28 @@ def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(sizes:
     finally:
         for process in ranks:
             process.join(10)
-    if sizes[0] == sizes[1]:
+    if not says:
         assert outcomes == [(0, "agreed", 3), (1, "agreed", 3)]
     else:
         assert [kind for _, kind, _ in outcomes] == ["DataError", "DataError"], outcomes
-        assert all(
-            "spec.data.path: " in str(text) and "64 to 72 samples" in str(text) for *_, text in outcomes
-        )
+        assert all("spec.data.path: " in str(text) and says in str(text) for *_, text in outcomes)
+
+
+def test_a_data_sets_fingerprint_tells_copies_of_one_size_apart(tmp_path: Path) -> None:
+    import numpy as np
+
+    from resilientjob.agent._data_files import TokenFileDataset
+    from resilientjob.agent.data import SyntheticDataset, fingerprint
+    from resilientjob.protocol.workload import TokenDtype
+
+    tokens = np.random.default_rng(0).integers(0, 50, 16 * 64 + 1, dtype=np.uint16)  # 16 samples of 64
+    paths = [tmp_path / name for name in ("a.bin", "b.bin", "c.bin")]
+    tokens.tofile(paths[0])
+    tokens.tofile(paths[1])  # the same copy
+    changed = tokens.copy()
+    changed[-1] += 1  # the very last token: a target of the last sample
+    changed.tofile(paths[2])
+    digests = [fingerprint(TokenFileDataset(p, TokenDtype.UINT16, 64, seed=0, vocab=50)) for p in paths]
+    assert digests[0] == digests[1] != digests[2]
+    assert 0 <= digests[0] < 2**62
+    assert fingerprint(SyntheticDataset(64, seed=1)) != fingerprint(SyntheticDataset(64, seed=2))
