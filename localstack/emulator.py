@@ -33,6 +33,7 @@ import collections
 import contextlib
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from kmock._internal.k8s import KubernetesError
 
 from . import _local_api_admission as admission
 from . import _local_api_discovery as discovery
+from . import _local_api_logs as logs
 from . import _local_api_select as select
 from . import _local_api_tables as tables
 from ._local_api_admission import refuse
@@ -301,39 +303,27 @@ class LocalApiServer(kmock.KubernetesEmulator):
         return obj
 
     async def _log(self, request: rendering.Request, key: Key) -> aiohttp.web.StreamResponse:
-        """`GET pods/NAME/log`: what the process kubelet captured of the pod's process (stdout+stderr), with
-        kubectl's `--tail` (`tailLines`), `--limit-bytes` (`limitBytes`) and `-f` (`follow`: new output as
-        it comes, until the pod has ended or is gone). The lines carry no times: `sinceSeconds` is ignored."""
+        """`GET pods/NAME/log`: what the process kubelet captured of the pod's process, with kubectl's
+        options (`_local_api_logs`)."""
         self._existing(self.kind_of(key[0]), key)
+        options = logs.LogOptions.of(request.params, time.time())
         path = None if self.pod_logs is None else pod_directory(self.pod_logs, key[1] or "", key[2]) / "log"
-        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
-        tail = request.params.get("tailLines", "")
-        if tail.isdigit():
-            lines = text.splitlines(keepends=True)
-            text = "".join(lines[len(lines) - int(tail) :]) if int(tail) else ""
-        limit = request.params.get("limitBytes", "")
-        if limit.isdigit():
-            text = text.encode()[: int(limit)].decode(errors="ignore")
-        if request.params.get("follow") not in ("true", "1") or path is None:
-            return aiohttp.web.Response(text=text, content_type="text/plain")
+        lines, offset = logs.read_lines(path) if path is not None else ([], 0)
+        body = logs.render(lines, options)
+        if not options.follow or path is None:
+            return aiohttp.web.Response(body=body, content_type="text/plain")
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
         assert request._raw_request is not None
         await response.prepare(request._raw_request)
-        await response.write(text.encode())
-        offset = path.stat().st_size if path.exists() else 0
-        while True:
+        await response.write(body)
+
+        def ended() -> bool:
             pod = self._store.get(key)
-            ended = pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-            size = path.stat().st_size if path.exists() else 0
-            if size > offset:
-                with path.open("rb") as log:
-                    log.seek(offset)
-                    chunk = log.read(size - offset)
-                offset = size
-                await response.write(chunk)
-            elif ended or self._closing:
-                break
-            await asyncio.sleep(0.2)
+            done = pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            return done or self._closing
+
+        left = None if options.limit_bytes is None else options.limit_bytes - len(body)
+        await logs.follow(path, offset, options, response.write, ended, left)
         await response.write_eof()
         return response
 

@@ -37,10 +37,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from resilientjob.operator.kube import KubeApi, core_path
 
@@ -202,14 +204,20 @@ class ProcessKubelet:
         metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
         if metrics_port is not None:
             (directory / "metrics-port").write_text(str(metrics_port))
-        with (directory / "log").open("ab") as log:
-            process = subprocess.Popen(
-                tethered(command),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        process = subprocess.Popen(
+            tethered(command),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        threading.Thread(
+            target=capture_log,
+            args=(process.stdout, directory / "log", directory / LOG_TIMES),
+            name=f"log {namespace}/{name}",
+            daemon=True,
+        ).start()
         (directory / "pid").write_text(str(process.pid))
         annotations = dict(body["metadata"].get("annotations") or {})
         return RunningPod(
@@ -261,6 +269,34 @@ class ProcessKubelet:
         pod.ended = True
         with contextlib.suppress(subprocess.TimeoutExpired):
             pod.process.wait(3)
+
+
+LOG_TIMES = "log.times"
+"""Beside a pod's `log`: `<byte offset> <unix time>` of each line's start, when the kubelet read it."""
+LOG_LINE_LIMIT = 1 << 16
+"""Bytes read at most before a line is written out without its end (a process that never ends a line)."""
+
+
+def capture_log(stream: IO[bytes], log_path: Path, times_path: Path) -> None:
+    """Copy a pod's output to its `log` as it comes, noting when each line started (`LOG_TIMES`), as a
+    kubelet's container log keeps a time per line: `kubectl logs --timestamps` and `--since` read them.
+    Appends: the log of a pod's earlier container (a restart) stays before it. Runs until the pod's
+    processes have all closed their output."""
+    with stream, log_path.open("ab") as log, times_path.open("a") as times:
+        at_line_start = log.tell() == 0 or _ends_a_line(log_path)
+        for line in iter(lambda: stream.readline(LOG_LINE_LIMIT), b""):
+            if at_line_start:
+                times.write(f"{log.tell()} {time.time():.6f}\n")
+                times.flush()
+            log.write(line)
+            log.flush()
+            at_line_start = line.endswith(b"\n")
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as log:
+        log.seek(-1, os.SEEK_END)
+        return log.read(1) == b"\n"
 
 
 def _empty_dirs(body: Mapping[str, Any], directory: Path) -> dict[str, Path]:

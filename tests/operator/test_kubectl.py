@@ -7,6 +7,7 @@ every step."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -148,6 +149,14 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         )
         assert kubectl("logs", "talker", "--tail", "2").stdout == "second\nlast\n"
         assert kubectl("logs", "talker", "--limit-bytes", "2").stdout == "hi"
+        # Each line's time, as the kubelet noted it, for --timestamps and --since.
+        stamped = kubectl("logs", "talker", "--timestamps").stdout.splitlines()
+        assert [line.split(" ", 1)[1] for line in stamped] == ["hi from talker", "second", "last"], stamped
+        assert all(
+            re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z", line.split(" ")[0]) for line in stamped
+        )
+        assert kubectl("logs", "talker", "--since", "1h").stdout.count("\n") == 3
+        assert kubectl("logs", "talker", "--since-time", "2999-01-01T00:00:00Z").stdout == ""
         # -f on a pod that has ended gives its output and returns (it no longer returned at once to follow
         # nothing, nor did it follow: the parameters were ignored).
         until(
