@@ -56,6 +56,7 @@ def claim(directory: Path, job: str) -> None:
     try:
         with os.fdopen(fd, "w") as file:
             file.write(job + "\n")
+        os.chmod(written, 0o644)  # every job's workers read it, whatever user they run as
         os.link(written, marker)
         return
     except FileExistsError:

@@ -220,5 +220,6 @@ def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_p
     # Every loser read the winner's whole name (never an empty or half-written mark).
     assert {holder for holder in outcomes if holder is not None} == set(winners)
     assert (tmp_path / "ckpt" / OWNER_FILE).read_text() == winners[0] + "\n"
+    assert (tmp_path / "ckpt" / OWNER_FILE).stat().st_mode & 0o777 == 0o644  # readable by any job's user
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]  # no temporary left
     claim(tmp_path / "ckpt", winners[0])  # the owner again: fine

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,7 +69,11 @@ async def _pod_workload(stack: Stack, name: str) -> Workload:
     pod = await stack.kube.get("pods", f"{name}-node-0")
     assert pod is not None
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    return load_workload(env[WORKLOAD_ENV])
+    workload = load_workload(env[WORKLOAD_ENV])
+    # The pod's checkpoint path is an emptyDir of its own (the process kubelet makes it so): here, in this
+    # process, a fresh folder, or every job of the run would claim the host's /checkpoints.
+    own = workload.checkpoint.model_copy(update={"path": tempfile.mkdtemp(prefix="rjob-checkpoints-")})
+    return workload.model_copy(update={"checkpoint": own})
 
 
 async def _waiting(stack: Stack, name: str, reason: str = "WaitingForProfile") -> dict[str, Any]:
