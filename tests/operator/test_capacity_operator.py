@@ -236,8 +236,14 @@ async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(s
     assert "every node of generation 0 failed" in condition["message"], condition
     assert "node 5 cannot be scheduled: 0/3 nodes are available: 3 Insufficient cpu" in condition["message"]
     assert waiting["capacity"]["wholeJobLoss"] == {"generation": 0, "step": 0, "inARow": 1}, waiting
-    told = [e for e in await kube.events_of("reclaimed") if e.get("reason") == "WaitingForReplacements"]
-    assert len(told) == 1 and told[0]["type"] == "Warning", told
+
+    async def told() -> list[dict[str, Any]] | None:
+        # kopf posts Events from a queue: they may lag a moment behind the status.
+        events = await kube.events_of("reclaimed")
+        return [e for e in events if e.get("reason") == "WaitingForReplacements"] or None
+
+    events = await eventually(told, 5, "the WaitingForReplacements Event")
+    assert len(events) == 1 and events[0]["type"] == "Warning", events
     for node in range(4, 8):
         await _set_phase(kube, f"reclaimed-node-{node}", "Running")
     restarted = await eventually(
