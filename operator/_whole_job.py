@@ -12,14 +12,14 @@ an operator restarted while the job waits neither forgets nor doubles it. A loss
 committed no step past the one before is one more in a row; one past `spec.checkpoint.restartLimit` in a
 row ends the job (RestartLimitExceeded): every restart met the same crash, and another would too.
 
-The record (`counted`) and the words (`waiting_message`, `limit_message`) are pure; `WholeJobLosses` keeps
-one job's state between passes.
+The record (`counted`) and the words (`waiting_message`, `limit_message`) are pure; `wait` applies them to
+one job's status, which is all the state there is.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from . import _decide, api
 from ._fencing import Fenced
@@ -51,9 +51,7 @@ def _replacements(pods: Mapping[int, _decide.PodView], plan_nodes: set[int]) -> 
     waiting = [pod for node, pod in sorted(pods.items()) if node not in plan_nodes and pod.failed is None]
     if not waiting:
         return "none asked for yet"
-    phases: dict[str, int] = {}
-    for pod in waiting:
-        phases[pod.phase] = phases.get(pod.phase, 0) + 1
+    phases = Counter(pod.phase for pod in waiting)
     said = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
     unschedulable = next((pod for pod in waiting if pod.unschedulable), None)
     if unschedulable is not None:
@@ -85,40 +83,36 @@ def limit_message(record: api.WholeJobLoss, limit: int, fenced: Mapping[int, Fen
     )
 
 
-@dataclass(slots=True)
-class WholeJobLosses:
-    """One job's whole-job losses between passes (the count itself is in the status)."""
-
-    said: str = ""
-    """The waiting message as last written to the Planned condition."""
-
-    async def wait(
-        self, ctl: JobView, generation: int, plan_nodes: set[int], fenced: Mapping[int, Fenced]
-    ) -> str | None:
-        """Count the loss of `generation` (once) and say that the job waits; the line ending the job when
-        this loss is one past `checkpoint.restartLimit`, else None."""
-        spec = ctl.require_spec()
-        limit = spec.checkpoint.restart_limit
-        before = ctl.status.capacity.whole_job_loss
-        record = counted(before, generation, ctl.status.step)
-        new = before is None or before.generation != generation
-        if record != before:
-            capacity = ctl.status.capacity.model_copy(update={"whole_job_loss": record})
-            ctl.status = ctl.status.model_copy(update={"capacity": capacity})
-        if record.in_a_row > limit:
-            return limit_message(record, limit, fenced)
-        message = waiting_message(record, limit, fenced, ctl.pods, plan_nodes)
-        if message != self.said or record != before:
-            self.said = message
-            conditions = _decide.set_condition(
-                ctl.status.conditions,
-                api.ConditionType.PLANNED,
-                False,
-                api.Reason.WAITING_FOR_REPLACEMENTS,
-                message,
-            )
-            ctl.status = ctl.status.model_copy(update={"conditions": conditions})
-            await ctl.write_status(force=True)  # the count is durable before anything else is done
-        if new:
-            ctl.event("Warning", api.Reason.WAITING_FOR_REPLACEMENTS, message)
-        return None
+async def wait(
+    ctl: JobView, generation: int, plan_nodes: set[int], fenced: Mapping[int, Fenced]
+) -> str | None:
+    """Count the loss of `generation` (once) and say in the Planned condition that the job waits (written
+    when the record or the words changed); the line ending the job when this loss is one past
+    `checkpoint.restartLimit`, else None."""
+    limit = ctl.require_spec().checkpoint.restart_limit
+    before = ctl.status.capacity.whole_job_loss
+    record = counted(before, generation, ctl.status.step)
+    if record != before:
+        capacity = ctl.status.capacity.model_copy(update={"whole_job_loss": record})
+        ctl.status = ctl.status.model_copy(update={"capacity": capacity})
+    if record.in_a_row > limit:
+        return limit_message(record, limit, fenced)
+    message = waiting_message(record, limit, fenced, ctl.pods, plan_nodes)
+    planned = next((c for c in ctl.status.conditions if c.type == api.ConditionType.PLANNED), None)
+    said = planned is not None and (planned.reason, planned.message) == (
+        api.Reason.WAITING_FOR_REPLACEMENTS,
+        message,
+    )
+    if not said or record != before:
+        conditions = _decide.set_condition(
+            ctl.status.conditions,
+            api.ConditionType.PLANNED,
+            False,
+            api.Reason.WAITING_FOR_REPLACEMENTS,
+            message,
+        )
+        ctl.status = ctl.status.model_copy(update={"conditions": conditions})
+        await ctl.write_status(force=True)  # the count is durable before anything else is done
+    if before is None or before.generation != generation:
+        ctl.event("Warning", api.Reason.WAITING_FOR_REPLACEMENTS, message)
+    return None

@@ -115,7 +115,6 @@ class JobController:
             _capacity.Backoff(settings.replace_backoff_s, settings.replace_backoff_max_s)
         )
         self.fencing = Fencing(self, self.workers, self.capacity)
-        self.whole_job = _whole_job.WholeJobLosses()
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -535,7 +534,7 @@ class JobController:
     async def _lost_every_node(self, generation: int, plan_nodes: set[int]) -> None:
         """Every node of `generation` failed: counted once, said while the replacements come; the job ends
         when it keeps losing them all at the same step (`_whole_job`)."""
-        ended = await self.whole_job.wait(self, generation, plan_nodes, self.fencing.fenced)
+        ended = await _whole_job.wait(self, generation, plan_nodes, self.fencing.fenced)
         if ended is not None:
             log.warning("job %s/%s: %s", self.namespace, self.name, ended)
             await self._infeasible(
