@@ -30,3 +30,7 @@ class StepHooks:
     def after_step(self, plan: Plan | None, generation: int, step: int, loss: float, samples: int) -> None:
         """A step committed: `step` is the number of committed steps now, `samples` how many samples'
         losses this node computed in it. Not called for an abandoned step."""
+
+    def before_export(self, store: Store, items: list[int]) -> None:
+        """The job trained its last step; this node is about to write `items` of the trained model (layer
+        indices; -1 for its config and index) into `spec.output.path`."""

@@ -37,6 +37,7 @@ from resilientjob.protocol.store_keys import (
     steptime_key,
 )
 
+from ._final_export import export_model
 from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import ComputeError
@@ -383,7 +384,10 @@ def worker_main(
             store.append(  # type: ignore[attr-defined]
                 steptime_key(trainer.generation), f"{time.perf_counter() - began!r};"
             )
-        due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due)
+        # The last step is always saved: the trained model's layers that nobody holds any more come from it
+        # if a worker dies while writing them out (`_final_export`).
+        last = trainer.step >= config.steps
+        due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due or last)
         if checkpointer is not None and due and trainer.plan is not None:
             owners = designated_holders(trainer.plan)
             checkpointer.save(
@@ -397,7 +401,7 @@ def worker_main(
         checkpointer.wait()
     finished = trainer.step >= config.steps
     if finished and workload.output is not None and trainer.active:
-        _export(trainer, Path(workload.output.path))
+        _export(trainer, store, Path(workload.output.path), checkpointer)
     result: dict[str, object] = {"node": node, "step": trainer.step, "left": not finished}
     if config.return_state and (degree == 1 or trainer.active):
         # Gathered over the stage's ranks (a collective when sharded: every local rank runs it, in order).
@@ -417,41 +421,17 @@ def _finished_without(node: int, store: Store) -> dict[str, object]:
     return {"node": node, "step": int(store.add(COMMITTED_KEY, 0)), "left": False}
 
 
-def _export(trainer: Trainer, directory: Path) -> None:
-    """Write the trained model in Hugging Face layout: each layer by its designated holder (gathered over
-    the stage's ranks when sharded, written by local rank 0), the config and index by layer 0's."""
-    if trainer.plan is None:
-        return
+def _export(trainer: Trainer, store: Store, directory: Path, checkpointer: Checkpointer | None) -> None:
+    """Write the trained model in Hugging Face layout, whole even if a peer dies meanwhile
+    (`_final_export`)."""
     try:
-        _write_export(trainer, trainer.plan, directory)
+        export_model(trainer, store, directory, checkpointer)
     except OSError as exc:
         # The spec's fault, not this node's: its pod says so, and the operator fails the job (`_termination`).
         reason = exc.strerror or type(exc).__name__
         raise WorkloadError(
             "spec.output.path", f"{directory}: cannot write the trained model: {reason}"
         ) from None
-
-
-def _write_export(trainer: Trainer, plan: Plan, directory: Path) -> None:
-    from .hf_export import write_layer, write_metadata
-
-    owners = designated_holders(plan)
-    mine = sorted(index for index, owner in owners.items() if owner == trainer.node)
-    for index in mine:
-        module = trainer.layers[index].module
-        if trainer.degree > 1:
-            # A collective over the stage's ranks: every local rank takes part, only lane 0 writes.
-            params = full_parameters(module, trainer.degree)
-            if trainer.local_rank:
-                continue
-            module = trainer.model.allocate(index)
-            with torch.no_grad():
-                for target, source in zip(module.parameters(), params, strict=True):
-                    target.copy_(source)
-        write_layer(trainer.model, index, module, directory)
-    if trainer.local_rank == 0 and owners.get(0) == trainer.node:
-        write_metadata(trainer.model, directory)
-    print(f"node {trainer.node}: exported layers {mine} to {directory}", flush=True)
 
 
 def run_from_plan(

@@ -248,7 +248,10 @@ class CheckpointSpec(_Api):
     path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
     interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")
     interval_steps: int = Field(
-        default=0, ge=0, le=2**40, description="Also checkpoint every this many steps (0: by time only)."
+        default=0,
+        ge=0,
+        le=2**40,
+        description="Also checkpoint every this many steps (0: by time only). The last step is always saved.",
     )
     restart_limit: int = Field(
         default=3,

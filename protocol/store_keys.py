@@ -22,6 +22,8 @@ library only.
   commit/<g>/<s>/<r>    rank r's commit vote for step s of generation g
   validation/request    the validation request the store host mirrored, with its boundary step (JSON)
   validation/result/<i> the ValidationResult of request i, left by world rank 0
+  exported/<i>          the node that wrote layer i of the trained model (i = -1: its metadata)
+  export/<node>/<r>     the layers a node's first device writes in round r ("done": the model is whole)
 """
 
 from __future__ import annotations
@@ -120,3 +122,15 @@ def fail_event_key(node: int) -> str:
 def validation_result_key(request_id: int) -> str:
     """Where world rank 0 leaves the pass's `ValidationResult`."""
     return f"validation/result/{request_id}"
+
+
+def exported_key(item: int) -> str:
+    """The node that wrote item `item` of the trained model: layer `item`, or -1 for config.json and the
+    shard index (`agent._final_export`)."""
+    return f"exported/{item}"
+
+
+def export_round_key(node: int, round_: int) -> str:
+    """JSON list of the items `node`'s first device writes in export round `round_`, for its other devices
+    to gather with it; "done" once the model is whole."""
+    return f"export/{node}/{round_}"

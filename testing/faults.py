@@ -1,4 +1,5 @@
-"""Fault injection for the test harness: a worker that crashes at the start of a given step.
+"""Fault injection for the test harness: a worker that crashes at the start of a given step, or as it starts
+writing the trained model out.
 
 torchft's `fail_at(rank, step)` style: the worker leaves through `os._exit` (no clean-up, no flushed
 sockets), exactly as a killed process, so its peers find out from their collectives and the store. The
@@ -34,3 +35,15 @@ class CrashAt(StepHooks):
         if step == self.step and store is not None:
             store.set(fail_event_key(self.node), repr(time.time()))
             os._exit(FAILURE_EXIT_CODE)  # a crash: no cleanup, peers find out from their sockets
+
+
+@dataclass(frozen=True, slots=True)
+class CrashAtExport(StepHooks):
+    """Trainer hooks that kill node `node`'s worker as it is about to write its first file of the trained
+    model, after the job trained its last step (a node lost while the model is written out)."""
+
+    node: int
+
+    def before_export(self, store: Store, items: list[int]) -> None:
+        store.set(fail_event_key(self.node), repr(time.time()))
+        os._exit(FAILURE_EXIT_CODE)

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 
 from resilientjob.agent._runtime_schedule import world_nodes
 from resilientjob.agent.config import JobConfig
+from resilientjob.agent.hooks import StepHooks
 from resilientjob.agent.runtime import check_supported
 from resilientjob.agent.worker import announce_failures, publish_plan, worker_main
 from resilientjob.planner.errors import PlannerError
@@ -51,7 +52,7 @@ from resilientjob.protocol.store_keys import (
     trained_samples,
 )
 
-from .faults import CrashAt
+from .faults import CrashAt, CrashAtExport
 from .plans import RuntimePlanner
 
 
@@ -139,6 +140,7 @@ class Launcher:
         live: bool = True,
         joins: Mapping[int, int] | None = None,
         publish_at: Mapping[int, Plan] | None = None,
+        crash_at_export: frozenset[int] = frozenset(),
     ) -> None:
         """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
         steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change).
@@ -146,7 +148,8 @@ class Launcher:
         pod joining, as the operator plans it); its workers start with the job, load the model and wait to be
         taken in (`store_keys.joining_key`), as a replacement pod that is running before its plan does.
         `publish_at`: committed step -> a plan of the same nodes to publish then as the next generation (what
-        the operator publishes for a fail-slow mitigation)."""
+        the operator publishes for a fail-slow mitigation). `crash_at_export`: nodes whose worker dies as it
+        starts writing the trained model out."""
         self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
@@ -169,6 +172,7 @@ class Launcher:
         self.live = live
         self.joins = dict(joins or {})
         self.publish_at = dict(publish_at or {})
+        self.crash_at_export = crash_at_export
         # live=False sends every failure down the checkpoint-restart path: the benchmark's baseline.
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -202,9 +206,14 @@ class Launcher:
         return applied >= len(world_nodes(self.plan)) * self.degree
 
     # ---- processes ---------------------------------------------------------------------------------------
-    def crash(self, node: int, restore: bool) -> CrashAt | None:
-        """The trainer hooks for `node`: its crash from `fail_at` (never after a restart), or none."""
-        step = None if restore else self.fail_at.get(node)
+    def crash(self, node: int, restore: bool) -> StepHooks | None:
+        """The trainer hooks for `node`: its crash from `fail_at` or `crash_at_export` (never after a
+        restart), or none."""
+        if restore:
+            return None
+        if node in self.crash_at_export:
+            return CrashAtExport(node)
+        step = self.fail_at.get(node)
         return None if step is None else CrashAt(node, step)
 
     def _start(self, nodes: list[int], restore: bool) -> None:
@@ -275,16 +284,21 @@ class Launcher:
     def _recover(self, failed: frozenset[int], detected: float, running: set[int]) -> None:
         committed = self._committed()
         begin = time.perf_counter()
+        # Past the last step the workers are writing the trained model out: they take the plan in place (a
+        # checkpoint plan too, as under the operator), and nothing is restarted.
+        ended = committed >= self.config.steps
         # A failure in the middle of a switch may leave layers half-copied: only a restart is safe then.
-        restart = not self.live or not self._fully_applied()
+        restart = not ended and (not self.live or not self._fully_applied())
         plan: Plan | None = None
         if not restart:
             try:
                 plan = self.planner.recover(self.plan, failed, self.policy)
             except PlannerError:
                 plan = None
-            restart = plan is None or plan.policy is Policy.CHECKPOINT
-        if restart or plan is None:
+            restart = not ended and (plan is None or plan.policy is Policy.CHECKPOINT)
+        if ended and plan is None:
+            plan = self.planner.restart(self.plan, failed)
+        elif restart or plan is None:
             for node in sorted(running):
                 self.agents[node].stop()
             running.clear()

@@ -392,3 +392,47 @@ def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_
     later = [r for r in recoveries if r["generation"] > after[0]["generation"]]
     assert all(r["trigger"] == "NodeJoined" for r in later), recoveries
     job.close()
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+def test_a_worker_killed_after_the_last_step_leaves_a_whole_trained_model(
+    stack: Path, tmp_path: Path
+) -> None:
+    """Node 0 writes the trained model's config, index and the layers it holds; it dies after the last step
+    committed, before it wrote them (it was saving the last step's checkpoint). The operator plans around it
+    and the next holder of its layers writes them: `transformers` loads the model. Before, the job said
+    Succeeded with those files missing."""
+    steps = 30
+    model_dir, tokens, output = (
+        gpt2_directory(tmp_path / "gpt2"),
+        token_file(tmp_path / "tokens.bin"),
+        tmp_path / "out",
+    )
+    manifest = _manifest(
+        "lastwords",
+        model_dir,
+        tokens,
+        output,
+        steps=steps,
+        nodes=4,
+        faultTolerance=1,
+        checkpoint={"path": str(tmp_path / "ckpt"), "intervalSteps": 1000},  # only the last step is saved
+    )
+    job = _apply(stack, tmp_path, manifest)
+    assert _kill_at(job, "lastwords-node-0", steps) == steps
+    assert until(lambda: _finished(job), 120, "the job to finish") == "Succeeded", job.status()
+    recoveries = job.status().get("recoveries") or []
+    assert [r["nodes"] for r in recoveries if r["trigger"] == "NodeFailed"] == [[0]], recoveries
+    exported = {
+        node: [
+            line
+            for line in rjob_ok(stack, "logs", f"lastwords-node-{node}").splitlines()
+            if "exported" in line
+        ]
+        for node in range(4)
+    }
+    assert not exported[0], exported  # killed before it wrote anything
+    assert any("[0," in line for lines in exported.values() for line in lines), exported
+    _check_run(job, tmp_path, model_dir, tokens, steps, output)
+    job.close()

@@ -6,6 +6,7 @@ and the final parameters, gathered whole, with the single-process reference run 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
+from resilientjob.protocol.workload import OutputSpec
 from resilientjob.testing.launcher import JobResult, Launcher
 from resilientjob.testing.plans import RuntimePlanner
 from resilientjob.testing.reference import reference_run
@@ -127,6 +129,9 @@ def test_tp2_of_a_transformers_llama_matches_single_process(
     pytest.importorskip("transformers")
     plan = _plan((((0, 2), 0), ((2, 4), 1)), microbatches=2)
     config = job_config(model=HF_LLAMA, model_options={}, steps=3, return_state=True)
+    output = tmp_path / "trained"
+    workload = config.workload.model_copy(update={"output": OutputSpec(path=str(output))})
+    config = dataclasses.replace(config, workload=workload)
     reference, params, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
     planner = RuntimePlanner.for_job(
         uniform_profile(4), nodes=2, global_batch=plan.global_batch, microbatch_size=2
@@ -136,6 +141,12 @@ def test_tp2_of_a_transformers_llama_matches_single_process(
     for step in range(3):
         assert result.losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
     assert _assert_params_match(result, params, config.workload.training.lr) == set(range(4))
+    # The export gathered every sharded layer over its stage's two devices: the files hold the whole
+    # trained layers (a shard alone would not even have their shapes).
+    exported = load_model(f"hf:{output}", seq_len=16)
+    for index, tensors in params.items():
+        for got, want in zip(exported.layer(index).parameters(), tensors, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 def test_a_gpt2_block_of_transformers_is_refused_with_the_field_to_change() -> None:

@@ -1,0 +1,94 @@
+"""The trained model comes out whole when a worker dies while writing it (`agent._final_export`).
+
+Which node writes what, and, through the test launcher (real worker processes, real TCPStore; it plans
+around a dead worker as the operator does), a writer that dies after the last step committed: the layers
+only it held come from the checkpoint of the last step, and `transformers` loads the output, which computes
+what the plain PyTorch run's model does."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from _training_support import (
+    BATCH,
+    MICRO,
+    SEQ,
+    VOCAB,
+    gpt2_directory,
+    hf_job_config,
+    plain_pytorch,
+    token_file,
+    transformers,
+)
+
+from resilientjob.agent._final_export import METADATA, assigned, writers
+from resilientjob.agent.profiler import measure_profile
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.testing.launcher import Launcher
+from resilientjob.testing.plans import RuntimePlanner
+
+STEPS = 12
+
+
+def test_each_layer_has_one_writer_the_lowest_live_holder() -> None:
+    held = {0: {0, 1}, 1: {2, 3}, 2: {0, 1}, 3: {2, 3}}  # two pipelines of two stages
+    assert writers(held, {0, 1, 2, 3}, 4) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert assigned(0, held, {0, 1, 2, 3}, 4) == {0, 1, METADATA}
+    assert assigned(1, held, {0, 1, 2, 3}, 4) == {2, 3}
+    # Node 0 died writing: its replica's node writes its layers and the metadata.
+    assert assigned(2, held, {1, 2, 3}, 4) == {0, 1, METADATA}
+    assert assigned(1, held, {1, 2, 3}, 4) == {2, 3}
+    # Both holders of layers 0 and 1 gone: nobody holds them, the lowest live node reads them back.
+    assert writers(held, {1, 3}, 4) == {0: None, 1: None, 2: 1, 3: 1}
+    assert assigned(1, held, {1, 3}, 4) == {0, 1, 2, 3, METADATA}
+    assert assigned(3, held, {1, 3}, 4) == set()
+
+
+def _plan(dp: int, pp: int) -> Plan:
+    bounds = [(0, 2), (2, 4)] if pp == 2 else [(0, 4)]  # embedding, 2 blocks, head
+    pipelines = tuple(
+        PipelinePlan(
+            stages=tuple(StagePlan(layers=b, node=p * pp + s) for s, b in enumerate(bounds)),
+            microbatches=BATCH // MICRO // dp,
+        )
+        for p in range(dp)
+    )
+    return Plan(policy=Policy.DYNAMIC, microbatch_size=MICRO, step_time_s=1.0, pipelines=pipelines)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(tmp_path: Path) -> None:
+    """One pipeline of two stages, no replica: node 1 alone holds layers 2 and 3 and dies as it starts to
+    write them. (A lost writer with a replica: tests/agent/test_pod_training.py, through the operator.)"""
+    model_dir = gpt2_directory(tmp_path / "gpt2")
+    tokens = token_file(tmp_path / "tokens.bin")
+    output = tmp_path / "trained"
+    config = hf_job_config(model_dir, tokens, steps=STEPS, output=output)
+    # An interval the last step is not on: the last step is saved because it is the last.
+    saved = config.workload.checkpoint.model_copy(
+        update={"path": str(tmp_path / "ckpt"), "interval_steps": 5}
+    )
+    config = dataclasses.replace(config, workload=config.workload.model_copy(update={"checkpoint": saved}))
+    planner = RuntimePlanner.for_job(
+        measure_profile(config.load_model(), timed=False),
+        nodes=2,
+        global_batch=BATCH,
+        microbatch_size=MICRO,
+        fault_tolerance=0,
+    )
+    launcher = Launcher(config, _plan(dp=1, pp=2), planner, tmp_path / "run", crash_at_export=frozenset({1}))
+    result = launcher.run(timeout_s=240)
+    assert sorted(result.losses) == list(range(STEPS))
+    assert launcher.failed == {1}
+    # The failure was planned around after the last step, and nobody restarted.
+    assert launcher.recoveries and launcher.recoveries[-1].committed_before == STEPS
+    assert not any(r.restarted for r in launcher.recoveries)
+    _, trained = plain_pytorch(model_dir, tokens, STEPS)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    tokens_in = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens_in).logits, trained(tokens_in).logits, atol=2e-4, rtol=0)
