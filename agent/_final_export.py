@@ -179,7 +179,7 @@ def _check_sources(
     raise WorkloadError(
         "spec.output.path",
         f"{directory}: layers {lost} of the trained model have no holder left (live nodes "
-        f"{sorted(live)}) and {reason}",
+        f"{sorted(live)}) and {reason}; `rjob export` writes the model of a checkpoint step the job kept",
     )
 
 

@@ -144,15 +144,20 @@ class Checkpointer:
             future.result()
         self._pending.clear()
 
-    def latest_complete(self, num_layers: int) -> int | None:
-        """Newest step whose every layer has been fully written, or None."""
+    def complete_steps(self, num_layers: int) -> list[int]:
+        """The steps whose every layer has been fully written, ascending."""
         steps = []
         if self.directory.exists():
             for child in self.directory.iterdir():
                 match = _STEP.match(child.name)
                 if match and self._complete(child, num_layers):
                     steps.append(int(match.group(1)))
-        return max(steps) if steps else None
+        return sorted(steps)
+
+    def latest_complete(self, num_layers: int) -> int | None:
+        """Newest step whose every layer has been fully written, or None."""
+        steps = self.complete_steps(num_layers)
+        return steps[-1] if steps else None
 
     def prune(self, num_layers: int, current: int) -> None:
         """Delete the checkpoints older than the newest `keep` complete ones up to `current` (the step just

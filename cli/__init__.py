@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("resilientjob.cli._plan", "plan a layout, or a recovery after node failures"),
     "demo": ("resilientjob.cli._demo", "the local demo: real training through a worker kill and a slowdown"),
     "chaos": ("resilientjob.cli._chaos", "inject fail-slows and failures into a running job"),
+    "export": ("resilientjob.cli._export", "write a job's checkpoint as a Hugging Face model"),
 }
 
 

@@ -33,10 +33,10 @@ TRAINING = TrainingSpec(
 )
 
 
-def gpt2_directory(directory: Path) -> Path:
+def gpt2_directory(directory: Path, layers: int = 2) -> Path:
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(1)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)

@@ -26,6 +26,7 @@ from _training_support import (
 
 from resilientjob.agent._final_export import METADATA, assigned, writers
 from resilientjob.agent.profiler import measure_profile
+from resilientjob.cli import main
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.testing.launcher import Launcher
 from resilientjob.testing.plans import RuntimePlanner
@@ -61,7 +62,9 @@ def _plan(dp: int, pp: int) -> Plan:
 
 @pytest.mark.torch
 @pytest.mark.slow
-def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(tmp_path: Path) -> None:
+def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """One pipeline of two stages, no replica: node 1 alone holds layers 2 and 3 and dies as it starts to
     write them. (A lost writer with a replica: tests/agent/test_pod_training.py, through the operator.)"""
     model_dir = gpt2_directory(tmp_path / "gpt2")
@@ -92,3 +95,33 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(tmp_pa
     tokens_in = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens_in).logits, trained(tokens_in).logits, atol=2e-4, rtol=0)
+
+    # `rjob export` writes the same model from the checkpoint alone, and an earlier step it kept.
+    checkpoints, model = str(tmp_path / "ckpt"), f"hf:{model_dir}"
+    assert main(["export", checkpoints, "--model", model, "--out", str(tmp_path / "again")]) == 0
+    assert f"wrote step {STEPS} of {model} (4 layers)" in capsys.readouterr().out
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert (
+        main(["export", checkpoints, "--model", model, "--out", str(tmp_path / "early"), "--step", "10"]) == 0
+    )
+    early = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "early").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens_in).logits, exported(tokens_in).logits, atol=0, rtol=0)
+        assert (early(tokens_in).logits - exported(tokens_in).logits).abs().max() > 1e-4
+    # Bad input: one line naming what to change.
+    deeper = gpt2_directory(tmp_path / "deeper", layers=3)
+    wider = tmp_path / "wider"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+    ).save_pretrained(wider)
+    capsys.readouterr()
+    for argv, said in [
+        ([checkpoints, "--model", model, "--out", str(tmp_path / "x"), "--step", "7"], "step: "),
+        ([str(tmp_path / "none"), "--model", model, "--out", str(tmp_path / "x")], "checkpoint: "),
+        ([checkpoints, "--model", f"hf:{deeper}", "--out", str(tmp_path / "x")], "checkpoint: "),
+        ([checkpoints, "--model", f"hf:{wider}", "--out", str(tmp_path / "x")], "model: "),
+    ]:
+        assert main(["export", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"rjob: error: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()  # nothing written before the checkpoint was found to fit
