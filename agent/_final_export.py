@@ -34,7 +34,7 @@ from resilientjob.protocol.store_keys import GENERATION_KEY, export_round_key, e
 from ._runtime_schedule import held_layers, world_nodes
 from ._tensor_parallel import full_parameters
 from ._termination import WorkloadError
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, read_weights
 from .runtime import Trainer
 
 METADATA = -1
@@ -167,14 +167,12 @@ def _check_sources(
     if not lost:
         return
     complete = checkpointer.latest_complete(trainer.model.num_layers) if checkpointer is not None else None
-    if trainer.degree == 1 and complete == trainer.step:
+    if complete == trainer.step:
         return
     reason = (
         "the job has no spec.checkpoint.path"
         if checkpointer is None
         else f"no whole checkpoint of step {trainer.step} holds them"
-        if trainer.degree == 1
-        else "the checkpoint holds them as tensor-parallel shards, which one device cannot read"
     )
     raise WorkloadError(
         "spec.output.path",
@@ -185,7 +183,8 @@ def _check_sources(
 
 def _write(trainer: Trainer, items: list[int], directory: Path, checkpointer: Checkpointer | None) -> None:
     """Write `items` (layers and the metadata); a layer this node does not hold is read from the checkpoint
-    of the last step. A collective over the stage's devices when they are tensor-parallel."""
+    of the last step (its shards merged offline). A collective over the stage's devices for a layer held in
+    tensor-parallel shards."""
     from .hf_export import write_layer, write_metadata
 
     for item in items:
@@ -193,13 +192,14 @@ def _write(trainer: Trainer, items: list[int], directory: Path, checkpointer: Ch
             if trainer.local_rank == 0:
                 write_metadata(trainer.model, directory)
             continue
-        if item in trainer.layers:
-            module = trainer.layers[item].module
-        else:
-            assert checkpointer is not None  # `_check_sources` said so
-            layer = trainer.make_layer(item, initial=False)
-            checkpointer.load(trainer.step, layer)
-            module = layer.module
+        if item not in trainer.layers:  # nobody holds it any more: the last step's checkpoint does
+            if trainer.local_rank == 0:
+                assert checkpointer is not None  # `_check_sources` said so
+                module = trainer.model.allocate(item)
+                read_weights(checkpointer.directory, trainer.step, item, module, checkpointer.shards)
+                write_layer(trainer.model, item, module, directory)
+            continue
+        module = trainer.layers[item].module
         if trainer.degree > 1:
             params = full_parameters(module, trainer.degree)  # every device of the stage takes part
             if trainer.local_rank:

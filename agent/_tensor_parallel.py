@@ -242,3 +242,30 @@ def full_parameters(module: nn.Module, degree: int) -> list[torch.Tensor]:
                 value = _deinterleave(value, degree)
             out.append(value.clone())
     return out
+
+
+def merge_shards(module: nn.Module, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A layer's whole parameters (by name, in the unsharded layout) from the local parameters each of its k
+    ranks held (`shards[j]`: rank j's, as a checkpoint keeps them), with no process group: column-wise
+    projections are joined along their rows (weight and bias), row-wise ones along their columns (their
+    bias is replicated), replicated parameters taken from rank 0. `module`: the layer, for its plan (a
+    `meta` layer will do; so will `meta` shards, which gives the shapes alone)."""
+    degree = len(shards)
+    if degree == 1 or isinstance(module, _REPLICATED):
+        return dict(shards[0])
+    plan = _block_plan(module)
+    whole = {}
+    for name, _ in module.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        parts = [shard[name] for shard in shards]
+        style = plan.get(owner)
+        if isinstance(style, ColwiseParallel):
+            value = torch.cat(parts, dim=0)
+        elif isinstance(style, RowwiseParallel) and leaf == "weight":
+            value = torch.cat(parts, dim=1)
+        else:
+            value = parts[0]
+        if name in _QKV and isinstance(module, GPTBlock | LlamaBlock):
+            value = _deinterleave(value, degree)
+        whole[name] = value
+    return whole

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,3 +201,75 @@ class Checkpointer:
         with torch.no_grad():
             source = self.directory / f"step{step}" / self._layer_dirs(layer.index)[self.shard]
             _dcp_compat.load_local(state, source)
+
+
+def saved_shards(directory: Path) -> int:
+    """How many tensor-parallel shards each layer of the checkpoints in `directory` was saved in (1: whole
+    layers; `layer<i>-tp<j>of<k>/` directories: k)."""
+    for child in sorted(directory.glob("step*/layer0-tp0of*")):
+        match = re.fullmatch(r"layer0-tp0of(\d+)", child.name)
+        if match is not None:
+            return int(match.group(1))
+    return 1
+
+
+def _stored(source: Path) -> dict[str, Any]:
+    """The tensors a layer directory holds: name -> its stored metadata (size, properties)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    return dict(FileSystemReader(source).read_metadata().state_dict_metadata)
+
+
+def _layer_sources(directory: Path, step: int, index: int, shards: int) -> list[Path]:
+    names = [f"layer{index}"] if shards == 1 else [f"layer{index}-tp{j}of{shards}" for j in range(shards)]
+    return [directory / f"step{step}" / name for name in names]
+
+
+def check_weights(directory: Path, step: int, index: int, layer: torch.nn.Module, shards: int) -> None:
+    """ValueError naming `model` unless checkpoint `step` holds layer `index`'s weights as `layer` has them
+    (names and shapes, its tensor-parallel shards merged); reads the metadata only (`layer` may be `meta`)."""
+    from ._tensor_parallel import merge_shards
+
+    params = dict(layer.named_parameters())
+    metadata = [_stored(source) for source in _layer_sources(directory, step, index, shards)]
+    missing = sorted({name for name in params for stored in metadata if f"param.{name}" not in stored})
+    if missing:
+        raise ValueError(f"model: layer {index} has {missing[0]}, which step {step} of {directory} lacks")
+    # Merged as `meta` tensors: the shapes of the whole layer, with nothing read.
+    shapes = merge_shards(
+        layer,
+        [
+            {name: torch.empty(tuple(stored[f"param.{name}"].size), device="meta") for name in params}
+            for stored in metadata
+        ],
+    )
+    for name, param in params.items():
+        if tuple(shapes[name].shape) != tuple(param.shape):
+            raise ValueError(
+                f"model: layer {index}'s {name} has shape {list(param.shape)}, in step {step} of {directory} "
+                f"{list(shapes[name].shape)}"
+            )
+
+
+def read_weights(directory: Path, step: int, index: int, layer: torch.nn.Module, shards: int) -> None:
+    """Overwrite `layer` (a whole layer: unsharded) in place with layer `index`'s weights of checkpoint
+    `step`, its tensor-parallel shards merged (`_tensor_parallel.merge_shards`); no process group and no
+    optimizer state. ValueError naming `model` when the checkpoint's tensors are not the layer's."""
+    from ._tensor_parallel import merge_shards
+
+    check_weights(directory, step, index, layer, shards)
+    params = dict(layer.named_parameters())
+    loaded = []
+    for source in _layer_sources(directory, step, index, shards):
+        stored = _stored(source)
+        state = {
+            f"param.{name}": torch.empty(tuple(stored[f"param.{name}"].size), dtype=param.dtype)
+            for name, param in params.items()
+        }
+        with warnings.catch_warnings():  # one process reads it: DCP says so at every load
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            _dcp_compat.load_local(state, source)
+        loaded.append({name: state[f"param.{name}"] for name in params})
+    with torch.no_grad():
+        for name, value in merge_shards(layer, loaded).items():
+            params[name].copy_(value)

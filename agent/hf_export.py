@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -195,53 +194,36 @@ def write_from_checkpoint(
 ) -> int:
     """Write the model of checkpoint `step` (None: the newest complete one) of a job's checkpoint directory
     in Hugging Face layout: the trained model of a job that ended without writing it (it failed, or had no
-    `spec.output`), or of any step it kept. Only the weights are read, not the optimizer state. Returns the
-    step written; ValueError naming what is wrong (no complete step, a step not there, tensor-parallel
-    shards, a checkpoint of another model)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    `spec.output`), or of any step it kept. Reads the weights only, not the optimizer state; a layer saved
+    in tensor-parallel shards is merged. Every layer is checked against `spec` before a file is written.
+    Returns the step written; ValueError naming what is wrong (no complete step, a step not there, a
+    checkpoint of another model)."""
+    from .checkpoint import Checkpointer, check_weights, read_weights, saved_shards
 
-    from ._dcp_compat import load_local
-    from .checkpoint import Checkpointer
-
+    hf = _hf(spec)
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise ValueError(f"checkpoint: {directory} is not a directory")
-    checkpoints = Checkpointer(directory, interval=0, asynchronous=False)
-    complete = checkpoints.complete_steps(spec.num_layers)
+    shards = saved_shards(directory)
+    complete = Checkpointer(directory, interval=0, asynchronous=False, shards=shards).complete_steps(
+        spec.num_layers
+    )
     if step is None:
         if not complete:
-            sharded = any(directory.glob("step*/layer0-tp*"))
             raise ValueError(
-                f"checkpoint: {directory} holds "
-                + (
-                    "tensor-parallel shards of each layer; this command reads whole layers only"
-                    if sharded
-                    else f"no complete checkpoint of the {spec.num_layers} layers of {spec.name}"
-                )
+                f"checkpoint: {directory} holds no complete checkpoint of the {spec.num_layers} layers of "
+                f"{spec.name}"
             )
         step = complete[-1]
     elif step not in complete:
         found = ", ".join(map(str, complete)) or "none"
         raise ValueError(f"step: {directory} has no complete checkpoint of step {step} (complete: {found})")
-    source = directory / f"step{step}"
-    hf = _hf(spec)
-    for index in range(spec.num_layers):  # every layer checked before a file is written
-        stored = FileSystemReader(source / f"layer{index}").read_metadata().state_dict_metadata
-        for name, param in hf.meta_layer(index).named_parameters():
-            shape = getattr(stored.get(f"param.{name}"), "size", None)
-            if shape is None or tuple(shape) != tuple(param.shape):
-                saw = "absent" if shape is None else f"of shape {list(shape)}"
-                raise ValueError(
-                    f"model: {spec.name} is not the model of {directory}: layer {index}'s {name} of shape "
-                    f"{list(param.shape)} is {saw} in step {step}"
-                )
+    for index in range(spec.num_layers):
+        check_weights(directory, step, index, hf.meta_layer(index), shards)
     out = Path(out_dir)
     for index in range(spec.num_layers):
         module = spec.allocate(index)
-        params = {f"param.{name}": param.detach() for name, param in module.named_parameters()}
-        with warnings.catch_warnings():  # one process reads it: DCP says so at every load
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            load_local(params, source / f"layer{index}")
+        read_weights(directory, step, index, module, shards)
         write_layer(spec, index, module, out, dtype)
     write_metadata(spec, out, dtype)
     return step

@@ -1,7 +1,8 @@
 """`rjob export`: a job's checkpoint written as a Hugging Face model (`from_pretrained` loads it).
 
 The trained model of a job that ended without writing it (it failed, or had no `spec.output`), or of any
-step its checkpoint directory kept. Reads the weights only; whole layers only (not tensor-parallel shards)."""
+step its checkpoint directory kept. Reads the weights only; a layer saved in tensor-parallel shards (a job
+with several devices per stage) is merged, with no process group."""
 
 from __future__ import annotations
 

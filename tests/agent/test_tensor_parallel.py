@@ -28,6 +28,7 @@ from resilientjob.agent.p2p import LayerState, layer_state_bytes
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.agent.runtime import check_supported
 from resilientjob.agent.worker import JobConfig
+from resilientjob.cli import main
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
@@ -129,8 +130,11 @@ def test_tp2_of_a_transformers_llama_matches_single_process(
     pytest.importorskip("transformers")
     plan = _plan((((0, 2), 0), ((2, 4), 1)), microbatches=2)
     config = job_config(model=HF_LLAMA, model_options={}, steps=3, return_state=True)
-    output = tmp_path / "trained"
-    workload = config.workload.model_copy(update={"output": OutputSpec(path=str(output))})
+    output, checkpoints = tmp_path / "trained", tmp_path / "ckpt"
+    saved = config.workload.checkpoint.model_copy(update={"path": str(checkpoints), "interval_steps": 2})
+    workload = config.workload.model_copy(
+        update={"output": OutputSpec(path=str(output)), "checkpoint": saved}
+    )
     config = dataclasses.replace(config, workload=workload)
     reference, params, _ = reference_run(config, plan.global_batch, plan.microbatch_size)
     planner = RuntimePlanner.for_job(
@@ -147,6 +151,16 @@ def test_tp2_of_a_transformers_llama_matches_single_process(
     for index, tensors in params.items():
         for got, want in zip(exported.layer(index).parameters(), tensors, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # The last step's checkpoint holds each block in two shards; `rjob export` merges them, offline, into
+    # the same model the job wrote.
+    assert any(checkpoints.glob("step3/layer1-tp1of2"))
+    assert main(["export", str(checkpoints), "--model", HF_LLAMA, "--out", str(tmp_path / "merged")]) == 0
+    merged = load_model(f"hf:{tmp_path / 'merged'}", seq_len=16)
+    for index in params:
+        for got, want in zip(
+            merged.layer(index).parameters(), exported.layer(index).parameters(), strict=True
+        ):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_gpt2_block_of_transformers_is_refused_with_the_field_to_change() -> None:
