@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.worker import JobConfig
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.protocol.workload import DataSpec, OutputSpec, Schedule, TokenDtype, TrainingSpec, Workload
 
 transformers = pytest.importorskip("transformers")
@@ -110,3 +111,17 @@ def plain_pytorch(model_dir: Path, tokens: Path, steps: int) -> tuple[list[float
         schedule.step()
         losses.append(float(loss.detach()))
     return losses, model.eval()
+
+
+def tiny_plan(dp: int, pp: int) -> Plan:
+    """The tiny model's four layers (embedding, two blocks, head) on dp pipelines of pp stages (1 or 2),
+    nodes numbered pipeline by pipeline."""
+    bounds = [(0, 2), (2, 4)] if pp == 2 else [(0, 4)]
+    pipelines = tuple(
+        PipelinePlan(
+            stages=tuple(StagePlan(layers=b, node=p * pp + s) for s, b in enumerate(bounds)),
+            microbatches=BATCH // MICRO // dp,
+        )
+        for p in range(dp)
+    )
+    return Plan(policy=Policy.DYNAMIC, microbatch_size=MICRO, step_time_s=1.0, pipelines=pipelines)

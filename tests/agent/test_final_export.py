@@ -20,6 +20,7 @@ from _training_support import (
     gpt2_directory,
     hf_job_config,
     plain_pytorch,
+    tiny_plan,
     token_file,
     transformers,
 )
@@ -27,7 +28,6 @@ from _training_support import (
 from resilientjob.agent._final_export import METADATA, assigned, writers
 from resilientjob.agent.profiler import measure_profile
 from resilientjob.cli import main
-from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.testing.launcher import Launcher
 from resilientjob.testing.plans import RuntimePlanner
 
@@ -46,18 +46,6 @@ def test_each_layer_has_one_writer_the_lowest_live_holder() -> None:
     assert writers(held, {1, 3}, 4) == {0: None, 1: None, 2: 1, 3: 1}
     assert assigned(1, held, {1, 3}, 4) == {0, 1, 2, 3, METADATA}
     assert assigned(3, held, {1, 3}, 4) == set()
-
-
-def _plan(dp: int, pp: int) -> Plan:
-    bounds = [(0, 2), (2, 4)] if pp == 2 else [(0, 4)]  # embedding, 2 blocks, head
-    pipelines = tuple(
-        PipelinePlan(
-            stages=tuple(StagePlan(layers=b, node=p * pp + s) for s, b in enumerate(bounds)),
-            microbatches=BATCH // MICRO // dp,
-        )
-        for p in range(dp)
-    )
-    return Plan(policy=Policy.DYNAMIC, microbatch_size=MICRO, step_time_s=1.0, pipelines=pipelines)
 
 
 @pytest.mark.torch
@@ -83,7 +71,9 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
         microbatch_size=MICRO,
         fault_tolerance=0,
     )
-    launcher = Launcher(config, _plan(dp=1, pp=2), planner, tmp_path / "run", crash_at_export=frozenset({1}))
+    launcher = Launcher(
+        config, tiny_plan(dp=1, pp=2), planner, tmp_path / "run", crash_at_export=frozenset({1})
+    )
     result = launcher.run(timeout_s=240)
     assert sorted(result.losses) == list(range(STEPS))
     assert launcher.failed == {1}

@@ -22,27 +22,14 @@ from _training_support import (
     VOCAB,
     hf_job_config,
     plain_pytorch,
+    tiny_plan,
     token_file,
     transformers,
 )
 
 from resilientjob.agent.profiler import measure_profile
-from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.testing.launcher import Launcher
 from resilientjob.testing.plans import RuntimePlanner
-
-
-def _plan(dp: int, pp: int) -> Plan:
-    layers = 4  # embedding, 2 blocks, head
-    bounds = [(0, 2), (2, 4)] if pp == 2 else [(0, layers)]
-    pipelines = tuple(
-        PipelinePlan(
-            stages=tuple(StagePlan(layers=b, node=p * pp + s) for s, b in enumerate(bounds)),
-            microbatches=BATCH // MICRO // dp,
-        )
-        for p in range(dp)
-    )
-    return Plan(policy=Policy.DYNAMIC, microbatch_size=MICRO, step_time_s=1.0, pipelines=pipelines)
 
 
 @pytest.mark.torch
@@ -55,7 +42,7 @@ def test_hf_directory_trains_like_plain_pytorch(tmp_path: Path, family: str, dp:
     output = tmp_path / "trained"
     config = hf_job_config(model_dir, tokens, output=output)
     expected, trained = plain_pytorch(model_dir, tokens, STEPS)
-    plan = _plan(dp, pp)
+    plan = tiny_plan(dp, pp)
     profile = measure_profile(config.load_model(), timed=False)
     planner = RuntimePlanner.for_job(
         profile, nodes=dp * pp, global_batch=BATCH, microbatch_size=MICRO, fault_tolerance=0

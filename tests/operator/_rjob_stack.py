@@ -318,3 +318,12 @@ def rjob_path(name: str | None = None, status: bool = False) -> str:
 async def redis_client(url: str, password: str | None = None) -> aioredis.Redis:
     client: aioredis.Redis = aioredis.Redis.from_url(url, password=password)
     return client
+
+
+async def set_pod_phase(kube: Kube, pod: str, phase: str) -> None:
+    """Set a pod's phase (and Ready) as a kubelet would: for tests that play the kubelet."""
+    ready = "True" if phase == "Running" else "False"
+    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready", "status": ready}]}
+    if phase == "Failed":
+        status["reason"] = "Error"
+    await kube.api.patch(kube.path("pods", pod, status=True), {"status": status})

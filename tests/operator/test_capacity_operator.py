@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from _rjob_stack import Kube, Stack, emulator_only, eventually, job_manifest
+from _rjob_stack import Kube, Stack, emulator_only, eventually, job_manifest, set_pod_phase
 
 pytestmark = [
     pytest.mark.cluster,
@@ -31,14 +31,6 @@ def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RJOB_REPLACE_BACKOFF_MAX_S", str(BACKOFF_MAX_S))
 
 
-async def _set_phase(kube: Kube, pod: str, phase: str) -> None:
-    ready = "True" if phase == "Running" else "False"
-    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready", "status": ready}]}
-    if phase == "Failed":
-        status["reason"] = "Error"
-    await kube.api.patch(kube.path("pods", pod, status=True), {"status": status})
-
-
 async def _nodes(kube: Kube, job: str) -> dict[int, dict[str, Any]]:
     return {int(pod["metadata"]["labels"]["resilientjob.io/node"]): pod for pod in await kube.job_pods(job)}
 
@@ -55,7 +47,7 @@ async def _started(kube: Kube, job: str, **spec: Any) -> tuple[dict[str, Any], S
 
     first = await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
     for node in range(4):
-        await _set_phase(kube, f"{job}-node-{node}", "Running")
+        await set_pod_phase(kube, f"{job}-node-{node}", "Running")
     return first, status_where
 
 
@@ -84,10 +76,10 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
 
     # They run: the planner takes them in (a scale-up chosen by eq. 8), and the layout grows back. Node 4
     # runs first and waits for node 5, still starting: one generation takes both in, not one each.
-    await _set_phase(kube, "grow-node-4", "Running")
+    await set_pod_phase(kube, "grow-node-4", "Running")
     await asyncio.sleep(1.5)
     assert (await kube.job_status("grow"))["planGeneration"] == shrunk["planGeneration"]
-    await _set_phase(kube, "grow-node-5", "Running")
+    await set_pod_phase(kube, "grow-node-5", "Running")
     grown = await eventually(
         lambda: status_where(lambda s: s.get("workersTotal") == 4 and s.get("workers") == "4/4"),
         15,
@@ -112,7 +104,7 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
 
     # Node 5 crashes soon after it started: replaced at once (strike 1), its replacement crashes before it
     # ever runs (strike 2: waits 1 s), and the next (strike 3: waits 2 s, the bound), and so on.
-    await _set_phase(kube, "grow-node-5", "Failed")
+    await set_pod_phase(kube, "grow-node-5", "Failed")
     created: dict[int, float] = {}
     failed_at: dict[int, float] = {}
     node = 5
@@ -134,7 +126,7 @@ async def test_two_killed_workers_come_back_as_new_nodes_and_a_crash_loop_backs_
             assert waited >= expected - 0.05, (strikes, waited)
         node = new
         if strikes < 3:
-            await _set_phase(kube, f"grow-node-{node}", "Failed")
+            await set_pod_phase(kube, f"grow-node-{node}", "Failed")
     status = await kube.job_status("grow")
     assert status["capacity"]["nextNodeId"] == node + 1
     assert status["capacity"]["replaced"] == 5
@@ -168,7 +160,7 @@ async def test_a_join_the_planner_declines_publishes_no_generation(stack: Stack)
         return (await _nodes(kube, "idle")).get(4)
 
     await eventually(replacement, 10, "a replacement pod for node 1 under id 4")
-    await _set_phase(kube, "idle-node-4", "Running")
+    await set_pod_phase(kube, "idle-node-4", "Running")
 
     declined = await eventually(
         lambda: status_where(lambda s: (s.get("lastDecision") or {}).get("trigger") == "NodeJoined"),
@@ -245,7 +237,7 @@ async def test_a_job_that_lost_every_node_at_once_restarts_on_its_replacements(s
     events = await eventually(told, 5, "the WaitingForReplacements Event")
     assert len(events) == 1 and events[0]["type"] == "Warning", events
     for node in range(4, 8):
-        await _set_phase(kube, f"reclaimed-node-{node}", "Running")
+        await set_pod_phase(kube, f"reclaimed-node-{node}", "Running")
     restarted = await eventually(
         lambda: status_where(lambda s: s.get("planGeneration", 0) >= 1),
         30,
@@ -291,7 +283,7 @@ async def test_a_job_whose_every_worker_keeps_crashing_at_the_same_step_ends(
     stack.operator.start()
     await eventually(lambda: pods_are(range(4, 8)), 15, "four replacements")
     for node in range(4, 8):
-        await _set_phase(kube, f"crashing-node-{node}", "Running")
+        await set_pod_phase(kube, f"crashing-node-{node}", "Running")
     restarted = await eventually(
         lambda: status_where(lambda s: s.get("planGeneration", 0) >= 1), 30, "the restart on them"
     )

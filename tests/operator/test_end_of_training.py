@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from _rjob_stack import Kube, Stack, emulator_only, eventually, job_manifest, redis_client
+from _rjob_stack import Stack, emulator_only, eventually, job_manifest, redis_client, set_pod_phase
 
 from resilientjob.protocol.messages import ModelProfileReport, ModelProfileRequest
 
@@ -22,14 +22,6 @@ pytestmark = [
 ]
 
 STEPS = 40
-
-
-async def _set_phase(kube: Kube, pod: str, phase: str) -> None:
-    ready = "True" if phase == "Running" else "False"
-    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready", "status": ready}]}
-    if phase == "Failed":
-        status["reason"] = "Error"
-    await kube.api.patch(kube.path("pods", pod, status=True), {"status": status})
 
 
 async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack: Stack) -> None:
@@ -57,7 +49,7 @@ async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack:
     await client.set(keys.profile_report, report.model_dump_json())
     await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
     for node in range(4):
-        await _set_phase(kube, f"ending-node-{node}", "Running")
+        await set_pod_phase(kube, f"ending-node-{node}", "Running")
     agents = [Telemetry(client, stack.keys("ending"), node, f"ending-node-{node}") for node in range(4)]
     try:
 
@@ -70,9 +62,9 @@ async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack:
     finally:
         await client.aclose()
     # Node 1 dies writing its layers; nodes 2 and 3 already wrote theirs and wait for the model to be whole.
-    await _set_phase(kube, "ending-node-1", "Failed")
-    await _set_phase(kube, "ending-node-3", "Succeeded")
-    await _set_phase(kube, "ending-node-2", "Succeeded")
+    await set_pod_phase(kube, "ending-node-1", "Failed")
+    await set_pod_phase(kube, "ending-node-3", "Succeeded")
+    await set_pod_phase(kube, "ending-node-2", "Succeeded")
     planned = await eventually(
         lambda: status_where(lambda s: s.get("planGeneration") == 1), 15, "the plan around node 1"
     )
@@ -85,6 +77,6 @@ async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack:
     pods = {pod["metadata"]["name"] for pod in await kube.job_pods("ending")}
     assert pods <= {f"ending-node-{n}" for n in range(4)}, pods
     # Node 0 wrote the lost node's layers (it holds their replica) and completes: the job has succeeded.
-    await _set_phase(kube, "ending-node-0", "Succeeded")
+    await set_pod_phase(kube, "ending-node-0", "Succeeded")
     done = await eventually(lambda: status_where(lambda s: s.get("phase") == "Succeeded"), 15, "Succeeded")
     assert done["step"] == STEPS
