@@ -399,6 +399,8 @@ def worker_main(
             break
     if checkpointer is not None:
         checkpointer.wait()
+        # Its prune ran while the last step was still being written (asynchronously): judged again, on disk.
+        checkpointer.prune(trainer.model.num_layers, trainer.step)
     finished = trainer.step >= config.steps
     if finished and workload.output is not None and trainer.active:
         _export(trainer, store, Path(workload.output.path), checkpointer)

@@ -127,8 +127,25 @@ def _pod_cells(pod: Mapping[str, Any]) -> list[Any]:
     )
     statuses = status.get("containerStatuses") or []
     restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
-    phase = "Terminating" if (pod.get("metadata") or {}).get("deletionTimestamp") else status.get("phase")
-    return [f"{len(containers) if ready else 0}/{len(containers)}", phase or "Pending", restarts]
+    return [f"{len(containers) if ready else 0}/{len(containers)}", _pod_status(pod), restarts]
+
+
+def _pod_status(pod: Mapping[str, Any]) -> str:
+    """The STATUS kube-apiserver prints: the phase, or the pod's reason, or the last container's waiting or
+    terminated reason (`Completed`, `Error`, `CrashLoopBackOff`), `Terminating` once it is being deleted."""
+    status = pod.get("status") or {}
+    shown = status.get("reason") or status.get("phase") or "Pending"
+    for container in reversed(status.get("containerStatuses") or []):  # the first container's state wins
+        state = container.get("state") or {}
+        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        if waiting.get("reason"):
+            shown = waiting["reason"]
+        elif terminated:
+            code, signal = terminated.get("exitCode", 0), terminated.get("signal", 0)
+            shown = terminated.get("reason") or (f"Signal:{signal}" if signal else f"ExitCode:{code}")
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        shown = "Unknown" if status.get("reason") == "NodeLost" else "Terminating"
+    return str(shown)
 
 
 def _cells(kind: Kind, obj: Mapping[str, Any]) -> list[Any]:

@@ -201,12 +201,19 @@ def completed(
 ) -> tuple[api.ResilientJobStatus, str]:
     """The status of a job whose workers all trained to the end under `published`, and what to tell. A
     fail-slow episode still open ends with the training: no node is slow in a job that runs no more (a
-    Succeeded job went on listing its last slow node)."""
+    Succeeded job went on listing its last slow node), and none works (it showed the workers counted alive
+    by the last pass, as the pods completed one by one: `1/3`)."""
     message = f"training finished under generation {published.generation} ({published.layout})"
     conditions = set_condition(
         status.conditions, api.ConditionType.COMPLETE, True, api.Reason.TRAINING_COMPLETE, message
     )
-    update = {"phase": api.Phase.SUCCEEDED, "conditions": conditions, "slow_nodes": []}
+    update = {
+        "phase": api.Phase.SUCCEEDED,
+        "conditions": conditions,
+        "slow_nodes": [],
+        "workers_alive": 0,
+        "workers": f"0/{status.workers_total}",
+    }
     return status.model_copy(update=update), message
 
 

@@ -115,3 +115,25 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
         err = capsys.readouterr().err
         assert err.startswith(f"rjob: error: {said}") and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()  # nothing written before the checkpoint was found to fit
+
+
+@pytest.mark.torch
+def test_the_last_step_is_saved_and_the_steps_before_it_pruned(tmp_path: Path) -> None:
+    """The last step is saved whatever the interval, and the job keeps `keep` (2) steps once it is on disk:
+    the prune after its save ran while it was still being written, and left three."""
+    config = hf_job_config(
+        gpt2_directory(tmp_path / "gpt2"), token_file(tmp_path / "tokens.bin"), steps=STEPS
+    )
+    saved = config.workload.checkpoint.model_copy(
+        update={"path": str(tmp_path / "ckpt"), "interval_steps": 5}
+    )
+    config = dataclasses.replace(config, workload=config.workload.model_copy(update={"checkpoint": saved}))
+    planner = RuntimePlanner.for_job(
+        measure_profile(config.load_model(), timed=False),
+        nodes=1,
+        global_batch=BATCH,
+        microbatch_size=MICRO,
+        fault_tolerance=0,
+    )
+    Launcher(config, tiny_plan(dp=1, pp=1), planner, tmp_path / "run").run(timeout_s=120)
+    assert sorted(d.name for d in (tmp_path / "ckpt").glob("step*")) == ["step10", f"step{STEPS}"]

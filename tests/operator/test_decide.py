@@ -47,13 +47,16 @@ def test_a_failure_beside_finished_workers_is_still_a_failure() -> None:
     )
 
 
-def test_a_completed_job_lists_no_slow_node() -> None:
+def test_a_completed_job_lists_no_slow_node_and_no_worker_at_work() -> None:
     from resilientjob.operator._decide import completed
     from resilientjob.operator._redis_state import announcement
 
-    status = api.ResilientJobStatus(phase=api.Phase.RUNNING, slow_nodes=[0])
+    status = api.ResilientJobStatus(
+        phase=api.Phase.RUNNING, slow_nodes=[0], workers_alive=1, workers_total=2, workers="1/2"
+    )
     done, message = completed(status, announcement(_plan([0, 1])))
     assert done.phase is api.Phase.SUCCEEDED and done.slow_nodes == []
+    assert (done.workers, done.workers_alive) == ("0/2", 0)  # not the last pass's count, as pods completed
     complete = next(c for c in done.conditions if c.type == api.ConditionType.COMPLETE)
     assert complete.reason == api.Reason.TRAINING_COMPLETE and message.startswith("training finished")
 

@@ -441,3 +441,27 @@ async def test_a_deleted_namespace_takes_what_is_in_it_and_waits_for_its_finaliz
         and body["message"] == 'namespaces "default" is forbidden: this namespace may not be deleted'
     )
     assert (await call(client, "GET", f"{PODS}/elsewhere"))[0] == 200
+
+
+def test_a_pods_status_column_is_what_kube_apiserver_prints() -> None:
+    from resilientjob.localstack._local_api_tables import _pod_status
+
+    def pod(phase: str, state: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        containers = [{"name": "worker", "state": state}] if state is not None else []
+        return {
+            "metadata": extra.pop("metadata", {}),
+            "status": {"phase": phase, "containerStatuses": containers, **extra},
+        }
+
+    assert _pod_status(pod("Pending")) == "Pending"
+    assert _pod_status(pod("Running", {"running": {}})) == "Running"
+    assert (
+        _pod_status(pod("Succeeded", {"terminated": {"exitCode": 0, "reason": "Completed"}})) == "Completed"
+    )
+    assert _pod_status(pod("Failed", {"terminated": {"exitCode": 3, "reason": "Error"}})) == "Error"
+    assert _pod_status(pod("Failed", {"terminated": {"exitCode": 137}})) == "ExitCode:137"
+    assert _pod_status(pod("Pending", {"waiting": {"reason": "CrashLoopBackOff"}})) == "CrashLoopBackOff"
+    assert _pod_status(pod("Failed", reason="Evicted")) == "Evicted"
+    deleting = {"deletionTimestamp": "2026-11-29T00:00:00Z"}
+    assert _pod_status(pod("Running", {"running": {}}, metadata=deleting)) == "Terminating"
+    assert _pod_status(pod("Running", metadata=deleting, reason="NodeLost")) == "Unknown"
