@@ -15,6 +15,11 @@ still detected and fenced within the heartbeat TTL, and is planned around by the
 
 The telemetry half of each pass (throughput, fail-slow reports, profiles and validation) is in
 `_telemetry_pass`; the plans of fail-slow mitigations in `_mitigation`; both come back here to publish.
+
+Why this module is past 600 lines: `JobController` is the one place where a job's observations meet its
+side effects, in the order a pass needs them; every rule it applies is decided elsewhere, pure where it can
+be (`_decide`, `_whole_job`, `_capacity`, `_fencing`, `_lifecycle`, `_profile_source`, `_durable`, `_store`,
+`_planning`), and what is left here is the sequence.
 """
 
 from __future__ import annotations
