@@ -262,9 +262,11 @@ def read_weights(directory: Path, step: int, index: int, layer: torch.nn.Module,
     loaded = []
     for source in _layer_sources(directory, step, index, shards):
         stored = _stored(source)
-        state = {
-            f"param.{name}": torch.empty(tuple(stored[f"param.{name}"].size), dtype=param.dtype)
-            for name, param in params.items()
+        state = {  # as stored (the runtime keeps float32 master weights): `copy_` below casts
+            f"param.{name}": torch.empty(
+                tuple(stored[f"param.{name}"].size), dtype=stored[f"param.{name}"].properties.dtype
+            )
+            for name in params
         }
         with warnings.catch_warnings():  # one process reads it: DCP says so at every load
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
