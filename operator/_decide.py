@@ -10,6 +10,7 @@ from typing import Any
 
 from resilientjob.planner.plan import Plan, Policy
 from resilientjob.protocol.messages import PlanAnnouncement, workload_termination
+from resilientjob.protocol.models import ModelSource, model_source
 
 from . import api
 from ._manifests import ANNOTATION_GENERATION, ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
@@ -215,6 +216,31 @@ def completed(
         "workers": f"0/{status.workers_total}",
     }
     return status.model_copy(update=update), message
+
+
+def lost_after_training(spec: api.ResilientJobSpec) -> tuple[str, str]:
+    """The field and the line of a job whose every node failed after its last step committed (while the
+    trained model, or the last checkpoint, was written): where the trained model is, if anywhere. Without
+    `spec.checkpoint.volume` the checkpoints were in each pod's emptyDir, gone with the pods."""
+    steps, saved = spec.training.steps, spec.checkpoint.path
+    lost = f"every node failed after the last step ({steps}) committed"
+    export = f"`rjob export {saved} --model {spec.model} --out DIR` (on spec.checkpoint.volume)"
+    hf = model_source(spec.model) in (ModelSource.HF_DIRECTORY, ModelSource.HF_CONFIG, ModelSource.PROFILE)
+    if not spec.checkpoint.volume:
+        kept = "no checkpoint holds it: they were node-local (no spec.checkpoint.volume)"
+        return (
+            "spec.output.path" if spec.output is not None else "spec.checkpoint.volume"
+        ), f"{lost}; {kept}"
+    if spec.output is not None:
+        return "spec.output.path", (
+            f"{lost}, before the trained model was written whole; {export} writes it from the step {steps} "
+            "checkpoint"
+        )
+    where = f"; {export} writes it as a Hugging Face model" if hf else ""
+    return "spec.checkpoint.path", (
+        f"{lost}, while its checkpoint was written: the newest complete step in {saved} is the trained model "
+        f"or the one before it{where}"
+    )
 
 
 def detect_joins(plan: Plan, observed: Observation, parked: Iterable[int] = ()) -> set[int]:

@@ -134,6 +134,7 @@ class Reason(StrEnum):
     WAITING_FOR_EARLIER_JOB = "WaitingForEarlierJob"
     WAITING_FOR_REPLACEMENTS = "WaitingForReplacements"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
+    LOST_AFTER_TRAINING = "LostAfterTraining"
 
 
 class LayerSpec(_Api):

@@ -487,6 +487,8 @@ class JobController:
         # the planner would fail the job. Its replacements restart it from its checkpoint once they run,
         # joining as joins do (all of them, or those ready within the settle time).
         lost_all = bool(self.fencing.fenced) and not set(plan.nodes) - set(self.fencing.fenced)
+        if lost_all and not deciding and self._trained_to_the_end(spec):
+            await self._lost_after_training(spec)
         waits_for_replacements = lost_all and spec.replace_failed_nodes and not self._trained_to_the_end(spec)
         if not fresh or (self.fencing.fenced and not waits_for_replacements):
             self._joins_since = None
@@ -546,6 +548,15 @@ class JobController:
                 PlannerError("checkpoint.restartLimit", ended), api.Reason.RESTART_LIMIT_EXCEEDED
             )
             raise InvalidJob(ended)
+
+    async def _lost_after_training(self, spec: api.ResilientJobSpec) -> NoReturn:
+        """Every node failed after the last step committed, while the trained model or the last checkpoint
+        was being written: training is done (no replacement is asked for), and nobody is left to finish
+        writing. The job fails saying where the trained model is."""
+        error = PlannerError(*_decide.lost_after_training(spec))
+        log.warning("job %s/%s: %s", self.namespace, self.name, error)
+        await self._infeasible(error, api.Reason.LOST_AFTER_TRAINING)
+        raise InvalidJob(str(error))
 
     def _trained_to_the_end(self, spec: api.ResilientJobSpec) -> bool:
         progress = self._telemetry.progress

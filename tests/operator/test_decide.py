@@ -3,6 +3,8 @@ complete only when every node of the plan has finished."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from resilientjob.operator import api
 from resilientjob.operator._decide import Observation, PodView, detect_failures, training_complete
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
@@ -155,3 +157,33 @@ def test_the_telemetry_condition_follows_redis_and_changes_only_when_redis_does(
     assert telemetry_condition(back, redis_down=False) is back
     # A False left by an operator that restarted during the outage: the first pass that finds Redis says so.
     assert telemetry_condition(down, redis_down=False)[0].message == "Redis answers again"
+
+
+LAYER = {"forwardS": 0.01, "backwardS": 0.02, "paramBytes": 1, "optimizerBytes": 2, "activationBytes": 1}
+
+
+def test_a_job_lost_after_its_last_step_says_where_the_trained_model_is() -> None:
+    from resilientjob.operator._decide import lost_after_training
+
+    def spec(**fields: Any) -> api.ResilientJobSpec:
+        return api.ResilientJobSpec.model_validate(
+            {
+                "image": "w", "model": "hf:/models/m", "nodes": 2, "globalBatchSize": 4, "microBatchSize": 1,
+                "faultTolerance": 1, "training": {"steps": 90}, **fields,
+            }
+        )  # fmt: skip
+
+    volume = {"path": "/ckpt", "volume": "shared"}
+    field, line = lost_after_training(spec(output={"path": "/out"}, checkpoint=volume))
+    assert field == "spec.output.path" and "after the last step (90) committed" in line
+    export = "`rjob export /ckpt --model hf:/models/m --out DIR` (on spec.checkpoint.volume)"
+    assert f"{export} writes it from the step 90 checkpoint" in line
+    field, line = lost_after_training(spec(output={"path": "/out"}))  # each pod's emptyDir: gone with it
+    assert field == "spec.output.path" and "no checkpoint holds it" in line and "rjob export" not in line
+    field, line = lost_after_training(spec(checkpoint=volume))
+    assert field == "spec.checkpoint.path" and "the trained model or the one before it; `rjob export" in line
+    field, line = lost_after_training(
+        spec(model="pkg.mod:build", checkpoint=volume, profile={"inline": [LAYER] * 4})
+    )
+    assert field == "spec.checkpoint.path" and "rjob export" not in line  # no Hugging Face layout to write
+    assert lost_after_training(spec())[0] == "spec.checkpoint.volume"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,34 +25,34 @@ pytestmark = [
 STEPS = 40
 
 
-async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack: Stack) -> None:
+StatusWhere = Callable[[Callable[[dict[str, Any]], bool]], Awaitable[dict[str, Any] | None]]
+
+
+async def _at_the_last_step(stack: Stack, job: str, **spec: Any) -> StatusWhere:
+    """Run `job` (4 nodes) to its last step as its pods and agents would: node 0's pre-flight answered, the
+    pods Running, every agent's telemetry at step STEPS; a reader of its status that answers once a check
+    holds."""
     from resilientjob.agent.telemetry import Telemetry
 
     kube = stack.kube
-    manifest = job_manifest(
-        "ending",
-        model="mypkg.model:build",  # not a simulation: the job ends at training.steps
-        training={"steps": STEPS},
-        failSlow={"enabled": False},
-    )
-    await kube.create_job(manifest)
+    await kube.create_job(job_manifest(job, training={"steps": STEPS}, failSlow={"enabled": False}, **spec))
 
-    async def status_where(check: Any) -> dict[str, Any] | None:
-        status = await kube.job_status("ending")
+    async def status_where(check: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        status = await kube.job_status(job)
         return status if status and check(status) else None
 
     client = await redis_client(stack.redis_url)
-    keys = stack.keys("ending")
-    # Node 0's pre-flight, as its agent answers it: the model built, with the profile's 8 layers.
-    raw = await eventually(lambda: client.get(keys.profile_request), 20, "node 0's pre-flight request")
-    request = ModelProfileRequest.model_validate_json(raw)
-    report = ModelProfileReport(request=request, node=0, num_layers=8, sent_at=time.time())
-    await client.set(keys.profile_report, report.model_dump_json())
-    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
-    for node in range(4):
-        await set_pod_phase(kube, f"ending-node-{node}", "Running")
-    agents = [Telemetry(client, stack.keys("ending"), node, f"ending-node-{node}") for node in range(4)]
+    keys = stack.keys(job)
     try:
+        # Node 0's pre-flight, as its agent answers it: the model built, with the profile's 8 layers.
+        raw = await eventually(lambda: client.get(keys.profile_request), 20, "node 0's pre-flight request")
+        request = ModelProfileRequest.model_validate_json(raw)
+        report = ModelProfileReport(request=request, node=0, num_layers=8, sent_at=time.time())
+        await client.set(keys.profile_report, report.model_dump_json())
+        await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+        for node in range(4):
+            await set_pod_phase(kube, f"{job}-node-{node}", "Running")
+        agents = [Telemetry(client, keys, node, f"{job}-node-{node}") for node in range(4)]
 
         async def trained_to_the_end() -> dict[str, Any] | None:
             for agent in agents:  # the operator reads the stream from its end: repeat until it is read
@@ -61,6 +62,13 @@ async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack:
         await eventually(trained_to_the_end, 15, f"status.step {STEPS}")
     finally:
         await client.aclose()
+    return status_where
+
+
+async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack: Stack) -> None:
+    kube = stack.kube
+    # Not a simulation: the job ends at training.steps.
+    status_where = await _at_the_last_step(stack, "ending", model="mypkg.model:build")
     # Node 1 dies writing its layers; nodes 2 and 3 already wrote theirs and wait for the model to be whole.
     await set_pod_phase(kube, "ending-node-1", "Failed")
     await set_pod_phase(kube, "ending-node-3", "Succeeded")
@@ -80,3 +88,26 @@ async def test_a_worker_lost_while_the_model_is_written_is_planned_around(stack:
     await set_pod_phase(kube, "ending-node-0", "Succeeded")
     done = await eventually(lambda: status_where(lambda s: s.get("phase") == "Succeeded"), 15, "Succeeded")
     assert done["step"] == STEPS
+
+
+async def test_every_worker_lost_after_the_last_step_fails_the_job_saying_where_the_model_is(
+    stack: Stack,
+) -> None:
+    """No replacement is asked for (training is done) and nobody is left to write the model: the job fails
+    at once, naming the checkpoint `rjob export` writes it from; before, the planner found no node to plan
+    on and the job failed PlanInfeasible."""
+    status_where = await _at_the_last_step(
+        stack,
+        "alllost",
+        model="hf:/models/mine",
+        output={"path": "/out"},
+        checkpoint={"path": "/ckpt", "volume": "shared"},
+    )
+    for node in range(4):
+        await set_pod_phase(stack.kube, f"alllost-node-{node}", "Failed")
+    failed = await eventually(lambda: status_where(lambda s: s.get("phase") == "Failed"), 15, "Failed")
+    planned = next(c for c in failed["conditions"] if c["type"] == "Planned")
+    assert planned["reason"] == "LostAfterTraining", failed["conditions"]
+    assert planned["message"].startswith(f"spec.output.path: every node failed after the last step ({STEPS})")
+    assert "`rjob export /ckpt --model hf:/models/mine --out DIR`" in planned["message"]
+    assert failed.get("planGeneration") == 0  # nothing was planned on nobody
