@@ -19,10 +19,12 @@ and delete the other's steps. A job applied again under the same name is the sam
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,15 +44,27 @@ class CheckpointTaken(Exception):
     """The checkpoint directory holds another job's checkpoints."""
 
     def __init__(self, directory: Path, holder: str) -> None:
-        super().__init__(f"{directory} holds the checkpoints of job {holder}")
+        super().__init__(
+            f"{directory} holds the checkpoints of job {holder} (its mark {OWNER_FILE} there; delete the "
+            "mark once that job and its steps are gone)"
+        )
         self.holder = holder
+
+
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK)
+"""What `link` fails with where a file system has no hard links (object-store FUSE volumes)."""
+
+_MARK_READ_S = 5.0
+"""How long a loser waits for the winner's name where the mark is created empty first (no hard links)."""
 
 
 def claim(directory: Path, job: str) -> None:
     """Mark `directory` as job `job`'s (`namespace/name`), or raise CheckpointTaken naming the job that
     holds it; OSError when it cannot be written. A directory of checkpoints from before owners were marked
     is claimed as it is. The mark appears whole or not at all (a hard link of a written file fails when the
-    name exists), so of two jobs claiming at once one wins and the other reads the winner's name."""
+    name exists), so of two jobs claiming at once one wins and the other reads the winner's name. Where the
+    file system has no hard links the mark is created exclusively and then written: a loser reads it once
+    it holds a name."""
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / OWNER_FILE
     fd, written = tempfile.mkstemp(prefix=".owner-", dir=directory)
@@ -61,11 +75,37 @@ def claim(directory: Path, job: str) -> None:
         os.link(written, marker)
         return
     except FileExistsError:
-        holder = marker.read_text(errors="replace").strip()
+        holder = _holder(marker)
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        holder = _claim_exclusively(marker, job)
     finally:
         os.unlink(written)
     if holder != job:
         raise CheckpointTaken(directory, holder or "(unnamed)")
+
+
+def _claim_exclusively(marker: Path, job: str) -> str:
+    """The mark created (`O_EXCL`) and written where `link` is not possible; the holder's name."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return _holder(marker)
+    with os.fdopen(fd, "w") as file:
+        file.write(job + "\n")
+    os.chmod(marker, 0o644)  # whatever the umask took away
+    return job
+
+
+def _holder(marker: Path) -> str:
+    """The name in a mark; one created empty (no hard links) gets its name a moment later."""
+    deadline = time.monotonic() + _MARK_READ_S
+    while True:
+        holder = marker.read_text(errors="replace").strip()
+        if holder or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.05)
 
 
 @dataclass(slots=True)

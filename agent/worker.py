@@ -224,9 +224,12 @@ def _settle(
         try:
             check_in(trainer, store, plan, timeout_s, restart, checkpointer, steps)
             joined = trainer.apply_plan(plan, store)
-            if restart and checkpointer is not None:
+            if restart and checkpointer is not None and joined:
                 _load_shards(trainer, checkpointer, trainer.step or None)
-                checkpointer.discard_after(trainer.step)  # the step is agreed; nobody has trained past it
+                # The step is agreed and nobody of this world has trained past it. A node the restart left
+                # out must not: by the time it looks, a newer world may be saving a later step (a
+                # replacement that read an old restart plan deleted the step its peer was writing).
+                checkpointer.discard_after(trainer.step)
         except ReconfigurationError:
             raise
         except RuntimeError:

@@ -133,6 +133,10 @@ class ProcessKubelet:
             if uid not in present:
                 self._stop(pod)
                 del self.pods[uid]
+                # Its emptyDir volumes go with it, as a kubelet's do (replacements get new names: nothing
+                # else would ever remove them).
+                volumes = pod_directory(self.state_dir / "pods", pod.namespace, pod.name) / "volumes" / uid
+                shutil.rmtree(volumes, ignore_errors=True)
         for uid, body in present.items():
             running = self.pods.get(uid)
             if running is None:

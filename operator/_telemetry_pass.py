@@ -115,6 +115,13 @@ class TelemetryPass:
     """Generation -> (slowest rendezvous s, slowest copy s, bytes received) the workers reported so far
     (`_decide.measured_switches` puts them into the status's recoveries); the newest few kept."""
 
+    async def resume(self, redis: JobRedis) -> None:
+        """Where training is, for an operator that has read no record yet: a restarted one reads only the
+        records that come after its start, and until the next came it took a job at its last step for one
+        still training (its workers' silence as failures, replacements and joins asked for)."""
+        if self.progress is None and (record := await redis.latest_iteration()) is not None:
+            self.progress = (record.generation, record.step, record.loss)
+
     async def run(self, ctl: PassContext, current: Published) -> PassOutcome:
         """Read the new telemetry; the outcome holds the status it measured and a mitigation to start."""
         redis, tracker = ctl.redis, ctl.tracker

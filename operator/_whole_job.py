@@ -34,7 +34,11 @@ def counted(record: api.WholeJobLoss | None, generation: int, step: int) -> api.
     only raises its step (the last steps' telemetry may arrive after the failure); a new one is one more in
     a row, or the first of a new row when a step past the previous loss's committed since."""
     if record is not None and record.generation == generation:
-        return record if step <= record.step else record.model_copy(update={"step": step})
+        if step <= record.step:
+            return record
+        # Telemetry of the loss arriving after it: it committed more than first seen. In a row, the record's
+        # step is the loss's before (counted against), so more is a step past it: the first of a new row.
+        return api.WholeJobLoss(generation=generation, step=step, in_a_row=1)
     if record is not None and step <= record.step:
         return api.WholeJobLoss(generation=generation, step=record.step, in_a_row=record.in_a_row + 1)
     return api.WholeJobLoss(generation=generation, step=step, in_a_row=1)
@@ -88,21 +92,30 @@ async def wait(
 ) -> str | None:
     """Count the loss of `generation` (once) and say in the Planned condition that the job waits (written
     when the record or the words changed); the line ending the job when this loss is one past
-    `checkpoint.restartLimit`, else None."""
+    `checkpoint.restartLimit` (judged a pass after it was counted), else None."""
     limit = ctl.require_spec().checkpoint.restart_limit
     before = ctl.status.capacity.whole_job_loss
     record = counted(before, generation, ctl.status.step)
     if record != before:
         capacity = ctl.status.capacity.model_copy(update={"whole_job_loss": record})
         ctl.status = ctl.status.model_copy(update={"capacity": capacity})
+    # Ended on a record counted a pass before, whose telemetry has been read since: the last steps before a
+    # failure may arrive after it, and show that the restart trained past the loss before (a new row).
     if record.in_a_row > limit:
-        return limit_message(record, limit, fenced)
+        if record == before:
+            return limit_message(record, limit, fenced)
+        await ctl.write_status(force=True)  # counted, durable; judged by the next pass
+        return None
     message = waiting_message(record, limit, fenced, ctl.pods, plan_nodes)
     planned = next((c for c in ctl.status.conditions if c.type == api.ConditionType.PLANNED), None)
     said = planned is not None and (planned.reason, planned.message) == (
         api.Reason.WAITING_FOR_REPLACEMENTS,
         message,
     )
+    if before is None or before.generation != generation or before.in_a_row > limit:
+        # A new loss, or one that its late telemetry showed to be no repeat. Said before the write: a write
+        # that fails is retried on a status that has the loss counted already.
+        ctl.event("Warning", api.Reason.WAITING_FOR_REPLACEMENTS, message)
     if not said or record != before:
         conditions = _decide.set_condition(
             ctl.status.conditions,
@@ -113,6 +126,4 @@ async def wait(
         )
         ctl.status = ctl.status.model_copy(update={"conditions": conditions})
         await ctl.write_status(force=True)  # the count is durable before anything else is done
-    if before is None or before.generation != generation:
-        ctl.event("Warning", api.Reason.WAITING_FOR_REPLACEMENTS, message)
     return None

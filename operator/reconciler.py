@@ -390,6 +390,7 @@ class JobController:
                     # Once per process: a restarted operator continues a fail-slow episode where it was.
                     await restore_failslow(self._pass_context())
                     self._failslow_restored = True
+                await self._telemetry.resume(self.require()[2])
                 await self._telemetry_current(None, self.watch.ok())
                 break
             except REDIS_DOWN as exc:
@@ -496,6 +497,9 @@ class JobController:
             fresh = set()
         if waits_for_replacements and not deciding:
             await self._lost_every_node(published.generation, set(plan.nodes))
+            loss = self.status.capacity.whole_job_loss
+            if loss is not None and loss.in_a_row > spec.checkpoint.restart_limit:
+                fresh = set()  # one past the limit: the next pass ends the job (`_whole_job`); none restarts
         # A job that lost every node has nobody to plan on but its replacements, once they are ready.
         to_plan = fresh if waits_for_replacements else self.fencing.fenced or fresh
         if not deciding and to_plan:

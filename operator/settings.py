@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,6 +61,11 @@ class OperatorSettings:
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
     def __post_init__(self) -> None:
+        for name in ("poll_interval_s", "status_interval_s", "replace_backoff_s", "replace_backoff_max_s",
+                     "join_settle_s", "leftover_grace_s"):  # fmt: skip
+            # NaN compares false with everything: it would pass every bound below and break every wait.
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
         if self.poll_interval_s <= 0 or self.status_interval_s <= 0:
             raise ValueError("poll_interval_s and status_interval_s must be > 0")
         for name, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):

@@ -223,3 +223,38 @@ def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_p
     assert (tmp_path / "ckpt" / OWNER_FILE).stat().st_mode & 0o777 == 0o644  # readable by any job's user
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]  # no temporary left
     claim(tmp_path / "ckpt", winners[0])  # the owner again: fine
+
+
+def test_a_file_system_without_hard_links_is_claimed_by_one_job_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Object-store volumes (gcsfuse, s3fs) have no hard links: `link` fails EPERM or ENOTSUP there, and a
+    claim that needed it failed every job on them. The mark is created exclusively instead."""
+    import errno
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    jobs = [f"ns/job-{i}" for i in range(8)]
+
+    def attempt(job: str) -> str | None:
+        try:
+            claim(tmp_path / "ckpt", job)
+        except CheckpointTaken as exc:
+            return exc.holder
+        return None
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(attempt, jobs))
+    winners = [job for job, holder in zip(jobs, outcomes, strict=True) if holder is None]
+    assert len(winners) == 1, outcomes
+    assert {holder for holder in outcomes if holder is not None} == set(winners)
+    assert (tmp_path / "ckpt" / OWNER_FILE).read_text() == winners[0] + "\n"
+    assert (tmp_path / "ckpt" / OWNER_FILE).stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]
+    claim(tmp_path / "ckpt", winners[0])
+    with pytest.raises(CheckpointTaken, match="delete the mark once that job and its steps are gone"):
+        claim(tmp_path / "ckpt", "ns/other")

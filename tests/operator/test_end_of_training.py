@@ -103,11 +103,17 @@ async def test_every_worker_lost_after_the_last_step_fails_the_job_saying_where_
         output={"path": "/out"},
         checkpoint={"path": "/ckpt", "volume": "shared"},
     )
+    # Seen by an operator restarted meanwhile: it reads only the telemetry that comes after its start, and
+    # none will. It took the job for one still training: it waited for replacements, and restarted the job.
+    stack.operator.kill()
     for node in range(4):
         await set_pod_phase(stack.kube, f"alllost-node-{node}", "Failed")
-    failed = await eventually(lambda: status_where(lambda s: s.get("phase") == "Failed"), 15, "Failed")
+    stack.operator.start()
+    failed = await eventually(lambda: status_where(lambda s: s.get("phase") == "Failed"), 20, "Failed")
     planned = next(c for c in failed["conditions"] if c["type"] == "Planned")
     assert planned["reason"] == "LostAfterTraining", failed["conditions"]
     assert planned["message"].startswith(f"spec.output.path: every node failed after the last step ({STEPS})")
     assert "`rjob export /ckpt --model hf:/models/mine --out DIR`" in planned["message"]
     assert failed.get("planGeneration") == 0  # nothing was planned on nobody
+    pods = {pod["metadata"]["name"] for pod in await stack.kube.job_pods("alllost")}
+    assert not pods - {f"alllost-node-{n}" for n in range(4)}, pods  # no replacement was asked for

@@ -54,3 +54,50 @@ def test_an_empty_dir_is_the_pods_own_and_its_workload_paths_move_into_it(tmp_pa
     assert claimed == {} and kubelet._workload_in_volumes(raw, claimed) == raw
     in_tmp = json.dumps({"model": "gpt", "checkpoint": {"path": "/tmp/ckpt"}})
     assert json.loads(kubelet._workload_in_volumes(in_tmp, first))["checkpoint"]["path"] == "/tmp/ckpt"
+
+
+async def test_a_deleted_pods_empty_dirs_go_with_it(tmp_path: Path) -> None:
+    """Replacement pods get new names, so a dead pod's emptyDir (its checkpoints, on the local stack) was
+    never removed; a kubelet removes it with the pod."""
+    import asyncio
+    import sys
+
+    import kopf
+    from _rjob_stack import NAMESPACE, Kube, api_server, eventually
+
+    from resilientjob.operator.kube import core_path
+
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        stopped = asyncio.Event()
+        runner = asyncio.create_task(kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "holder", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+            "spec": {
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "containers": [
+                    {
+                        "name": "c",
+                        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                    }
+                ],
+            },
+        }
+        try:
+            await kube.api.create(core_path(NAMESPACE, "pods"), pod)
+            root = tmp_path / "kubelet" / "pods"
+
+            async def volumes(present: bool) -> bool:
+                found = any(root.glob("*/volumes/*/data"))
+                return found == present
+
+            await eventually(lambda: volumes(True), 20, "the pod's emptyDir")
+            await kube.delete("pods", "holder")
+            await eventually(lambda: volumes(False), 20, "the emptyDir gone with the pod")
+        finally:
+            stopped.set()
+            await asyncio.wait({runner}, timeout=15)
+            await kube.close()

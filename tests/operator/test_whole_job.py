@@ -32,6 +32,16 @@ def test_losses_are_in_a_row_until_a_step_passes_the_one_before() -> None:
     assert (past.generation, past.step, past.in_a_row) == (6, 125, 1)
 
 
+def test_a_loss_whose_late_telemetry_passes_the_loss_before_starts_a_new_row() -> None:
+    first = _whole_job.counted(None, 0, 100)
+    # Every node of generation 1 fails; the steps it committed since its restart are not read yet.
+    early = _whole_job.counted(first, 1, 98)
+    assert (early.step, early.in_a_row) == (100, 2)
+    # They arrive: it trained past step 100, so it met no repeat of the first crash.
+    late = _whole_job.counted(early, 1, 130)
+    assert (late.generation, late.step, late.in_a_row) == (1, 130, 1)
+
+
 def _pod(node: int, phase: str, unschedulable: str = "") -> PodView:
     return PodView(
         node=node, name=f"j-node-{node}", uid=f"u{node}", phase=phase, ready=phase == "Running",

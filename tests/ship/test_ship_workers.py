@@ -246,3 +246,14 @@ def test_health_port_settings() -> None:
         OperatorSettings(health_port=9090, metrics_port=9090)
     with pytest.raises(ValueError, match="health_port"):
         OperatorSettings(health_port=70000)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["poll_interval_s", "status_interval_s", "replace_backoff_s", "replace_backoff_max_s", "join_settle_s",
+     "leftover_grace_s"],
+)  # fmt: skip
+def test_operator_settings_refuse_seconds_that_are_not_a_number(name: str) -> None:
+    """`RJOB_LEFTOVER_GRACE_S=nan` passed the `< 0` check, and no stuck pod was ever stuck long enough."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+        OperatorSettings(**{name: float("nan")})  # type: ignore[arg-type]
