@@ -458,7 +458,11 @@ def run_from_plan(
     if store is None:
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.plan_timeout_s))
     plan = read_plan(store, read_generation(store))
-    restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0
+    # A node the restart left out (a replacement started after it) joins as any joiner does: it says it is
+    # ready (`joining_key`) and waits for the plan that takes it in. Taken for one of the restart's nodes,
+    # it restored the checkpoint, found no part in the plan and left, while the store host held the plan
+    # with it until it said it was ready: the job never grew back, and ran on at the restart's size.
+    restore = plan.policy == Policy.CHECKPOINT and plan.generation > 0 and node in world_nodes(plan)
     if restore and not config.checkpoint_dir:
         raise ValueError("checkpoint: the newest plan restarts from a checkpoint but none is configured")
     return worker_main(

@@ -199,7 +199,8 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if _env_value(cluster, pod, ALLOW_ENV) != "1":
             raise CliError(
-                f"pod: job {job!r} does not allow chaos ({ALLOW_ENV}=1 is not in {args.pod}'s env)"
+                f"pod: job {job!r} does not allow chaos: set spec.chaos.enabled: true ({ALLOW_ENV}=1 is not "
+                f"in {args.pod}'s env)"
             )
         link = _peer_node(cluster, job, args.link) if args.link else None
         order = ChaosOrder(

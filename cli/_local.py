@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ._chaos import ALLOW_ENV
 from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
@@ -288,6 +289,8 @@ def _seconds(text: str) -> float:
 
 def _worker_labels(pod: str, field: str, namespace: str) -> dict[str, str]:
     _, body = _call("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    if not (body or {}).get("metadata"):
+        raise CliError(f"{field}: no pod {pod!r} in namespace {namespace!r}")
     labels = ((body or {}).get("metadata") or {}).get("labels") or {}
     if "resilientjob.io/node" not in labels:
         raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
@@ -316,6 +319,15 @@ def _slow(
 
     labels = _worker_labels(pod, "pod", namespace)
     job = labels["resilientjob.io/job"]
+    _, body = _call("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    containers = ((body or {}).get("spec") or {}).get("containers") or []
+    env = {entry.get("name"): entry.get("value") for c in containers for entry in c.get("env") or []}
+    if env.get(ALLOW_ENV) != "1":
+        # The worker would ignore the order: say so rather than print that it was slowed.
+        raise CliError(
+            f"pod: job {job!r} does not allow chaos: set spec.chaos.enabled: true ({ALLOW_ENV}=1 is not in "
+            f"{pod}'s env)"
+        )
     peer: int | None = None
     if link is not None:
         peer_labels = {"resilientjob.io/job": job, "resilientjob.io/node": link} if link.isdigit() else None
