@@ -8,6 +8,7 @@ unknown fields, so a typo in a manifest is an error naming the field rather than
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping
 from decimal import ROUND_CEILING, Decimal
@@ -458,6 +459,14 @@ class ResilientJobSpec(_Api):
             ModelSource.FUNCTION,
         ):
             raise PlannerError("output", f"model {self.model} has no Hugging Face layout to export")
+        if self.output is not None and source is ModelSource.HF_DIRECTORY:
+            model_dir = posixpath.normpath(self.model.removeprefix("hf:"))
+            if posixpath.normpath(self.output.path) == model_dir:
+                raise PlannerError(
+                    "output.path",
+                    f"{self.output.path} is the model's own directory: the trained model would replace the "
+                    "one the job starts from (and a restart from the initial weights would read it)",
+                )
         self._check_volumes()
         return self
 

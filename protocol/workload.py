@@ -77,7 +77,12 @@ class Precision(StrEnum):
 class TrainingSpec(_Wire):
     """Optimizer (AdamW), learning-rate schedule, clipping and precision; defaults as torchtitan's."""
 
-    steps: int = Field(default=1000, ge=1, le=2**40, description="Global steps; then the job succeeds.")
+    steps: int = Field(
+        default=1000,
+        ge=1,
+        le=2**40,
+        description="Global steps; then the job succeeds (a synthetic: model runs until it is deleted).",
+    )
     lr: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate.")
     betas: list[float] = Field(
         default_factory=lambda: [0.9, 0.95],

@@ -99,6 +99,7 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
         ({"data": {"format": "tokens"}}, "spec.data"),
         ({"data": {"path": "/d", "dtype": "int8"}}, "spec.data.dtype"),
         ({"model": "gpt", "output": {"path": "/out"}}, "spec.output"),
+        ({"model": "hf:/models/m", "output": {"path": "/models/m/"}}, "spec.output.path"),
         ({"volumes": [{"name": "Bad_Name", "claimName": "c", "mountPath": "/m"}]}, "spec.volumes"),
         ({"volumes": [{"name": "a", "claimName": "c", "mountPath": "/m"}] * 2}, "spec.volumes.1.name"),
         ({"volumes": [{"name": "a", "claimName": "c", "mountPath": "/tmp"}]}, "spec.volumes.0.mountPath"),
