@@ -201,14 +201,17 @@ def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
     assert [trainer.step for trainer in trainers] == [6, 6]
 
 
-def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_path: Path) -> None:
+def _eight_claim_at_once(directory: Path) -> str:
+    """Eight jobs claim `directory` at once: exactly one wins, every loser read its whole name (never an
+    empty or half-written mark), the mark is readable by any job's user and no temporary is left. The
+    winner."""
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = [f"ns/job-{i}" for i in range(8)]
 
     def attempt(job: str) -> str | None:
         try:
-            claim(tmp_path / "ckpt", job)
+            claim(directory, job)
         except CheckpointTaken as exc:
             return exc.holder
         return None
@@ -217,12 +220,16 @@ def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_p
         outcomes = list(pool.map(attempt, jobs))
     winners = [job for job, holder in zip(jobs, outcomes, strict=True) if holder is None]
     assert len(winners) == 1, outcomes
-    # Every loser read the winner's whole name (never an empty or half-written mark).
     assert {holder for holder in outcomes if holder is not None} == set(winners)
-    assert (tmp_path / "ckpt" / OWNER_FILE).read_text() == winners[0] + "\n"
-    assert (tmp_path / "ckpt" / OWNER_FILE).stat().st_mode & 0o777 == 0o644  # readable by any job's user
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]  # no temporary left
-    claim(tmp_path / "ckpt", winners[0])  # the owner again: fine
+    assert (directory / OWNER_FILE).read_text() == winners[0] + "\n"
+    assert (directory / OWNER_FILE).stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in directory.iterdir()) == [OWNER_FILE]
+    claim(directory, winners[0])  # the owner again: fine
+    return winners[0]
+
+
+def test_a_checkpoint_directory_is_claimed_by_one_job_whoever_claims_first(tmp_path: Path) -> None:
+    _eight_claim_at_once(tmp_path / "ckpt")
 
 
 def test_a_file_system_without_hard_links_is_claimed_by_one_job_too(
@@ -232,29 +239,11 @@ def test_a_file_system_without_hard_links_is_claimed_by_one_job_too(
     claim that needed it failed every job on them. The mark is created exclusively instead."""
     import errno
     import os
-    from concurrent.futures import ThreadPoolExecutor
 
     def no_links(src: object, dst: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    jobs = [f"ns/job-{i}" for i in range(8)]
-
-    def attempt(job: str) -> str | None:
-        try:
-            claim(tmp_path / "ckpt", job)
-        except CheckpointTaken as exc:
-            return exc.holder
-        return None
-
-    with ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(attempt, jobs))
-    winners = [job for job, holder in zip(jobs, outcomes, strict=True) if holder is None]
-    assert len(winners) == 1, outcomes
-    assert {holder for holder in outcomes if holder is not None} == set(winners)
-    assert (tmp_path / "ckpt" / OWNER_FILE).read_text() == winners[0] + "\n"
-    assert (tmp_path / "ckpt" / OWNER_FILE).stat().st_mode & 0o777 == 0o644
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OWNER_FILE]
-    claim(tmp_path / "ckpt", winners[0])
+    _eight_claim_at_once(tmp_path / "ckpt")
     with pytest.raises(CheckpointTaken, match="delete the mark once that job and its steps are gone"):
         claim(tmp_path / "ckpt", "ns/other")

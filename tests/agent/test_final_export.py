@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,26 @@ def test_each_layer_has_one_writer_the_lowest_live_holder() -> None:
     assert assigned(3, held, {1, 3}, 4) == set()
 
 
+def _checkpointed(
+    tmp_path: Path, model_dir: Path, tokens: Path, pp: int, output: Path | None = None, **launcher: Any
+) -> Launcher:
+    """The tiny model on one pipeline of `pp` stages, checkpointed into `tmp_path/ckpt` every 5 steps: an
+    interval the last step (STEPS) is not on, so it is saved because it is the last."""
+    config = hf_job_config(model_dir, tokens, steps=STEPS, output=output)
+    saved = config.workload.checkpoint.model_copy(
+        update={"path": str(tmp_path / "ckpt"), "interval_steps": 5}
+    )
+    config = dataclasses.replace(config, workload=config.workload.model_copy(update={"checkpoint": saved}))
+    planner = RuntimePlanner.for_job(
+        measure_profile(config.load_model(), timed=False),
+        nodes=pp,
+        global_batch=BATCH,
+        microbatch_size=MICRO,
+        fault_tolerance=0,
+    )
+    return Launcher(config, tiny_plan(dp=1, pp=pp), planner, tmp_path / "run", **launcher)
+
+
 @pytest.mark.torch
 @pytest.mark.slow
 def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
@@ -58,22 +79,7 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
     model_dir = gpt2_directory(tmp_path / "gpt2")
     tokens = token_file(tmp_path / "tokens.bin")
     output = tmp_path / "trained"
-    config = hf_job_config(model_dir, tokens, steps=STEPS, output=output)
-    # An interval the last step is not on: the last step is saved because it is the last.
-    saved = config.workload.checkpoint.model_copy(
-        update={"path": str(tmp_path / "ckpt"), "interval_steps": 5}
-    )
-    config = dataclasses.replace(config, workload=config.workload.model_copy(update={"checkpoint": saved}))
-    planner = RuntimePlanner.for_job(
-        measure_profile(config.load_model(), timed=False),
-        nodes=2,
-        global_batch=BATCH,
-        microbatch_size=MICRO,
-        fault_tolerance=0,
-    )
-    launcher = Launcher(
-        config, tiny_plan(dp=1, pp=2), planner, tmp_path / "run", crash_at_export=frozenset({1})
-    )
+    launcher = _checkpointed(tmp_path, model_dir, tokens, pp=2, output=output, crash_at_export=frozenset({1}))
     result = launcher.run(timeout_s=240)
     assert sorted(result.losses) == list(range(STEPS))
     assert launcher.failed == {1}
@@ -121,19 +127,6 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
 def test_the_last_step_is_saved_and_the_steps_before_it_pruned(tmp_path: Path) -> None:
     """The last step is saved whatever the interval, and the job keeps `keep` (2) steps once it is on disk:
     the prune after its save ran while it was still being written, and left three."""
-    config = hf_job_config(
-        gpt2_directory(tmp_path / "gpt2"), token_file(tmp_path / "tokens.bin"), steps=STEPS
-    )
-    saved = config.workload.checkpoint.model_copy(
-        update={"path": str(tmp_path / "ckpt"), "interval_steps": 5}
-    )
-    config = dataclasses.replace(config, workload=config.workload.model_copy(update={"checkpoint": saved}))
-    planner = RuntimePlanner.for_job(
-        measure_profile(config.load_model(), timed=False),
-        nodes=1,
-        global_batch=BATCH,
-        microbatch_size=MICRO,
-        fault_tolerance=0,
-    )
-    Launcher(config, tiny_plan(dp=1, pp=1), planner, tmp_path / "run").run(timeout_s=120)
+    model_dir, tokens = gpt2_directory(tmp_path / "gpt2"), token_file(tmp_path / "tokens.bin")
+    _checkpointed(tmp_path, model_dir, tokens, pp=1).run(timeout_s=120)
     assert sorted(d.name for d in (tmp_path / "ckpt").glob("step*")) == ["step10", f"step{STEPS}"]
