@@ -139,6 +139,9 @@ class FailSlowTracker:
     awaiting: tuple[int, float] | None = None
     """The outstanding validation request: (id, when it was sent)."""
     profiles: dict[int, ProfileRecord] = field(default_factory=dict)
+    gone: set[int] = field(default_factory=set)
+    """Nodes that failed (`forget`): never suspects again (node ids are not reused); others' profiles of an
+    earlier generation still name them in their groups."""
     findings: list[Finding] = field(default_factory=list)
     changed: bool = False
     """Set by every change of `state()`; the reconciler clears it once stored."""
@@ -459,7 +462,10 @@ class FailSlowTracker:
     # ---- validation --------------------------------------------------------------------------------------
     def validation_wanted(self) -> list[int] | None:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
-        return None if self.awaiting is not None else _validation.suspects(self.candidates, self.profiles)
+        if self.awaiting is not None:
+            return None
+        found = _validation.suspects(self.candidates, self.profiles)
+        return None if found is None else [node for node in found if node not in self.gone]
 
     def validation_sent(self, request_id: int, now: float | None = None) -> None:
         self.awaiting = (request_id, time.time() if now is None else now)
@@ -682,7 +688,9 @@ class FailSlowTracker:
         """Failed nodes leave the episode; with no slow node left it ends without a restore (the fail-stop
         replan already chose the layout)."""
         gone = set(nodes)
+        self.gone |= gone
         for node in gone:
+            self.profiles.pop(node, None)
             self.slow.pop(node, None)
             self.candidates.pop(node, None)
             self._sources.pop(node, None)

@@ -309,6 +309,17 @@ def _asked_to_validate(spec: FailSlowSpec, detected_at: float, now: float) -> Fa
     return tracker
 
 
+def test_a_failed_node_is_no_suspect_of_a_validation_pass() -> None:
+    # Seen by a user (2026-11-29): after node 1 was killed, validation passes still named it a suspect, from
+    # the profiles of the generation before, and waited on a node that would never answer.
+    tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    tracker.profile(profile(0, {"0,1": 0.3, "2,3": 0.1}))
+    tracker.profile(profile(1, {"0,1": 0.3, "2,3": 0.1}))
+    tracker.forget([1])
+    tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
+    assert tracker.validation_wanted() == [0, 2]
+
+
 def test_a_validated_report_counts_its_duration_from_its_detection_not_from_the_validation() -> None:
     spec = FailSlowSpec(min_duration_s=1.0)
     # Detected at t=100 (the agent's clock), the link named by the pass at t=101.5: with minDurationS 1 the
