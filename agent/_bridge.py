@@ -198,8 +198,8 @@ class TrainingAgent:
         the store host listens (up to a minute): call it off the event loop, or the heartbeats stall."""
         from torch._C._distributed_c10d import TCPStore
 
+        from ._plan_store import read_generation, read_plan
         from ._tensor_parallel import tp_degree
-        from .worker import read_generation, read_plan
 
         store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60))
         return tp_degree(read_plan(store, read_generation(store)))

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch._C._distributed_c10d import Store
 
-from resilientjob.planner.plan import Plan
-from resilientjob.protocol.store_keys import GENERATION_KEY, export_round_key, exported_key, plan_key
+from resilientjob.protocol.store_keys import export_round_key, exported_key
 
+from ._plan_store import read_generation, read_plan
 from ._runtime_schedule import held_layers, world_nodes
 from ._tensor_parallel import full_parameters
 from ._termination import WorkloadError
@@ -104,7 +104,7 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
             todo, progress = [], time.monotonic()
         if store.check(list(every.values())):
             break
-        newest = int(store.add(GENERATION_KEY, 0))
+        newest = read_generation(store)
         if newest > seen:  # a writer died and was planned around, or the store was replaced (marks lost)
             seen = newest
             live &= set(world_nodes(read_plan(store, newest)))
@@ -209,7 +209,3 @@ def _write(trainer: Trainer, items: list[int], directory: Path, checkpointer: Ch
                 for target, source in zip(module.parameters(), params, strict=True):
                     target.copy_(source)
         write_layer(trainer.model, item, module, directory)
-
-
-def read_plan(store: Store, generation: int) -> Plan:
-    return Plan.model_validate_json(store.get(plan_key(generation)))

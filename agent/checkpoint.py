@@ -265,9 +265,12 @@ def _layer_sources(directory: Path, step: int, index: int, shards: int) -> list[
     return [directory / f"step{step}" / name for name in names]
 
 
-def check_weights(directory: Path, step: int, index: int, layer: torch.nn.Module, shards: int) -> None:
+def check_weights(
+    directory: Path, step: int, index: int, layer: torch.nn.Module, shards: int
+) -> list[dict[str, Any]]:
     """ValueError naming `model` unless checkpoint `step` holds layer `index`'s weights as `layer` has them
-    (names and shapes, its tensor-parallel shards merged); reads the metadata only (`layer` may be `meta`)."""
+    (names and shapes, its tensor-parallel shards merged); reads the metadata only (`layer` may be `meta`),
+    which it returns, shard by shard."""
     from ._tensor_parallel import merge_shards
 
     params = dict(layer.named_parameters())
@@ -289,6 +292,7 @@ def check_weights(directory: Path, step: int, index: int, layer: torch.nn.Module
                 f"model: layer {index}'s {name} has shape {list(param.shape)}, in step {step} of {directory} "
                 f"{list(shapes[name].shape)}"
             )
+    return metadata
 
 
 def read_weights(directory: Path, step: int, index: int, layer: torch.nn.Module, shards: int) -> None:
@@ -297,11 +301,10 @@ def read_weights(directory: Path, step: int, index: int, layer: torch.nn.Module,
     optimizer state. ValueError naming `model` when the checkpoint's tensors are not the layer's."""
     from ._tensor_parallel import merge_shards
 
-    check_weights(directory, step, index, layer, shards)
+    metadata = check_weights(directory, step, index, layer, shards)
     params = dict(layer.named_parameters())
     loaded = []
-    for source in _layer_sources(directory, step, index, shards):
-        stored = _stored(source)
+    for source, stored in zip(_layer_sources(directory, step, index, shards), metadata, strict=True):
         state = {  # as stored (the runtime keeps float32 master weights): `copy_` below casts
             f"param.{name}": torch.empty(
                 tuple(stored[f"param.{name}"].size), dtype=stored[f"param.{name}"].properties.dtype

@@ -38,6 +38,7 @@ from resilientjob.protocol.store_keys import (
 )
 
 from ._final_export import export_model
+from ._plan_store import read_generation, read_plan
 from ._runtime_commit import ReconfigurationError
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import ComputeError
@@ -84,14 +85,6 @@ def publish_plan(store: Store, plan: Plan, failures_accounted: int) -> None:
 def announce_failures(store: Store, count: int) -> int:
     """Tell every worker at once that `count` more peers died; returns the total announced so far."""
     return int(store.add(FAILURES_KEY, count))
-
-
-def read_generation(store: Store) -> int:
-    return int(store.add(GENERATION_KEY, 0))
-
-
-def read_plan(store: Store, generation: int) -> Plan:
-    return Plan.model_validate_json(store.get(plan_key(generation)))
 
 
 def wait_for_plan_after(store: Store, generation: int, timeout_s: float) -> Plan:

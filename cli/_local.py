@@ -287,17 +287,19 @@ def _seconds(text: str) -> float:
         raise CliError(f"for: expected a duration such as 60s, got {text!r}") from None
 
 
-def _worker_labels(pod: str, field: str, namespace: str) -> dict[str, str]:
+def _worker(pod: str, field: str, namespace: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """A worker pod's labels (the job named by its owner) and the pod itself; CliError naming `field` when
+    there is no such pod or it is no ResilientJob worker."""
     _, body = _call("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
     if not (body or {}).get("metadata"):
         raise CliError(f"{field}: no pod {pod!r} in namespace {namespace!r}")
-    labels = ((body or {}).get("metadata") or {}).get("labels") or {}
+    labels = body["metadata"].get("labels") or {}
     if "resilientjob.io/node" not in labels:
         raise CliError(f"{field}: {pod!r} is not a ResilientJob worker")
     # The owner names the job: the label holds a hashed form of a name longer than a label value may be.
-    refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+    refs = body["metadata"].get("ownerReferences") or []
     owners = [ref.get("name") for ref in refs if ref.get("kind") == "ResilientJob"]
-    return {**labels, "resilientjob.io/job": owners[0]} if owners else dict(labels)
+    return ({**labels, "resilientjob.io/job": owners[0]} if owners else dict(labels)), body
 
 
 def _slow(
@@ -317,10 +319,9 @@ def _slow(
     from resilientjob.agent.chaos import ChaosOrder, write_order
     from resilientjob.protocol.keys import JobKeys
 
-    labels = _worker_labels(pod, "pod", namespace)
+    labels, body = _worker(pod, "pod", namespace)
     job = labels["resilientjob.io/job"]
-    _, body = _call("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-    containers = ((body or {}).get("spec") or {}).get("containers") or []
+    containers = (body.get("spec") or {}).get("containers") or []
     env = {entry.get("name"): entry.get("value") for c in containers for entry in c.get("env") or []}
     if env.get(ALLOW_ENV) != "1":
         # The worker would ignore the order: say so rather than print that it was slowed.
@@ -331,7 +332,7 @@ def _slow(
     peer: int | None = None
     if link is not None:
         peer_labels = {"resilientjob.io/job": job, "resilientjob.io/node": link} if link.isdigit() else None
-        peer_labels = peer_labels or _worker_labels(link, "link", namespace)
+        peer_labels = peer_labels or _worker(link, "link", namespace)[0]
         if peer_labels["resilientjob.io/job"] != job:
             raise CliError(
                 f"link: {link!r} belongs to job {peer_labels['resilientjob.io/job']!r}, not {job!r}"

@@ -449,7 +449,8 @@ class JobController:
         plan = published.plan
         self.fencing.keep_planned(current.plan_nodes)
         expired = self.fencing.expired(scan) if scan is not None else []
-        if self._trained_to_the_end(spec):
+        at_last_step = self._trained_to_the_end(spec)  # this pass reads its telemetry after deciding
+        if at_last_step:
             # Every worker committed the last step (commits are atomic); they are exporting and exiting, and
             # an agent's heartbeat stops before its pod reports Succeeded: silence now is no failure.
             expired = []
@@ -474,23 +475,19 @@ class JobController:
             await self.fencing.fence(confirmed)
             if self.failslow is not None:
                 self.failslow.forget(confirmed)
-        if spec.replace_failed_nodes and not self._trained_to_the_end(spec):
+        if spec.replace_failed_nodes and not at_last_step:
             await self.capacity.keep_up(self, published, self.fencing.fenced)
         # A job at its last step takes no one in: the workers exit before a joiner could rendezvous.
-        joins = (
-            set()
-            if self._trained_to_the_end(spec)
-            else _decide.detect_joins(plan, observed, published.parked)
-        )
+        joins = set() if at_last_step else _decide.detect_joins(plan, observed, published.parked)
         declined = self._declined[1] if self._declined[0] == published.generation else frozenset()
         fresh = _decide.new_joins(joins, [*published.nodes, *declined])
         # Every node of the plan lost at once (a spot reclaim, a drained pool): nobody to plan around, and
         # the planner would fail the job. Its replacements restart it from its checkpoint once they run,
         # joining as joins do (all of them, or those ready within the settle time).
         lost_all = bool(self.fencing.fenced) and not set(plan.nodes) - set(self.fencing.fenced)
-        if lost_all and not deciding and self._trained_to_the_end(spec):
+        if lost_all and not deciding and at_last_step:
             await self._lost_after_training(spec)
-        waits_for_replacements = lost_all and spec.replace_failed_nodes and not self._trained_to_the_end(spec)
+        waits_for_replacements = lost_all and spec.replace_failed_nodes and not at_last_step
         if not fresh or (self.fencing.fenced and not waits_for_replacements):
             self._joins_since = None
         elif not deciding and not await self._joins_settled(published, observed):

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from resilientjob.agent._plan_store import read_generation, read_plan
 from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
 from resilientjob.agent._runtime_wait import PeerFailure
 from resilientjob.agent.data import SampleOrder, SyntheticDataset
@@ -31,8 +32,6 @@ from resilientjob.agent.worker import (
     JobConfig,
     announce_failures,
     publish_plan,
-    read_generation,
-    read_plan,
     wait_for_plan_after,
 )
 from resilientjob.planner.plan import Plan, Policy
