@@ -136,6 +136,12 @@ NODE_LOCAL_CHECKPOINTS = (
 restarts are priced as they are (`checkpoint_state`)."""
 
 
+def warn_node_local_checkpoints(spec: ResilientJobSpec) -> bool:
+    """Whether the job's first plan comes with the `CheckpointNodeLocal` warning: it trains a model (the
+    synthetic loop writes no checkpoint, so there is nothing to lose) and names no checkpoint volume."""
+    return not spec.checkpoint.volume and model_source(spec.model) is not ModelSource.SYNTHETIC
+
+
 def checkpoint_state(spec: ResilientJobSpec, current: Plan, step: int | None) -> CheckpointState | None:
     """What a checkpoint restart could start from at global step `step`. The agents write checkpoints into
     `spec.checkpoint.path` (the claim `spec.checkpoint.volume`, else a directory of the pod) on their

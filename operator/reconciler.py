@@ -60,6 +60,7 @@ from ._planning import (
     plan_next,
     planner_inputs,
     profile_from_pod,
+    warn_node_local_checkpoints,
     warm_planner,
 )
 from ._pods import WorkerPods
@@ -213,7 +214,7 @@ class JobController:
             published = await self.record.commit(redis, self.body, message, None, self.status.plan_generation)
             if published is None:  # unreachable: no record, so none newer than the first plan
                 raise kopf.TemporaryError("a plan was recorded meanwhile", delay=1.0)
-            if not spec.checkpoint.volume:  # said once, with the first plan: a restart costs the whole run
+            if warn_node_local_checkpoints(spec):  # said once, with the first plan: a restart starts over
                 self.event("Warning", api.Reason.CHECKPOINT_NODE_LOCAL, NODE_LOCAL_CHECKPOINTS)
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, True, api.Reason.SPEC_VALID, "spec accepted"

@@ -128,6 +128,15 @@ async def test_node_0_computes_the_profile_the_operator_keeps_it_and_plans(
     _computed_on_this_cpu(kept, profile_from_hf_config(config, seq_len=16, microbatch_size=1))
     reasons = {e.get("reason") for e in await kube.events_of(name)}
     assert {"WaitingForProfile", "ProfileReported"} <= reasons
+
+    # It trains a model and names no checkpoint volume: told once that its restarts start over.
+    async def node_local_warnings() -> list[dict[str, Any]] | None:
+        events = [e for e in await kube.events_of(name) if e.get("reason") == "CheckpointNodeLocal"]
+        return events or None
+
+    warnings = await eventually(node_local_warnings, 10, "the CheckpointNodeLocal event")
+    assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+    assert "spec.checkpoint.volume" in warnings[0]["message"]
     for pod in await eventually(lambda: _pods_at(stack, name, "0", 4), 20, "pods on generation 0"):
         assert pod["metadata"]["annotations"]["resilientjob.io/layout"] == status["layout"]
 
