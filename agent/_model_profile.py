@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -38,7 +37,6 @@ from resilientjob.protocol.messages import (
     decode,
     encode,
 )
-from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
 from resilientjob.protocol.workload import Precision, Workload
 
 from ._device_work import DeviceWork
@@ -213,59 +211,24 @@ def make_report(
 
 def _profile(request: ModelProfileRequest, workload: Workload, model: ModelSpec) -> ModelProfile:
     """The per-layer profile the request asks for: timed on the device, or computed from the model's
-    Hugging Face config (the model directory's or the one `hf:<family>?k=v` spells out)."""
-    from resilientjob.planner.hf_profile import profile_from_hf_config
+    Hugging Face config (`profiler.computed_profile`)."""
+    from .profiler import computed_profile
 
-    if request.measure:
-        from .profiler import measure_profile
-        from .worker import worker_device
-
-        # The first device made current (torch_npu loaded for an NPU): this runs in the agent's device child.
-        device = worker_device(workload.device, 0)
-        # Timed as it will train: bf16 layers run several times faster than fp32 on a tensor-core GPU.
-        bf16 = workload.training.precision is Precision.BF16
-        try:
-            return measure_profile(model, request.microbatch_size, device=device, bf16=bf16)
-        except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
-            raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
-    if model_source(request.model) is ModelSource.HF_DIRECTORY:
-        path = Path(request.model.removeprefix(HF_PREFIX)) / "config.json"
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"model: cannot read {path}: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"model: {path} does not hold a JSON object")
-        return profile_from_hf_config(
-            config,
-            request.seq_len,
-            request.microbatch_size,
-            device_flops=_device_flops(workload.device),
-            name=request.model,
+    if not request.measure:
+        return computed_profile(
+            request.model, request.seq_len, request.microbatch_size, workload.device, built=model
         )
-    if model.hf is not None:  # hf:<family>?k=v: the configuration the model string spells out
-        return profile_from_hf_config(
-            model.hf.config.to_dict(),
-            request.seq_len,
-            request.microbatch_size,
-            device_flops=_device_flops(workload.device),
-            name=request.model,
-        )
-    raise ValueError(f"model: {request.model} has no Hugging Face config to compute a profile from")
+    from .profiler import measure_profile
+    from .worker import worker_device
 
-
-def _device_flops(device: str) -> float:
-    """The FLOP/s a computed profile prices the layers at: an accelerator's nominal sustained speed
-    (`hf_profile.NOMINAL_FLOPS`); a CPU's own fp32 matrix-product rate, timed here (about 0.1 s), as no
-    nominal speed fits every CPU: 150 TFLOP/s priced a CPU job's step about a thousand times too cheap, and
-    the planner weighed its layouts' compute as next to nothing against their transfers."""
-    from resilientjob.planner.hf_profile import NOMINAL_FLOPS
-
-    if device != "cpu":
-        return NOMINAL_FLOPS
-    from .validation import gemm_benchmark
-
-    return gemm_benchmark(size=512, repeats=3, stretched=False).flops_per_s
+    # The first device made current (torch_npu loaded for an NPU): this runs in the agent's device child.
+    device = worker_device(workload.device, 0)
+    # Timed as it will train: bf16 layers run several times faster than fp32 on a tensor-core GPU.
+    bf16 = workload.training.precision is Precision.BF16
+    try:
+        return measure_profile(model, request.microbatch_size, device=device, bf16=bf16)
+    except (ValueError, RuntimeError) as exc:  # out of device memory, a layer that cannot run
+        raise _FieldError("spec.profile.measure", f"timing the layers failed: {exc}") from None
 
 
 class _Answerer:

@@ -9,9 +9,11 @@ runs after a warm-up, per micro-batch of `microbatch_size`, measured layer by la
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +23,51 @@ from resilientjob.planner.profile import LayerProfile, ModelProfile
 from ._device_sync import synchronize
 from .models import ModelConfig, ModelKind, ModelSpec, lm_loss
 from .p2p import layer_state_bytes
+
+
+def computed_profile(
+    model: str, seq_len: int, microbatch_size: int, device: str, built: ModelSpec | None = None
+) -> ModelProfile:
+    """A Hugging Face model's profile computed from its config, no layer built (`planner.hf_profile`), as
+    node 0 computes it for a job without a profile and `rjob plan -f` for a manifest: `hf:<dir>` from its
+    config.json alone (the weights need not be there), `hf:<family>?k=v` from the configuration transformers
+    completes, as the runtime's model is (`built`, when the caller has it already). ValueError naming the
+    model otherwise."""
+    from resilientjob.planner.hf_profile import profile_from_hf_config
+    from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
+
+    if model_source(model) is ModelSource.HF_DIRECTORY:
+        path = Path(model.removeprefix(HF_PREFIX)) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"model: cannot read {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"model: {path} does not hold a JSON object")
+    else:
+        from .models import load_model
+
+        spec = built if built is not None else load_model(model, seq_len=seq_len)
+        if spec.hf is None:
+            raise ValueError(f"model: {model} has no Hugging Face config to compute a profile from")
+        config = spec.hf.config.to_dict()
+    return profile_from_hf_config(
+        config, seq_len, microbatch_size, device_flops=device_flops(device), name=model
+    )
+
+
+def device_flops(device: str) -> float:
+    """The FLOP/s a computed profile prices the layers at: an accelerator's nominal sustained speed
+    (`hf_profile.NOMINAL_FLOPS`); a CPU's own fp32 matrix-product rate, timed here (about 0.1 s), as no
+    nominal speed fits every CPU: 150 TFLOP/s priced a CPU job's step about a thousand times too cheap, and
+    the planner weighed its layouts' compute as next to nothing against their transfers."""
+    from resilientjob.planner.hf_profile import NOMINAL_FLOPS
+
+    if device != "cpu":
+        return NOMINAL_FLOPS
+    from .validation import gemm_benchmark
+
+    return gemm_benchmark(size=512, repeats=3, stretched=False).flops_per_s
 
 
 def measure_profile(

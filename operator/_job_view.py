@@ -8,10 +8,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from . import _decide, api
-from ._planning import PlannerInputs
 from ._redis_state import JobRedis
 from ._redis_watch import RedisWatch
 from .kube import KubeApi
+from .planning import PlannerInputs
 from .settings import OperatorSettings
 
 

@@ -187,13 +187,6 @@ def generation_annotations(generation: int, layout: str) -> dict[str, str]:
     return {ANNOTATION_GENERATION: str(generation), ANNOTATION_LAYOUT: layout}
 
 
-DEVICE_KIND = {
-    api.DeviceResource.NVIDIA_GPU: "cuda",
-    api.DeviceResource.ASCEND_NPU: "npu",
-    api.DeviceResource.NONE: "cpu",
-}
-
-
 def workload(spec: api.ResilientJobSpec) -> Workload:
     """What every worker trains with (the pod's `RJOB_WORKLOAD`), from the validated spec."""
     return Workload(
@@ -206,7 +199,7 @@ def workload(spec: api.ResilientJobSpec) -> Workload:
             interval_s=spec.checkpoint.interval_s,
             interval_steps=spec.checkpoint.interval_steps,
         ),
-        device=DEVICE_KIND[spec.device_resource],
+        device=spec.device_resource.device_kind,
     )
 
 

@@ -19,8 +19,8 @@ from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _failslow, api
 from ._failslow import Action, Mitigation
-from ._planning import PlannerInputs, plan_next
 from ._redis_state import announcement
+from .planning import PlannerInputs, plan_next
 
 
 async def mitigation_message(

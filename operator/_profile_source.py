@@ -26,7 +26,6 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from redis.exceptions import RedisError
 
 from resilientjob.planner.errors import PlannerError
@@ -42,8 +41,8 @@ from resilientjob.protocol.messages import (
 
 from . import _decide, _manifests, api
 from ._job_view import JobView
-from ._planning import checked_by_node0, profile_from_pod
 from .kube import KubeApi, core_path
+from .planning import checked_by_node0, configmap_profile, profile_from_pod, profile_request
 
 if TYPE_CHECKING:
     import kopf
@@ -60,20 +59,6 @@ def needs_preflight(spec: api.ResilientJobSpec, has_inputs: bool) -> bool:
     """Whether node 0 must answer before the first plan: it checks every job the runtime trains, and makes
     the profile only a pod can make (`has_inputs` False)."""
     return checked_by_node0(spec) or not has_inputs
-
-
-def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfileRequest:
-    """What node 0 must do: check the model as the pods build it (their sequence length) and the data, and
-    profile it per micro-batch when the planner has no profile yet (`has_inputs` False)."""
-    return ModelProfileRequest(
-        model=spec.model,
-        seq_len=_manifests.workload(spec).data.seq_len,
-        microbatch_size=spec.micro_batch_size,
-        measure=not has_inputs and spec.profile is not None and spec.profile.measure,
-        profile=not has_inputs and profile_from_pod(spec),
-        devices_per_stage=spec.gpus_per_node,
-        global_batch=spec.global_batch_size,
-    )
 
 
 def _field(request: ModelProfileRequest) -> str:
@@ -106,16 +91,7 @@ async def referenced_profile(
     if ref is None:
         return await stored_profile(kube, namespace, job) if profile_from_pod(spec) else None
     configmap = await kube.get(core_path(namespace, "configmaps", ref.name))
-    text = ((configmap or {}).get("data") or {}).get(ref.key)
-    if text is None:
-        raise PlannerError("spec.profile.configMapRef", f"ConfigMap {ref.name!r} has no key {ref.key!r}")
-    try:
-        decoded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PlannerError("spec.profile.configMapRef", f"not valid JSON/YAML: {exc}") from None
-    if not isinstance(decoded, dict):
-        raise PlannerError("spec.profile.configMapRef", "must hold a mapping with a 'layers' list")
-    return decoded
+    return configmap_profile(configmap, ref)
 
 
 async def stored_profile(kube: KubeApi, namespace: str, job: str) -> dict[str, Any] | None:

@@ -81,6 +81,11 @@ class DeviceResource(StrEnum):
     ASCEND_NPU = "huawei.com/Ascend910"
     NONE = "none"
 
+    @property
+    def device_kind(self) -> str:
+        """The workers' torch device type: cuda, npu (torch_npu) or cpu."""
+        return {"nvidia.com/gpu": "cuda", "huawei.com/Ascend910": "npu"}.get(self.value, "cpu")
+
 
 class Phase(StrEnum):
     """Where a job is in its life."""

@@ -19,7 +19,7 @@ The telemetry half of each pass (throughput, fail-slow reports, profiles and val
 Why this module is past 600 lines: `JobController` is the one place where a job's observations meet its
 side effects, in the order a pass needs them; every rule it applies is decided elsewhere, pure where it can
 be (`_decide`, `_whole_job`, `_capacity`, `_fencing`, `_lifecycle`, `_profile_source`, `_durable`, `_store`,
-`_planning`), and what is left here is the sequence.
+`planning`), and what is left here is the sequence.
 """
 
 from __future__ import annotations
@@ -53,16 +53,6 @@ from . import (
 )
 from ._fencing import Fenced, Fencing
 from ._mitigation import mitigation_message
-from ._planning import (
-    NODE_LOCAL_CHECKPOINTS,
-    PlannerInputs,
-    plan_initial,
-    plan_next,
-    planner_inputs,
-    profile_from_pod,
-    warn_node_local_checkpoints,
-    warm_planner,
-)
 from ._pods import WorkerPods
 from ._redis_state import HeartbeatScan, JobRedis, Published, announcement
 from ._redis_watch import REDIS_DOWN, RedisWatch, job_client
@@ -70,6 +60,16 @@ from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
 from .kube import KubeApi, core_path, custom_path
+from .planning import (
+    NODE_LOCAL_CHECKPOINTS,
+    PlannerInputs,
+    plan_initial,
+    plan_next,
+    planner_inputs,
+    profile_from_pod,
+    warm_planner,
+    warn_node_local_checkpoints,
+)
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")

@@ -195,7 +195,7 @@ def test_the_demo_job_leaves_s2_micro_batches_to_move_off_the_slowed_worker() ->
     from resilientjob.cli._demo import SLOW_FACTOR
     from resilientjob.operator import api
     from resilientjob.operator._failslow_plans import microbatch_plan, slowed_step_time, sync_time
-    from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
+    from resilientjob.operator.planning import plan_initial, plan_next, planner_inputs
 
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     spec = api.parse_spec(manifest["spec"])

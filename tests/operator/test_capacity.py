@@ -26,7 +26,7 @@ from resilientjob.operator._decide import (
     starting_nodes,
 )
 from resilientjob.operator._manifests import ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
-from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs
+from resilientjob.operator.planning import plan_initial, plan_next, planner_inputs
 from resilientjob.operator.api import parse_spec
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 

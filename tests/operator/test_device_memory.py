@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from resilientjob.operator import api
-from resilientjob.operator._planning import plan_initial, planner_inputs
+from resilientjob.operator.planning import plan_initial, planner_inputs
 from resilientjob.operator.crd import crd_manifest
 from resilientjob.planner.errors import PlannerError
 

@@ -14,7 +14,7 @@ import yaml
 from _chart import ROOT, crd_schemas, load_script, tool, validate
 
 from resilientjob.operator import api
-from resilientjob.operator._planning import plan_initial, plan_next, planner_inputs, profile_from_pod
+from resilientjob.operator.planning import plan_initial, plan_next, planner_inputs, profile_from_pod
 from resilientjob.planner.profile import ModelProfile
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

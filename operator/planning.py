@@ -1,6 +1,7 @@
 """The operator's one seam to the planner: turn a ResilientJob spec into planner inputs and call the plan
 search (`resilientjob.planner.search.initial_plan` / `replan`). Pure: no I/O; the ConfigMap holding a
-referenced profile is read by the caller and passed in decoded."""
+referenced profile is read by the caller and passed in, and what node 0 is asked to compute or time is a
+`ModelProfileRequest`. Public, as `rjob plan -f` plans a manifest with it exactly as the operator does."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan, warm_up
 from resilientjob.planner.spec import CheckpointState, ClusterSpec, JobSpec, TransitionCosts
+from resilientjob.protocol.messages import ModelProfileRequest
 from resilientjob.protocol.models import ModelSource, model_source, profile_name
 
+from . import _manifests, api
 from .api import ResilientJobSpec, inline_profile
 
 
@@ -45,6 +50,35 @@ def checked_by_node0(spec: ResilientJobSpec) -> bool:
     return model_source(spec.model) is not ModelSource.SYNTHETIC
 
 
+def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfileRequest:
+    """What node 0 must do: check the model as the pods build it (their sequence length) and the data, and
+    profile it per micro-batch when the planner has no profile yet (`has_inputs` False)."""
+    return ModelProfileRequest(
+        model=spec.model,
+        seq_len=_manifests.workload(spec).data.seq_len,
+        microbatch_size=spec.micro_batch_size,
+        measure=not has_inputs and spec.profile is not None and spec.profile.measure,
+        profile=not has_inputs and profile_from_pod(spec),
+        devices_per_stage=spec.gpus_per_node,
+        global_batch=spec.global_batch_size,
+    )
+
+
+def configmap_profile(configmap: Mapping[str, Any] | None, ref: api.ConfigMapKeyRef) -> dict[str, Any]:
+    """The decoded profile under `ref.key` of a ConfigMap object (None: not found); PlannerError naming
+    `spec.profile.configMapRef` for a missing key or text that is no mapping."""
+    text = ((configmap or {}).get("data") or {}).get(ref.key)
+    if not isinstance(text, str):
+        raise PlannerError("spec.profile.configMapRef", f"ConfigMap {ref.name!r} has no key {ref.key!r}")
+    try:
+        decoded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PlannerError("spec.profile.configMapRef", f"not valid JSON/YAML: {exc}") from None
+    if not isinstance(decoded, dict):
+        raise PlannerError("spec.profile.configMapRef", "must hold a mapping with a 'layers' list")
+    return decoded
+
+
 def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> ModelProfile:
     """The job's layer profile: inline, from a referenced ConfigMap (decoded), the one node 0's agent made
     (`profile_from_pod`: decoded from the job's profile ConfigMap), or a built-in by model name."""
@@ -69,8 +103,12 @@ def resolve_profile(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None
     return ModelProfile.load(name)
 
 
-def planner_inputs(spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None) -> PlannerInputs:
-    profile = resolve_profile(spec, referenced)
+def planner_inputs(
+    spec: ResilientJobSpec, referenced: Mapping[str, Any] | None = None, profile: ModelProfile | None = None
+) -> PlannerInputs:
+    """The planner's inputs for the job; `profile`, when given, in place of the spec's (`rjob plan
+    --profile`)."""
+    profile = profile if profile is not None else resolve_profile(spec, referenced)
     cluster = ClusterSpec(
         nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, device_memory_bytes=spec.device_memory_bytes
     )
@@ -173,9 +211,11 @@ def plan_next(
     joined: Collection[int] = (),
     emptied: Collection[int] = (),
     step: int | None = None,
+    failure_rate_per_node_hour: float = 0.01,
 ) -> Plan:
-    """Generation current+1 for the given changes at global step `step` (None: unknown); PlannerError when
-    no plan can run the job."""
+    """Generation current+1 for the given changes at global step `step` (None: unknown), its candidates
+    scored over the time between failures at the failure rate (the planner's default; `rjob plan` may ask
+    another); PlannerError when no plan can run the job."""
     started = time.perf_counter()
     plan: Plan = replan(
         current,
@@ -189,6 +229,7 @@ def plan_next(
         policy=spec.policy,
         costs=inputs.costs,
         checkpoint=checkpoint_state(spec, current, step),
+        failure_rate_per_node_hour=failure_rate_per_node_hour,
     )
     updated: Plan = plan.model_copy(update={"planning_s": time.perf_counter() - started})
     return updated
