@@ -69,3 +69,13 @@ def float_list(text: str, field: str) -> list[float]:
     if not values:
         raise CliError(f"{field}: expected at least one number")
     return values
+
+
+def device_memory_bytes(text: str) -> int:
+    """`--device-memory`: a quantity (80Gi, 64G) or bytes, as `spec.deviceMemory` takes it."""
+    from resilientjob.operator.api import quantity_bytes
+
+    try:
+        return quantity_bytes(text)
+    except ValueError as exc:
+        raise PlannerError("device_memory_bytes", str(exc)) from None

@@ -59,9 +59,20 @@ def _call(
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("local", help="run the control plane locally")
+    parser = subparsers.add_parser(
+        "local",
+        help="run the control plane locally",
+        description="A local stand-in for a cluster: an API server that kubectl talks to, Redis, the "
+        "operator and a process kubelet that runs pods as processes. Its state (kubeconfig, logs, pod "
+        "directories) is kept in $RJOB_LOCAL_DIR (default ~/.rjob/local); give each stack its own.",
+    )
     commands = parser.add_subparsers(dest="local_command", required=True)
-    commands.add_parser("up", help="start API server, Redis, operator and kubelet in the background")
+    commands.add_parser(
+        "up",
+        help="start API server, Redis, operator and kubelet in the background",
+        description="Start the stack in the background, its state in $RJOB_LOCAL_DIR (default "
+        "~/.rjob/local), and print `export KUBECONFIG=...` for kubectl.",
+    )
     apply = commands.add_parser("apply", help="create or update objects from a YAML file")
     apply.add_argument("-f", "--filename", required=True)
     commands.add_parser("get", help="list jobs and their pods")
@@ -78,11 +89,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow = chaos.add_parser("slow", help="slow a pod's steps down for a while")
     slow.add_argument("pod")
     slow.add_argument("-n", "--namespace", default="default")
-    slow.add_argument("--factor", type=float, default=1.5)
+    slow.add_argument(
+        "--factor",
+        type=float,
+        default=1.5,
+        help="times slower, >= 1 (default 1.5): the pod's compute, or with --link its transfers to the peer",
+    )
     slow.add_argument("--for", dest="duration", default="60s", help="duration such as 60s or 2m")
     slow.add_argument("--link", metavar="PEER", help="slow the link to this peer pod (or node number)")
     slow.add_argument("--latency", type=float, default=0.001, help="link: nominal seconds per message")
     slow.add_argument("--bandwidth", type=float, default=1e9, help="link: nominal bytes per second")
+    clear = chaos.add_parser("clear", help="withdraw a pod's slowdown before its time is up")
+    clear.add_argument("pod")
+    clear.add_argument("-n", "--namespace", default="default")
     commands.add_parser("down", help="stop everything")
     parser.set_defaults(handler=guarded(_run))
 
@@ -108,6 +127,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.chaos_command == "kill":
         return _kill(args.pod, args.namespace)
+    if args.chaos_command == "clear":
+        return _clear(args.pod, args.namespace)
     return _slow(
         args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth, args.namespace
     )
@@ -300,6 +321,25 @@ def _worker(pod: str, field: str, namespace: str) -> tuple[dict[str, str], dict[
     refs = body["metadata"].get("ownerReferences") or []
     owners = [ref.get("name") for ref in refs if ref.get("kind") == "ResilientJob"]
     return ({**labels, "resilientjob.io/job": owners[0]} if owners else dict(labels)), body
+
+
+def _clear(pod: str, namespace: str = "default") -> int:
+    """Withdraw the pod's chaos order (`agent.chaos.clear_order`): its worker runs at its own speed again."""
+    import redis
+
+    from resilientjob.agent.chaos import clear_order
+    from resilientjob.protocol.keys import JobKeys
+
+    labels, _ = _worker(pod, "pod", namespace)
+    client = redis.Redis.from_url(_state()["redis_url"])
+    try:
+        had = clear_order(
+            client, JobKeys(namespace, labels["resilientjob.io/job"]), int(labels["resilientjob.io/node"])
+        )
+    finally:
+        client.close()
+    print(f"pod/{pod} {'cleared' if had else 'had no slowdown'}")
+    return 0
 
 
 def _slow(

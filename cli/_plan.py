@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from resilientjob.operator.api import quantity_bytes
 from resilientjob.operator.planning import plan_initial, plan_next
 from resilientjob.planner import PlannerError
 from resilientjob.planner.plan import Plan, Policy
@@ -16,7 +15,7 @@ from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.search import initial_plan, replan
 from resilientjob.planner.spec import CheckpointState, ClusterSpec, JobSpec
 
-from ._common import CliError, emit, guarded, int_list
+from ._common import CliError, device_memory_bytes, emit, guarded, int_list
 from ._plan_manifest import SPEC_FLAGS, manifest_job
 
 
@@ -116,10 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"{missing[0]}: required without -f (a manifest); missing: {' '.join(missing)}")
     cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node or 1}
     if args.device_memory is not None:
-        try:
-            cluster_fields["device_memory_bytes"] = quantity_bytes(args.device_memory)
-        except ValueError as exc:
-            raise PlannerError("device_memory_bytes", str(exc)) from None
+        cluster_fields["device_memory_bytes"] = device_memory_bytes(args.device_memory)
     cluster = ClusterSpec(**cluster_fields)
     job = _job(args)
     failed = _failed(args, cluster.nodes)

@@ -9,7 +9,7 @@ from resilientjob.planner.profile import ModelProfile
 from resilientjob.planner.spec import ClusterSpec, JobSpec
 from resilientjob.planner.templates import generate_templates, instantiate
 
-from ._common import CliError, emit, guarded
+from ._common import CliError, device_memory_bytes, emit, guarded
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,7 +18,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--nodes", type=int, required=True, help="nodes at job start (N)")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="accelerators per node")
     parser.add_argument("--ft", type=int, default=1, help="fault tolerance threshold f")
-    parser.add_argument("--device-memory", type=int, default=None, help="bytes of one accelerator")
+    parser.add_argument(
+        "--device-memory", default=None, help="memory per accelerator: a quantity (80Gi, 64G) or bytes"
+    )
     parser.add_argument("--global-batch", type=int, default=None, help="also instantiate N nodes")
     parser.add_argument("--microbatch-size", type=int, default=None, help="samples per micro-batch")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -29,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
     profile = ModelProfile.load(args.profile)
     cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
     if args.device_memory is not None:
-        cluster_fields["device_memory_bytes"] = args.device_memory
+        cluster_fields["device_memory_bytes"] = device_memory_bytes(args.device_memory)
     cluster = ClusterSpec(**cluster_fields)
     templates = generate_templates(profile, cluster, args.ft)
     payload: dict[str, Any] = {

@@ -38,6 +38,9 @@ def test_device_memory_changes_n0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--device-memory", str(160 * 2**30)]) == 0
     roomy = json.loads(capsys.readouterr().out)["n0"]
     assert tight > roomy >= 1
+    # A quantity, as `rjob plan` and spec.deviceMemory take it.
+    assert main([*argv, "--device-memory", "40Gi"]) == 0
+    assert json.loads(capsys.readouterr().out)["n0"] == tight
 
 
 @pytest.mark.parametrize(
@@ -47,6 +50,10 @@ def test_device_memory_changes_n0(capsys: pytest.CaptureFixture[str]) -> None:
         (["--profile", "bert-large", "--nodes", "2", "--ft", "2"], "fault_tolerance"),
         (["--profile", "no-such-profile", "--nodes", "4", "--ft", "1"], "profile"),
         (["--profile", "gpt3-6.7b", "--nodes", "4", "--ft", "1", "--device-memory", "1000"], "device_memory"),
+        (
+            ["--profile", "gpt3-6.7b", "--nodes", "4", "--ft", "1", "--device-memory", "40 GB"],
+            "device_memory",
+        ),
         (
             [
                 "--profile",

@@ -26,8 +26,8 @@ from resilientjob.operator._decide import (
     starting_nodes,
 )
 from resilientjob.operator._manifests import ANNOTATION_STRIKES, LABEL_JOB, LABEL_NODE, job_label
-from resilientjob.operator.planning import plan_initial, plan_next, planner_inputs
 from resilientjob.operator.api import parse_spec
+from resilientjob.operator.planning import plan_initial, plan_next, planner_inputs
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 
 NOW = 1_800_000_000.0

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from resilientjob.operator import api
-from resilientjob.operator.planning import plan_initial, planner_inputs
 from resilientjob.operator.crd import crd_manifest
+from resilientjob.operator.planning import plan_initial, planner_inputs
 from resilientjob.planner.errors import PlannerError
 
 ROOT = Path(__file__).resolve().parents[2]

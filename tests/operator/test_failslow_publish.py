@@ -10,9 +10,9 @@ from _support import ROOT, bert_spec_fields
 
 from resilientjob.operator._failslow import Action, Mitigation, link_plan, microbatch_plan, sync_time
 from resilientjob.operator._mitigation import mitigation_message
-from resilientjob.operator.planning import plan_initial, planner_inputs
 from resilientjob.operator._redis_state import announcement
 from resilientjob.operator.api import Reason, parse_spec
+from resilientjob.operator.planning import plan_initial, planner_inputs
 from resilientjob.planner.plan import Plan
 
 SPEC = parse_spec(bert_spec_fields())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from _support import bert_spec_fields
 
-from resilientjob.operator.planning import checkpoint_state, plan_initial, plan_next, planner_inputs
 from resilientjob.operator.api import parse_spec
+from resilientjob.operator.planning import checkpoint_state, plan_initial, plan_next, planner_inputs
 from resilientjob.planner import Policy
 
 
