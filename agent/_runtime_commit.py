@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from resilientjob.planner.plan import Plan
 from resilientjob.protocol.store_keys import samples_key, vote_key
 
 from ._data_files import DataError
@@ -181,6 +182,8 @@ class VotedStep:
 
     generation: int
     step: int
+    plan: Plan
+    """The plan it was trained under: which layers this rank holds, and checkpoints, for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +207,8 @@ class RolledStep:
     step: int
     loss: float
     sq_norm: float
+    plan: Plan
+    """The plan it was trained under (`VotedStep.plan`)."""
 
 
 def reduce_dtype(device: torch.device) -> torch.dtype:
@@ -275,4 +280,4 @@ def agree_on_step(
         )
     if not behind or voted is None:
         return high, None
-    return high, RolledStep(voted.generation, low, loss, sq_norm)
+    return high, RolledStep(voted.generation, low, loss, sq_norm, voted.plan)

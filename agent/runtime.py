@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -231,6 +231,9 @@ class Trainer:
     _committed: CommittedStep | None = None
     rolled: list[RolledStep] = field(default_factory=list)
     """Steps applied at a rendezvous because the peers had committed them (the worker records them)."""
+    on_rolled: Callable[[RolledStep], None] | None = None
+    """Called with such a step as soon as it is applied, before any layer of the new plan moves: the worker
+    checkpoints it if it was due, as its peers did when they committed it."""
     _fingerprint: int | None = None
     """The data set's digest (`data.fingerprint`), read once, at the first rendezvous."""
 
@@ -399,6 +402,8 @@ class Trainer:
         if rolled is not None:
             self._apply_update(rolled.sq_norm)
             self.rolled.append(rolled)
+            if self.on_rolled is not None:
+                self.on_rolled(rolled)
         if self.joining:
             self.step, self.joining = agreed, False
         if k > 1:
@@ -609,13 +614,13 @@ class Trainer:
         """Vote, then all-reduce the loss, the squared gradient norm, the "newer plan seen" flag (so all
         switch after the same step) and the checkpoint request (world rank 0's clock). Returns (loss,
         switch, squared norm) once the step is committed; raises PeerFailure if it is abandoned."""
-        if self.store is None or self.world_rank is None:
+        if self.store is None or self.world_rank is None or self.plan is None:
             raise RuntimeError("commit: the trainer has not joined a world")
         vote = CommitVote(self.store, self.generation, self.step, self.world_rank, self._world_size)
         self._fault(CommitPhase.VOTE)
         if not vote.vote([loss_share, sq_norm_share], sample_ids):
             raise PeerFailure(f"commit of step {self.step}: the vote was closed (a peer failed)")
-        self._voted = VotedStep(self.generation, self.step)
+        self._voted = VotedStep(self.generation, self.step, self.plan)
         self._fault(CommitPhase.VOTED)
         checkpoint = (
             self.world_rank == 0

@@ -39,7 +39,7 @@ from resilientjob.protocol.store_keys import (
 
 from ._final_export import export_model
 from ._plan_store import read_generation, read_plan
-from ._runtime_commit import ReconfigurationError
+from ._runtime_commit import ReconfigurationError, RolledStep
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import ComputeError
 from ._tensor_parallel import full_parameters, local, tp_degree
@@ -324,6 +324,8 @@ def worker_main(
         hooks=hooks or StepHooks(),
         p2p_in_order=config.p2p_in_order,
     )
+    if checkpointer is not None:
+        trainer.on_rolled = lambda rolled: checkpoint_rolled(trainer, checkpointer, rolled, config.steps)
     if not joining:  # a joining node gets every layer it holds from its peers (the plan's transfers)
         trainer.init_layers(plan)
     restored: int | None = None
@@ -410,6 +412,20 @@ def worker_main(
         result["local_rank"] = local_rank
     trainer.close()
     return result
+
+
+def checkpoint_rolled(trainer: Trainer, checkpointer: Checkpointer, rolled: RolledStep, steps: int) -> None:
+    """Save a step this rank applied at a rendezvous (`Trainer.on_rolled`: its peers committed it, its own
+    commit was lost) as its peers saved it when they committed it, with the layers it is the designated
+    writer of under the plan that trained it. Without this, a due step's checkpoint lacked this rank's
+    layers, and a last step's left the trained model's fallback (`_final_export`) incomplete. A request of
+    the time interval travelled in the commit this rank missed: it is not known here, and that step stays
+    incomplete, as a step cut short by a failure does."""
+    step = rolled.step + 1  # the committed steps once it is applied, as the training loop counts them
+    if checkpointer.due(step) or step >= steps:
+        owners = designated_holders(rolled.plan)
+        mine = {i for i, owner in owners.items() if owner == trainer.node and i in trainer.layers}
+        checkpointer.save(step, trainer.layers, mine)
 
 
 def _finished_without(node: int, store: Store) -> dict[str, object]:

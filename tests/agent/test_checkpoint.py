@@ -4,14 +4,22 @@ points and the older ones torch 2.5.1 (the Ascend image's pin) needs, synchronou
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 from torch import nn
 
 from resilientjob.agent import _dcp_compat
+from resilientjob.agent._runtime_commit import RolledStep
+from resilientjob.agent._runtime_schedule import held_layers
 from resilientjob.agent.checkpoint import OWNER_FILE, Checkpointer, CheckpointTaken, claim
 from resilientjob.agent.p2p import LayerState
+from resilientjob.agent.runtime import Trainer
+from resilientjob.agent.worker import checkpoint_rolled
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.testing.plans import RuntimePlanner
 
 # One process writes each layer on purpose (the worker silences DCP's note that it assumes so).
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to (save|load) in a single process")
@@ -247,3 +255,32 @@ def test_a_file_system_without_hard_links_is_claimed_by_one_job_too(
     _eight_claim_at_once(tmp_path / "ckpt")
     with pytest.raises(CheckpointTaken, match="delete the mark once that job and its steps are gone"):
         claim(tmp_path / "ckpt", "ns/other")
+
+
+def test_a_rolled_step_is_saved_when_due_with_the_layers_its_plan_gave_this_node(
+    tmp_path: Path, gpt_profile: ModelProfile
+) -> None:
+    """A rank that applied a step at a rendezvous (its commit lost, its peers' not) saves it as the peers did
+    when they committed it: on the interval and at the last step, the layers it writes under the plan that
+    trained the step, so that step's checkpoint is whole (`worker.checkpoint_rolled`)."""
+    plan = RuntimePlanner.for_job(
+        gpt_profile, nodes=2, global_batch=4, microbatch_size=2, fault_tolerance=0, dp_range=(1, 1)
+    ).initial()
+    held = held_layers(plan)
+    assert held[0] and held[1] and not held[0] & held[1]  # two stages: each node writes its own layers
+    node = {n: SimpleNamespace(node=n, layers={i: _layer(seed=i) for i in held[n]}) for n in (0, 1)}
+    checkpointer = Checkpointer(tmp_path, interval=5, asynchronous=False)
+
+    def roll(index: int) -> None:  # node 1 applied step `index`: `index + 1` steps are then committed
+        trainer = cast(Trainer, node[1])
+        checkpoint_rolled(trainer, checkpointer, RolledStep(0, index, 1.0, 1.0, plan), steps=12)
+
+    roll(3)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # step 4 is not due
+    roll(4)
+    assert sorted(p.name for p in (tmp_path / "step5").iterdir()) == sorted(f"layer{i}" for i in held[1])
+    # Its peer committed step 5 and saved its own layers then: the step is whole.
+    checkpointer.save(5, node[0].layers, held[0])
+    assert checkpointer.latest_complete(plan.num_layers) == 5
+    roll(11)  # the last step, due or not: the trained model's fallback
+    assert (tmp_path / "step12").is_dir()

@@ -24,6 +24,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._plan_store import read_generation, read_plan
 from resilientjob.agent._runtime_commit import CommitPhase, CommitVote, Retirement
+from resilientjob.agent._runtime_schedule import held_layers
 from resilientjob.agent._runtime_wait import PeerFailure
 from resilientjob.agent.data import SampleOrder, SyntheticDataset
 from resilientjob.agent.models import load_model
@@ -131,6 +132,11 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
         fault_hook=hook,
     )
     trainer.init_layers(plan)
+    # What the rank holds when a rolled step is handed over: the worker checkpoints these layers.
+    seen_rolled: list[tuple[int, int, list[int], int]] = []
+    trainer.on_rolled = lambda rolled: seen_rolled.append(
+        (rolled.step, rolled.plan.generation, sorted(trainer.layers), trainer.step)
+    )
     trainer.apply_plan(plan, store)
     losses: dict[int, float] = {}
     aborted_at: list[int] = []
@@ -153,7 +159,7 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
             trainer.apply_plan(read_plan(store, read_generation(store)), store)
     retired = len(trainer.retirement)
     trainer.close()
-    results.put((node, trainer.step, aborted_at, losses, switch_s, retired, rolled_steps))
+    results.put((node, trainer.step, aborted_at, losses, switch_s, retired, rolled_steps, seen_rolled))
 
 
 def _start_workers(plan: Plan, fault: tuple[Any, ...]) -> tuple[Any, dict[int, Any], Queue[Any]]:
@@ -248,7 +254,7 @@ def test_kill_at_commit_point_leaves_survivors_at_one_step(
     # Killed before voting: the step is abandoned; after every vote was in: it is committed (its loss is
     # then the sum of the votes), and the survivors abandon the next step instead.
     assert abort_step == (FAIL_STEP + 1 if committed else FAIL_STEP), collected
-    for node, (_, step, _, losses, switch_s, retired, _) in collected.items():
+    for node, (_, step, _, losses, switch_s, retired, _, _) in collected.items():
         row = collected[node]
         assert step == STEPS, row
         assert sorted(losses) == list(range(STEPS)), row
@@ -292,12 +298,16 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
                 process.kill()
     assert sorted(collected) == list(range(NODES))
     _assert_each_sample_once(store)
-    for node, (_, step, aborted, losses, _, _, rolled) in collected.items():
+    for node, (_, step, aborted, losses, _, _, rolled, seen_rolled) in collected.items():
         assert step == STEPS, collected[node]
         # The victim abandoned step s and applied it at the rendezvous; its peers committed s and
         # abandoned s + 1, waiting for it.
         assert aborted == [FAIL_STEP if node == VICTIM else FAIL_STEP + 1], collected[node]
         assert rolled == ([FAIL_STEP] if node == VICTIM else []), collected[node]
+        # Handed to the worker once applied (s + 1 steps committed), with the plan that trained it and the
+        # layers that plan gave this node, before the new generation moved any.
+        held = sorted(held_layers(plan)[VICTIM])
+        assert seen_rolled == ([(FAIL_STEP, 0, held, FAIL_STEP + 1)] if node == VICTIM else []), seen_rolled
         assert sorted(losses) == list(range(STEPS)), collected[node]
         for index in range(STEPS):
             assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
