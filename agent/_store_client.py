@@ -18,6 +18,7 @@ The per-step records of the old store (losses, sample ids, events) are gone with
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,17 @@ def address_from_pod_env(environ: dict[str, str] | None = None) -> Callable[[], 
     return resolve
 
 
+def _listening(address: str) -> bool:
+    """Whether something accepts connections at `address`: a plain socket's quiet check before a `TCPStore`
+    client is made there. A client that cannot connect retries for `CONNECT_S` and logs every try with a C++
+    stack trace (about 45 lines a try in a worker's log while the store pod is replaced)."""
+    try:
+        with socket.create_connection(split_address(address), timeout=CONNECT_S):
+            return True
+    except OSError:
+        return False
+
+
 class ReconnectingStore(Store):
     """A `TCPStore` client that reconnects to the store's current address when its connection is lost."""
 
@@ -101,6 +113,8 @@ class ReconnectingStore(Store):
             while True:
                 address = self._resolve() or self.address
                 try:
+                    if not _listening(address):
+                        raise DistNetworkError(f"nothing listens at {address}")
                     store = TCPStore(
                         *split_address(address), is_master=False, timeout=timedelta(seconds=CONNECT_S)
                     )

@@ -200,6 +200,13 @@ class ProcessKubelet:
         podinfo = directory / "podinfo"
         podinfo.mkdir(parents=True, exist_ok=True)
         (directory / "termination-log").unlink(missing_ok=True)  # a pod of the same name had its own
+        # And its own log: `kubectl logs` of a new pod under an old name shows the new pod's output only.
+        uid = str(body["metadata"].get("uid", ""))
+        marker = directory / "uid"
+        if not marker.exists() or marker.read_text() != uid:
+            for earlier in ("log", LOG_TIMES):
+                (directory / earlier).unlink(missing_ok=True)
+            marker.write_text(uid)
         self._write_podinfo(podinfo, body)
         command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
         if command[0] in ("python", "python3"):

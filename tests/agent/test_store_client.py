@@ -94,15 +94,21 @@ def test_a_lost_store_is_followed_to_its_new_address_and_timeouts_stay_timeouts(
     assert out.count("store: lost the job's store") == 1 and out.count("store: reconnected") == 1, out
 
 
-def test_a_store_that_never_comes_back_fails_the_call_after_give_up(servers: list[Server]) -> None:
+def test_a_store_that_never_comes_back_fails_the_call_after_give_up(
+    servers: list[Server], capfd: pytest.CaptureFixture[str]
+) -> None:
     servers.append(Server())
     address = servers[0].address
-    store = ReconnectingStore(address, lambda: address, timedelta(seconds=5), give_up_s=1.0)
+    store = ReconnectingStore(address, lambda: address, timedelta(seconds=5), give_up_s=3.0)
     servers[0].kill()
     started = time.monotonic()
     with pytest.raises(DistNetworkError):
         store.add("failures", 0)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 12
+    # Nothing listens there: no TCPStore client was made to find out, each of whose tries c10d logs with a
+    # C++ stack trace into the worker's log (the one broken call is still logged, once).
+    err = capfd.readouterr().err
+    assert "failed to connect" not in err and err.count("Exception raised from") <= 1, err
     with pytest.raises(ValueError, match="give_up_s"):
         ReconnectingStore(address, lambda: None, timedelta(seconds=1), give_up_s=0)
 

@@ -101,3 +101,50 @@ async def test_a_deleted_pods_empty_dirs_go_with_it(tmp_path: Path) -> None:
             stopped.set()
             await asyncio.wait({runner}, timeout=15)
             await kube.close()
+
+
+async def test_a_new_pod_under_an_old_name_has_its_own_log(tmp_path: Path) -> None:
+    """A pod deleted and created again under its name (a job re-applied) is a new pod: its log holds its
+    own output only, as a kubelet's would."""
+    import asyncio
+    import sys
+
+    import kopf
+    from _rjob_stack import NAMESPACE, Kube, api_server, eventually
+
+    from resilientjob.operator.kube import core_path
+
+    def pod(says: str) -> dict[str, object]:
+        code = f"print({says!r}, flush=True); import time; time.sleep(60)"
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "talker", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+            "spec": {"containers": [{"name": "c", "command": [sys.executable, "-c", code]}]},
+        }
+
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        stopped = asyncio.Event()
+        runner = asyncio.create_task(kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        log = kubelet.pod_directory(tmp_path / "kubelet" / "pods", NAMESPACE, "talker") / "log"
+
+        async def logged(text: str) -> bool:
+            return log.exists() and text in log.read_text()
+
+        try:
+            await kube.api.create(core_path(NAMESPACE, "pods"), pod("first pod"))
+            await eventually(lambda: logged("first pod"), 20, "the first pod's output")
+            await kube.delete("pods", "talker")
+
+            async def gone() -> bool:
+                return await kube.get("pods", "talker") is None
+
+            await eventually(gone, 20, "the first pod gone")
+            await kube.api.create(core_path(NAMESPACE, "pods"), pod("second pod"))
+            await eventually(lambda: logged("second pod"), 20, "the second pod's output")
+            assert "first pod" not in log.read_text()
+        finally:
+            stopped.set()
+            await asyncio.wait({runner}, timeout=15)
+            await kube.close()
