@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bootstrapped
 TORCH_PIN := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: bootstrap demo test check bench results clean
 
@@ -12,10 +13,15 @@ $(STAMP): pyproject.toml testing/pyproject.toml
 	@command -v redis-server >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv >/dev/null; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q $(TORCH_PIN)
+	# The pinned CPU wheel first, from PyTorch's CPU index: PyPI's torch is the multi-GB CUDA build. A wheel
+	# pip already finds on this machine (its find-links) is taken without the network.
+	$(PY) -m pip install -q --no-index $(TORCH_PIN) 2>/dev/null \
+	  || $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN)
 	# The package with its extras, and the test harness (resilientjob.testing: its own distribution, never shipped).
 	$(PY) -m pip install -q -e '.[dev,local]' -e ./testing
 	@touch $(STAMP)
