@@ -10,8 +10,11 @@ deletes its pods, ConfigMaps and Service in the background (garbage collection b
 its grace period to go. A job applied again under the same name right away (the way to change a spec, which
 is immutable) found them under its own names: it took the old terminating pods for its own and fenced every
 node at generation 0, restored the old job's plan and profile from their ConfigMaps against its new spec,
-and its `create` of the Service met the old one. What it finds is named by owner uid, so objects a user made
-or orphaned (no ResilientJob owner) are left alone.
+and its `create` of the Service met the old one. What it finds is named by owner uid, and by the labels
+this operator gives a job's objects: an earlier job's objects orphaned by `kubectl delete --cascade=orphan`
+(no owner any more) are waited for too, with a Warning saying how to delete them, as nothing else will;
+the new job took them for its own, its first decision fencing the old agents as they left. Objects a user
+made under those names without the operator's labels are left alone.
 """
 
 from __future__ import annotations
@@ -54,18 +57,24 @@ async def earlier_job_gone(ctl: JobView, uid: str, stopped: kopf.DaemonStopped) 
     """Wait while an earlier job of this name is still being deleted (`leftovers`), saying so once in an
     Event; False when stopped meanwhile. Only before the first plan: later, the job's own objects are all
     it finds. A pod of it stuck terminating is force-deleted (`stuck`)."""
-    said = False
+    said = ""  # what the Event said: "owned", or "orphans" once some need deleting by hand
     forced: set[str] = set()
     while not stopped and ctl.status.plan_generation < 0 and uid:
         found = await leftovers(ctl.kube, ctl.namespace, ctl.name, uid)
         if not found:
             return True
-        if not said:
-            said = True
+        orphans = [leftover.name for leftover in found if leftover.orphaned]
+        if not said or (orphans and said != "orphans"):
+            said = "orphans" if orphans else "owned"
             names = ", ".join(leftover.name for leftover in found[:4])
             message = f"waiting for an earlier job of this name to be deleted: {names}"
+            if orphans:
+                message += (
+                    f"; {len(orphans)} of them orphaned (deleted with --cascade=orphan), which nothing "
+                    f"deletes: `kubectl delete -n {ctl.namespace} {' '.join(orphans)}`"
+                )
             log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
-            ctl.event("Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
+            ctl.event("Warning" if orphans else "Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
         for leftover in found:
             pod = leftover.name.removeprefix("pod/")
             if pod == leftover.name or pod in forced:
@@ -101,6 +110,16 @@ def _foreign(obj: Mapping[str, Any] | None, uid: str) -> bool:
     )
 
 
+def _orphaned(obj: Mapping[str, Any] | None, job: str) -> bool:
+    """Whether `obj` is one this operator made for a job named `job` (its labels) that no ResilientJob owns
+    any more: an earlier job's, orphaned by `kubectl delete --cascade=orphan`."""
+    metadata = (obj or {}).get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    ours = all(labels.get(key) == value for key, value in _manifests.job_labels(job).items())
+    refs = metadata.get("ownerReferences") or []
+    return ours and not any(isinstance(ref, Mapping) and ref.get("kind") == api.KIND for ref in refs)
+
+
 @dataclass(frozen=True, slots=True)
 class Leftover:
     """An object under this job's names that an earlier job of the name owns."""
@@ -108,14 +127,17 @@ class Leftover:
     name: str
     """`kind/name`."""
     obj: Mapping[str, Any]
+    orphaned: bool = False
+    """Owned by no job (`_orphaned`): only a user's delete takes it away."""
 
 
 async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[Leftover]:
-    """The objects under job `job`'s names that another job (an earlier one of the same name) owns."""
+    """The objects under job `job`'s names that another job (an earlier one of the same name) owns, or
+    owned before it was deleted with `--cascade=orphan`."""
     found = [
-        Leftover(f"pod/{pod['metadata']['name']}", pod)
+        Leftover(f"pod/{pod['metadata']['name']}", pod, _orphaned(pod, job))
         for pod in await kube.list(core_path(namespace, "pods"), _manifests.job_selector(job))
-        if _foreign(pod, uid)
+        if _foreign(pod, uid) or _orphaned(pod, job)
     ]
     objects = {
         f"configmap/{_manifests.plan_configmap_name(job)}": await kube.get(
@@ -129,5 +151,7 @@ async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[L
         ),
     }
     return found + [
-        Leftover(name, obj) for name, obj in objects.items() if obj is not None and _foreign(obj, uid)
+        Leftover(name, obj, _orphaned(obj, job))
+        for name, obj in objects.items()
+        if obj is not None and (_foreign(obj, uid) or _orphaned(obj, job))
     ]

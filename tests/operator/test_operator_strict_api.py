@@ -148,6 +148,50 @@ async def test_a_job_applied_again_at_once_waits_for_the_deleted_ones_pods(stack
     assert {p["metadata"]["ownerReferences"][0]["uid"] for p in pods} == {new_uid}
 
 
+async def test_an_earlier_jobs_orphaned_objects_are_waited_for_not_taken(stack: Stack) -> None:
+    """`kubectl delete --cascade=orphan` leaves the job's pods and ConfigMaps running with no owner. The job
+    applied again under the name took them for its own (its first decision fenced the old agents). It waits
+    for them instead, and says with a Warning which to delete, as nothing else will."""
+    kube = stack.kube
+    assert await kube.create_job(job_manifest("orph")) is None
+    await eventually(lambda: generation(kube, "orph", 0), 20, "the first job's generation 0")
+    status, _ = await kube.api._request(
+        "DELETE", kube.path(PLURAL, "orph"), body={"propagationPolicy": "Orphan"}
+    )
+    assert status in (200, 202)
+
+    async def orphaned() -> list[dict[str, Any]] | None:
+        if await kube.get(PLURAL, "orph") is not None:
+            return None
+        pods = await kube.job_pods("orph")
+        return pods if pods and not any(p["metadata"].get("ownerReferences") for p in pods) else None
+
+    pods = await eventually(orphaned, 60, "the first job gone, its pods orphaned")
+    assert await kube.create_job(job_manifest("orph")) is None
+
+    async def warned() -> list[dict[str, Any]] | None:
+        events = [e for e in await kube.events_of("orph") if e.get("reason") == "WaitingForEarlierJob"]
+        return events or None
+
+    told = (await eventually(warned, 20, "the WaitingForEarlierJob warning"))[0]
+    assert told["type"] == "Warning" and "--cascade=orphan" in told["message"], told
+    command = told["message"].split("`")[1]
+    assert command.startswith("kubectl delete -n ") and "configmap/orph-plan" in command, command
+    assert all(f"pod/{p['metadata']['name']}" in command for p in pods), command
+    await asyncio.sleep(1.0)
+    status_now = await kube.job_status("orph")
+    assert status_now.get("planGeneration", -1) < 0 and not status_now.get("fencedNodes"), status_now
+
+    # What the Warning says to run.
+    for name in command.split()[4:]:
+        plural = {"pod": "pods", "configmap": "configmaps", "service": "services"}[name.split("/")[0]]
+        await kube.api.delete(kube.path(plural, name.split("/")[1]), grace_period_s=0)
+    planned = await eventually(lambda: generation(kube, "orph", 0), 30, "the new job's generation 0")
+    assert planned.get("phase") != "Failed" and not planned.get("fencedNodes"), planned
+    new_uid = ((await kube.get(PLURAL, "orph")) or {})["metadata"]["uid"]
+    assert {p["metadata"]["ownerReferences"][0]["uid"] for p in await kube.job_pods("orph")} == {new_uid}
+
+
 @pytest.fixture
 def short_leftover_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     """The operator (started by `stack` after this) force-deletes an earlier job's stuck pods after 2 s."""
