@@ -153,10 +153,12 @@ def _env_value(cluster: _Cluster, pod: dict[str, Any], name: str) -> str | None:
 def _redis(cluster: _Cluster, pod: dict[str, Any], name: str, url: str | None) -> Any:
     import redis
 
-    url = url or os.environ.get("RJOB_REDIS_URL") or _env_value(cluster, pod, "RJOB_REDIS_URL")
+    # The flag, else the pod's own: a shell's RJOB_REDIS_URL (left by running `rjob operator`, say) may be
+    # another Redis, where the order would be written, "slowed" printed, and nothing slowed.
+    url = url or _env_value(cluster, pod, "RJOB_REDIS_URL") or os.environ.get("RJOB_REDIS_URL")
     if not url:
         raise CliError(f"redis-url: pod {name!r} names no Redis; pass --redis-url")
-    password = os.environ.get("RJOB_REDIS_PASSWORD") or _env_value(cluster, pod, "RJOB_REDIS_PASSWORD")
+    password = _env_value(cluster, pod, "RJOB_REDIS_PASSWORD") or os.environ.get("RJOB_REDIS_PASSWORD")
     return redis.Redis.from_url(url, password=password or None, socket_connect_timeout=3)
 
 

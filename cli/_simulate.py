@@ -13,7 +13,7 @@ from resilientjob.planner.sim.runner import all_policies, random_scenario, run_p
 from resilientjob.planner.sim.suite import checkpoint_costs
 from resilientjob.planner.spec import TransitionCosts
 
-from ._common import CliError, emit, guarded
+from ._common import CliError, device_memory_bytes, emit, guarded
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--policy",
         default="all",
-        help="adaptive|templates|reroute|checkpoint|redundant|dynamic|oracle, a comma-separated list, or all",
+        help="adaptive|templates|reroute|checkpoint|redundant|dynamic|oracle, a comma-separated list, or all "
+        "(the paper's five: adaptive, templates, reroute, checkpoint, redundant)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="run seeds S..S+K-1 and report mean and spread")
@@ -33,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--ft", type=int, default=1, help="fault tolerance f (simultaneous failures)")
-    parser.add_argument("--device-memory", type=int, default=None, help="bytes per device")
+    parser.add_argument(
+        "--device-memory", default=None, help="memory per device: a quantity (80Gi, 64G) or bytes"
+    )
     parser.add_argument(
         "--trace", default=None, help="availability trace CSV (time_s,node,up|down) or 'spot'"
     )
@@ -88,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     profile = ModelProfile.load(args.profile)
     cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
     if args.device_memory is not None:
-        cluster_fields["device_memory_bytes"] = args.device_memory
+        cluster_fields["device_memory_bytes"] = device_memory_bytes(args.device_memory)
     cluster = ClusterSpec(**cluster_fields)
     job = JobSpec(
         global_batch=args.global_batch, microbatch_size=args.microbatch_size, fault_tolerance=args.ft

@@ -236,11 +236,12 @@ class FailSlowSpec(_Api):
 
 
 class ChaosSpec(_Api):
-    """Fault injection for drills and demos (`rjob chaos slow|kill`): off unless a job opts in."""
+    """Fault injection for drills and demos (`rjob chaos slow`): off unless a job opts in. (`rjob chaos kill`
+    deletes a pod, which anyone allowed to delete pods can do: it needs no opt-in.)"""
 
     enabled: bool = Field(
         default=False,
-        description="Let workers obey chaos orders (slow compute or a link, kill); never on for production.",
+        description="Let workers obey slowdown orders (their compute, or a link); never on for production.",
     )
 
 
@@ -325,7 +326,7 @@ def _spec_rules(schema: dict[str, Any]) -> None:
 
 
 class ResilientJobSpec(_Api):
-    """What the user asks for. Fields that shape the model state cannot change while the job exists."""
+    """What the user asks for. No field can change while the job exists: delete the job and apply it again."""
 
     model_config = ConfigDict(json_schema_extra=_spec_rules)
 

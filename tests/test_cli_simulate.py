@@ -114,6 +114,7 @@ def test_spot_trace_replays_joins(capsys: pytest.CaptureFixture[str]) -> None:
         (["--profile", "/nonexistent.json"], "profile"),
         (["--global-batch", "33", "--microbatch-size", "2"], "global_batch"),
         (["--seeds", "0"], "seeds"),
+        (["--device-memory", "80 GB"], "device_memory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -123,3 +124,10 @@ def test_bad_input_exits_2_with_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert field in err
+
+
+def test_device_memory_is_a_quantity_as_in_the_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    """`80Gi` as `spec.deviceMemory`, `rjob plan` and `rjob templates` take it, and the same as its bytes."""
+    quantity = _run(capsys, "--policy", "adaptive", "--device-memory", "80Gi")
+    in_bytes = _run(capsys, "--policy", "adaptive", "--device-memory", str(80 * 2**30))
+    assert quantity["policies"] == in_bytes["policies"]

@@ -59,7 +59,8 @@ def parse_policy(name: str) -> SimPolicy:
         return SimPolicy(name)
     except ValueError:
         names = ", ".join(p.value for p in SimPolicy)
-        raise PlannerError("policy", f"unknown policy {name!r}; choose one of {names} or all") from None
+        message = f"unknown policy {name!r}; choose one of {names}, oracle or all"
+        raise PlannerError("policy", message) from None
 
 
 class SimCosts(BaseModel):

@@ -338,9 +338,14 @@ async def _rjob(*argv: str) -> int:
 
 
 async def test_cli_slow_writes_the_order_the_worker_reads(
-    api: tuple[LocalApiServer, str], client: redis.Redis, capsys: pytest.CaptureFixture[str]
+    api: tuple[LocalApiServer, str],
+    client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, url = api
+    # Another Redis in the caller's shell (from running `rjob operator`): the pod's own is the job's.
+    monkeypatch.setenv("RJOB_REDIS_URL", "redis://127.0.0.1:1/0")
     assert await _rjob("chaos", "slow", "demo-0", "--factor", "1.5", "--for", "2m", "--server", url) == 0
     order = parse_order(client.get(KEYS.chaos(0)))  # type: ignore[arg-type]
     assert order is not None and order.factor == 1.5 and order.link is None
