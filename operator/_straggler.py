@@ -299,12 +299,14 @@ class StragglerGate:
             return "too few steps to judge"
         _, own, reference = found
         ratio = own / reference if reference > 0 else 1.0
+        # In the user's words: a "level" is the node's compute time per planned share of the work.
+        what = f"its compute per share of the work took {ratio:.2f}x the other nodes' median"
         if ratio <= self.threshold:
-            return f"its level is {ratio:.2f}x the others', within {self.threshold:g}x"
+            return f"{what}, not over the {self.threshold:g}x threshold"
         excess = self._excess_s(node, own, reference)
         return (
-            f"its level is {ratio:.2f}x the others', but its extra {excess:.3g}s a step is under "
-            f"{self.threshold - 1:g} of the job's {self.step_s:.3g}s step"
+            f"{what}, but the {excess:.3g} s it adds to a step is under {self.threshold - 1:g} of the job's "
+            f"{self.step_s:.3g} s step"
         )
 
     def measures(self, node: int) -> bool:

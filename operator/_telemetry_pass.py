@@ -111,6 +111,9 @@ class TelemetryPass:
     transaction), not before, so that a kill in between neither loses nor repeats the decision."""
     dismissals: EventThrottle = field(default_factory=EventThrottle)
     """Dismissed reports' Events (`DISMISSED_EVENT_INTERVAL_S`)."""
+    validations: EventThrottle = field(default_factory=EventThrottle)
+    """`ValidationRequested` Events, as many on a noisy host: each pass is in the operator's log, and its
+    finding (a slow link or device, or the report dismissed) has an Event of its own."""
     switches: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     """Generation -> (slowest rendezvous s, slowest copy s, bytes received) the workers reported so far
     (`_decide.measured_switches` puts them into the status's recoveries); the newest few kept."""
@@ -201,11 +204,11 @@ class TelemetryPass:
         reason = f"communication slowdown reported; suspects {suspects}"
         request = await redis.request_validation(published.generation, suspects, reason)
         tracker.validation_sent(request.id)
-        ctl.event(
-            "Normal",
-            api.Reason.VALIDATION_REQUESTED,
-            f"validation {request.id} at generation {published.generation}: {reason}",
-        )
+        message = f"validation {request.id} at generation {published.generation}: {reason}"
+        log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
+        admitted = self.validations.admit(message, time.monotonic())
+        if admitted is not None:
+            ctl.event("Normal", api.Reason.VALIDATION_REQUESTED, admitted)
 
     def _report_finding(self, ctl: PassContext, finding: _failslow.Finding) -> None:
         kind, reason = _EVENTS[finding.kind]

@@ -225,11 +225,13 @@ def test_a_straggler_must_cost_the_job_a_threshold_of_its_step() -> None:
         assert tracker.gate.straggler(3) is expected, compute_s
         assert tracker.gate.straggler(0) is False
         # A dismissal says which part of the rule failed.
-        assert tracker.gate.why_not(0) == "its level is 1.00x the others', within 1.5x"
+        assert tracker.gate.why_not(0) == (
+            "its compute per share of the work took 1.00x the other nodes' median, not over the 1.5x threshold"
+        )
         if not expected:
             assert tracker.gate.why_not(3) == (
-                "its level is 2.50x the others', but its extra 0.0075s a step is under 0.5 of the job's "
-                "0.04s step"
+                "its compute per share of the work took 2.50x the other nodes' median, but the 0.0075 s it "
+                "adds to a step is under 0.5 of the job's 0.04 s step"
             )
 
 

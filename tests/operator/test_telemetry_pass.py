@@ -1,8 +1,20 @@
-"""The telemetry pass's Event throttle for dismissed slow reports."""
+"""The telemetry pass's Event throttle for dismissed slow reports and validation requests."""
 
 from __future__ import annotations
 
-from resilientjob.operator._telemetry_pass import EventThrottle
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+from test_failslow_decisions import PROFILE, grid_plan
+from test_failslow_localisation import profile, report, result
+
+from resilientjob.operator._failslow import FailSlowTracker
+from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.operator._telemetry_pass import EventThrottle, PassContext, TelemetryPass
+from resilientjob.operator.api import FailSlowSpec
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import SlowKind
 
 
 def test_one_event_per_interval_and_the_next_counts_those_held_back() -> None:
@@ -13,3 +25,43 @@ def test_one_event_per_interval_and_the_next_counts_those_held_back() -> None:
     admitted = throttle.admit("node 4: within 1.5x", now=160.0)
     assert admitted == "node 4: within 1.5x (2 more since the last such Event: see the operator's log)"
     assert throttle.admit("node 5: within 1.5x", now=221.0) == "node 5: within 1.5x"
+
+
+async def test_validation_requests_are_logged_each_and_posted_as_events_at_most_once_a_minute(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every communication report asks for a pass (training held for it); on a noisy host they come every few
+    seconds. Each request is written to Redis and logged; its Event, like a dismissal's, at most once a
+    minute, the next saying how many were held back."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = JobKeys("default", "noisy")
+    tracker = FailSlowTracker(FailSlowSpec(min_duration_s=0))
+    tracker.profile(profile(0, {"0,2": 0.3, "1,3": 0.1}))
+    events: list[tuple[str, str, str]] = []
+    ctl = PassContext(
+        namespace="default",
+        name="noisy",
+        redis=JobRedis(client, keys),
+        tracker=tracker,
+        profile=PROFILE,
+        validation_timeout_s=30.0,
+        working=lambda node: True,
+        event=lambda kind, reason, message: events.append((kind, str(reason), message)),
+    )
+    published = announcement(grid_plan([[0, 1], [2, 3]]))
+    telemetry = TelemetryPass()
+    caplog.set_level(logging.INFO, logger="resilientjob.operator")
+    try:
+        for request in (1, 2, 3):
+            tracker.report(report(2, 20 * request, 1.6, SlowKind.COMMUNICATION), now=float(request))
+            await telemetry._validation(ctl, published)
+            assert (
+                tracker.awaiting is not None and tracker.awaiting[0] == request
+            )  # a pass asked for, each time
+            tracker.validated(result(request, []))  # it found nothing: the report is dismissed
+    finally:
+        await client.aclose()
+    requested = [e for e in events if e[1] == "ValidationRequested"]
+    assert len(requested) == 1 and requested[0][2].startswith("validation 1 at generation 0"), events
+    logged = [r.getMessage() for r in caplog.records if "validation " in r.getMessage()]
+    assert [m.split("validation ")[1].split()[0] for m in logged] == ["1", "2", "3"], logged
