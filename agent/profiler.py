@@ -26,13 +26,18 @@ from .p2p import layer_state_bytes
 
 
 def computed_profile(
-    model: str, seq_len: int, microbatch_size: int, device: str, built: ModelSpec | None = None
+    model: str,
+    seq_len: int,
+    microbatch_size: int,
+    device: str,
+    built: ModelSpec | None = None,
+    flops: float | None = None,
 ) -> ModelProfile:
     """A Hugging Face model's profile computed from its config, no layer built (`planner.hf_profile`), as
     node 0 computes it for a job without a profile and `rjob plan -f` for a manifest: `hf:<dir>` from its
     config.json alone (the weights need not be there), `hf:<family>?k=v` from the configuration transformers
-    completes, as the runtime's model is (`built`, when the caller has it already). ValueError naming the
-    model otherwise."""
+    completes, as the runtime's model is (`built`, when the caller has it already). Priced at `flops`, or
+    at `device_flops(device)`. ValueError naming the model otherwise."""
     from resilientjob.planner.hf_profile import profile_from_hf_config
     from resilientjob.protocol.models import HF_PREFIX, ModelSource, model_source
 
@@ -51,9 +56,8 @@ def computed_profile(
         if spec.hf is None:
             raise ValueError(f"model: {model} has no Hugging Face config to compute a profile from")
         config = spec.hf.config.to_dict()
-    return profile_from_hf_config(
-        config, seq_len, microbatch_size, device_flops=device_flops(device), name=model
-    )
+    speed = flops if flops is not None else device_flops(device)
+    return profile_from_hf_config(config, seq_len, microbatch_size, device_flops=speed, name=model)
 
 
 def device_flops(device: str) -> float:

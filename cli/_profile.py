@@ -1,7 +1,8 @@
 """`rjob profile`: measure a ModelProfile (per-layer time and memory) on this device and write it as JSON.
 
-With `--computed`, a Hugging Face model's profile is computed from its config instead (FLOPs at
-`--device-flops`, exact bytes; `planner/hf_profile.py`): no layer is built, so it works for any size."""
+With `--computed`, a Hugging Face model's profile is computed from its config instead, as node 0 computes it
+(FLOPs at `--device-flops` or the device's speed, exact bytes; `agent.profiler.computed_profile`): no layer
+is built, so it works for any size."""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="Hugging Face models: compute the profile from the config (FLOPs, exact bytes), do not measure",
     )
     parser.add_argument(
-        "--device-flops", type=float, default=None, help="--computed: the device's FLOP/s (default 150e12)"
+        "--device-flops",
+        type=float,
+        default=None,
+        help="--computed: the device's FLOP/s (default: for cpu, this CPU's timed fp32 matrix product, as "
+        "node 0 prices it; for an accelerator 150e12)",
     )
     parser.add_argument("--out", type=Path, help="write the profile here (default: print it)")
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
@@ -45,8 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _run(args: argparse.Namespace) -> int:
     # torch is imported only when this command runs, so `rjob plan` stays light.
     from resilientjob.agent.models import ModelKind, load_model
-    from resilientjob.agent.profiler import measure_profile
-    from resilientjob.planner.hf_profile import NOMINAL_FLOPS, profile_from_hf_config
+    from resilientjob.agent.profiler import computed_profile, measure_profile
 
     if args.device_flops is not None and not args.computed:
         raise CliError("device-flops: only with --computed (a measured profile times this device)")
@@ -68,12 +72,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.computed:
             if spec.hf is None:
                 raise CliError(f"model: --computed needs a Hugging Face model, got {args.model}")
-            profile = profile_from_hf_config(
-                spec.hf.config.to_dict(),
-                seq_len=spec.seq_len,
-                microbatch_size=args.microbatch_size,
-                device_flops=args.device_flops or NOMINAL_FLOPS,
-                name=args.model,
+            device = args.device.split(":")[0]
+            profile = computed_profile(
+                args.model, spec.seq_len, args.microbatch_size, device, built=spec, flops=args.device_flops
             )
         else:
             profile = measure_profile(spec, args.microbatch_size, args.repeats, args.device)

@@ -446,4 +446,11 @@ def test_rjob_profile_of_a_directory_computed_and_measured(
         assert profile.num_layers == spec.num_layers
     # Bytes agree exactly between the measurement (what the runtime sends) and the formulas.
     assert [a.state_bytes for a in profiles[0].layers] == [b.state_bytes for b in profiles[1].layers]
+    # On cpu it is priced at this CPU's own speed, as node 0 prices it: an accelerator's nominal 150 TFLOP/s
+    # priced a CPU job's steps about a thousand times too cheap.
+    nominal = tmp_path / "nominal.json"
+    argv = ["profile", f"hf:{directory}", "--seq-len", "8", "--computed", "--out", str(nominal)]
+    assert rjob([*argv, "--device-flops", "150e12"]) == 0
+    own, at_nominal = (sum(ModelProfile.load(p).stage_times(0, spec.num_layers)) for p in (computed, nominal))
+    assert own > 10 * at_nominal, (own, at_nominal)
     assert rjob(["profile", f"hf:{tmp_path / 'missing'}", "--computed"]) == 2
