@@ -195,6 +195,8 @@ class CommittedStep:
     step: int
     loss: float
     sq_norm: float
+    checkpoint: bool = False
+    """World rank 0's clock asked for a checkpoint of it (the time interval), in its commit all-reduce."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +211,8 @@ class RolledStep:
     sq_norm: float
     plan: Plan
     """The plan it was trained under (`VotedStep.plan`)."""
+    checkpoint: bool = False
+    """Its peers checkpointed it on the time interval (`CommittedStep.checkpoint`): so must this rank."""
 
 
 def reduce_dtype(device: torch.device) -> torch.dtype:
@@ -268,16 +272,17 @@ def agree_on_step(
             committed.sq_norm if ahead and committed is not None else -math.inf,
             committed.loss if ahead and committed is not None else -math.inf,
             1.0 if stuck else 0.0,
+            1.0 if ahead and committed is not None and committed.checkpoint else 0.0,
         ],
         dtype=reduce_dtype(comm_device),
         device=comm_device,
     )
     wait(dist.all_reduce(facts, op=dist.ReduceOp.MAX, async_op=True), "step catch-up")
-    sq_norm, loss, someone_stuck = (float(value) for value in facts.tolist())
+    sq_norm, loss, someone_stuck, checkpoint = (float(value) for value in facts.tolist())
     if someone_stuck > 0 or sq_norm == -math.inf:
         raise ReconfigurationError(
             f"step: workers disagree ({low}..{high}); a worker behind no longer holds step {low}'s gradients"
         )
     if not behind or voted is None:
         return high, None
-    return high, RolledStep(voted.generation, low, loss, sq_norm, voted.plan)
+    return high, RolledStep(voted.generation, low, loss, sq_norm, voted.plan, checkpoint > 0)

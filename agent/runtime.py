@@ -587,7 +587,7 @@ class Trainer:
         loss, switch, total_sq_norm = self._commit(
             float(loss_sum), latest_generation > self.generation, norm_share, sample_ids
         )
-        self._committed = CommittedStep(self.generation, step, loss, total_sq_norm)
+        self._committed = CommittedStep(self.generation, step, loss, total_sq_norm, self.checkpoint_due)
         self._apply_update(total_sq_norm)
         if not self._abandoned:
             self._pending = []

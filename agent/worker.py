@@ -417,12 +417,11 @@ def worker_main(
 def checkpoint_rolled(trainer: Trainer, checkpointer: Checkpointer, rolled: RolledStep, steps: int) -> None:
     """Save a step this rank applied at a rendezvous (`Trainer.on_rolled`: its peers committed it, its own
     commit was lost) as its peers saved it when they committed it, with the layers it is the designated
-    writer of under the plan that trained it. Without this, a due step's checkpoint lacked this rank's
-    layers, and a last step's left the trained model's fallback (`_final_export`) incomplete. A request of
-    the time interval travelled in the commit this rank missed: it is not known here, and that step stays
-    incomplete, as a step cut short by a failure does."""
+    writer of under the plan that trained it: on the step interval, on the time interval (its peers' commit
+    said so, `RolledStep.checkpoint`), and at the last step. Without this, a due step's checkpoint lacked
+    this rank's layers, and a last step's left the trained model's fallback (`_final_export`) incomplete."""
     step = rolled.step + 1  # the committed steps once it is applied, as the training loop counts them
-    if checkpointer.due(step) or step >= steps:
+    if checkpointer.due(step) or rolled.checkpoint or step >= steps:
         owners = designated_holders(rolled.plan)
         mine = {i for i, owner in owners.items() if owner == trainer.node and i in trainer.layers}
         checkpointer.save(step, trainer.layers, mine)

@@ -284,3 +284,7 @@ def test_a_rolled_step_is_saved_when_due_with_the_layers_its_plan_gave_this_node
     assert checkpointer.latest_complete(plan.num_layers) == 5
     roll(11)  # the last step, due or not: the trained model's fallback
     assert (tmp_path / "step12").is_dir()
+    # Off the step interval, but its peers' commit asked for it (world rank 0's time interval).
+    trainer = cast(Trainer, node[1])
+    checkpoint_rolled(trainer, checkpointer, RolledStep(0, 6, 1.0, 1.0, plan, checkpoint=True), steps=12)
+    assert (tmp_path / "step7").is_dir()

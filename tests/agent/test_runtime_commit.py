@@ -130,12 +130,13 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
         training=JobConfig.plain(lr=3e-3).workload.training,
         collective_timeout_s=10.0,  # the failure notice ends waits at once; this only bounds stalls
         fault_hook=hook,
+        checkpoint_interval_s=1e-9,  # world rank 0 asks for a checkpoint at every commit (the time interval)
     )
     trainer.init_layers(plan)
     # What the rank holds when a rolled step is handed over: the worker checkpoints these layers.
-    seen_rolled: list[tuple[int, int, list[int], int]] = []
+    seen_rolled: list[tuple[int, int, list[int], int, bool]] = []
     trainer.on_rolled = lambda rolled: seen_rolled.append(
-        (rolled.step, rolled.plan.generation, sorted(trainer.layers), trainer.step)
+        (rolled.step, rolled.plan.generation, sorted(trainer.layers), trainer.step, rolled.checkpoint)
     )
     trainer.apply_plan(plan, store)
     losses: dict[int, float] = {}
@@ -304,10 +305,12 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
         # abandoned s + 1, waiting for it.
         assert aborted == [FAIL_STEP if node == VICTIM else FAIL_STEP + 1], collected[node]
         assert rolled == ([FAIL_STEP] if node == VICTIM else []), collected[node]
-        # Handed to the worker once applied (s + 1 steps committed), with the plan that trained it and the
-        # layers that plan gave this node, before the new generation moved any.
+        # Handed to the worker once applied (s + 1 steps committed), with the plan that trained it, the
+        # layers that plan gave this node, before the new generation moved any, and the checkpoint request
+        # its peers' commit carried.
         held = sorted(held_layers(plan)[VICTIM])
-        assert seen_rolled == ([(FAIL_STEP, 0, held, FAIL_STEP + 1)] if node == VICTIM else []), seen_rolled
+        expected = [(FAIL_STEP, 0, held, FAIL_STEP + 1, True)] if node == VICTIM else []
+        assert seen_rolled == expected, seen_rolled
         assert sorted(losses) == list(range(STEPS)), collected[node]
         for index in range(STEPS):
             assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)

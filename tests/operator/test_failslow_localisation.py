@@ -226,7 +226,8 @@ def test_a_straggler_must_cost_the_job_a_threshold_of_its_step() -> None:
         assert tracker.gate.straggler(0) is False
         # A dismissal says which part of the rule failed.
         assert tracker.gate.why_not(0) == (
-            "its compute per share of the work took 1.00x the other nodes' median, not over the 1.5x threshold"
+            "its compute per share of the work took 1.00x the other nodes' median, not over the 1.5x "
+            "threshold"
         )
         if not expected:
             assert tracker.gate.why_not(3) == (
