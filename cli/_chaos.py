@@ -158,7 +158,8 @@ def _redis(cluster: _Cluster, pod: dict[str, Any], name: str, url: str | None) -
     url = url or _env_value(cluster, pod, "RJOB_REDIS_URL") or os.environ.get("RJOB_REDIS_URL")
     if not url:
         raise CliError(f"redis-url: pod {name!r} names no Redis; pass --redis-url")
-    password = _env_value(cluster, pod, "RJOB_REDIS_PASSWORD") or os.environ.get("RJOB_REDIS_PASSWORD")
+    # The shell's password first: who cannot read the job's Secret (RBAC) gives it so (README).
+    password = os.environ.get("RJOB_REDIS_PASSWORD") or _env_value(cluster, pod, "RJOB_REDIS_PASSWORD")
     return redis.Redis.from_url(url, password=password or None, socket_connect_timeout=3)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from . import _capacity, _manifests, api
+from . import _capacity, _decide, _manifests, api
 from ._job_view import JobView
 from ._pods import WorkerPods
 from .kube import KubeApi, core_path
@@ -66,15 +66,7 @@ async def earlier_job_gone(ctl: JobView, uid: str, stopped: kopf.DaemonStopped) 
         orphans = [leftover.name for leftover in found if leftover.orphaned]
         if not said or (orphans and said != "orphans"):
             said = "orphans" if orphans else "owned"
-            names = ", ".join(leftover.name for leftover in found[:4])
-            message = f"waiting for an earlier job of this name to be deleted: {names}"
-            if orphans:
-                message += (
-                    f"; {len(orphans)} of them orphaned (deleted with --cascade=orphan), which nothing "
-                    f"deletes: `kubectl delete -n {ctl.namespace} {' '.join(orphans)}`"
-                )
-            log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
-            ctl.event("Warning" if orphans else "Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
+            await _say_waiting(ctl, found, orphans)
         for leftover in found:
             pod = leftover.name.removeprefix("pod/")
             if pod == leftover.name or pod in forced:
@@ -90,6 +82,45 @@ async def earlier_job_gone(ctl: JobView, uid: str, stopped: kopf.DaemonStopped) 
                 ctl.event("Warning", api.Reason.WAITING_FOR_EARLIER_JOB, message)
         await stopped.wait(1.0)
     return not stopped
+
+
+ORPHANS_NAMED = 8
+"""Orphans named one by one in the `kubectl delete` the Warning gives; more are deleted by the job's label
+(an Event's message is cut at 1024 characters, and the command must survive whole)."""
+
+
+def delete_command(namespace: str, job: str, orphans: list[str]) -> str:
+    """The `kubectl delete` of an earlier job's orphans: by name, or by the job's label when many."""
+    targets = (
+        " ".join(orphans)
+        if len(orphans) <= ORPHANS_NAMED
+        else f"pods,configmaps,services -l {_manifests.job_selector(job)}"
+    )
+    return f"kubectl delete -n {namespace} {targets}"
+
+
+async def _say_waiting(ctl: JobView, found: list[Leftover], orphans: list[str]) -> None:
+    """An Event, and with orphans (which only a user's delete takes away, however long the job waits) the
+    Planned condition too, which outlives Events (about an hour): what the job waits for, and the command
+    that deletes the orphans."""
+    names = ", ".join(leftover.name for leftover in found[:4])
+    message = f"waiting for an earlier job of this name to be deleted: {names}"
+    if orphans:
+        message += (
+            f"; {len(orphans)} of them orphaned (deleted with --cascade=orphan), which nothing deletes: "
+            f"`{delete_command(ctl.namespace, ctl.name, orphans)}`"
+        )
+        conditions = _decide.set_condition(
+            ctl.status.conditions,
+            api.ConditionType.PLANNED,
+            False,
+            api.Reason.WAITING_FOR_EARLIER_JOB,
+            message,
+        )
+        ctl.status = ctl.status.model_copy(update={"conditions": conditions})
+        await ctl.write_status(force=True)
+    log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
+    ctl.event("Warning" if orphans else "Normal", api.Reason.WAITING_FOR_EARLIER_JOB, message)
 
 
 def stuck(pod: Mapping[str, Any], now: float, grace_s: float) -> bool:

@@ -216,8 +216,10 @@ def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     job = owners[0].get("name") if owners else (meta.get("labels") or {}).get(LABEL_JOB)
     controllers = shared_of(memo).controllers
     controller = controllers.get((str(meta.get("namespace")), job)) if job else None
-    if controller is not None and owners and controller.uid and owners[0].get("uid") != controller.uid:
-        return  # a pod of an earlier job of the same name, still being deleted (`_lifecycle`)
+    if controller is not None and controller.uid and (not owners or owners[0].get("uid") != controller.uid):
+        # A pod of an earlier job of the same name, still being deleted or orphaned by a delete with
+        # --cascade=orphan (`_lifecycle`): none of this job's, whatever its labels say.
+        return
     if controller is not None:
         controller.observe_pod(pod, deleted=event.get("type") == "DELETED")
 

@@ -154,3 +154,15 @@ def test_an_earlier_jobs_pod_is_forced_out_only_once_its_grace_is_spent() -> Non
     assert not _lifecycle.stuck(terminating, at + 59, 60.0)  # its kubelet may still confirm it
     assert _lifecycle.stuck(terminating, at + 60, 60.0)  # counted from the end of its grace period
     assert not _lifecycle.stuck({"metadata": {"name": "late-node-2"}}, at + 600, 60.0)  # not being deleted
+
+
+def test_an_earlier_jobs_orphans_are_deleted_by_name_or_when_many_by_the_jobs_label() -> None:
+    few = [f"pod/llama-node-{n}" for n in range(3)] + ["configmap/llama-plan"]
+    assert _lifecycle.delete_command("team-a", "llama", few) == f"kubectl delete -n team-a {' '.join(few)}"
+    many = [f"pod/llama-node-{n}" for n in range(64)]
+    command = _lifecycle.delete_command("team-a", "llama", many)
+    # An Event's message is cut at 1024 characters: the command must survive whole.
+    assert (
+        command == f"kubectl delete -n team-a pods,configmaps,services -l {_manifests.job_selector('llama')}"
+    )
+    assert len(command) < 200

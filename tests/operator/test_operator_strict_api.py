@@ -181,6 +181,10 @@ async def test_an_earlier_jobs_orphaned_objects_are_waited_for_not_taken(stack: 
     await asyncio.sleep(1.0)
     status_now = await kube.job_status("orph")
     assert status_now.get("planGeneration", -1) < 0 and not status_now.get("fencedNodes"), status_now
+    # Said in the status too, which outlives the Event: the job would wait for ever.
+    planned_condition = next(c for c in status_now["conditions"] if c["type"] == "Planned")
+    assert planned_condition["status"] == "False" and planned_condition["reason"] == "WaitingForEarlierJob"
+    assert command in planned_condition["message"]
 
     # What the Warning says to run.
     for name in command.split()[4:]:
