@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml testing/pyproject.toml
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv >/dev/null; }
+	  VER=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq "python$$VER-venv" >/dev/null; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU wheel first, from PyTorch's CPU index: PyPI's torch is the multi-GB CUDA build. A wheel

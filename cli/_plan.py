@@ -113,7 +113,8 @@ def _run(args: argparse.Namespace) -> int:
     missing = [f"--{name.replace('_', '-')}" for name in _REQUIRED if getattr(args, name) is None]
     if missing:
         raise CliError(f"{missing[0]}: required without -f (a manifest); missing: {' '.join(missing)}")
-    cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node or 1}
+    gpus = 1 if args.gpus_per_node is None else args.gpus_per_node
+    cluster_fields: dict[str, Any] = {"nodes": args.nodes, "gpus_per_node": gpus}
     if args.device_memory is not None:
         cluster_fields["device_memory_bytes"] = device_memory_bytes(args.device_memory)
     cluster = ClusterSpec(**cluster_fields)
@@ -140,8 +141,8 @@ def _run(args: argparse.Namespace) -> int:
 def _run_manifest(args: argparse.Namespace) -> int:
     """The operator's own planning (`operator.planning`) on the manifest's job: the first plan, then, with
     `--failed`, the recovery at `--step` priced with the job's own checkpointing and overheads."""
-    for flag in ("checkpointing", "last_checkpoint_step"):
-        if getattr(args, flag) not in (None, False):
+    for flag, unset in (("checkpointing", False), ("last_checkpoint_step", None)):
+        if getattr(args, flag) is not unset:
             raise CliError(
                 f"--{flag.replace('_', '-')}: not with -f (the manifest's spec.checkpoint says how the job "
                 "checkpoints)"

@@ -111,14 +111,15 @@ def _profile(spec: api.ResilientJobSpec, documents: list[Document]) -> tuple[dic
         device = spec.device_resource.device_kind
         try:
             computed = computed_profile(request.model, request.seq_len, request.microbatch_size, device)
-        except (
-            ValueError,
-            OSError,
-            ImportError,
-        ) as exc:  # PlannerError, an unreadable config, no transformers
-            line = " ".join(str(exc).split()).removeprefix("model: ")
+        except (ValueError, OSError, ImportError) as exc:  # PlannerError, bad config, no transformers
+            line = " ".join(str(exc).split())
+            if line.startswith(
+                "seq_len: "
+            ):  # the data's length is what the model cannot take (node 0 says so)
+                raise PlannerError("spec.data.seqLen", line.removeprefix("seq_len: ")) from None
             raise PlannerError(
-                "spec.model", f"{line} (node 0 reads it in its pod; here, give --profile instead)"
+                "spec.model",
+                f"{line.removeprefix('model: ')} (node 0 reads it in its pod; here, give --profile instead)",
             ) from None
         speed = (
             "at this machine's CPU speed"

@@ -180,6 +180,11 @@ def test_a_hugging_face_directory_is_profiled_from_its_config_as_node_0_does(
     gone = _write(tmp_path, _job(model=f"hf:{tmp_path / 'nowhere'}", profile=None))
     line = _error(capsys, "-f", gone)
     assert "spec.model" in line and "nowhere" in line and "--profile" in line, line
+    # Samples longer than a configuration's 16 positions: the data's field to change, as node 0 would say.
+    long = {"format": "synthetic", "seqLen": 64}
+    configuration = "hf:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=16"
+    line = _error(capsys, "-f", _write(tmp_path, _job(model=configuration, profile=None, data=long)))
+    assert "spec.data.seqLen: " in line and "--profile" not in line, line
 
 
 @pytest.mark.parametrize(
@@ -203,16 +208,23 @@ def test_a_manifest_it_cannot_plan_is_one_line(
 def test_checkpoint_flags_are_the_manifests_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = _error(capsys, "-f", _write(tmp_path, _job()), "--checkpointing")
     assert line.startswith("rjob: error: --checkpointing: not with -f"), line
+    line = _error(capsys, "-f", _write(tmp_path, _job()), "--last-checkpoint-step", "0")
+    assert line.startswith("rjob: error: --last-checkpoint-step: not with -f"), line
+    assert "gpus_per_node" in _error(capsys, *_same_job_by_flags(tmp_path, **{"--gpus-per-node": "0"}))
     assert "--profile: required without -f" in _error(capsys, "--nodes", "3")
 
 
 def test_human_output_gives_units_and_no_figures_for_candidates_that_cannot_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["plan", "-f", _write(tmp_path, _job()), "--failed", "2"]) == 0
+    # Six nodes in pipelines of 8 GiB stages: node 2 fails, a re-route would keep one replica of its layers
+    # where the five left can hold two (f + 1): that candidate cannot run.
+    assert main(["plan", "-f", _write(tmp_path, _job(nodes=6)), "--failed", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("job planned: profile spec.profile.inline")
     assert "samples/s" in out.splitlines()[1]
+    marks = [line.strip()[:5] for line in out.splitlines() if line.strip().startswith("[")]
+    assert "[n/a]" in marks and "[ok ]" in marks, out
     for line in out.splitlines():
         if line.strip().startswith("[n/a]"):
             assert "step" not in line and "effective" not in line, line

@@ -7,7 +7,13 @@ import pytest
 from _support import bert_spec_fields
 
 from resilientjob.operator.api import parse_spec
-from resilientjob.operator.planning import checkpoint_state, plan_initial, plan_next, planner_inputs
+from resilientjob.operator.planning import (
+    checkpoint_state,
+    plan_initial,
+    plan_next,
+    planner_inputs,
+    warn_node_local_checkpoints,
+)
 from resilientjob.planner import Policy
 
 
@@ -60,3 +66,18 @@ def test_replan_beyond_f_charges_the_steps_since_the_checkpoint() -> None:
     assert plan.policy is Policy.CHECKPOINT
     candidate = next(c for c in plan.candidates if c.policy is Policy.CHECKPOINT)
     assert "step 20, 5 steps redone" in candidate.reason
+
+
+@pytest.mark.parametrize(
+    ("fields", "warned"),
+    [
+        ({"model": "gpt"}, True),  # trains, and each pod's checkpoints go with it
+        ({"model": "gpt", "checkpoint": {"volume": "shared-checkpoints"}}, False),  # a shared claim
+        ({"model": "synthetic:bert-large"}, False),  # the synthetic loop writes no checkpoint
+        ({"model": "synthetic:bert-large", "checkpoint": {"volume": "shared-checkpoints"}}, False),
+    ],
+)
+def test_a_job_is_warned_of_node_local_checkpoints_when_it_trains_without_a_shared_volume(
+    fields: dict[str, object], warned: bool
+) -> None:
+    assert warn_node_local_checkpoints(parse_spec(bert_spec_fields(**fields))) is warned
