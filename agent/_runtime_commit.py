@@ -58,6 +58,8 @@ from resilientjob.protocol.store_keys import samples_key, vote_key
 
 from ._data_files import DataError
 from ._runtime_wait import Wait
+from ._termination import WorkloadError
+from .data import ORDER_VERSION
 
 _ABORT = "abort"
 _NOBODY = -(2**62)
@@ -230,6 +232,7 @@ def agree_on_step(
     wait: Wait,
     num_samples: int = 0,
     data_fingerprint: int = 0,
+    order_version: int = ORDER_VERSION,
 ) -> tuple[int, RolledStep | None]:
     """The step every rank of a new world resumes at, and the step this rank must apply first to get there
     (None when it is there already). A collective: every rank of the world calls it, right after joining.
@@ -241,9 +244,10 @@ def agree_on_step(
     them (`data_fingerprint`, `data.fingerprint`): the order of the samples follows from the first, and
     two ranks that opened different data (a file that grew or was replaced while the job ran, nodes with
     different copies) would feed one micro-batch's first and last stages different samples without
-    anything failing. Every rank then raises `DataError` naming `spec.data.path`."""
+    anything failing. Every rank then raises `DataError` naming `spec.data.path`. So with the version of the
+    sample order of its image (`data.ORDER_VERSION`): `WorkloadError` naming `spec.image`."""
     mine = (0, _NOBODY) if joining else (step, -step)
-    stated = [num_samples, -num_samples, data_fingerprint, -data_fingerprint]
+    stated = [num_samples, -num_samples, data_fingerprint, -data_fingerprint, order_version, -order_version]
     bounds = torch.tensor([*mine, *stated], dtype=torch.int64, device=comm_device)
     wait(dist.all_reduce(bounds, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
     high, low = int(bounds[0]), -int(bounds[1])
@@ -253,6 +257,13 @@ def agree_on_step(
             "spec.data.path",
             f"the workers opened data sets of {fewest} to {most} samples: the data changed while the job "
             "ran, or the nodes read different copies",
+        )
+    if int(bounds[6]) != -int(bounds[7]):
+        raise WorkloadError(
+            "spec.image",
+            f"the workers' images order the samples differently (versions {-int(bounds[7])} to "
+            f"{int(bounds[6])}): a tag such as :latest was pulled at different times; pin the image by "
+            "digest",
         )
     if int(bounds[4]) != -int(bounds[5]):
         raise DataError(

@@ -80,6 +80,12 @@ def open_dataset(spec: DataSpec, vocab: int, cache_dir: Path) -> TokenDataset:
     return dataset
 
 
+ORDER_VERSION = 2
+"""The version of the sample order a seed gives (`SampleOrder`, `EpochShuffle`): raised with every change to
+it (2: the Feistel order computed per position, 2026-11-28). Ranks compare it when a world forms, as they
+compare the data (`_runtime_commit.agree_on_step`): images of two versions in one world (a mutable tag
+pulled at different times) would feed a micro-batch's stages different samples without anything failing."""
+
 FINGERPRINT_SAMPLES = 16
 """Samples, evenly spaced over a data set, that its fingerprint reads."""
 

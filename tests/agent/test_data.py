@@ -659,8 +659,12 @@ def test_open_dataset_jsonl(tmp_path: Path) -> None:
 def test_an_epochs_order_is_the_same_on_every_numpy() -> None:
     """Pinned: workers on different images (a replacement pulled later) must draw the same samples. The
     keys come from SeedSequence, whose output NumPy keeps fixed across releases; a Generator's draws, which
-    the keys came from before, may change with one. A change here is a change of every job's order."""
-    from resilientjob.agent.data import EpochShuffle
+    the keys came from before, may change with one. A change here is a change of every job's order: raise
+    `data.ORDER_VERSION` with it (and the version below), so that a world of old and new images refuses to
+    train instead of drawing different samples in one micro-batch."""
+    from resilientjob.agent.data import ORDER_VERSION, EpochShuffle
+
+    assert ORDER_VERSION == 2
 
     positions = np.arange(12, dtype=np.uint64)
     assert EpochShuffle.of(12, 3, 0).ids(positions).tolist() == [7, 4, 11, 8, 2, 10, 5, 0, 1, 9, 6, 3]

@@ -316,8 +316,9 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
             assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
 
 
-def _agree(rank: int, port: int, data: tuple[int, int], results: Queue[Any]) -> None:
-    """One rank of a two-rank world that agrees on its step with a data set of `data` (size, digest)."""
+def _agree(rank: int, port: int, data: tuple[int, ...], results: Queue[Any]) -> None:
+    """One rank of a two-rank world that agrees on its step with a data set of `data` (size, digest, and
+    optionally its image's sample-order version)."""
     import torch.distributed as dist
 
     from resilientjob.agent._runtime_commit import agree_on_step
@@ -341,10 +342,11 @@ def _agree(rank: int, port: int, data: tuple[int, int], results: Queue[Any]) -> 
         (((64, 7), (64, 7)), ""),
         (((64, 7), (72, 7)), "64 to 72 samples"),
         (((64, 7), (64, 8)), "64 samples with different contents"),
+        (((64, 7, 2), (64, 7, 3)), "versions 2 to 3"),
     ],
 )
 def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(
-    data: tuple[tuple[int, int], tuple[int, int]], says: str
+    data: tuple[tuple[int, ...], tuple[int, ...]], says: str
 ) -> None:
     """The order of the samples follows from the data set's size: ranks that read different copies (or a
     file that grew meanwhile) would train one micro-batch on different samples in different stages. Copies
@@ -365,6 +367,9 @@ def test_ranks_that_opened_different_data_refuse_to_train_naming_the_data(
             process.join(10)
     if not says:
         assert outcomes == [(0, "agreed", 3), (1, "agreed", 3)]
+    elif "versions" in says:  # the images differ, not the data: the field to change is the image
+        assert [kind for _, kind, _ in outcomes] == ["WorkloadError", "WorkloadError"], outcomes
+        assert all("spec.image: " in str(text) and says in str(text) for *_, text in outcomes)
     else:
         assert [kind for _, kind, _ in outcomes] == ["DataError", "DataError"], outcomes
         assert all("spec.data.path: " in str(text) and says in str(text) for *_, text in outcomes)
