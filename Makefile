@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml testing/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU wheel first, from PyTorch's CPU index: PyPI's torch is the multi-GB CUDA build. A wheel
-	# pip already finds on this machine (its find-links) is taken without the network.
-	$(PY) -m pip install -q --no-index $(TORCH_PIN) 2>/dev/null \
-	  || $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN)
+	# pip already finds on this machine (its find-links) is taken without the network; its dependencies
+	# come with the package's below, from the usual index.
+	$(PY) -m pip install -q --no-index --no-deps $(TORCH_PIN) 2>/dev/null \
+	  || $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple $(TORCH_PIN)
 	# The package with its extras, and the test harness (resilientjob.testing: its own distribution, never shipped).
 	$(PY) -m pip install -q -e '.[dev,local]' -e ./testing
 	@touch $(STAMP)
