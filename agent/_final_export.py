@@ -15,7 +15,9 @@ generation, and every worker marks again what it wrote.
 
 With tensor-parallel stages a layer is gathered over the node's devices before its first device writes it,
 a collective: the node's first device decides which layers to write and tells the others through the store
-(`store_keys.export_round_key`), so that every device gathers the same layers in the same order.
+(`store_keys.export_round_key`), so that every device gathers the same layers in the same order. It
+announces its rounds again on a replaced store (`_Rounds`), and waits for the others to have read the last
+one: a round lost with the old store left them waiting `STALL_S`, then failing the job.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from torch._C._distributed_c10d import Store
 
-from resilientjob.protocol.store_keys import export_round_key, exported_key
+from resilientjob.protocol.store_keys import export_ack_key, export_round_key, exported_key
 
 from ._plan_store import read_generation, read_plan
 from ._runtime_schedule import held_layers, world_nodes
@@ -73,6 +75,40 @@ def assigned(node: int, held: Mapping[int, Set[int]], live: Set[int], num_layers
     return mine
 
 
+class _Rounds:
+    """A tensor-parallel node's first device's export rounds, as announced to its other devices: kept, to be
+    announced again on a store that was replaced (it starts empty), and closed by "done" once each of the
+    others said it read that."""
+
+    def __init__(self, node: int, degree: int) -> None:
+        self.node, self.degree = node, degree
+        self.announced: list[str] = []
+
+    def announce(self, store: Store, text: str) -> None:
+        store.set(export_round_key(self.node, len(self.announced)), text)
+        self.announced.append(text)
+
+    def replay(self, store: Store) -> None:
+        for round_, text in enumerate(self.announced):
+            store.set(export_round_key(self.node, round_), text)
+
+    def finish(self, store: Store, deadline_s: float = STALL_S) -> bool:
+        """Say "done" and wait until every other device read it, announcing the rounds again whenever the
+        store was replaced (a newer generation) meanwhile; False when they did not within `deadline_s`."""
+        self.announce(store, "done")
+        acks = [export_ack_key(self.node, lane) for lane in range(1, self.degree)]
+        seen, deadline = read_generation(store), time.monotonic() + deadline_s
+        while not store.check(acks):
+            if time.monotonic() > deadline:
+                return False
+            newest = read_generation(store)
+            if newest > seen:
+                seen = newest
+                self.replay(store)
+            time.sleep(_POLL_S)
+        return True
+
+
 def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: Checkpointer | None) -> None:
     """Write this node's part of the trained model into `directory` and, on the node's first device, wait
     until the whole model is there (see the module's docstring). OSError when the directory cannot be
@@ -86,7 +122,8 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
     held = held_layers(trainer.plan)
     live = set(world_nodes(trainer.plan))
     every = {item: exported_key(item) for item in [*range(num_layers), METADATA]}
-    seen, written, round_ = trainer.generation, set[int](), 0
+    seen, written = trainer.generation, set[int]()
+    rounds = _Rounds(trainer.node, trainer.degree)
     todo = sorted(assigned(trainer.node, held, live, num_layers))
     progress = counted = time.monotonic()
     marked = 0
@@ -95,8 +132,7 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
             _check_sources(trainer, todo, directory, checkpointer, live)
             trainer.hooks.before_export(store, todo)
             if trainer.degree > 1:
-                store.set(export_round_key(trainer.node, round_), json.dumps(todo))
-                round_ += 1
+                rounds.announce(store, json.dumps(todo))
             _write(trainer, todo, directory, checkpointer)
             for item in todo:
                 store.set(every[item], str(trainer.node))
@@ -110,6 +146,7 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
             live &= set(world_nodes(read_plan(store, newest)))
             for item in written:
                 store.set(every[item], str(trainer.node))
+            rounds.replay(store)  # the other devices may be waiting for a round the old store took along
             todo = sorted(assigned(trainer.node, held, live, num_layers) - written)
             progress = time.monotonic()
             continue
@@ -129,8 +166,8 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
                 "spec.output.path", f"{directory}: no file written for {STALL_S:.0f} s; still missing {named}"
             )
         time.sleep(_POLL_S)
-    if trainer.degree > 1:
-        store.set(export_round_key(trainer.node, round_), "done")
+    if trainer.degree > 1 and not rounds.finish(store):
+        print(f"node {trainer.node}: its other devices did not say they finished the export", flush=True)
     print(
         f"node {trainer.node}: exported layers {sorted(i for i in written if i >= 0)} to {directory}",
         flush=True,
@@ -153,6 +190,7 @@ def _follow(trainer: Trainer, store: Store, directory: Path) -> None:
             time.sleep(_POLL_S)
         announced = store.get(key).decode()
         if announced == "done":
+            store.set(export_ack_key(trainer.node, trainer.local_rank), "1")
             return
         _write(trainer, [int(item) for item in json.loads(announced)], directory, None)
         round_ += 1

@@ -134,3 +134,8 @@ def export_round_key(node: int, round_: int) -> str:
     """JSON list of the items `node`'s first device writes in export round `round_`, for its other devices
     to gather with it; "done" once the model is whole."""
     return f"export/{node}/{round_}"
+
+
+def export_ack_key(node: int, local_rank: int) -> str:
+    """Set by device `local_rank` of `node` once it read that node's "done" round (`export_round_key`)."""
+    return f"export/{node}/ack/{local_rank}"

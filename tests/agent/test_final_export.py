@@ -8,6 +8,7 @@ what the plain PyTorch run's model does."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,49 @@ def test_the_last_step_is_saved_and_the_steps_before_it_pruned(tmp_path: Path) -
     model_dir, tokens = gpt2_directory(tmp_path / "gpt2"), token_file(tmp_path / "tokens.bin")
     _checkpointed(tmp_path, model_dir, tokens, pp=1).run(timeout_s=120)
     assert sorted(d.name for d in (tmp_path / "ckpt").glob("step*")) == ["step10", f"step{STEPS}"]
+
+
+def test_a_tensor_parallel_nodes_export_rounds_survive_a_replaced_store() -> None:
+    """The node's first device announces what its other devices gather with it, round by round. A store
+    replaced mid-export (it comes back empty, under a newer generation) lost a round they had not read yet:
+    they waited `STALL_S` and failed the job. The rounds are announced again, and "done" is only left once
+    every other device said it read it."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from resilientjob.agent._final_export import _Rounds
+    from resilientjob.protocol.store_keys import GENERATION_KEY, export_ack_key, export_round_key
+
+    def server() -> TCPStore:
+        return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    old, new = server(), server()
+    rounds = _Rounds(node=3, degree=2)
+    rounds.announce(old, "[0, 1]")
+    rounds.announce(old, "[2]")
+    rounds.replay(new)  # the old store is gone with its keys: the new one gets them all
+    assert [new.get(export_round_key(3, r)).decode() for r in (0, 1)] == ["[0, 1]", "[2]"]
+
+    # "done" goes out and is lost before device 1 reads it (the store replaced: the key gone, a newer
+    # generation committed): the first device announces it again, and waits for device 1's word.
+    read: list[str] = []
+
+    def device_1() -> None:  # its own client, as another process has
+        client = TCPStore("127.0.0.1", new.port, is_master=False, timeout=timedelta(seconds=10))
+        client.wait([export_round_key(3, 2)])
+        client.delete_key(export_round_key(3, 2))
+        client.add(GENERATION_KEY, 1)
+        deadline = time.monotonic() + 10
+        while not client.check([export_round_key(3, 2)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        read.append(client.get(export_round_key(3, 2)).decode())
+        client.set(export_ack_key(3, 1), "1")
+
+    reader = threading.Thread(target=device_1)
+    reader.start()
+    assert rounds.finish(new, deadline_s=20)
+    reader.join(10)
+    assert read == ["done"]
+    assert not _Rounds(node=4, degree=2).finish(new, deadline_s=0.3)  # nobody answers: gives up, says so
