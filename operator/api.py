@@ -146,7 +146,7 @@ class Reason(StrEnum):
 class LayerSpec(_Api):
     """One layer of an inline profile (per micro-batch, on one device)."""
 
-    name: str = Field(default="", max_length=253)
+    name: str = Field(default="", max_length=253, description="The layer's name (default layer<index>).")
     forward_s: float = Field(ge=0, le=3600, description="Forward time per micro-batch, seconds.")
     backward_s: float = Field(ge=0, le=3600, description="Backward time per micro-batch, seconds.")
     param_bytes: int = Field(ge=0, description="Parameter bytes.")
@@ -165,8 +165,15 @@ class ConfigMapKeyRef(_Api):
 class ProfileSource(_Api):
     """Where the per-layer profile comes from: exactly one of inline, configMapRef or measure."""
 
-    inline: list[LayerSpec] | None = Field(default=None, min_length=1, max_length=4096)
-    config_map_ref: ConfigMapKeyRef | None = None
+    inline: list[LayerSpec] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="The layers in order, per micro-batch of microBatchSize on one device (`rjob profile`).",
+    )
+    config_map_ref: ConfigMapKeyRef | None = Field(
+        default=None, description="A ConfigMap key holding the profile as JSON or YAML (`rjob profile`)."
+    )
     measure: bool = Field(
         default=False,
         description="Node 0's agent times the layers on its device before the first plan (the result is "
@@ -202,7 +209,11 @@ class StrategyOverheads(_Api):
 
 
 class FailSlowSpec(_Api):
-    enabled: bool = True
+    """Fail-slow detection and mitigation (Falcon): what counts as slow, and what each mitigation costs."""
+
+    enabled: bool = Field(
+        default=True, description="Detect slow workers and links and mitigate them; false: fail-stop only."
+    )
     slowdown_threshold: float = Field(
         default=1.1,
         gt=1,
@@ -253,7 +264,13 @@ class CheckpointSpec(_Api):
         "(ReadWriteMany). Unset: the path is an emptyDir of each pod, node-local, so a restart finds no "
         "complete checkpoint and starts over from the initial weights (and is priced so).",
     )
-    path: str = Field(default="/checkpoints", min_length=1, max_length=4096)
+    path: str = Field(
+        default="/checkpoints",
+        min_length=1,
+        max_length=4096,
+        description="Directory of the checkpoints in every worker pod, on `volume` when set; a path holds "
+        "one job's checkpoints.",
+    )
     interval_s: int = Field(default=1800, ge=10, le=604800, description="Seconds between checkpoints.")
     interval_steps: int = Field(
         default=0,
@@ -274,25 +291,40 @@ class CheckpointSpec(_Api):
 class VolumeSpec(_Api):
     """A PersistentVolumeClaim mounted into every worker pod (model directories, data sets, outputs)."""
 
-    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    claim_name: str = Field(min_length=1, max_length=253)
-    mount_path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
-    read_only: bool = False
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="The volume's name in the pod.",
+    )
+    claim_name: str = Field(
+        min_length=1, max_length=253, description="PersistentVolumeClaim in the job's namespace."
+    )
+    mount_path: str = Field(
+        min_length=2, max_length=4096, pattern=r"^/", description="Where it is mounted in the worker."
+    )
+    read_only: bool = Field(default=False, description="Mount it read-only (model directories, data sets).")
 
 
 class SecretKeyRef(_Api):
-    name: str = Field(min_length=1, max_length=253)
-    key: str = Field(default="password", min_length=1, max_length=253)
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret in the job's namespace.")
+    key: str = Field(default="password", min_length=1, max_length=253, description="Key holding the value.")
 
 
 class RedisSpec(_Api):
+    """The job's Redis, when not the operator's default one."""
+
     url: str | None = Field(
         default=None,
         max_length=2048,
         pattern=r"^rediss?://",
         description="redis:// or rediss:// URL; empty = the operator's default.",
     )
-    password_secret_ref: SecretKeyRef | None = None
+    password_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="The Redis password; empty: the operator's default (or none)."
+    )
 
 
 def _spec_rules(schema: dict[str, Any]) -> None:
@@ -361,7 +393,13 @@ class ResilientJobSpec(_Api):
         description="Worker pods (one per node) at start.",
         json_schema_extra=_immutable("nodes"),
     )
-    gpus_per_node: int = Field(default=1, ge=1, le=64, json_schema_extra=_immutable("gpusPerNode"))
+    gpus_per_node: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Accelerators per worker pod: a pipeline stage spans them (tensor parallel).",
+        json_schema_extra=_immutable("gpusPerNode"),
+    )
     device_resource: DeviceResource = Field(
         default=DeviceResource.NONE, json_schema_extra=_immutable("deviceResource")
     )
@@ -372,8 +410,18 @@ class ResilientJobSpec(_Api):
         "not fit. Empty: 80Gi.",
         json_schema_extra={**_immutable("deviceMemory"), "pattern": QUANTITY_PATTERN},
     )
-    global_batch_size: int = Field(ge=1, le=2**24, json_schema_extra=_immutable("globalBatchSize"))
-    micro_batch_size: int = Field(ge=1, le=2**20, json_schema_extra=_immutable("microBatchSize"))
+    global_batch_size: int = Field(
+        ge=1,
+        le=2**24,
+        description="Samples per optimizer step, kept through every failure and mitigation.",
+        json_schema_extra=_immutable("globalBatchSize"),
+    )
+    micro_batch_size: int = Field(
+        ge=1,
+        le=2**20,
+        description="Samples per micro-batch; globalBatchSize is a multiple of it.",
+        json_schema_extra=_immutable("microBatchSize"),
+    )
     fault_tolerance: int = Field(
         default=1,
         ge=0,
@@ -388,12 +436,22 @@ class ResilientJobSpec(_Api):
         json_schema_extra=_immutable("replaceFailedNodes"),
     )
     policy: Policy = Field(default=Policy.AUTO, json_schema_extra=_immutable("policy"))
-    fail_slow: FailSlowSpec = Field(default_factory=FailSlowSpec, json_schema_extra=_immutable("failSlow"))
+    fail_slow: FailSlowSpec = Field(
+        default_factory=FailSlowSpec,
+        description="Fail-slow detection and mitigation (Falcon).",
+        json_schema_extra=_immutable("failSlow"),
+    )
     checkpoint: CheckpointSpec = Field(
-        default_factory=CheckpointSpec, json_schema_extra=_immutable("checkpoint")
+        default_factory=CheckpointSpec,
+        description="Where and how often the workers save the job's state (a restart's starting point).",
+        json_schema_extra=_immutable("checkpoint"),
     )
     chaos: ChaosSpec = Field(default_factory=ChaosSpec, json_schema_extra=_immutable("chaos"))
-    redis: RedisSpec = Field(default_factory=RedisSpec, json_schema_extra=_immutable("redis"))
+    redis: RedisSpec = Field(
+        default_factory=RedisSpec,
+        description="The job's Redis (heartbeats, telemetry, plans); empty: the operator's.",
+        json_schema_extra=_immutable("redis"),
+    )
     data: DataSpec | None = Field(
         default=None,
         description="The training data; empty: synthetic tokens (numSamples 4096, seqLen 16).",

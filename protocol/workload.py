@@ -44,7 +44,11 @@ class DataSpec(_Wire):
     next-token targets); the order is a pure function of (seed, global step)."""
 
     path: str = Field(default="", max_length=4096, description="File inside the pod (a mounted volume).")
-    format: DataFormat = DataFormat.TOKENS
+    format: DataFormat = Field(
+        default=DataFormat.TOKENS,
+        description="tokens (a flat binary file of token ids), jsonl (JSON lines of text, tokenized once "
+        "with `tokenizer`) or synthetic (learnable generated tokens, for tests and demos).",
+    )
     dtype: TokenDtype = Field(default=TokenDtype.UINT16, description="Token id type of a `tokens` file.")
     seq_len: int = Field(default=1024, ge=1, le=1 << 20, description="Tokens per sample.")
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the sample order.")
@@ -93,14 +97,17 @@ class TrainingSpec(_Wire):
     weight_decay: float = Field(
         default=0.1, ge=0, le=10, description="AdamW weight decay of matrices (not of norms, biases)."
     )
-    eps: float = Field(default=1e-8, gt=0, le=1)
+    eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW epsilon.")
     warmup_steps: int = Field(default=0, ge=0, le=2**40, description="Linear warm-up from 0 to `lr`.")
     schedule: Schedule = Field(default=Schedule.CONSTANT, description="After warm-up: constant or cosine.")
     min_lr: float = Field(default=0.0, ge=0, le=10, description="Where the cosine schedule ends.")
     grad_clip_norm: float = Field(
         default=1.0, ge=0, le=1e6, description="Clip the global gradient norm to this; 0 turns it off."
     )
-    precision: Precision = Precision.FP32
+    precision: Precision = Field(
+        default=Precision.FP32,
+        description="fp32, or bf16 autocast on a GPU or NPU that computes it (fp32 weights and AdamW state).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSpec:

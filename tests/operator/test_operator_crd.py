@@ -52,6 +52,24 @@ def test_schema_is_structural() -> None:
             assert "type" in node, f"no type at {path}"
 
 
+def test_every_spec_field_says_what_it_is_for_kubectl_explain() -> None:
+    """`kubectl explain resilientjob.spec.<field>` prints the schema's description: none was `<empty>`."""
+
+    def undescribed(node: dict[str, object], path: str) -> list[str]:
+        found = []
+        for name, child in (node.get("properties") or {}).items():  # type: ignore[attr-defined]
+            here = f"{path}.{name}"
+            if not child.get("description"):
+                found.append(here)
+            found += undescribed(child, here)
+            if isinstance(child.get("items"), dict):
+                found += undescribed(child["items"], f"{here}[]")
+        return found
+
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert undescribed(schema["properties"]["spec"], "spec") == []
+
+
 def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
     version = crd_manifest()["spec"]["versions"][0]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
