@@ -550,47 +550,60 @@ class ResilientJobSpec(_Api):
 
 
 class Condition(_Api):
-    type: ConditionType
-    status: str = Field(pattern=r"^(True|False|Unknown)$")
+    """One aspect of the job's state, as Kubernetes conditions are (Valid, Planned, Degraded, ...)."""
+
+    type: ConditionType = Field(description="Valid, Planned, Degraded, Complete or TelemetryCurrent.")
+    status: str = Field(pattern=r"^(True|False|Unknown)$", description="True, False or Unknown.")
     reason: Reason
-    message: str = Field(default="", max_length=32768)
+    message: str = Field(default="", max_length=32768, description="Why, in one line naming any field.")
     last_transition_time: str = Field(default="", description="RFC 3339.")
 
 
 class CandidateStatus(_Api):
     """One plan the planner considered, with the numbers that decided it."""
 
-    policy: str
-    layout: str
-    step_time_s: float
-    transition_s: float
-    score: float
-    feasible: bool = True
-    reason: str = ""
+    policy: str = Field(description="reroute, dynamic, templates or checkpoint.")
+    layout: str = Field(description="DP x PP layout, e.g. DP2 PP[3,2].")
+    step_time_s: float = Field(description="Estimated seconds per optimizer step.")
+    transition_s: float = Field(
+        description="Estimated seconds to switch to it (copies, restart, lost steps)."
+    )
+    score: float = Field(
+        description="Effective samples/s: throughput over the time between failures less the transition "
+        "(Odyssey eq. 8); the highest wins under policy auto."
+    )
+    feasible: bool = Field(default=True, description="Whether it can run the job at all.")
+    reason: str = Field(default="", description="What it does, or why it cannot run.")
 
 
 class Decision(_Api):
-    generation: int = Field(ge=0)
+    """The last plan the operator published, and the candidates it weighed."""
+
+    generation: int = Field(ge=0, description="The plan generation it published.")
     trigger: Reason
     nodes: list[int] = Field(default_factory=list, description="Nodes that failed, slowed or joined.")
-    policy: str
-    layout: str
+    policy: str = Field(description="The policy of the plan chosen.")
+    layout: str = Field(description="Its DP x PP layout.")
     strategy: str = Field(
         default="",
         description="Fail-slow mitigation applied (microbatch, topology, replace, restore); empty otherwise.",
     )
-    reason: str = ""
-    planning_s: float = Field(default=0.0, ge=0)
-    candidates: list[CandidateStatus] = Field(default_factory=list, max_length=64)
-    decided_at: str = ""
+    reason: str = Field(default="", description="Why, in words.")
+    planning_s: float = Field(default=0.0, ge=0, description="Seconds the planner took.")
+    candidates: list[CandidateStatus] = Field(
+        default_factory=list, max_length=64, description="Every plan the planner weighed."
+    )
+    decided_at: str = Field(default="", description="RFC 3339.")
 
 
 class Recovery(_Api):
-    generation: int = Field(ge=0)
+    """One recovery (a failure, a slowdown, a join) and its measured times."""
+
+    generation: int = Field(ge=0, description="The generation that recovered.")
     trigger: Reason
-    nodes: list[int] = Field(default_factory=list)
-    policy: str
-    layout: str
+    nodes: list[int] = Field(default_factory=list, description="Nodes that failed, slowed or joined.")
+    policy: str = Field(description="The policy of the plan published.")
+    layout: str = Field(description="Its DP x PP layout.")
     strategy: str = Field(default="", description="Fail-slow mitigation applied, if any.")
     detect_s: float = Field(
         default=0.0, ge=0, description="Measured: last sign of life (or fail-slow onset) to detection."
@@ -601,7 +614,7 @@ class Recovery(_Api):
     detected_step: int | None = Field(
         default=None, ge=0, description="Fail-slow: the step at which the operator opened the episode."
     )
-    plan_s: float = Field(default=0.0, ge=0)
+    plan_s: float = Field(default=0.0, ge=0, description="Seconds the planner took.")
     rendezvous_s: float | None = Field(
         default=None,
         ge=0,
@@ -615,7 +628,7 @@ class Recovery(_Api):
     copied_bytes: int | None = Field(
         default=None, ge=0, description="Bytes the workers received in those copies."
     )
-    at: str = ""
+    at: str = Field(default="", description="RFC 3339: when it was published.")
 
 
 class WaitingReplacement(_Api):
@@ -652,21 +665,23 @@ class CapacityStatus(_Api):
 
 
 class ResilientJobStatus(_Api):
+    """What the operator observed and decided: the job's durable record (Redis can be rebuilt from it)."""
+
     phase: Phase = Phase.PENDING
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, description="The job's conditions.")
     plan_generation: int = Field(default=-1, ge=-1, description="-1 until the first plan is published.")
-    layout: str = ""
-    policy: str = ""
+    layout: str = Field(default="", description="The current plan's DP x PP layout.")
+    policy: str = Field(default="", description="The current plan's policy.")
     workers: str = Field(default="", description="alive/total, for the printer column.")
-    workers_alive: int = Field(default=0, ge=0)
-    workers_total: int = Field(default=0, ge=0)
-    failed_nodes: list[int] = Field(default_factory=list)
+    workers_alive: int = Field(default=0, ge=0, description="Workers of the current plan at work.")
+    workers_total: int = Field(default=0, ge=0, description="Workers of the current plan.")
+    failed_nodes: list[int] = Field(default_factory=list, description="Every node that failed so far.")
     fenced_nodes: list[int] = Field(
         default_factory=list,
         description="Nodes fenced (their pods deleted) and not taken back by a later generation; recorded "
         "before the pods are deleted, so a restarted operator plans around them even with Redis lost.",
     )
-    slow_nodes: list[int] = Field(default_factory=list)
+    slow_nodes: list[int] = Field(default_factory=list, description="Nodes of the current fail-slow episode.")
     slow_links: list[str] = Field(
         default_factory=list,
         max_length=10_000,
@@ -675,12 +690,14 @@ class ResilientJobStatus(_Api):
     parked_nodes: list[int] = Field(
         default_factory=list, description="Slow nodes taken out of the layout by mitigation S4."
     )
-    last_decision: Decision | None = None
+    last_decision: Decision | None = Field(default=None, description="The last plan decision.")
     throughput: float = Field(default=0.0, ge=0, description="Measured samples per second.")
     step: int = Field(default=0, ge=0, description="Committed global steps so far.")
     loss: float | None = Field(default=None, description="Training loss of the last committed step.")
     estimated_throughput: float = Field(default=0.0, ge=0, description="The plan's estimate, samples/s.")
-    recoveries: list[Recovery] = Field(default_factory=list, max_length=50)
+    recoveries: list[Recovery] = Field(
+        default_factory=list, max_length=50, description="The last 50 recoveries, oldest first."
+    )
     capacity: CapacityStatus = Field(default_factory=CapacityStatus)
 
 

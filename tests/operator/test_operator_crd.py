@@ -52,7 +52,7 @@ def test_schema_is_structural() -> None:
             assert "type" in node, f"no type at {path}"
 
 
-def test_every_spec_field_says_what_it_is_for_kubectl_explain() -> None:
+def test_every_field_says_what_it_is_for_kubectl_explain() -> None:
     """`kubectl explain resilientjob.spec.<field>` prints the schema's description: none was `<empty>`."""
 
     def undescribed(node: dict[str, object], path: str) -> list[str]:
@@ -68,6 +68,7 @@ def test_every_spec_field_says_what_it_is_for_kubectl_explain() -> None:
 
     schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert undescribed(schema["properties"]["spec"], "spec") == []
+    assert undescribed(schema["properties"]["status"], "status") == []
 
 
 def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
