@@ -186,6 +186,11 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer | None, plan: Plan) ->
     restored = checkpointer.latest_complete(trainer.model.num_layers)
     trainer.layers.clear()
     trainer.step = restored or 0
+    # A replacement pod started as a joiner (the job had trained) has a step of its own now, and its layers:
+    # a joiner votes for no step at the rendezvous, and a restart world of replacements only (every node of
+    # the job lost) agreed on step 0, trained from there on the restored weights and deleted every saved step
+    # past 0 (`discard_after`).
+    trainer.joining = False
     if trainer.degree > 1:
         trainer.init_layers(plan)  # sharded, then loaded, once the plan's world exists (`_load_shards`)
         return

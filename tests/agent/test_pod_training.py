@@ -254,6 +254,47 @@ def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_
 
 @pytest.mark.torch
 @pytest.mark.cluster
+def test_every_node_lost_restarts_on_replacements_from_the_checkpoint_not_from_step_0(
+    stack: Path, tmp_path: Path
+) -> None:
+    """Both pods of the job die at once (a spot reclaim): the replacement pods restart from the last
+    checkpoint. They start as joiners (the job had trained), and a world of joiners only agreed on step 0:
+    the job trained again from there on the restored weights, its samples and schedule repeated, and every
+    saved step was deleted. The run must be the failure-free one, step for step."""
+    steps = 60
+    model_dir, tokens, output = (
+        gpt2_directory(tmp_path / "gpt2"),
+        token_file(tmp_path / "tokens.bin"),
+        tmp_path / "out",
+    )
+    checkpoints = tmp_path / "ckpt"
+    manifest = _manifest(
+        "reclaimed",
+        model_dir,
+        tokens,
+        output,
+        steps=steps,
+        nodes=2,
+        faultTolerance=1,
+        checkpoint={"path": str(checkpoints), "intervalSteps": 10},
+    )
+    job = _apply(stack, tmp_path, manifest)
+    until(lambda: job.committed() >= 25 or None, 90, "25 committed steps", interval=0.005)
+    for pod in ("reclaimed-node-0", "reclaimed-node-1"):
+        os.kill(int((job.stack / "pods" / pod / "pid").read_text()), signal.SIGKILL)
+    assert until(lambda: _finished(job), 240, "the job to finish") == "Succeeded", job.status()
+    logs = "".join(rjob_ok(stack, "logs", f"reclaimed-node-{n}") for n in (2, 3))
+    assert "restarted from checkpoint step 20" in logs, logs[-2000:]
+    _check_run(job, tmp_path, model_dir, tokens, steps, output)
+    kept = sorted(
+        int(d.name.removeprefix("step")) for d in checkpoints.iterdir() if d.name.startswith("step")
+    )
+    assert kept[-1] == steps, kept
+    job.close()
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
 def test_a_bad_token_the_pre_flight_did_not_read_fails_the_job_naming_the_data(
     stack: Path, tmp_path: Path
 ) -> None:
