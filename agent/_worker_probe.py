@@ -363,10 +363,13 @@ class WorkerProbe:
             return None
         if request.id <= self.validated:
             return None
-        if request.generation != generation or request.step < step:
-            self.validated = request.id  # another world's request, or one we are past: not ours to run
+        if request.generation < generation or (request.generation == generation and request.step < step):
+            self.validated = request.id  # an earlier world's request, or one we are past: not ours to run
             return None
-        if request.step > step:
+        if request.generation > generation or request.step > step:
+            # A later step, or the next generation's, published before this worker switched to it: its
+            # peers of that world run it there, and so must this worker (marked handled here, it left a
+            # joiner alone in the pass's collectives, and the job stalled until every worker timed out).
             return None
         self.validated = request.id
         began = time.perf_counter()

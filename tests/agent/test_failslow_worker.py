@@ -308,6 +308,35 @@ def test_validation_of_a_job_of_two_devices_a_node_speaks_of_nodes() -> None:
     assert {(link.src, link.dst) for link in result.links} == {(0, 3), (3, 0)} and result.slow_links == []
 
 
+def test_a_validation_request_of_the_next_generation_waits_for_the_switch_to_it() -> None:
+    """The store host publishes generation g+1 (a replacement joining) and a validation request at a step
+    of g+1 before the old world's workers switch: they must run it there with the joiner, not mark it
+    handled. Marked so, the joiner ran the pass alone, its barrier timed out, and the job stalled until
+    every worker gave up on the next plan (found by a user killing a worker of a job with fail-slow on)."""
+    import io
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from resilientjob.agent._worker_probe import BoundaryRequest, WorkerProbe
+    from resilientjob.protocol.messages import ValidationTopology
+    from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store.set(VALIDATION_REQUEST_KEY, BoundaryRequest(5, 2, 706, ValidationTopology.RING).encode())
+    probe = WorkerProbe(0, io.StringIO())
+    assert probe.maybe_validate(store, generation=1, step=703, world_rank=0) is None
+    assert probe.validated < 5  # still to run, once this worker is in generation 2
+    assert probe.maybe_validate(store, generation=2, step=705, world_rank=0) is None
+    assert probe.validated < 5  # a later step of its own generation: still to run
+    # Past it in its generation, or a newer world's: not this worker's to run any more.
+    assert probe.maybe_validate(store, generation=2, step=707, world_rank=0) is None
+    assert probe.validated == 5
+    later = WorkerProbe(1, io.StringIO())
+    assert later.maybe_validate(store, generation=3, step=700, world_rank=0) is None
+    assert later.validated == 5
+
+
 def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
     from resilientjob.agent import validation
     from resilientjob.agent._worker_probe import data_parallel_rings, rank_table, ring_passes, with_links
