@@ -41,6 +41,10 @@ CHECK_CHUNKS = 64
 CHECK_CHUNK_TOKENS = 16_384
 """The start-up vocabulary check reads this many evenly spaced chunks (1M tokens) of a large file."""
 
+WRONG_DTYPE_SHARE = 0.25
+"""A start-up check that finds more than this share of a chunk's tokens outside the vocabulary names
+`spec.data.dtype`: a file of uint16 ids read as uint32 is nearly all large ids, a damaged file a few."""
+
 _EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
 
@@ -133,12 +137,20 @@ class TokenFileDataset:
         for start in unique:
             chunk = np.asarray(tokens[start : start + CHECK_CHUNK_TOKENS])
             if len(chunk) and int(chunk.max()) >= vocab:
-                offset = int(np.argmax(chunk >= vocab))  # the first bad token, named with its position
-                raise DataError(
-                    "spec.data.path",
+                outside = chunk >= vocab
+                offset = int(np.argmax(outside))  # the first bad token, named with its position
+                line = (
                     f"{self.path}: token {int(chunk[offset])} at position {int(start) + offset} is outside "
-                    f"the model's vocabulary ({vocab})",
+                    f"the model's vocabulary ({vocab})"
                 )
+                share = float(outside.mean())
+                if share > WRONG_DTYPE_SHARE:  # not a stray bad token: the file is read as the wrong type
+                    raise DataError(
+                        "spec.data.dtype",
+                        f"{line}, as {share:.0%} of the tokens checked there are: is the file's token type "
+                        f"{self.dtype.value}?",
+                    )
+                raise DataError("spec.data.path", line)
 
     def sample(self, sample_id: int) -> torch.Tensor:
         """Tokens of one sample, shape (seq_len + 1,), int64."""
@@ -235,9 +247,13 @@ def tokenize_jsonl(
     path, tokenizer_dir = Path(path), Path(tokenizer_dir)
     if not path.is_file():
         raise DataError("spec.data.path", f"{path}: no such file")
-    tokenizer_json = tokenizer_dir / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise DataError("spec.data.tokenizer", f"{tokenizer_dir}: no tokenizer.json")
+    # The directory (as `save_pretrained` writes it), or its tokenizer.json itself.
+    tokenizer_json = tokenizer_dir if tokenizer_dir.is_file() else tokenizer_dir / "tokenizer.json"
+    if not tokenizer_json.is_file() or tokenizer_json.name != "tokenizer.json":
+        raise DataError(
+            "spec.data.tokenizer",
+            f"{tokenizer_dir}: no tokenizer.json (a tokenizer's directory, or that file)",
+        )
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / _cache_name(path, tokenizer_json, text_field, dtype)
     if target.exists():
@@ -304,10 +320,11 @@ def _tokenize_into(
                         "spec.data.path", f"{path}: line {number}: not UTF-8 (byte {exc.start})"
                     ) from None
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.rstrip("\r\n"))  # its columns counted on this line
                 except json.JSONDecodeError as exc:
                     raise DataError(
-                        "spec.data.path", f"{path}: line {number}: not JSON ({exc.msg})"
+                        "spec.data.path",
+                        f"{path}: line {number}: not JSON ({exc.msg} at column {exc.colno})",
                     ) from None
                 texts.append(_text_of(record, text_field, f"{path}: line {number}"))
                 if len(texts) >= 1024:
@@ -324,7 +341,8 @@ def _text_of(record: object, text_field: str, where: str) -> str:
     if not isinstance(record, dict):
         raise DataError("spec.data.path", f"{where}: not a JSON object")
     if text_field not in record:
-        raise DataError("spec.data.path", f"{where}: no {json.dumps(text_field)} field")
+        keys = ", ".join(json.dumps(key) for key in list(record)[:8])
+        raise DataError("spec.data.textField", f"{where}: no {json.dumps(text_field)} field (it has {keys})")
     text = record[text_field]
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__

@@ -449,10 +449,9 @@ class _Replanner:
         if most < 1:
             raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
         fewer = self.search.search_groups([(all_degrees(nodes, self.job, most), INITIAL_SPREAD)], keep=1)
-        why = (
-            f"the {nodes} alive nodes cannot hold f + 1 = {minimum} pipelines that each fit in memory "
-            f"(at most {most})"
-        )
+        # A pipeline takes a node of its own at least: with as many pipelines as nodes, nodes are the limit.
+        limit = "a node each" if most >= nodes else "pipelines that each fit in memory"
+        why = f"the {nodes} alive nodes cannot hold f + 1 = {minimum} pipelines of {limit} (at most {most})"
         self._found = (_fastest([*fewer, *self.search.symmetric(minimum=most)]), why)
         return self._found
 
@@ -520,7 +519,11 @@ class _Replanner:
             )
         seconds = lost * self.current.step_time_s
         if state.last_step is None:
-            return seconds, f"no checkpoint written yet: all {lost} steps so far redone ({seconds:.0f} s)"
+            return (
+                seconds,
+                f"from the initial weights (no checkpoint written yet): all {lost} steps so far redone "
+                f"({seconds:.0f} s)",
+            )
         return (
             seconds,
             f"from the checkpoint of step {state.last_step}, {lost} steps redone ({seconds:.0f} s)",

@@ -192,6 +192,17 @@ def test_check_vocab_finds_a_token_beyond_the_vocabulary(tmp_path: Path) -> None
     assert "token 200 at position 2345" in _one_line_naming(error, "spec.data.path")
 
 
+def test_a_file_read_as_the_wrong_token_type_names_the_dtype(tmp_path: Path) -> None:
+    """uint16 ids read as uint32 are all large: the field to change is `dtype`, not the data."""
+    tokens = _random_tokens(5000, TokenDtype.UINT16, high=100)
+    path = _write_tokens(tmp_path / "t.bin", tokens)
+    dataset = TokenFileDataset(path, TokenDtype.UINT32, seq_len=16)
+    with pytest.raises(DataError) as error:
+        dataset.check_vocab(100)
+    message = _one_line_naming(error, "spec.data.dtype")
+    assert "is the file's token type uint32?" in message and "outside the model's vocabulary (100)" in message
+
+
 def _unchecked_positions(count: int) -> np.ndarray[Any, Any]:
     """Token positions that check_vocab's evenly spaced chunks do not read, for a file of `count` tokens."""
     chunk = _data_files.CHECK_CHUNK_TOKENS
@@ -391,8 +402,7 @@ def test_a_same_size_edit_with_the_old_timestamp_is_not_served_from_the_cache(tm
 @pytest.mark.parametrize(
     ("bad_line", "what"),
     [
-        ('{"text": "the cat", ', "not JSON"),
-        ('{"body": "the cat"}', 'no "text" field'),
+        ('{"text": "the cat", ', "not JSON (Expecting property name enclosed in double quotes at column 21)"),
         ('{"text": 7}', '"text" is int, not a string'),
         ('{"text": null}', '"text" is null, not a string'),
         ('["the cat"]', "not a JSON object"),
@@ -408,6 +418,29 @@ def test_a_bad_line_names_the_path_and_line_number(tmp_path: Path, bad_line: str
     message = _one_line_naming(error, "spec.data.path")
     assert "line 3" in message and what in message and str(source) in message
     assert os.listdir(cache) == []  # nothing half-written stays in the cache
+
+
+def test_a_line_without_the_text_field_names_the_field_and_the_keys_it_has(tmp_path: Path) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "the cat"}\n{"body": "the cat", "id": 3}\n')
+    with pytest.raises(DataError) as error:
+        tokenize_jsonl(source, _tokenizer_dir(tmp_path), "text", TokenDtype.UINT16, tmp_path / "cache")
+    message = _one_line_naming(error, "spec.data.textField")
+    assert f'{source}: line 2: no "text" field (it has "body", "id")' in message
+
+
+def test_the_tokenizer_may_be_given_as_its_tokenizer_json(tmp_path: Path) -> None:
+    """The directory `save_pretrained` writes, or the tokenizer.json in it: the same tokens."""
+    source = _write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    directory = _tokenizer_dir(tmp_path)
+    by_dir = tokenize_jsonl(source, directory, "text", TokenDtype.UINT16, tmp_path / "a")
+    by_file = tokenize_jsonl(source, directory / "tokenizer.json", "text", TokenDtype.UINT16, tmp_path / "b")
+    assert np.fromfile(by_dir, dtype=np.uint16).tolist() == np.fromfile(by_file, dtype=np.uint16).tolist()
+    other = tmp_path / "vocab.txt"
+    other.write_text("x")
+    with pytest.raises(DataError) as error:
+        tokenize_jsonl(source, other, "text", TokenDtype.UINT16, tmp_path / "c")
+    _one_line_naming(error, "spec.data.tokenizer")
 
 
 @pytest.mark.parametrize("config", ["{not json", "[]", '"</s>"'])
