@@ -109,10 +109,17 @@ class _Rounds:
         return True
 
 
-def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: Checkpointer | None) -> None:
+def export_model(
+    trainer: Trainer,
+    store: Store,
+    directory: Path,
+    checkpointer: Checkpointer | None,
+    tokenizer: Path | None = None,
+) -> None:
     """Write this node's part of the trained model into `directory` and, on the node's first device, wait
-    until the whole model is there (see the module's docstring). OSError when the directory cannot be
-    written; WorkloadError naming `spec.output.path` when a layer can no longer be written."""
+    until the whole model is there (see the module's docstring); `tokenizer`: the data's, written with the
+    metadata (`hf_export.write_metadata`). OSError when the directory cannot be written; WorkloadError
+    naming `spec.output.path` when a layer can no longer be written."""
     if trainer.plan is None:
         return
     if trainer.local_rank > 0:
@@ -133,7 +140,7 @@ def export_model(trainer: Trainer, store: Store, directory: Path, checkpointer: 
             trainer.hooks.before_export(store, todo)
             if trainer.degree > 1:
                 rounds.announce(store, json.dumps(todo))
-            _write(trainer, todo, directory, checkpointer)
+            _write(trainer, todo, directory, checkpointer, tokenizer)
             for item in todo:
                 store.set(every[item], str(trainer.node))
             written.update(todo)
@@ -219,7 +226,13 @@ def _check_sources(
     )
 
 
-def _write(trainer: Trainer, items: list[int], directory: Path, checkpointer: Checkpointer | None) -> None:
+def _write(
+    trainer: Trainer,
+    items: list[int],
+    directory: Path,
+    checkpointer: Checkpointer | None,
+    tokenizer: Path | None = None,
+) -> None:
     """Write `items` (layers and the metadata); a layer this node does not hold is read from the checkpoint
     of the last step (its shards merged offline). A collective over the stage's devices for a layer held in
     tensor-parallel shards."""
@@ -228,7 +241,7 @@ def _write(trainer: Trainer, items: list[int], directory: Path, checkpointer: Ch
     for item in items:
         if item == METADATA:
             if trainer.local_rank == 0:
-                write_metadata(trainer.model, directory)
+                write_metadata(trainer.model, directory, tokenizer=tokenizer)
             continue
         if item not in trainer.layers:  # nobody holds it any more: the last step's checkpoint does
             if trainer.local_rank == 0:

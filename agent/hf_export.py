@@ -70,6 +70,8 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(temporary)
+        # Readable by whoever serves the model (safetensors writes its files 0600): pods run as uid 10001.
+        os.chmod(temporary, 0o644)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -143,9 +145,13 @@ def remove_stale_weights(spec: ModelSpec, out_dir: str | Path) -> list[str]:
     return sorted(removed)
 
 
-def write_metadata(spec: ModelSpec, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+def write_metadata(
+    spec: ModelSpec, out_dir: str | Path, dtype: torch.dtype = torch.float32, tokenizer: Path | None = None
+) -> None:
     """Write config.json, the shard index and the input directory's tokenizer files into `out_dir`, after
-    removing the weights of any model it held before (`remove_stale_weights`)."""
+    removing the weights of any model it held before (`remove_stale_weights`). `tokenizer`: the one the
+    job's data was tokenized with (`spec.data.tokenizer`, a directory or its tokenizer.json), written too
+    when the model's directory has none, so that the trained model comes with what reads its input."""
     hf = _hf(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,6 +176,12 @@ def write_metadata(spec: ModelSpec, out_dir: str | Path, dtype: torch.dtype = to
         for name in METADATA_FILES:
             source = hf.directory / name
             if source.is_file():
+                _atomic(out / name, _copy_from(source))
+    if tokenizer is not None and not (out / "tokenizer.json").is_file():
+        directory = tokenizer.parent if tokenizer.is_file() else tokenizer
+        for name in METADATA_FILES:
+            source = directory / name
+            if name != "generation_config.json" and source.is_file():
                 _atomic(out / name, _copy_from(source))
 
 

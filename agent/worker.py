@@ -406,7 +406,8 @@ def worker_main(
         checkpointer.prune(trainer.model.num_layers, trainer.step)
     finished = trainer.step >= config.steps
     if finished and workload.output is not None and trainer.active:
-        _export(trainer, store, Path(workload.output.path), checkpointer)
+        tokenizer = Path(workload.data.tokenizer) if workload.data.tokenizer else None
+        _export(trainer, store, Path(workload.output.path), checkpointer, tokenizer)
     result: dict[str, object] = {"node": node, "step": trainer.step, "left": not finished}
     if config.return_state and (degree == 1 or trainer.active):
         # Gathered over the stage's ranks (a collective when sharded: every local rank runs it, in order).
@@ -439,11 +440,17 @@ def _finished_without(node: int, store: Store) -> dict[str, object]:
     return {"node": node, "step": int(store.add(COMMITTED_KEY, 0)), "left": False}
 
 
-def _export(trainer: Trainer, store: Store, directory: Path, checkpointer: Checkpointer | None) -> None:
+def _export(
+    trainer: Trainer,
+    store: Store,
+    directory: Path,
+    checkpointer: Checkpointer | None,
+    tokenizer: Path | None = None,
+) -> None:
     """Write the trained model in Hugging Face layout, whole even if a peer dies meanwhile
-    (`_final_export`)."""
+    (`_final_export`), with the data's tokenizer when the model's directory had none."""
     try:
-        export_model(trainer, store, directory, checkpointer)
+        export_model(trainer, store, directory, checkpointer, tokenizer)
     except OSError as exc:
         # The spec's fault, not this node's: its pod says so, and the operator fails the job (`_termination`).
         reason = exc.strerror or type(exc).__name__

@@ -126,7 +126,8 @@ class OutputSpec(_Wire):
         min_length=1,
         max_length=4096,
         description="Directory inside the pod where the trained model is written in Hugging Face layout "
-        "(config.json + safetensors) when the job completes.",
+        "(config.json + safetensors, files readable by all) when the job completes, with the model "
+        "directory's tokenizer, else the data's (`data.tokenizer`).",
     )
 
 

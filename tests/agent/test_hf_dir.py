@@ -307,6 +307,32 @@ def test_export_round_trips_a_modification(tmp_path: Path) -> None:
             assert torch.equal(got, want), index
 
 
+def test_export_is_readable_by_others_and_brings_the_datas_tokenizer(tmp_path: Path) -> None:
+    """Whoever serves the trained model reads it as another user (the pods run as uid 10001): files 0644,
+    not safetensors' 0600. A model directory without a tokenizer gets the one the data was tokenized with
+    (`spec.data.tokenizer`); one with its own keeps its own."""
+    import os
+    import stat
+
+    source = _save(_reference("llama"), tmp_path / "in", sharded=False)
+    spec = load_model(f"hf:{source}", seq_len=SEQ)
+    data_tokenizer = tmp_path / "tok"
+    data_tokenizer.mkdir()
+    (data_tokenizer / "tokenizer.json").write_text('{"data": true}')
+    (data_tokenizer / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    write_model(spec, dict(enumerate(_layers(spec))), out)
+    write_metadata(spec, out, tokenizer=data_tokenizer / "tokenizer.json")  # the file, or its directory
+    assert json.loads((out / "tokenizer.json").read_text()) == {"data": True}
+    assert (out / "tokenizer_config.json").is_file()
+    modes = {path.name: stat.S_IMODE(os.stat(path).st_mode) for path in out.iterdir()}
+    assert all(mode & 0o044 == 0o044 for mode in modes.values()), modes
+    # The model's own tokenizer wins.
+    (source / "tokenizer.json").write_text('{"model": true}')
+    write_metadata(load_model(f"hf:{source}", seq_len=SEQ), tmp_path / "own", tokenizer=data_tokenizer)
+    assert json.loads((tmp_path / "own" / "tokenizer.json").read_text()) == {"model": True}
+
+
 def test_export_over_a_saved_model_replaces_its_weights(tmp_path: Path) -> None:
     """A directory that held a `save_pretrained` model (its single model.safetensors wins over a sharded
     index in `from_pretrained`) loads the exported weights, not the old ones."""
