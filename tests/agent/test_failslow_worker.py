@@ -318,23 +318,27 @@ def test_a_validation_request_of_the_next_generation_waits_for_the_switch_to_it(
 
     from torch.distributed import TCPStore
 
+    from resilientjob.agent import tracing
     from resilientjob.agent._worker_probe import BoundaryRequest, WorkerProbe
     from resilientjob.protocol.messages import ValidationTopology
     from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     store.set(VALIDATION_REQUEST_KEY, BoundaryRequest(5, 2, 706, ValidationTopology.RING).encode())
-    probe = WorkerProbe(0, io.StringIO())
-    assert probe.maybe_validate(store, generation=1, step=703, world_rank=0) is None
-    assert probe.validated < 5  # still to run, once this worker is in generation 2
-    assert probe.maybe_validate(store, generation=2, step=705, world_rank=0) is None
-    assert probe.validated < 5  # a later step of its own generation: still to run
-    # Past it in its generation, or a newer world's: not this worker's to run any more.
-    assert probe.maybe_validate(store, generation=2, step=707, world_rank=0) is None
-    assert probe.validated == 5
-    later = WorkerProbe(1, io.StringIO())
-    assert later.maybe_validate(store, generation=3, step=700, world_rank=0) is None
-    assert later.validated == 5
+    probe = WorkerProbe(0, io.StringIO())  # installs the tracer into torch.distributed: taken out below
+    try:
+        assert probe.maybe_validate(store, generation=1, step=703, world_rank=0) is None
+        assert probe.validated < 5  # still to run, once this worker is in generation 2
+        assert probe.maybe_validate(store, generation=2, step=705, world_rank=0) is None
+        assert probe.validated < 5  # a later step of its own generation: still to run
+        # Past it in its generation, or a newer world's: not this worker's to run any more.
+        assert probe.maybe_validate(store, generation=2, step=707, world_rank=0) is None
+        assert probe.validated == 5
+        probe.validated = 0
+        assert probe.maybe_validate(store, generation=3, step=700, world_rank=0) is None
+        assert probe.validated == 5
+    finally:
+        tracing.uninstall()
 
 
 def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
