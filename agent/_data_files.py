@@ -240,6 +240,12 @@ def _cache_name(path: Path, tokenizer_json: Path, text_field: str, dtype: TokenD
     return f"{path.stem}-{digest.hexdigest()[:20]}.{dtype.value}.bin"
 
 
+def tokenizer_file(tokenizer: Path) -> Path:
+    """The tokenizer.json that `spec.data.tokenizer` names: the directory `save_pretrained` writes, or that
+    file itself."""
+    return tokenizer if tokenizer.is_file() else tokenizer / "tokenizer.json"
+
+
 def tokenize_jsonl(
     path: Path, tokenizer_dir: Path, text_field: str, dtype: TokenDtype, cache_dir: Path
 ) -> Path:
@@ -247,8 +253,7 @@ def tokenize_jsonl(
     path, tokenizer_dir = Path(path), Path(tokenizer_dir)
     if not path.is_file():
         raise DataError("spec.data.path", f"{path}: no such file")
-    # The directory (as `save_pretrained` writes it), or its tokenizer.json itself.
-    tokenizer_json = tokenizer_dir if tokenizer_dir.is_file() else tokenizer_dir / "tokenizer.json"
+    tokenizer_json = tokenizer_file(tokenizer_dir)
     if not tokenizer_json.is_file() or tokenizer_json.name != "tokenizer.json":
         raise DataError(
             "spec.data.tokenizer",

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._data_files import tokenizer_file
 from ._hf_models import CAUSAL_LM_CLASS, WEIGHTS_INDEX, HFModel
 from .models import ModelSpec
 
@@ -173,16 +174,18 @@ def write_metadata(
         out / WEIGHTS_INDEX, lambda target: target.write_text(json.dumps(index_document, indent=2) + "\n")
     )
     if hf.directory is not None:
-        for name in METADATA_FILES:
-            source = hf.directory / name
-            if source.is_file():
-                _atomic(out / name, _copy_from(source))
+        _copy_present(hf.directory, out, METADATA_FILES)
     if tokenizer is not None and not (out / "tokenizer.json").is_file():
-        directory = tokenizer.parent if tokenizer.is_file() else tokenizer
-        for name in METADATA_FILES:
-            source = directory / name
-            if name != "generation_config.json" and source.is_file():
-                _atomic(out / name, _copy_from(source))
+        tokenizer_files = [name for name in METADATA_FILES if name != "generation_config.json"]
+        _copy_present(tokenizer_file(tokenizer).parent, out, tokenizer_files)
+
+
+def _copy_present(directory: Path, out: Path, names: Iterable[str]) -> None:
+    """Copy each of `names` that `directory` holds into `out`."""
+    for name in names:
+        source = directory / name
+        if source.is_file():
+            _atomic(out / name, _copy_from(source))
 
 
 def write_model(

@@ -392,10 +392,7 @@ def worker_main(
         last = trainer.step >= config.steps
         due = checkpointer is not None and (checkpointer.due(trainer.step) or trainer.checkpoint_due or last)
         if checkpointer is not None and due and trainer.plan is not None:
-            owners = designated_holders(trainer.plan)
-            checkpointer.save(
-                trainer.step, trainer.layers, {i for i, owner in owners.items() if owner == node}
-            )
+            _save_step(checkpointer, trainer, trainer.step, trainer.plan)
             checkpointer.prune(trainer.model.num_layers, trainer.step)
         latest = read_plan(store, read_generation(store)) if switch else None
         if latest is not None and not _settle(trainer, store, latest, config.plan_timeout_s, checkpointer):
@@ -428,9 +425,15 @@ def checkpoint_rolled(trainer: Trainer, checkpointer: Checkpointer, rolled: Roll
     this rank's layers, and a last step's left the trained model's fallback (`_final_export`) incomplete."""
     step = rolled.step + 1  # the committed steps once it is applied, as the training loop counts them
     if checkpointer.due(step) or rolled.checkpoint or step >= steps:
-        owners = designated_holders(rolled.plan)
-        mine = {i for i, owner in owners.items() if owner == trainer.node and i in trainer.layers}
-        checkpointer.save(step, trainer.layers, mine)
+        _save_step(checkpointer, trainer, step, rolled.plan)
+
+
+def _save_step(checkpointer: Checkpointer, trainer: Trainer, step: int, plan: Plan) -> None:
+    """Save `step` (committed steps) with the layers this node is the designated writer of under `plan`,
+    the plan that trained it."""
+    owners = designated_holders(plan)
+    mine = {i for i, owner in owners.items() if owner == trainer.node and i in trainer.layers}
+    checkpointer.save(step, trainer.layers, mine)
 
 
 def _finished_without(node: int, store: Store) -> dict[str, object]:

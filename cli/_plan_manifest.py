@@ -67,22 +67,27 @@ def manifest_job(path: Path, edits: Mapping[str, Any], profile: str | None) -> M
     raw = job.body.get("spec")
     try:
         spec = api.parse_spec({**raw, **edits} if isinstance(raw, Mapping) else raw)
-        given = ModelProfile.load(profile) if profile is not None else None
-        referenced, source = (
-            (None, f"--profile {profile}") if given is not None else _profile(spec, documents)
-        )
+        referenced: dict[str, Any] | None
+        given: ModelProfile | None
+        if profile is not None:
+            referenced, given, source = None, ModelProfile.load(profile), f"--profile {profile}"
+        else:
+            referenced, given, source = _profile(spec, documents)
         inputs = planner_inputs(spec, referenced, given)
     except PlannerError as exc:
         raise CliError(f"{job.where}: {exc}") from None
     return ManifestJob(str(job.body["metadata"]["name"]), spec, inputs, source)
 
 
-def _profile(spec: api.ResilientJobSpec, documents: list[Document]) -> tuple[dict[str, Any] | None, str]:
-    """The decoded profile `planner_inputs` takes as `referenced` (None where the spec or a built-in gives
-    it), and where it came from."""
+def _profile(
+    spec: api.ResilientJobSpec, documents: list[Document]
+) -> tuple[dict[str, Any] | None, ModelProfile | None, str]:
+    """What `planner_inputs` takes: the decoded profile of a ConfigMap (`referenced`), or the one computed
+    as node 0 computes it (in place of the spec's); neither where the spec or a built-in gives it. And
+    where it came from."""
     source = spec.profile
     if source is not None and source.inline is not None:
-        return None, f"spec.profile.inline ({len(source.inline)} layers)"
+        return None, None, f"spec.profile.inline ({len(source.inline)} layers)"
     if source is not None and source.config_map_ref is not None:
         ref = source.config_map_ref
         found = [
@@ -96,7 +101,7 @@ def _profile(spec: api.ResilientJobSpec, documents: list[Document]) -> tuple[dic
                 f"ConfigMap {ref.name!r} is not in this file (the operator reads it from the cluster); "
                 "add it or give --profile",
             )
-        return configmap_profile(found[0].body, ref), f"ConfigMap {ref.name} key {ref.key}"
+        return configmap_profile(found[0].body, ref), None, f"ConfigMap {ref.name} key {ref.key}"
     if source is not None and source.measure:
         raise PlannerError(
             "spec.profile.measure",
@@ -113,9 +118,7 @@ def _profile(spec: api.ResilientJobSpec, documents: list[Document]) -> tuple[dic
             computed = computed_profile(request.model, request.seq_len, request.microbatch_size, device)
         except (ValueError, OSError, ImportError) as exc:  # PlannerError, bad config, no transformers
             line = " ".join(str(exc).split())
-            if line.startswith(
-                "seq_len: "
-            ):  # the data's length is what the model cannot take (node 0 says so)
+            if line.startswith("seq_len: "):  # the data's length is what the model cannot take
                 raise PlannerError("spec.data.seqLen", line.removeprefix("seq_len: ")) from None
             raise PlannerError(
                 "spec.model",
@@ -126,5 +129,5 @@ def _profile(spec: api.ResilientJobSpec, documents: list[Document]) -> tuple[dic
             if device == "cpu"
             else f"at an accelerator's nominal {NOMINAL_FLOPS / 1e12:.0f} TFLOP/s"
         )
-        return computed.model_dump(mode="json"), f"computed from the model's config, as node 0 does ({speed})"
-    return None, f"built-in profile of {spec.model}"
+        return None, computed, f"computed from the model's config, as node 0 does ({speed})"
+    return None, None, f"built-in profile of {spec.model}"

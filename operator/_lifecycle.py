@@ -165,12 +165,11 @@ class Leftover:
 async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[Leftover]:
     """The objects under job `job`'s names that another job (an earlier one of the same name) owns, or
     owned before it was deleted with `--cascade=orphan`."""
-    found = [
-        Leftover(f"pod/{pod['metadata']['name']}", pod, _orphaned(pod, job))
+    objects: dict[str, Mapping[str, Any] | None] = {
+        f"pod/{pod['metadata']['name']}": pod
         for pod in await kube.list(core_path(namespace, "pods"), _manifests.job_selector(job))
-        if _foreign(pod, uid) or _orphaned(pod, job)
-    ]
-    objects = {
+    }
+    objects |= {
         f"configmap/{_manifests.plan_configmap_name(job)}": await kube.get(
             core_path(namespace, "configmaps", _manifests.plan_configmap_name(job))
         ),
@@ -181,8 +180,5 @@ async def leftovers(kube: KubeApi, namespace: str, job: str, uid: str) -> list[L
             core_path(namespace, "services", _manifests.service_name(job))
         ),
     }
-    return found + [
-        Leftover(name, obj, _orphaned(obj, job))
-        for name, obj in objects.items()
-        if obj is not None and (_foreign(obj, uid) or _orphaned(obj, job))
-    ]
+    found = [(name, obj, _orphaned(obj, job)) for name, obj in objects.items() if obj is not None]
+    return [Leftover(name, obj, orphan) for name, obj, orphan in found if orphan or _foreign(obj, uid)]

@@ -20,8 +20,8 @@ from resilientjob.planner.spec import CheckpointState, ClusterSpec, JobSpec, Tra
 from resilientjob.protocol.messages import ModelProfileRequest
 from resilientjob.protocol.models import ModelSource, model_source, profile_name
 
-from . import _manifests, api
-from .api import ResilientJobSpec, inline_profile
+from . import _manifests
+from .api import ConfigMapKeyRef, ResilientJobSpec, inline_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ def checked_by_node0(spec: ResilientJobSpec) -> bool:
     return model_source(spec.model) is not ModelSource.SYNTHETIC
 
 
-def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfileRequest:
+def profile_request(spec: ResilientJobSpec, has_inputs: bool) -> ModelProfileRequest:
     """What node 0 must do: check the model as the pods build it (their sequence length) and the data, and
     profile it per micro-batch when the planner has no profile yet (`has_inputs` False)."""
     return ModelProfileRequest(
@@ -64,7 +64,7 @@ def profile_request(spec: api.ResilientJobSpec, has_inputs: bool) -> ModelProfil
     )
 
 
-def configmap_profile(configmap: Mapping[str, Any] | None, ref: api.ConfigMapKeyRef) -> dict[str, Any]:
+def configmap_profile(configmap: Mapping[str, Any] | None, ref: ConfigMapKeyRef) -> dict[str, Any]:
     """The decoded profile under `ref.key` of a ConfigMap object (None: not found); PlannerError naming
     `spec.profile.configMapRef` for a missing key or text that is no mapping."""
     text = ((configmap or {}).get("data") or {}).get(ref.key)
