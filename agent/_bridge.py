@@ -45,7 +45,7 @@ from ._device_work import worker_start_method
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
 from ._termination import workload_line, write_termination_message
-from .config import JobConfig
+from .config import COLLECTIVE_TIMEOUT_S, JobConfig
 from .hooks import StepHooks
 from .telemetry import DRAINED_ROLE, Telemetry
 
@@ -112,11 +112,19 @@ class _ProbeHooks(StepHooks):
     steps to the agent through the sink file, run validation at its boundary."""
 
     def __init__(
-        self, node: int, sink_path: str, keys: JobKeys | None, device: str = "cpu", lane: int = 0
+        self,
+        node: int,
+        sink_path: str,
+        keys: JobKeys | None,
+        device: str = "cpu",
+        lane: int = 0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
         from ._worker_probe import WorkerProbe, chaos_client
 
         self.node = node
+        self.collective_timeout_s = collective_timeout_s
+        """Sent with an abort: how long this worker's peers wait behind a hung one before they abort too."""
         self.device = device
         """Where a drained node's probe products run (`WorkerProbe.end_step`)."""
         self.roles: dict[int, str] = {}
@@ -130,6 +138,9 @@ class _ProbeHooks(StepHooks):
 
     def on_applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
         self.probe.applied(generation, rendezvous_s, copy_s, copied_bytes)
+
+    def on_abort(self, generation: int, step: int, error: str) -> None:
+        self.probe.aborted(generation, step, error, self.collective_timeout_s)
 
     def before_step(self, store: Any, generation: int, step: int, world_rank: int | None) -> None:
         # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
@@ -168,6 +179,7 @@ def worker_entry(
         JobKeys(os.environ.get("RJOB_NAMESPACE", "default"), job) if job else None,
         device=device_name(config.workload.device, local_rank),
         lane=local_rank,
+        collective_timeout_s=config.collective_timeout_s,
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)
@@ -272,6 +284,15 @@ class TrainingAgent:
                 compute_s=event["compute_s"],
                 communication_s=event["communication_s"],
                 groups=event["groups"],
+            )
+        elif kind == "abort":
+            print(
+                f"gen {event['generation']}: step {event['step']} abandoned: {event['error']}; "
+                "waiting for the next generation",
+                flush=True,
+            )
+            await self.telemetry.record_abort(
+                event["generation"], event["step"], event["error"], event["collective_timeout_s"]
             )
         elif kind == "validation":
             print(

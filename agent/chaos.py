@@ -32,6 +32,14 @@ messages and bytes that cross the link, as behind a link whose nominal latency a
 Only the node holding the order sleeps (before its own call, so the data it sends or waits for moves that
 much later): the other end's waits come from the collective or the receive itself.
 
+Two faults that leave the worker alive, for what a slowdown cannot show (`rjob chaos break`, `rjob chaos
+hang`), as `"fault"` in the order:
+- `break`: the worker's next `torch.distributed` call raises a `RuntimeError` once, as a connection reset
+  under it would (the peers then time out in the same collective, as behind a real reset): the whole world
+  abandons its step while every node stays alive.
+- `hang`: the worker's next call blocks until the order expires or is cleared, as a stuck kernel or a
+  deadlock would; its agent keeps beating.
+
 Off by default: `start` does nothing unless `RJOB_ALLOW_CHAOS=1` is in the worker's environment (the
 operator sets it only for jobs whose spec allows chaos), so a stray key cannot slow a production job.
 """
@@ -44,6 +52,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import redis
 import torch.distributed as dist
@@ -77,6 +86,10 @@ class ChaosNotAllowed(PermissionError):
     """Chaos was requested where the job does not allow it."""
 
 
+class BrokenOnOrder(RuntimeError):
+    """A `break` order's fault: a communication error, as the worker takes any RuntimeError of a step."""
+
+
 class ChaosOrder(BaseModel):
     """One slowdown order for one node."""
 
@@ -93,11 +106,16 @@ class ChaosOrder(BaseModel):
     """Nominal per-message time of the slowed link."""
     bandwidth_bps: float = Field(default=1e9, gt=0.0)
     """Nominal bytes per second of the slowed link."""
+    fault: Literal["break", "hang"] | None = None
+    """Instead of a slowdown: `break` the worker's next call once, or `hang` it until `until` (module doc).
+    `factor` is 1 with a fault."""
 
     @model_validator(mode="after")
     def _finite(self) -> ChaosOrder:
         if not math.isfinite(self.until):
             raise ValueError("until: must be a finite unix time")
+        if self.fault is not None and (self.factor != 1.0 or self.link is not None):
+            raise ValueError("fault: an order is a slowdown (factor, link) or a fault, not both")
         return self
 
     def active(self, now: float | None = None) -> bool:
@@ -185,6 +203,8 @@ class ChaosInjector:
         """This worker's node (its rank via `rank_of`); None: the process's rank in the default group."""
         self.injected_s = 0.0
         """Total delay injected so far (for tests and logs)."""
+        self._broken: set[float] = set()
+        """The `break` orders (by their `until`) already carried out: each breaks one call."""
 
     def _current(self) -> ChaosOrder | None:
         order = self.order
@@ -208,6 +228,9 @@ class ChaosInjector:
         order = self._current()
         if order is None:
             return 0.0
+        if order.fault is not None:
+            self._fault(order, op)
+            return 0.0
         if order.link is None:
             self._delay((order.factor - 1.0) * min(max(gap_s, 0.0), MAX_GAP_S))
             return 0.0
@@ -220,6 +243,17 @@ class ChaosInjector:
         delay = order.link_delay_s(*crossed)
         self.injected_s += delay
         return delay
+
+    def _fault(self, order: ChaosOrder, op: str) -> None:
+        if order.fault == "break":
+            if order.until not in self._broken:
+                self._broken.add(order.until)
+                raise BrokenOnOrder(f"chaos: {op} broken on order, as by a reset connection")
+            return
+        # `hang`: blocked until the order expires or is withdrawn (the watcher polls a fresh copy of it, or
+        # None once it is cleared).
+        while (current := self._current()) is not None and current == order:
+            self._sleep(min(0.1, max(0.0, order.until - time.time())))
 
     def compute_factor(self) -> float:
         """The live compute order's factor; 1.0 without one (a link order slows no compute)."""

@@ -31,6 +31,10 @@ class StepHooks:
         """A step committed: `step` is the number of committed steps now, `samples` how many samples'
         losses this node computed in it. Not called for an abandoned step."""
 
+    def on_abort(self, generation: int, step: int, error: str) -> None:
+        """Step `step` of `generation` (numbered as `after_step` numbers it once committed) was abandoned on
+        a communication error (`error`, one line): this worker, alive, now waits for the next generation."""
+
     def before_export(self, store: Store, items: list[int]) -> None:
         """The job trained its last step; this node is about to write `items` of the trained model (layer
         indices; -1 for its config and index) into `spec.output.path`."""

@@ -38,6 +38,8 @@ from resilientjob.protocol.messages import (
     PlanAnnouncement,
     ProfileRecord,
     SlowReport,
+    WorkerAbort,
+    abort_line,
     decode,
     encode,
     export_drop_counts,
@@ -139,6 +141,15 @@ SEND = (
     _OWNER_FENCE.format(uid=3, owner=2)
     + """
 redis.call("XADD", KEYS[1], "MAXLEN", "~", ARGV[2], "*", "m", ARGV[1])
+return 1
+"""
+)
+
+# KEYS: the job's aborts hash, the owner key. ARGV: the abort, its field ("<generation>:<node>"), the uid.
+ABORT = (
+    _OWNER_FENCE.format(uid=3, owner=2)
+    + """
+redis.call("HSET", KEYS[1], ARGV[2], ARGV[1])
 return 1
 """
 )
@@ -397,6 +408,32 @@ class Telemetry:
         )
         await self._send(self.keys.profiles, encode(record), keep=False)
         return record
+
+    async def record_abort(
+        self, generation: int, step: int, error: str, collective_timeout_s: float
+    ) -> WorkerAbort | None:
+        """Tell the operator that this node's workers abandoned `step` of `generation` on a communication
+        error and wait for the next generation (`operator/_aborts`). None when Redis is away or the keys
+        are another job's: the workers then wait their plan timeout, as they did before this existed."""
+        if self.superseded:
+            return None
+        abort = WorkerAbort(
+            node=self.node,
+            generation=generation,
+            step=step,
+            error=abort_line(error),
+            collective_timeout_s=collective_timeout_s,
+            at=time.time(),
+        )
+        field = f"{generation}:{self.node}"
+        try:
+            written = await self.client.eval(
+                ABORT, 2, self.keys.aborts, self.keys.owner, encode(abort), field, self.job_uid
+            )
+        except REDIS_DOWN as exc:
+            self.outage.failed(exc)
+            return None
+        return abort if written else None
 
     async def current_plan(self) -> PlanAnnouncement | None:
         raw = await self.client.get(self.keys.plan)

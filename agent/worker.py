@@ -22,6 +22,7 @@ import torch
 from torch._C._distributed_c10d import Store, TCPStore
 
 from resilientjob.planner.plan import Plan, Policy
+from resilientjob.protocol.messages import abort_line
 from resilientjob.protocol.store_keys import (
     COMMITTED_KEY,
     FAILURES_KEY,
@@ -369,8 +370,11 @@ def worker_main(
             raise
         except ReconfigurationError:
             raise
-        except RuntimeError:
+        except RuntimeError as exc:
             store.set(event_key("abort", trainer.generation, node), repr(time.time()))
+            # The operator learns of it through the agent: with every node alive, no failure detector would
+            # publish the plan this worker now waits for (`operator/_aborts`).
+            trainer.hooks.on_abort(trainer.generation, step + 1, abort_line(exc))
             new_plan = wait_for_plan_after(store, trainer.generation, config.plan_timeout_s)
             if not _settle(trainer, store, new_plan, config.plan_timeout_s, checkpointer):
                 break

@@ -2,15 +2,18 @@
 
     rjob chaos slow POD --factor F --for DURATION [--link PEER [--latency S] [--bandwidth BPS]]
                                                    slow compute, or the link to PEER
-    rjob chaos clear POD                                          withdraw a slowdown early
+    rjob chaos clear POD                                          withdraw a slowdown or a hang early
     rjob chaos kill POD                                           delete the pod at once (a fail-stop)
+    rjob chaos break POD                                          fail its next collective once (pod alive)
+    rjob chaos hang POD [--for DURATION]                          block its worker (its agent beats on)
 
 The pod is read through the Kubernetes API (`--server URL` for a plain-HTTP endpoint such as
 `kubectl proxy`, else `--kubeconfig`/`RJOB_KUBECONFIG`/the default kubeconfig, else in-cluster): its labels
 name the job and node, its environment the job's Redis (override with `--redis-url` when the in-cluster
-address is not reachable, e.g. through `kubectl port-forward`). A slowdown is a control key the worker
-polls (`agent.chaos`); it is refused unless the pod's environment allows chaos (`RJOB_ALLOW_CHAOS=1`), so a
-production job cannot be slowed by mistake. `kill` deletes the pod with no grace period.
+address is not reachable, e.g. through `kubectl port-forward`). A slowdown, a break or a hang is a control
+key the worker polls (`agent.chaos`); it is refused unless the pod's environment allows chaos
+(`RJOB_ALLOW_CHAOS=1`), so a production job cannot be slowed by mistake. `kill` deletes the pod with no
+grace period.
 """
 
 from __future__ import annotations
@@ -52,13 +55,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow.add_argument("--link", help="peer pod name or node number: slow the link to it instead")
     slow.add_argument("--latency", type=float, default=0.001, help="link: nominal seconds per message")
     slow.add_argument("--bandwidth", type=float, default=1e9, help="link: nominal bytes per second")
-    slow.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
-    clear = commands.add_parser("clear", help="withdraw a pod's slowdown")
+    clear = commands.add_parser("clear", help="withdraw a pod's slowdown or hang")
     clear.add_argument("pod")
-    clear.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
     kill = commands.add_parser("kill", help="delete a pod at once (a fail-stop)")
     kill.add_argument("pod")
-    for sub in (slow, clear, kill):
+    broken = commands.add_parser(
+        "break", help="fail a pod's next collective once, as a reset connection would (the pod stays alive)"
+    )
+    broken.add_argument("pod")
+    hang = commands.add_parser(
+        "hang", help="block a pod's worker in its next collective (its agent beats on)"
+    )
+    hang.add_argument("pod")
+    hang.add_argument("--for", dest="duration", default="10m", help="duration such as 60s or 10m (default)")
+    for sub in (slow, clear, broken, hang):
+        sub.add_argument("--redis-url", help="the job's Redis as reachable from here (default: the pod's)")
+    for sub in (slow, clear, kill, broken, hang):
         sub.add_argument("-n", "--namespace", default="default")
         sub.add_argument("--server", help="API server URL without authentication (e.g. kubectl proxy)")
         sub.add_argument("--kubeconfig", help="kubeconfig file (default: RJOB_KUBECONFIG or ~/.kube/config)")
@@ -181,6 +193,10 @@ def _run(args: argparse.Namespace) -> int:
         if not args.bandwidth > 0.0:
             raise CliError(f"bandwidth: must be > 0 bytes per second, got {args.bandwidth}")
         seconds = parse_duration(args.duration)
+    elif args.chaos_command == "hang":
+        seconds = parse_duration(args.duration)
+    elif args.chaos_command == "break":
+        seconds = 60.0  # the order waits this long for the worker's next call
     cluster = _Cluster(args)
     pod = cluster.pod(args.pod)
     job, node = _worker(pod, args.pod)
@@ -205,19 +221,28 @@ def _run(args: argparse.Namespace) -> int:
                 f"pod: job {job!r} does not allow chaos: set spec.chaos.enabled: true ({ALLOW_ENV}=1 is not "
                 f"in {args.pod}'s env)"
             )
-        link = _peer_node(cluster, job, args.link) if args.link else None
-        order = ChaosOrder(
-            factor=args.factor,
-            until=time.time() + seconds,
-            link=link,
-            latency_s=args.latency,
-            bandwidth_bps=args.bandwidth,
-        )
-        write_order(client, keys, node, order)
+        if args.chaos_command in ("break", "hang"):
+            fault = ChaosOrder(factor=1.0, until=time.time() + seconds, fault=args.chaos_command)
+            write_order(client, keys, node, fault)
+        else:
+            link = _peer_node(cluster, job, args.link) if args.link else None
+            order = ChaosOrder(
+                factor=args.factor,
+                until=time.time() + seconds,
+                link=link,
+                latency_s=args.latency,
+                bandwidth_bps=args.bandwidth,
+            )
+            write_order(client, keys, node, order)
     except RedisError as exc:
         raise CliError(f"redis-url: {exc}") from None
     finally:
         client.close()
-    target = f"link to node {link}" if link is not None else "compute"
-    print(f"pod/{args.pod} {target} slowed x{args.factor} for {args.duration}")
+    if args.chaos_command == "break":
+        print(f"pod/{args.pod}: its next collective will fail")
+    elif args.chaos_command == "hang":
+        print(f"pod/{args.pod}: its worker will hang in its next collective for {args.duration}")
+    else:
+        target = f"link to node {link}" if link is not None else "compute"
+        print(f"pod/{args.pod} {target} slowed x{args.factor} for {args.duration}")
     return 0

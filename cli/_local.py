@@ -1,6 +1,7 @@
 """`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
 operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs POD`, `chaos kill POD`,
-`chaos slow POD --factor F --for 60s [--link PEER]`, `down`."""
+`chaos slow POD --factor F --for 60s [--link PEER]`, `chaos break POD`, `chaos hang POD [--for 10m]`, `chaos
+clear POD`, `down`."""
 
 from __future__ import annotations
 
@@ -99,9 +100,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     slow.add_argument("--link", metavar="PEER", help="slow the link to this peer pod (or node number)")
     slow.add_argument("--latency", type=float, default=0.001, help="link: nominal seconds per message")
     slow.add_argument("--bandwidth", type=float, default=1e9, help="link: nominal bytes per second")
-    clear = chaos.add_parser("clear", help="withdraw a pod's slowdown before its time is up")
+    clear = chaos.add_parser("clear", help="withdraw a pod's slowdown or hang before its time is up")
     clear.add_argument("pod")
     clear.add_argument("-n", "--namespace", default="default")
+    broken = chaos.add_parser(
+        "break", help="fail a pod's next collective once, as a reset connection would (the pod stays alive)"
+    )
+    broken.add_argument("pod")
+    broken.add_argument("-n", "--namespace", default="default")
+    hang = chaos.add_parser("hang", help="block a pod's worker in its next collective (its agent beats on)")
+    hang.add_argument("pod")
+    hang.add_argument("-n", "--namespace", default="default")
+    hang.add_argument("--for", dest="duration", default="10m", help="duration such as 60s or 10m (default)")
     commands.add_parser("down", help="stop everything")
     parser.set_defaults(handler=guarded(_run))
 
@@ -129,6 +139,9 @@ def _run(args: argparse.Namespace) -> int:
         return _kill(args.pod, args.namespace)
     if args.chaos_command == "clear":
         return _clear(args.pod, args.namespace)
+    if args.chaos_command in ("break", "hang"):
+        duration = args.duration if args.chaos_command == "hang" else "60s"
+        return _slow(args.pod, 1.0, duration, namespace=args.namespace, fault=args.chaos_command)
     return _slow(
         args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth, args.namespace
     )
@@ -350,9 +363,10 @@ def _slow(
     latency_s: float = 0.001,
     bandwidth_bps: float = 1e9,
     namespace: str = "default",
+    fault: str | None = None,
 ) -> int:
     """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its link to `link`
-    (whose nominal latency and bandwidth set the delay per transfer)."""
+    (whose nominal latency and bandwidth set the delay per transfer), or a `fault` ("break", "hang")."""
     import redis
     from pydantic import ValidationError
 
@@ -385,6 +399,7 @@ def _slow(
             link=peer,
             latency_s=latency_s,
             bandwidth_bps=bandwidth_bps,
+            fault=fault,
         )
     except ValidationError as exc:
         error = exc.errors()[0]
@@ -394,6 +409,11 @@ def _slow(
         write_order(client, JobKeys(namespace, job), int(labels["resilientjob.io/node"]), order)
     finally:
         client.close()
-    target = f" link to node {peer}" if peer is not None else ""
-    print(f"pod/{pod}{target} slowed x{factor} for {duration}")
+    if fault == "break":
+        print(f"pod/{pod}: its next collective will fail")
+    elif fault == "hang":
+        print(f"pod/{pod}: its worker will hang in its next collective for {duration}")
+    else:
+        target = f" link to node {peer}" if peer is not None else ""
+        print(f"pod/{pod}{target} slowed x{factor} for {duration}")
     return 0

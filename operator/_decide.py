@@ -371,12 +371,11 @@ def explain(decision: api.Decision) -> str:
         f"transition {c.transition_s:.3g}s, score {c.score:.4g}"
         for c in best
     )
-    nodes = ",".join(str(n) for n in decision.nodes)
+    # A generation for no node in particular (a world re-formed, a store replaced) names none.
+    nodes = f" nodes [{','.join(str(n) for n in decision.nodes)}]" if decision.nodes else ""
     how = f"{decision.strategy} " if decision.strategy else ""
-    head = (
-        f"generation {decision.generation}: {decision.trigger} nodes [{nodes}] "
-        f"-> {how}{decision.policy} {decision.layout}"
-    )
+    plan = f"{how}{decision.policy} {decision.layout}"
+    head = f"generation {decision.generation}: {decision.trigger}{nodes} -> {plan}"
     return f"{head} ({decision.reason})" + (f"; candidates: {ranked}" if ranked else "")
 
 

@@ -39,6 +39,7 @@ from resilientjob.protocol.messages import (
     ValidationRequest,
     ValidationResult,
     ValidationTopology,
+    WorkerAbort,
     count_drop,
     decode,
     encode,
@@ -84,16 +85,17 @@ def announcement(
 
 
 # ARGV: heartbeat key prefix, nodes as "1,2,5", beaten-bitmap key, plan-generation key, heartbeat TTL in ms,
-# plan key, owner key, the job's uid ("": none claimed). The owner key is set back to the uid when it holds
-# anything else (a Redis that reloaded an older state naming a deleted job of this name would have every
-# agent of this one refused, `agent.telemetry.BEAT`; this operator runs the job, so its uid is the owner).
-# Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever beaten"
-# bytes (0/1), the committed generation, the nodes whose key had no TTL, as "1,5", and the plan's length
-# (-1: another type), which tells a plan overwritten in place without reading it. An agent always sets its
-# key with a TTL, so a key without one is garbage (hand-written, another type): it gets the TTL of a fresh
-# beat instead of being obeyed, so a live agent overwrites it and a dead node's key still expires. Reads
-# of keys holding another type (GETBIT, GET) count as absent. Keys are derived from the job prefix, so a
-# Redis Cluster needs the job's keys in one slot (a hash tag in the prefix); a single server needs nothing.
+# plan key, owner key, the job's uid ("": none claimed), aborts hash. The owner key is set back to the uid
+# when it holds anything else (a Redis that reloaded an older state naming a deleted job of this name would
+# have every agent of this one refused, `agent.telemetry.BEAT`; this operator runs the job, so its uid is
+# the owner). Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever
+# beaten" bytes (0/1), the committed generation, the nodes whose key had no TTL, as "1,5", the plan's length
+# (-1: another type), which tells a plan overwritten in place without reading it, and how many aborts wait
+# (the hash is read only when there are some). An agent always sets its key with a TTL, so a key without one
+# is garbage (hand-written, another type): it gets the TTL of a fresh beat instead of being obeyed, so a
+# live agent overwrites it and a dead node's key still expires. Reads of keys holding another type (GETBIT,
+# GET) count as absent. Keys are derived from the job prefix, so a Redis Cluster needs the job's keys in one
+# slot (a hash tag in the prefix); a single server needs nothing.
 _SCAN = """
 local ttls, beaten, repaired, i = {}, {}, {}, 0
 for node in string.gmatch(ARGV[2], "%d+") do
@@ -121,7 +123,9 @@ local generation = redis.pcall("GET", ARGV[4])
 if type(generation) ~= "string" then generation = "" end
 local size = redis.pcall("STRLEN", ARGV[6])
 if type(size) ~= "number" then size = -1 end
-return {table.concat(ttls), table.concat(beaten), generation, table.concat(repaired, ","), size}
+local aborts = redis.pcall("HLEN", ARGV[9])
+if type(aborts) ~= "number" then aborts = 0 end
+return {table.concat(ttls), table.concat(beaten), generation, table.concat(repaired, ","), size, aborts}
 """
 
 # KEYS[1]: a stream; ARGV: exclusive start id, count. Returns the last id read and every entry's "m" field
@@ -163,6 +167,8 @@ class HeartbeatScan:
     """Nodes whose heartbeat key held garbage (no TTL): given a fresh TTL instead of being judged."""
     plan_bytes: int | None = None
     """The plan key's length (0: missing, -1: another type)."""
+    aborts: int = 0
+    """Fields in the job's aborts hash (`JobRedis.aborts` reads them)."""
 
     @property
     def live(self) -> np.ndarray:
@@ -292,9 +298,10 @@ class JobRedis:
                 self.keys.plan,
                 self.keys.owner,
                 self.uid,
+                self.keys.aborts,
             ]
         )
-        packed, beaten, generation, repaired_arg, plan_bytes = reply
+        packed, beaten, generation, repaired_arg, plan_bytes, aborts = reply
         left = np.frombuffer(packed, dtype=">i4").astype(np.float64) / 1000.0
         if len(left) != len(nodes):
             raise ValueError(f"heartbeat scan returned {len(left)} values for {len(nodes)} nodes")
@@ -313,7 +320,28 @@ class JobRedis:
             generation=committed,
             repaired=repaired,
             plan_bytes=int(plan_bytes),
+            aborts=int(aborts),
         )
+
+    async def aborts(self, generation: int) -> dict[int, WorkerAbort]:
+        """The nodes whose workers abandoned a step of `generation` (`WorkerAbort`, by node). The fields of
+        older generations, and any that do not decode or do not match their field's name, are deleted."""
+        raw: dict[bytes | str, bytes | str] = await self.client.hgetall(self.keys.aborts)
+        found: dict[int, WorkerAbort] = {}
+        stale: list[bytes | str] = []
+        for field, value in raw.items():
+            abort = decode(WorkerAbort, value, "operator.aborts")
+            named = field.decode(errors="replace") if isinstance(field, bytes) else field
+            if abort is None or named != f"{abort.generation}:{abort.node}":
+                self.garbage("abort", f"{self.keys.aborts} {named}", "deleted")
+                stale.append(field)
+            elif abort.generation < generation:
+                stale.append(field)
+            elif abort.generation == generation:
+                found[abort.node] = abort
+        if stale:
+            await self.client.hdel(self.keys.aborts, *stale)
+        return found
 
     def garbage(self, kind: str, key: str, what: str) -> None:
         """Count an undecodable value (`rjob_redis_repairs_total{kind}`); log it once per key."""

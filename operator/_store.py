@@ -42,14 +42,21 @@ def is_store_pod(pod: Mapping[str, Any], job: str) -> bool:
     return labels.get(_manifests.LABEL_JOB) == _manifests.job_label(job) and role == _manifests.ROLE_STORE
 
 
-def rendezvous_again(current: PlanAnnouncement) -> PlanAnnouncement:
-    """The committed layout again as the next generation, for workers whose store was replaced. `dynamic`:
-    every node keeps its layers (a `checkpoint` plan would reload the last checkpoint for nothing)."""
+def rendezvous_again(
+    current: PlanAnnouncement,
+    trigger: api.Reason = api.Reason.REPLANNED,
+    reason: str = "the job's store pod was replaced: the workers rendezvous again on the new store",
+    detect_s: float = 0.0,
+) -> PlanAnnouncement:
+    """The committed layout again as the next generation: for workers whose store was replaced, or whose
+    world stopped on a communication error with every node alive (`_aborts`). `dynamic`: every node keeps
+    its layers (a `checkpoint` plan would reload the last checkpoint for nothing)."""
     plan = current.plan.model_copy(update={"generation": current.generation + 1, "policy": Policy.DYNAMIC})
     return announcement(
         plan,
-        trigger=api.Reason.REPLANNED,
-        reason="the job's store pod was replaced: the workers rendezvous again on the new store",
+        trigger=trigger,
+        reason=reason,
+        detect_s=detect_s,
         parked=current.parked,
         restore=current.restore,
     )

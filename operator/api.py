@@ -144,6 +144,8 @@ class Reason(StrEnum):
     WAITING_FOR_REPLACEMENTS = "WaitingForReplacements"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
     LOST_AFTER_TRAINING = "LostAfterTraining"
+    COLLECTIVE_FAILED = "CollectiveFailed"
+    NODE_HUNG = "NodeHung"
 
 
 class LayerSpec(_Api):
@@ -250,12 +252,13 @@ class FailSlowSpec(_Api):
 
 
 class ChaosSpec(_Api):
-    """Fault injection for drills and demos (`rjob chaos slow`): off unless a job opts in. (`rjob chaos kill`
-    deletes a pod, which anyone allowed to delete pods can do: it needs no opt-in.)"""
+    """Fault injection for drills and demos (`rjob chaos slow|break|hang`): off unless a job opts in. (`rjob
+    chaos kill` deletes a pod, which anyone allowed to delete pods can do: it needs no opt-in.)"""
 
     enabled: bool = Field(
         default=False,
-        description="Let workers obey slowdown orders (their compute, or a link); never on for production.",
+        description="Let workers obey chaos orders (a slowdown of their compute or a link, a broken or hung "
+        "collective); never on for production.",
     )
 
 

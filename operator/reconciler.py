@@ -40,6 +40,7 @@ from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import (
+    _aborts,
     _capacity,
     _decide,
     _durable,
@@ -121,6 +122,8 @@ class JobController:
             _capacity.Backoff(settings.replace_backoff_s, settings.replace_backoff_max_s)
         )
         self.fencing = Fencing(self, self.workers, self.capacity)
+        self.aborts = _aborts.AbortWatch()
+        """The current generation's abandoned steps with no node dead (`_aborts`)."""
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -476,6 +479,9 @@ class JobController:
             await self.fencing.fence(confirmed)
             if self.failslow is not None:
                 self.failslow.forget(confirmed)
+        quiet = not (deciding or suspects or self.fencing.fenced or at_last_step)
+        if quiet and scan is not None and scan.aborts:
+            deciding = await self._aborted(published)  # hung nodes fenced here are planned around below
         if spec.replace_failed_nodes and not at_last_step:
             await self.capacity.keep_up(self, published, self.fencing.fenced)
         # A job at its last step takes no one in: the workers exit before a joiner could rendezvous.
@@ -507,6 +513,8 @@ class JobController:
         if outage is not None:
             raise outage  # the telemetry pass reads Redis; the loop backs off and keeps count of the outage
         outcome = await self._telemetry.run(self._pass_context(), current)
+        if self._telemetry.progress is not None:
+            self.aborts.stepped(self._telemetry.progress[0])
         self.status = self.status.model_copy(update=outcome.status)
         recoveries = _decide.measured_switches(self.status.recoveries, self._telemetry.switches)
         if recoveries is not None:
@@ -708,6 +716,43 @@ class JobController:
         message = f"nodes {sorted(joins)} stay idle under generation {current.generation}: {chosen.reason}"
         self.event("Normal", api.Reason.NODE_JOINED, message)
         log.info("job %s/%s: %s", self.namespace, self.name, message)
+
+    async def _aborted(self, published: PlanAnnouncement) -> bool:
+        """Workers abandoned a step of the current generation and no node died (`_aborts`): fence the nodes
+        that hang (the pass plans around them), or re-form the world. True when a decision started."""
+        aborts = await self.require()[2].aborts(published.generation)
+        world = frozenset(published.plan.nodes)
+        verdict = self.aborts.observe(published.generation, world, aborts, time.monotonic())
+        if verdict is None:
+            return False
+        what = _aborts.summary(aborts)
+        if verdict.hung:
+            waited = _aborts.hang_after_s(aborts)
+            cause = f"hung: neither stepped nor aborted for {waited:.0f} s while its peers did ({what})"
+            self.event("Warning", api.Reason.NODE_HUNG, f"nodes {list(verdict.hung)} {cause}")
+            await self.fencing.fence(dict.fromkeys(verdict.hung, (api.Reason.NODE_HUNG, cause)))
+            return False
+        if not self.aborts.may_reform():
+            if self.aborts.gave_up != published.generation:
+                self.aborts.gave_up = published.generation
+                message = (
+                    f"{what}; the world re-formed {_aborts.MAX_REFORMS} times in a row without committing a "
+                    "step: no more re-formations, the workers' plan timeout takes over"
+                )
+                self.event("Warning", api.Reason.COLLECTIVE_FAILED, message)
+            return False
+        reason = f"{what}; every node alive: the world re-forms with the same layout"
+        waited = self.aborts.waited_s(time.monotonic())
+        reformed = rendezvous_again(published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited)
+        self.aborts.reforming(reformed.generation)
+        self.event("Warning", api.Reason.COLLECTIVE_FAILED, reason)
+        log.info("job %s/%s: %s", self.namespace, self.name, reason)
+
+        async def reform() -> None:
+            await self._commit_and_apply(reformed, published)
+
+        self._start(reform)
+        return True
 
     async def _rendezvous_again(self, published: PlanAnnouncement) -> None:
         await self._commit_and_apply(rendezvous_again(published), published)

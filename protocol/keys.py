@@ -149,6 +149,13 @@ class JobKeys:
         return f"{self.prefix}workload-errors"
 
     @property
+    def aborts(self) -> str:
+        """Hash "<generation>:<node>" -> `WorkerAbort`: a node whose workers abandoned a step of that
+        generation on a communication error, alive and waiting for the next generation (`operator/_aborts`).
+        The operator deletes the fields of generations it has left."""
+        return f"{self.prefix}aborts"
+
+    @property
     def failslow(self) -> str:
         """The operator's fail-slow state (its detectors and the report stream's cursor)."""
         return f"{self.prefix}failslow"

@@ -33,6 +33,9 @@ MAX_PLAN_BYTES = 16 * 2**20
 MAX_PROFILE_BYTES = 8 * 2**20
 """A model profile of thousands of layers (a few hundred bytes each) with its report."""
 
+MAX_ABORT_ERROR_CHARS = 300
+"""A `WorkerAbort` carries at most this much of its error (`abort_line`)."""
+
 PROFILE_NODE = 0
 """The node whose agent answers a `ModelProfileRequest`."""
 
@@ -170,6 +173,27 @@ class SlowReport(_Message):
         description="Seconds the worker's steps took from `onset_step` through `step`: how long the change "
         "had lasted when it was reported (0: not measured).",
     )
+
+
+class WorkerAbort(_Message):
+    """A node's workers abandoned step `step` of `generation` on a communication error (a collective or a
+    receive failed, or timed out behind a peer) and wait, alive, for the next generation. Sent once per
+    abandoned step by the node's agent (`agent.telemetry.Telemetry.record_abort`)."""
+
+    node: int = Field(ge=0, le=1_000_000)
+    generation: int = Field(ge=0)
+    step: int = Field(
+        ge=1, description="The step abandoned, numbered as its `IterationRecord` will be once committed."
+    )
+    error: str = Field(max_length=MAX_ABORT_ERROR_CHARS, description="The error's first line, shortened.")
+    collective_timeout_s: float = Field(
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="The worker's collective timeout: how long a peer blocked behind a hung one waits before "
+        "it aborts too.",
+    )
+    at: float = Field(ge=0, allow_inf_nan=False, description="Unix time on the agent.")
 
 
 class PlanAnnouncement(_Message):
@@ -357,3 +381,12 @@ def workload_termination(message: str) -> tuple[str, str] | None:
     if not rest or not re.fullmatch(r"spec(\.[A-Za-z]+)+", field):
         return None
     return field, line
+
+
+def abort_line(error: BaseException | str) -> str:
+    """The first non-empty line of an error, shortened to fit a `WorkerAbort` (gloo's and NCCL's errors run
+    to a stack of C++ frames)."""
+    line = next((part.strip() for part in str(error).splitlines() if part.strip()), "")
+    if not isinstance(error, str):
+        line = f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return line if len(line) <= MAX_ABORT_ERROR_CHARS else line[: MAX_ABORT_ERROR_CHARS - 3] + "..."

@@ -51,3 +51,20 @@ def test_agent_refuses_a_bad_workload_in_one_line_naming_the_field(
     assert main(["agent"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and field in err, err
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
+    """`rjob ... | head`: the pipe closes under the command, which exits as a Unix tool does (status 141,
+    SIGPIPE's), with no traceback."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "resilientjob.cli", "templates", "--profile", "gpt3-2.7b"]
+    command += ["--nodes", "16"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # the reader is gone before the first line
+        error = process.stderr.read().decode()
+        status = process.wait(timeout=120)
+    assert status == 141, error
+    assert "Traceback" not in error and "BrokenPipeError" not in error, error

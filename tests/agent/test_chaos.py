@@ -23,6 +23,7 @@ from test_tracing import run_gloo
 from resilientjob.agent import chaos, tracing
 from resilientjob.agent.chaos import (
     ALLOW_ENV,
+    BrokenOnOrder,
     ChaosInjector,
     ChaosNotAllowed,
     ChaosOrder,
@@ -104,6 +105,38 @@ def test_injector_stretches_compute_or_delays_traffic_with_one_peer() -> None:
     assert injector("all_reduce", -1, 8, 1.0) == 0.0
     assert slept == []
     assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002 + 0.002)
+
+
+def test_a_break_order_fails_one_call_and_a_hang_order_blocks_until_cleared() -> None:
+    slept: list[float] = []
+    injector = ChaosInjector(sleep=slept.append)
+    order = ChaosOrder(factor=1, until=time.time() + 60, fault="break")
+    injector.order = order
+    with pytest.raises(BrokenOnOrder, match="all_reduce broken on order"):
+        injector("all_reduce", -1, 8, 0.1)
+    assert isinstance(BrokenOnOrder("x"), RuntimeError)  # the worker takes it for a communication error
+    injector.order = ChaosOrder.model_validate_json(order.model_dump_json())  # polled again: the same order
+    assert injector("all_reduce", -1, 8, 0.1) == 0.0  # broken once
+    injector.order = ChaosOrder(factor=1, until=order.until + 1, fault="break")  # a new order breaks anew
+    with pytest.raises(BrokenOnOrder):
+        injector("isend", 1, 8, 0.0)
+    assert injector.compute_factor() == 1.0 and slept == []
+
+    hang = ChaosOrder(factor=1, until=time.time() + 60, fault="hang")
+    injector.order = hang
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 3:
+            injector.order = ChaosOrder.model_validate_json(hang.model_dump_json())  # the watcher's poll
+        if len(slept) == 5:
+            injector.order = None  # `rjob chaos clear`
+
+    injector._sleep = sleep
+    assert injector("all_reduce", -1, 8, 0.1) == 0.0
+    assert len(slept) == 5 and all(0 < s <= 0.1 for s in slept)  # blocked through a poll, until cleared
+    with pytest.raises(ValueError, match="fault"):
+        ChaosOrder(factor=2, until=1, fault="hang")
 
 
 def test_ring_neighbours_follow_the_group_rank_order() -> None:
@@ -363,6 +396,23 @@ async def test_cli_slow_writes_the_order_the_worker_reads(
     assert "link to node 1 slowed x4.0" in capsys.readouterr().out
     assert await _rjob("chaos", "clear", "demo-0", "--server", url) == 0
     assert client.get(KEYS.chaos(0)) is None
+
+
+async def test_cli_break_and_hang_write_fault_orders(
+    api: tuple[LocalApiServer, str], client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = api
+    assert await _rjob("chaos", "break", "demo-1", "--server", url) == 0
+    order = parse_order(client.get(KEYS.chaos(1)))  # type: ignore[arg-type]
+    assert order is not None and order.fault == "break" and order.factor == 1.0
+    assert await _rjob("chaos", "hang", "demo-1", "--for", "90s", "--server", url) == 0
+    order = parse_order(client.get(KEYS.chaos(1)))  # type: ignore[arg-type]
+    assert order is not None and order.fault == "hang"
+    assert order.until == pytest.approx(time.time() + 90, abs=5)
+    out = capsys.readouterr().out
+    assert "its next collective will fail" in out and "will hang in its next collective for 90s" in out
+    assert await _rjob("chaos", "hang", "prod-0", "--server", url) == 2
+    assert "does not allow chaos" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

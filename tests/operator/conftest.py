@@ -20,7 +20,19 @@ from _rjob_stack import (
     api_server,
     connection_from_kubeconfig,
 )
-from _support import redis_server
+from _support import redis_server, rjob_local, rjob_ok
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[Path]:
+    """`rjob local up` under a fresh state folder (the embedded stack the way a user starts it); `down`
+    after the test."""
+    state = tmp_path / "local"
+    rjob_ok(state, "up")
+    try:
+        yield state
+    finally:
+        rjob_local(state, "down")
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from _rjob_stack import emulator_only
-from _support import job_object, rjob_local, rjob_ok, until
+from _support import job_object, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWED_S = 25
@@ -35,17 +34,6 @@ pytestmark = [
     pytest.mark.slow,
     emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),
 ]
-
-
-@pytest.fixture
-def local(tmp_path: Path) -> Iterator[Path]:
-    """`rjob local up` under a fresh state folder; `down` after the test."""
-    state = tmp_path / "local"
-    rjob_ok(state, "up")
-    try:
-        yield state
-    finally:
-        rjob_local(state, "down")
 
 
 def _apply_demo(state: Path, tmp_path: Path, overheads: dict[str, float] | None = None) -> None:

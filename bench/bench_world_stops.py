@@ -1,0 +1,125 @@
+"""A world that stops with every node alive (`operator/_aborts`), timed on the local stack with the demo's
+real GPT on CPU gloo workers: `rjob local chaos break` on one worker (its next collective fails once, as a
+reset connection would; the world re-forms, `CollectiveFailed`), repeated `--breaks` times, then `rjob
+local chaos hang` on another (its worker blocks while its agent beats on; it is fenced, `NodeHung`).
+
+For each order it prints the seconds from the order's write to the generation that answers it, to the first
+step node 0 commits under that generation, and the training gap (node 0's last committed step before the
+order to its first after), and it checks that node 0 committed no step number twice.
+
+No baseline runs beside it: before `operator/_aborts` the workers waited out their plan timeout (120 s in a
+pod) and exited, every pod at once; that path is gone from the code, so the 120 s is the configuration's
+figure, not a measurement.
+
+Usage: .venv/bin/python bench/bench_world_stops.py [--nodes 3] [--breaks 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_failslow_e2e import Stack, wait  # noqa: E402
+
+from resilientjob.agent.chaos import ChaosOrder  # noqa: E402
+from resilientjob.protocol.messages import PlanAnnouncement  # noqa: E402
+
+JOB = "demo-gpt"
+HANG_S = 300
+
+
+def order(stack: Stack, fault: str, node: int) -> float:
+    """Write a `fault` order on `node`; returns when it was written (unix time)."""
+    options = ["--for", f"{HANG_S}s"] if fault == "hang" else []
+    stack.rjob("chaos", fault, f"{JOB}-node-{node}", *options)
+    raw = stack.client.get(stack.keys.chaos(node))
+    if raw is None:
+        raise RuntimeError(f"no chaos order on node {node} after `rjob local chaos {fault}`")
+    return ChaosOrder.model_validate_json(raw).until - (HANG_S if fault == "hang" else 60.0)
+
+
+def answered(stack: Stack, after: int, trigger: str) -> tuple[PlanAnnouncement, float]:
+    """The first generation after `after` with `trigger`, and when this bench saw it (unix time)."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        plan = stack.plan()
+        if plan is not None and plan.generation > after:
+            if plan.trigger != trigger:
+                raise RuntimeError(
+                    f"generation {plan.generation}: {plan.trigger}, not {trigger}: {plan.reason}"
+                )
+            return plan, time.time()
+        time.sleep(0.05)
+    raise TimeoutError(f"no {trigger} generation after {after} within 120 s")
+
+
+def timed(stack: Stack, fault: str, node: int, trigger: str) -> dict[str, Any]:
+    before = stack.plan()
+    assert before is not None
+    ordered_at = order(stack, fault, node)
+    plan, seen_at = answered(stack, before.generation, trigger)
+
+    def first_step() -> float | None:
+        sent = [r.sent_at for r in stack.iterations() if r.node == 0 and r.generation >= plan.generation]
+        return min(sent) if sent else None
+
+    resumed_at = wait(first_step, 60, f"node 0's first step under generation {plan.generation}")
+    last_before = max(r.sent_at for r in stack.iterations() if r.node == 0 and r.sent_at < ordered_at)
+    return {
+        "fault": fault,
+        "node": node,
+        "generation": plan.generation,
+        "answered_s": round(seen_at - ordered_at, 2),
+        "first_step_s": round(resumed_at - ordered_at, 2),
+        "training_gap_s": round(resumed_at - last_before, 2),
+        "reason": plan.reason,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--breaks", type=int, default=3)
+    args = parser.parse_args()
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["nodes"] = args.nodes
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="rjob-world-stops-") as directory:
+        stack = Stack(Path(directory), JOB)
+        try:
+            path = Path(directory) / "job.yaml"
+            path.write_text(yaml.safe_dump(job))
+            stack.rjob("apply", "-f", str(path))
+            wait(lambda: stack.step(0) > 30, 180, "30 steps")
+            for round_ in range(args.breaks):
+                rows.append(timed(stack, "break", 1 + round_ % (args.nodes - 1), "CollectiveFailed"))
+                time.sleep(5)  # steps under the re-formed world before the next order
+            rows.append(timed(stack, "hang", args.nodes - 1, "NodeHung"))
+            steps = [r.step for r in stack.iterations() if r.node == 0]
+        finally:
+            stack.down()
+    repeated = len(steps) - len(set(steps))
+    for row in rows:
+        print(
+            f"{row['fault']:>5} node {row['node']}: generation {row['generation']} {row['answered_s']:.2f} s "
+            f"after the order, node 0's first step under it {row['first_step_s']:.2f} s, training gap "
+            f"{row['training_gap_s']:.2f} s"
+        )
+    print(f"node 0 committed {len(steps)} steps in the stream kept, {repeated} step numbers twice")
+    print(json.dumps(rows))
+    return 0 if repeated == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""A world that stopped with every node alive, and what the operator does about it.
+
+Workers abandon a step when a collective or a receive fails (`agent.worker`: any RuntimeError of a step),
+and wait for the next generation. After a death that generation comes from the fail-stop path, which fences
+the dead node within the heartbeat TTL. But a communication error with no death behind it (a reset
+connection, a link that flapped) or a peer that hangs while its agent beats on (a stuck kernel, a
+deadlock) fences nobody: no failure detector publishes the generation the workers wait for, they wait out
+their plan timeout (120 s in a pod), exit, and the job loses every node at once. The agents therefore report
+each abandoned step (`WorkerAbort`, the job's `aborts` hash), and this module judges what they say:
+
+- Every node of the world aborted and none died within `ABORT_GRACE_S`: a transient fault. The world
+  re-forms: the same layout as the next generation (`_store.rendezvous_again`), the abandoned step trained
+  again, nothing copied.
+- Some nodes aborted and the others neither aborted nor committed a step for `hang_after_s` (twice the
+  longest collective timeout the aborts name, plus the grace: a peer blocked further up a pipeline aborts
+  within one timeout of its own): those hang. They are fenced as failed (`NodeHung`) and planned around,
+  and their pods deleted, which ends the hung processes too.
+
+The grace first: the usual abort follows a death (the survivors of a killed pod abandon their step), and
+the fail-stop path, not a re-formation, must answer it. A world that re-formed and aborted again before it
+committed a step is re-formed at most `MAX_REFORMS` times in a row; then the workers' plan timeout takes
+over, as before this existed, and an Event says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from resilientjob.protocol.keys import HEARTBEAT_TTL_S
+from resilientjob.protocol.messages import WorkerAbort
+
+ABORT_GRACE_S = 1.5 * HEARTBEAT_TTL_S
+"""How long after the first abort of a generation the fail-stop path has to explain it (a dead node is
+fenced within the heartbeat TTL, a deleted pod at once) before the aborts are judged on their own."""
+
+MAX_REFORMS = 3
+"""Re-formations in a row without a committed step between them, after which the operator stops."""
+
+
+def hang_after_s(aborts: Mapping[int, WorkerAbort]) -> float:
+    """How long after the first abort a node of the world that neither aborted nor stepped is taken for
+    hung: a peer blocked behind another blocked peer aborts within one collective timeout of its own."""
+    return 2.0 * max(abort.collective_timeout_s for abort in aborts.values()) + ABORT_GRACE_S
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to do about a generation's aborts (at most one of the two)."""
+
+    reform: bool = False
+    """Every node aborted: publish the same layout as the next generation."""
+    hung: tuple[int, ...] = ()
+    """Nodes to fence as hung."""
+
+
+def judge(world: frozenset[int], aborts: Mapping[int, WorkerAbort], waited_s: float) -> Verdict | None:
+    """The verdict on a generation whose `world` (its plan's nodes) reported `aborts`, `waited_s` after
+    the first was seen; None while it is too early to tell (or nothing to judge)."""
+    reported = set(aborts) & world
+    if not reported or waited_s < ABORT_GRACE_S:
+        return None
+    if reported == world:
+        return Verdict(reform=True)
+    if waited_s < hang_after_s(aborts):
+        return None
+    return Verdict(hung=tuple(sorted(world - reported)))
+
+
+def summary(aborts: Mapping[int, WorkerAbort]) -> str:
+    """One clause for the Event and the decision: the step, who aborted, and the error of the node that
+    aborted first (the others' usually say only that it stopped answering)."""
+    first = min(aborts.values(), key=lambda abort: (abort.at, abort.node))
+    return f"nodes {sorted(aborts)} abandoned step {first.step} (first node {first.node}: {first.error})"
+
+
+@dataclass(slots=True)
+class AbortWatch:
+    """One job's aborts across passes: when the current generation's were first seen, and the re-formations
+    in a row that no committed step has followed yet."""
+
+    generation: int = -1
+    first_seen: float | None = None
+    """Monotonic time the first abort of `generation` was seen; None: none yet."""
+    reforms: int = 0
+    reformed: int = -1
+    """The generation the latest re-formation published."""
+    gave_up: int = -1
+    """The generation the watch stopped re-forming at (said once)."""
+
+    def observe(
+        self, generation: int, world: frozenset[int], aborts: Mapping[int, WorkerAbort], now: float
+    ) -> Verdict | None:
+        """The verdict on `generation`'s aborts now (`judge`); the first call with aborts starts the clock."""
+        if generation != self.generation:
+            self.generation, self.first_seen = generation, None
+        if not set(aborts) & world:
+            return None
+        if self.first_seen is None:
+            self.first_seen = now
+        return judge(world, aborts, now - self.first_seen)
+
+    def stepped(self, generation: int) -> None:
+        """A step committed under `generation`: a re-formed world that trains again ends the run of them."""
+        if generation >= self.reformed:
+            self.reforms = 0
+
+    def waited_s(self, now: float) -> float:
+        """Seconds since the current generation's first abort was seen (0 before)."""
+        return 0.0 if self.first_seen is None else now - self.first_seen
+
+    def may_reform(self) -> bool:
+        return self.reforms < MAX_REFORMS
+
+    def reforming(self, generation: int) -> None:
+        """A re-formation publishes `generation`."""
+        self.reforms += 1
+        self.reformed = generation

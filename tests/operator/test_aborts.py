@@ -1,0 +1,140 @@
+"""A world that stopped with every node alive (`operator/_aborts`): the rule that re-forms it or fences the
+nodes that hang, and the agents' reports of abandoned steps through a real Redis (`Telemetry.record_abort`,
+the scan's count, `JobRedis.aborts`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from resilientjob.agent.telemetry import Telemetry
+from resilientjob.operator._aborts import (
+    ABORT_GRACE_S,
+    MAX_REFORMS,
+    AbortWatch,
+    Verdict,
+    hang_after_s,
+    judge,
+    summary,
+)
+from resilientjob.operator._redis_state import JobRedis, node_list
+from resilientjob.protocol.keys import JobKeys
+from resilientjob.protocol.messages import WorkerAbort, abort_line, encode
+
+WORLD = frozenset({0, 1, 2, 3})
+
+
+def _abort(
+    node: int, generation: int = 4, at: float = 100.0, error: str = "PeerFailure: no progress"
+) -> WorkerAbort:
+    return WorkerAbort(
+        node=node, generation=generation, step=17, error=error, collective_timeout_s=5.0, at=at
+    )
+
+
+def _aborts(*nodes: int, generation: int = 4) -> dict[int, WorkerAbort]:
+    return {node: _abort(node, generation) for node in nodes}
+
+
+def test_every_node_aborted_re_forms_once_the_fail_stop_path_had_its_grace() -> None:
+    everyone = _aborts(0, 1, 2, 3)
+    assert judge(WORLD, everyone, ABORT_GRACE_S - 0.1) is None  # a death would be fenced meanwhile
+    assert judge(WORLD, everyone, ABORT_GRACE_S) == Verdict(reform=True)
+
+
+def test_nodes_that_neither_aborted_nor_stepped_hang_after_two_collective_timeouts() -> None:
+    some = _aborts(0, 2, 3)
+    waited = hang_after_s(some)
+    assert waited == pytest.approx(2 * 5.0 + ABORT_GRACE_S)
+    assert judge(WORLD, some, waited - 0.1) is None  # a peer blocked behind another may still abort
+    assert judge(WORLD, some, waited) == Verdict(hung=(1,))
+
+
+def test_aborts_of_nodes_outside_the_world_count_for_nothing() -> None:
+    assert judge(WORLD, _aborts(7), 60.0) is None
+    assert judge(frozenset({0, 1}), _aborts(0, 1, 7), ABORT_GRACE_S) == Verdict(reform=True)
+
+
+def test_the_summary_names_the_node_that_aborted_first_and_its_error() -> None:
+    aborts = {
+        0: _abort(0, at=105.0, error="PeerFailure: gradient all-reduce: no progress within 5.0 s"),
+        2: _abort(2, at=100.0, error="BrokenOnOrder: chaos: all_reduce broken on order"),
+    }
+    assert summary(aborts) == (
+        "nodes [0, 2] abandoned step 17 (first node 2: BrokenOnOrder: chaos: all_reduce broken on order)"
+    )
+
+
+def test_the_watch_clocks_each_generation_from_its_first_abort() -> None:
+    watch = AbortWatch()
+    assert watch.observe(4, WORLD, {}, now=10.0) is None
+    assert watch.observe(4, WORLD, _aborts(0), now=20.0) is None  # the clock starts here
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + ABORT_GRACE_S - 0.5) is None
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + ABORT_GRACE_S) == Verdict(reform=True)
+    # A new generation starts a new clock.
+    assert watch.observe(5, WORLD, _aborts(0, 1, 2, 3, generation=5), now=40.0) is None
+    assert watch.waited_s(41.0) == pytest.approx(1.0)
+
+
+def test_re_formations_stop_after_the_limit_until_a_step_commits() -> None:
+    watch = AbortWatch()
+    for generation in range(5, 5 + MAX_REFORMS):
+        assert watch.may_reform()
+        watch.reforming(generation)
+        watch.stepped(generation - 1)  # a step of the generation before the re-formation proves nothing
+    assert not watch.may_reform()
+    watch.stepped(4 + MAX_REFORMS)  # the latest re-formed world trained a step
+    assert watch.may_reform()
+
+
+def test_abort_line_keeps_the_first_line_of_a_long_error() -> None:
+    error = RuntimeError(
+        "\n  [../gloo/transport/tcp/pair.cc:534] Connection closed by peer\n" + "frame\n" * 50
+    )
+    assert abort_line(error) == "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    assert len(abort_line("x" * 5000)) == 300
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    connection = aioredis.Redis.from_url(redis_url)
+    yield connection
+    await connection.aclose()
+
+
+async def test_agents_report_aborts_and_the_operator_reads_the_current_generation_only(
+    client: aioredis.Redis,
+) -> None:
+    keys = JobKeys("default", "aborts")
+    await client.delete(keys.aborts, keys.owner)
+    state = JobRedis(client, keys)
+    nodes = np.arange(3, dtype=np.int64)
+    assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == 0
+    for node in range(3):
+        agent = Telemetry(client, keys, node, f"aborts-node-{node}")
+        assert await agent.record_abort(3, 40, "PeerFailure: old", 5.0) is not None
+        sent = await agent.record_abort(4, 41, "RuntimeError: reset\nframe 1\nframe 2", 7.5)
+        assert sent is not None and sent.error == "RuntimeError: reset"
+    await client.hset(keys.aborts, "4:9", b"{not json")  # garbage
+    await client.hset(keys.aborts, "4:1", encode(_abort(2)))  # a field that does not name its message's node
+    await client.hset(keys.aborts, "5:0", encode(_abort(0, generation=5)))  # ahead of the committed one
+    assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == 8
+    found = await state.aborts(4)
+    assert sorted(found) == [0, 2] and found[0].step == 41 and found[0].collective_timeout_s == 7.5
+    # Older generations and garbage are deleted; the generation ahead is left for when it is committed.
+    assert sorted(await client.hkeys(keys.aborts)) == [b"4:0", b"4:2", b"5:0"]
+    await client.delete(keys.aborts)
+
+
+async def test_an_agent_of_a_deleted_job_cannot_report_aborts_into_the_new_jobs_keys(
+    client: aioredis.Redis,
+) -> None:
+    keys = JobKeys("default", "aborts-fenced")
+    await client.set(keys.owner, "uid-of-the-new-job")
+    old = Telemetry(client, keys, 0, "aborts-fenced-node-0", job_uid="uid-of-the-deleted-job")
+    assert await old.record_abort(2, 9, "PeerFailure", 5.0) is None
+    assert await client.hlen(keys.aborts) == 0
+    await client.delete(keys.owner)

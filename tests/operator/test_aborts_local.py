@@ -1,0 +1,100 @@
+"""A world that stops with every node alive, with the real training runtime, the way a user sees it: `rjob
+local up`, the demo's GPT on three workers, then
+
+- `rjob local chaos break`: one worker's next collective fails, as a reset connection would. Every worker
+  abandons the step and waits, alive. The operator re-forms the world (`CollectiveFailed`, the same layout
+  as the next generation) and training goes on at the abandoned step: no node fenced, no step repeated.
+- `rjob local chaos hang`: one worker blocks in its next collective while its agent beats on. Its peers
+  abort; it neither aborts nor steps. The operator fences it as hung (`NodeHung`) and the others train on.
+
+Before `operator/_aborts`, both left the workers waiting out their plan timeout (120 s), after which every
+pod exited and the job lost every node at once."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _rjob_stack import emulator_only
+from _support import job_object, rjob_ok, until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),
+]
+
+
+def _status(state: Path) -> dict[str, Any]:
+    status: dict[str, Any] = job_object(state, "demo-gpt").get("status") or {}
+    return status
+
+
+def _recovery(state: Path, trigger: str) -> dict[str, Any] | None:
+    rows = [r for r in _status(state).get("recoveries") or [] if r["trigger"] == trigger]
+    return rows[-1] if rows else None
+
+
+def _steps_after(state: Path, pod: str, generation: int) -> list[int]:
+    log = rjob_ok(state, "logs", pod)
+    return [int(m.group(1)) for m in re.finditer(rf"^step (\d+) gen {generation} ", log, re.MULTILINE)]
+
+
+def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
+    local: Path, tmp_path: Path
+) -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    manifest["spec"]["nodes"] = 3
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    rjob_ok(local, "apply", "-f", str(path))
+    until(lambda: _status(local).get("step", 0) > 30, 120, "30 steps of the 3-worker job")
+    layout = _status(local)["layout"]
+
+    ordered_at = time.monotonic()
+    rjob_ok(local, "chaos", "break", "demo-gpt-node-1")
+    reformed = until(lambda: _recovery(local, "CollectiveFailed"), 40, "the world re-formed")
+    took_s = time.monotonic() - ordered_at
+    # One collective timeout (5 s) for the peers to abort, the grace (3 s), the commit: well inside the
+    # 120 s the workers used to wait before every pod exited.
+    assert took_s < 30, took_s
+    assert reformed["nodes"] == [] and reformed["layout"] == layout, reformed
+    generation = reformed["generation"]
+    status = _status(local)
+    assert not status.get("fencedNodes"), status.get("fencedNodes")
+    decision = status["lastDecision"]
+    # Which node aborts first depends on where the break lands (the broken call itself, or a peer's
+    # collective timing out first); every node of the world did.
+    assert "nodes [0, 1, 2] abandoned step" in decision["reason"], decision
+    # Training goes on at the abandoned step, every node in: no committed step trained twice.
+    until(lambda: len(_steps_after(local, "demo-gpt-node-0", generation)) > 10, 60, "steps after re-forming")
+    log = rjob_ok(local, "logs", "demo-gpt-node-0")
+    steps = [int(m.group(1)) for m in re.finditer(r"^step (\d+) gen \d+ ", log, re.MULTILINE)]
+    assert steps == sorted(set(steps)), "a committed step was trained again"
+    assert "abandoned: " in log and "waiting for the next generation" in log
+    measured = until(
+        lambda: (r := _recovery(local, "CollectiveFailed")) and "copiedBytes" in r and r,
+        30,
+        "the switch measured",
+    )
+    assert measured["copiedBytes"] == 0, measured  # every node kept its layers
+    assert _status(local)["workers"] == "3/3"
+
+    ordered_at = time.monotonic()
+    rjob_ok(local, "chaos", "hang", "demo-gpt-node-2", "--for", "5m")
+    hung = until(lambda: _recovery(local, "NodeHung"), 90, "the hung worker fenced")
+    took_s = time.monotonic() - ordered_at
+    assert took_s < 60, took_s  # 5 s until the peers abort, then two collective timeouts and the grace
+    assert hung["nodes"] == [2], hung
+    assert 2 in (_status(local).get("fencedNodes") or []) or hung["generation"] > generation
+    until(
+        lambda: len(_steps_after(local, "demo-gpt-node-0", hung["generation"])) > 10,
+        60,
+        "the others training on without the hung worker",
+    )
