@@ -47,11 +47,17 @@ def rendezvous_again(
     trigger: api.Reason = api.Reason.REPLANNED,
     reason: str = "the job's store pod was replaced: the workers rendezvous again on the new store",
     detect_s: float = 0.0,
+    copies_done: bool = False,
 ) -> PlanAnnouncement:
     """The committed layout again as the next generation: for workers whose store was replaced, or whose
     world stopped on a communication error with every node alive (`_aborts`). `dynamic`: every node keeps
-    its layers (a `checkpoint` plan would reload the last checkpoint for nothing)."""
-    plan = current.plan.model_copy(update={"generation": current.generation + 1, "policy": Policy.DYNAMIC})
+    its layers (a `checkpoint` plan would reload the last checkpoint for nothing). `copies_done`: every
+    worker got past the current generation's layer copies (it ran a step), so the next one copies nothing
+    again, and a node that only sent layers (whose worker has left) is not waited for at its rendezvous."""
+    update: dict[str, object] = {"generation": current.generation + 1, "policy": Policy.DYNAMIC}
+    if copies_done:
+        update["transfers"] = ()
+    plan = current.plan.model_copy(update=update)
     return announcement(
         plan,
         trigger=trigger,

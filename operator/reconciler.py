@@ -743,7 +743,10 @@ class JobController:
             return False
         reason = f"{what}; every node alive: the world re-forms with the same layout"
         waited = self.aborts.waited_s(time.monotonic())
-        reformed = rendezvous_again(published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited)
+        # Every worker aborted a step, so every one got past the generation's copies.
+        reformed = rendezvous_again(
+            published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, copies_done=True
+        )
         self.aborts.reforming(reformed.generation)
         self.event("Warning", api.Reason.COLLECTIVE_FAILED, reason)
         log.info("job %s/%s: %s", self.namespace, self.name, reason)

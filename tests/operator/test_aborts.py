@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from resilientjob.agent.telemetry import Telemetry
+from resilientjob.operator import api
 from resilientjob.operator._aborts import (
     ABORT_GRACE_S,
     MAX_REFORMS,
@@ -20,7 +21,9 @@ from resilientjob.operator._aborts import (
     judge,
     summary,
 )
-from resilientjob.operator._redis_state import JobRedis, node_list
+from resilientjob.operator._redis_state import JobRedis, announcement, node_list
+from resilientjob.operator._store import rendezvous_again
+from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import WorkerAbort, abort_line, encode
 
@@ -88,6 +91,25 @@ def test_re_formations_stop_after_the_limit_until_a_step_commits() -> None:
     assert not watch.may_reform()
     watch.stepped(4 + MAX_REFORMS)  # the latest re-formed world trained a step
     assert watch.may_reform()
+
+
+def test_a_re_formed_world_keeps_the_layout_and_copies_nothing_again() -> None:
+    pipelines = tuple(
+        PipelinePlan(stages=(StagePlan(layers=(0, 2), node=node),), microbatches=4) for node in (0, 2)
+    )
+    # Generation 6 took node 2 in with layers copied from node 5, which left the job.
+    copied = (Transfer(layer=0, src=5, dst=2, bytes=8), Transfer(layer=1, src=5, dst=2, bytes=8))
+    plan = Plan(
+        generation=6, policy=Policy.TEMPLATES, microbatch_size=1, pipelines=pipelines, step_time_s=1.0
+    ).model_copy(update={"transfers": copied})
+    current = announcement(plan, trigger="NodeJoined", nodes=[2], parked=[7])
+    reformed = rendezvous_again(
+        current, api.Reason.COLLECTIVE_FAILED, "nodes [0, 2] abandoned step 9", copies_done=True
+    )
+    assert reformed.generation == 7 and reformed.trigger == "CollectiveFailed" and reformed.nodes == []
+    assert reformed.plan.pipelines == plan.pipelines and reformed.plan.policy is Policy.DYNAMIC
+    assert reformed.plan.transfers == () and reformed.parked == [7]  # node 5 is not waited for
+    assert rendezvous_again(current).plan.transfers == copied  # a replaced store may have cut copies short
 
 
 def test_abort_line_keeps_the_first_line_of_a_long_error() -> None:
