@@ -206,11 +206,13 @@ def write_from_checkpoint(
     step: int | None,
     out_dir: str | Path,
     dtype: torch.dtype = torch.float32,
+    tokenizer: Path | None = None,
 ) -> int:
     """Write the model of checkpoint `step` (None: the newest complete one) of a job's checkpoint directory
     in Hugging Face layout: the trained model of a job that ended without writing it (it failed, or had no
     `spec.output`), or of any step it kept. Reads the weights only, not the optimizer state; a layer saved
     in tensor-parallel shards is merged. Every layer is checked against `spec` before a file is written.
+    `tokenizer`: the job's `spec.data.tokenizer`, written with the model as the job's own export does.
     Returns the step written; ValueError naming what is wrong (no complete step, a step not there, a
     checkpoint of another model)."""
     from .checkpoint import Checkpointer, check_weights, read_weights, saved_shards
@@ -233,6 +235,8 @@ def write_from_checkpoint(
     elif step not in complete:
         found = ", ".join(map(str, complete)) or "none"
         raise ValueError(f"step: {directory} has no complete checkpoint of step {step} (complete: {found})")
+    if tokenizer is not None and not tokenizer_file(tokenizer).is_file():
+        raise ValueError(f"tokenizer: {tokenizer} holds no tokenizer.json")
     for index in range(spec.num_layers):
         check_weights(directory, step, index, hf.meta_layer(index), shards)
     out = Path(out_dir)
@@ -240,5 +244,5 @@ def write_from_checkpoint(
         module = spec.allocate(index)
         read_weights(directory, step, index, module, shards)
         write_layer(spec, index, module, out, dtype)
-    write_metadata(spec, out, dtype)
+    write_metadata(spec, out, dtype, tokenizer=tokenizer)
     return step

@@ -25,6 +25,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--step", type=int, default=None, help="the step to write (default: the newest complete)"
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="the job's spec.data.tokenizer (a directory or its tokenizer.json): written with the model when "
+        "the model's own directory has none, as the job's export does",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
     parser.set_defaults(handler=guarded(_run))
 
@@ -38,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"step: must be >= 1, got {args.step}")
     try:
         spec = load_model(args.model, seq_len=1)  # the weights do not depend on it
-        step = write_from_checkpoint(spec, args.checkpoint, args.step, args.out)
+        step = write_from_checkpoint(spec, args.checkpoint, args.step, args.out, tokenizer=args.tokenizer)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:

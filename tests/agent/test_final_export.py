@@ -95,8 +95,13 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
 
     # `rjob export` writes the same model from the checkpoint alone, and an earlier step it kept.
     checkpoints, model = str(tmp_path / "ckpt"), f"hf:{model_dir}"
-    assert main(["export", checkpoints, "--model", model, "--out", str(tmp_path / "again")]) == 0
+    data_tokenizer = tmp_path / "tok"  # the job's spec.data.tokenizer (the model's directory has none)
+    data_tokenizer.mkdir()
+    (data_tokenizer / "tokenizer.json").write_text('{"data": true}')
+    argv = ["export", checkpoints, "--model", model, "--out", str(tmp_path / "again")]
+    assert main([*argv, "--tokenizer", str(data_tokenizer)]) == 0
     assert f"wrote step {STEPS} of {model} (4 layers)" in capsys.readouterr().out
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == '{"data": true}'
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     assert (
         main(["export", checkpoints, "--model", model, "--out", str(tmp_path / "early"), "--step", "10"]) == 0
@@ -117,6 +122,10 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
         ([str(tmp_path / "none"), "--model", model, "--out", str(tmp_path / "x")], "checkpoint: "),
         ([checkpoints, "--model", f"hf:{deeper}", "--out", str(tmp_path / "x")], "checkpoint: "),
         ([checkpoints, "--model", f"hf:{wider}", "--out", str(tmp_path / "x")], "model: "),
+        (
+            [checkpoints, "--model", model, "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path)],
+            "tokenizer: ",
+        ),
     ]:
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err
