@@ -45,7 +45,7 @@ from ._device_work import worker_start_method
 from ._model_profile import wait_for_first_plan
 from ._redis import REDIS_DOWN, Outage
 from ._termination import workload_line, write_termination_message
-from .config import COLLECTIVE_TIMEOUT_S, JobConfig
+from .config import COLLECTIVE_TIMEOUT_S, POD_PLAN_TIMEOUT_S, JobConfig
 from .hooks import StepHooks
 from .telemetry import DRAINED_ROLE, Telemetry
 
@@ -119,12 +119,18 @@ class _ProbeHooks(StepHooks):
         device: str = "cpu",
         lane: int = 0,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        plan_timeout_s: float = POD_PLAN_TIMEOUT_S,
     ) -> None:
         from ._worker_probe import WorkerProbe, chaos_client
 
         self.node = node
+        self.lane = lane
+        self.abort_sink = sink_path if lane == 0 else sink_path.rpartition(".")[0]
+        """Lane 0's sink, read by the agent: every lane's abort goes there (`TrainingAgent._lane_aborted`)."""
         self.collective_timeout_s = collective_timeout_s
         """Sent with an abort: how long this worker's peers wait behind a hung one before they abort too."""
+        self.plan_timeout_s = plan_timeout_s
+        """Sent with an abort: how long this worker then waits for the next generation."""
         self.device = device
         """Where a drained node's probe products run (`WorkerProbe.end_step`)."""
         self.roles: dict[int, str] = {}
@@ -140,7 +146,18 @@ class _ProbeHooks(StepHooks):
         self.probe.applied(generation, rendezvous_s, copy_s, copied_bytes)
 
     def on_abort(self, generation: int, step: int, error: str) -> None:
-        self.probe.aborted(generation, step, error, self.collective_timeout_s)
+        line = {
+            "kind": "abort",
+            "lane": self.lane,
+            "generation": generation,
+            "step": step,
+            "error": error,
+            "collective_timeout_s": self.collective_timeout_s,
+            "plan_timeout_s": self.plan_timeout_s,
+        }
+        # One short line appended at once (O_APPEND): the lanes' lines do not interleave.
+        with open(self.abort_sink, "a") as sink:
+            sink.write(json.dumps(line) + "\n")
 
     def before_step(self, store: Any, generation: int, step: int, world_rank: int | None) -> None:
         # An iteration boundary: nothing in flight, so a validation pass due now holds training here.
@@ -180,6 +197,7 @@ def worker_entry(
         device=device_name(config.workload.device, local_rank),
         lane=local_rank,
         collective_timeout_s=config.collective_timeout_s,
+        plan_timeout_s=config.plan_timeout_s,
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)
@@ -204,6 +222,10 @@ class TrainingAgent:
         self.context: Any = None
         self.switches: dict[int, tuple[float, float, int]] = {}
         """Generation -> (rendezvous s, copy s, bytes) of this node's switch to it, until its first step."""
+        self.lanes = 1
+        """Workers this node runs (`start`): its abort is reported once every one of them aborted."""
+        self.aborted: dict[int, set[int]] = {}
+        """Generation -> the lanes that abandoned a step of it."""
 
     def devices(self) -> int:
         """Workers this node starts: one per device of its stages in the store's current plan. Blocks until
@@ -221,6 +243,7 @@ class TrainingAgent:
         halves start-up on few cores), spawned on an accelerator (`_device_work`)."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
+        self.lanes, self.aborted = devices, {}
         args = (self.telemetry.node, self.config, self.host, self.port, str(self.sink), os.getpid())
         self.context = start_processes(
             name=f"rjob-node{self.telemetry.node}",
@@ -286,13 +309,27 @@ class TrainingAgent:
                 groups=event["groups"],
             )
         elif kind == "abort":
+            lane = int(event.get("lane", 0))
             print(
-                f"gen {event['generation']}: step {event['step']} abandoned: {event['error']}; "
-                "waiting for the next generation",
+                f"gen {event['generation']}: step {event['step']} abandoned"
+                + (f" by device {lane}" if self.lanes > 1 else "")
+                + f": {event['error']}; waiting for the next generation",
                 flush=True,
             )
+            # A node is reported once all its devices aborted: a device that hangs while the others abort
+            # is the node hanging (`_aborts` fences it), and re-forming the world with it would stall.
+            lanes = self.aborted.setdefault(event["generation"], set())
+            lanes.add(lane)
+            if len(lanes) < self.lanes:
+                return
+            for older in [g for g in self.aborted if g < event["generation"]]:
+                del self.aborted[older]
             await self.telemetry.record_abort(
-                event["generation"], event["step"], event["error"], event["collective_timeout_s"]
+                event["generation"],
+                event["step"],
+                event["error"],
+                event["collective_timeout_s"],
+                event["plan_timeout_s"],
             )
         elif kind == "validation":
             print(

@@ -4,9 +4,10 @@ compute and communication from the trace, a per-group profile every `PROFILE_EVE
 validation pass at an agreed iteration boundary.
 
 The worker writes one JSON line per event to a sink file the pod's agent tails (`_bridge.TrainingAgent`):
-`{"kind": "step", ...}`, `{"kind": "profile", ...}` and `{"kind": "abort", ...}`; the agent turns them into
-`IterationRecord`s, `ProfileRecord`s and `WorkerAbort`s. Validation results go through the job's TCPStore
-to the store host, which forwards each one to Redis exactly once (`_validation_relay`).
+`{"kind": "step", ...}` and `{"kind": "profile", ...}`; the agent turns them into `IterationRecord`s and
+`ProfileRecord`s (and every device's `{"kind": "abort", ...}` line, `_bridge._ProbeHooks.on_abort`, into a
+`WorkerAbort`). Validation results go through the job's TCPStore to the store host, which forwards each one
+to Redis exactly once (`_validation_relay`).
 
 The pass (`validation.validate`) benchmarks every device and the links of the world's ring; the probe adds
 the links of the training's own data-parallel rings (the stages holding the same layers, in pipeline order,
@@ -342,19 +343,6 @@ class WorkerProbe:
                 "rendezvous_s": rendezvous_s,
                 "copy_s": copy_s,
                 "bytes": copied_bytes,
-            }
-        )
-
-    def aborted(self, generation: int, step: int, error: str, collective_timeout_s: float) -> None:
-        """This node's workers abandoned `step` of `generation` on a communication error and wait for the
-        next generation: for the agent to tell the operator (`Telemetry.record_abort`)."""
-        self._write(
-            {
-                "kind": "abort",
-                "generation": generation,
-                "step": step,
-                "error": error,
-                "collective_timeout_s": collective_timeout_s,
             }
         )
 

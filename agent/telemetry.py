@@ -227,6 +227,8 @@ class Telemetry:
         the one that notices Redis is back (it tries every interval), the other writes skip meanwhile."""
         self.outbox: deque[tuple[str, bytes]] = deque(maxlen=OUTBOX_SIZE)
         """Slow reports made while Redis was away, sent before the next write once it is back."""
+        self.waiting: WorkerAbort | None = None
+        """This node's abandoned step while its workers wait for a newer generation: sent with every beat."""
 
     async def beat(self, ttl_s: float | None = None) -> None:
         """One heartbeat, alive for `ttl_s` (default `heartbeat_ttl_s`). Raises `Superseded` when the keys
@@ -278,6 +280,8 @@ class Telemetry:
                 await self.beat()
                 self.outage.ok()
                 await self._flush()
+                if self.waiting is not None:
+                    await self._send_abort(self.waiting)
             except REDIS_DOWN as exc:
                 HEARTBEAT_ERRORS.inc()
                 wait_s = self.outage.failed(exc)
@@ -347,6 +351,8 @@ class Telemetry:
         (rendezvous s, copy s, bytes received) of this node's switch to `generation`, sent with its first
         step there."""
         key = role if role is not None else generation
+        if self.waiting is not None and generation > self.waiting.generation:
+            self.waiting = None  # the workers got the generation they waited for
         if generation != self.generation:
             self.generation = generation
             GENERATION.set(generation)
@@ -410,30 +416,41 @@ class Telemetry:
         return record
 
     async def record_abort(
-        self, generation: int, step: int, error: str, collective_timeout_s: float
+        self, generation: int, step: int, error: str, collective_timeout_s: float, plan_timeout_s: float
     ) -> WorkerAbort | None:
         """Tell the operator that this node's workers abandoned `step` of `generation` on a communication
-        error and wait for the next generation (`operator/_aborts`). None when Redis is away or the keys
-        are another job's: the workers then wait their plan timeout, as they did before this existed."""
-        if self.superseded:
-            return None
-        abort = WorkerAbort(
-            node=self.node,
-            generation=generation,
-            step=step,
-            error=abort_line(error),
-            collective_timeout_s=collective_timeout_s,
-            at=time.time(),
-        )
-        field = f"{generation}:{self.node}"
+        error and wait for the next generation (`operator/_aborts`). The report is sent again with every
+        heartbeat until this node steps in a newer generation: one lost to a Redis hiccup (a network fault
+        often breaks both at once) would get this node taken for hung. None when it could not be sent now
+        (Redis away, the keys another job's, or values no `WorkerAbort` holds)."""
         try:
-            written = await self.client.eval(
-                ABORT, 2, self.keys.aborts, self.keys.owner, encode(abort), field, self.job_uid
+            abort = WorkerAbort(
+                node=self.node,
+                generation=generation,
+                step=step,
+                error=abort_line(error),
+                collective_timeout_s=collective_timeout_s,
+                plan_timeout_s=plan_timeout_s,
+                at=time.time(),
             )
+        except ValueError as exc:  # a pydantic ValidationError: a bug here, not the operator's to trust
+            print(f"resilientjob.agent: abort of step {step} not reported: {exc}", flush=True)
+            return None
+        self.waiting = abort
+        try:
+            return abort if await self._send_abort(abort) else None
         except REDIS_DOWN as exc:
             self.outage.failed(exc)
             return None
-        return abort if written else None
+
+    async def _send_abort(self, abort: WorkerAbort) -> bool:
+        if self.superseded:
+            return False
+        field = f"{abort.generation}:{abort.node}"
+        written = await self.client.eval(
+            ABORT, 2, self.keys.aborts, self.keys.owner, encode(abort), field, self.job_uid
+        )
+        return bool(written)
 
     async def current_plan(self) -> PlanAnnouncement | None:
         raw = await self.client.get(self.keys.plan)

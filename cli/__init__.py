@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -65,11 +66,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = handler(args)
     except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket or a child's pipe broke: a real failure, not a reader that left
         # The reader went away (`rjob local get | head`): as a Unix tool, stop quietly. Standard output is
         # pointed at /dev/null so that the interpreter's own flush at exit does not fail the same way.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     return result
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll reports an error on its end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll (Windows), or no file behind stdout
+        return False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,8 +40,11 @@ MAX_REFORMS = 3
 
 def hang_after_s(aborts: Mapping[int, WorkerAbort]) -> float:
     """How long after the first abort a node of the world that neither aborted nor stepped is taken for
-    hung: a peer blocked behind another blocked peer aborts within one collective timeout of its own."""
-    return 2.0 * max(abort.collective_timeout_s for abort in aborts.values()) + ABORT_GRACE_S
+    hung: a peer blocked behind another blocked peer aborts within one collective timeout of its own. At
+    most half the shortest plan timeout the aborts name: the nodes that aborted must still be waiting for
+    the generation that leaves the hung ones out (a collective timeout that long is the user's choice)."""
+    timeouts = 2.0 * max(abort.collective_timeout_s for abort in aborts.values()) + ABORT_GRACE_S
+    return min(timeouts, 0.5 * min(abort.plan_timeout_s for abort in aborts.values()))
 
 
 @dataclass(frozen=True, slots=True)

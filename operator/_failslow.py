@@ -297,6 +297,12 @@ class FailSlowTracker:
             self.rung_check.published(generation)
             self.changed = True
 
+    def same_layout(self, old: int, new: int) -> None:
+        """Generation `new` is generation `old`'s layout again (`FirstRungCheck.same_layout`)."""
+        if self.rung_check.action and self.rung_check.generation == old:
+            self.rung_check.same_layout(old, new)
+            self.changed = True
+
     def not_published(self, mitigation: Mitigation) -> None:
         """The decided rung was not published: the first-rung check waits for one that is."""
         if mitigation.action in (Action.MICROBATCH, Action.TOPOLOGY, Action.REPLACE):

@@ -63,6 +63,12 @@ class FirstRungCheck:
         if self.action and self.generation < 0:
             self.action, self.decided_on, self._after = "", -1, []
 
+    def same_layout(self, old: int, new: int) -> None:
+        """Generation `new` republished generation `old`'s layout (a world re-formed, a store replaced):
+        when `old` published the rung being judged, `new`'s steps are the rung's too."""
+        if self.action and self.generation == old:
+            self.generation = new
+
     def observe(self, generation: int, seconds: float) -> str | None:
         """A step of the slowest node under `generation`: before the rung's plan, the level it started from
         (the last `window` steps); under it, once `window` steps are in, the reason to revert when the plan

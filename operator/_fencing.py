@@ -124,6 +124,8 @@ class Fencing:
         for node, (reason, cause) in failures.items():
             path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
             since = self.heartbeat_seen.get(node) if path == "heartbeat" else self.workers.seen_at.get(node)
+            if reason is api.Reason.NODE_HUNG:
+                since = None  # its peers' aborts told it (`_aborts`), not the pod or its heartbeat
             latency = max(0.0, detected - since) if since is not None else None
             if latency is not None:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)

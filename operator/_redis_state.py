@@ -91,11 +91,11 @@ def announcement(
 # the owner). Returns the packed big-endian int32 PTTL of every node (-2: no key), the packed "has ever
 # beaten" bytes (0/1), the committed generation, the nodes whose key had no TTL, as "1,5", the plan's length
 # (-1: another type), which tells a plan overwritten in place without reading it, and how many aborts wait
-# (the hash is read only when there are some). An agent always sets its key with a TTL, so a key without one
-# is garbage (hand-written, another type): it gets the TTL of a fresh beat instead of being obeyed, so a
-# live agent overwrites it and a dead node's key still expires. Reads of keys holding another type (GETBIT,
-# GET) count as absent. Keys are derived from the job prefix, so a Redis Cluster needs the job's keys in one
-# slot (a hash tag in the prefix); a single server needs nothing.
+# (the hash is read only when there are some; -1: the key holds another type). An agent always sets its key
+# with a TTL, so a key without one is garbage (hand-written, another type): it gets the TTL of a fresh beat
+# instead of being obeyed, so a live agent overwrites it and a dead node's key still expires. Reads of keys
+# holding another type (GETBIT, GET) count as absent. Keys are derived from the job prefix, so a Redis
+# Cluster needs the job's keys in one slot (a hash tag in the prefix); a single server needs nothing.
 _SCAN = """
 local ttls, beaten, repaired, i = {}, {}, {}, 0
 for node in string.gmatch(ARGV[2], "%d+") do
@@ -124,7 +124,7 @@ if type(generation) ~= "string" then generation = "" end
 local size = redis.pcall("STRLEN", ARGV[6])
 if type(size) ~= "number" then size = -1 end
 local aborts = redis.pcall("HLEN", ARGV[9])
-if type(aborts) ~= "number" then aborts = 0 end
+if type(aborts) ~= "number" then aborts = -1 end
 return {table.concat(ttls), table.concat(beaten), generation, table.concat(repaired, ","), size, aborts}
 """
 
@@ -168,7 +168,7 @@ class HeartbeatScan:
     plan_bytes: int | None = None
     """The plan key's length (0: missing, -1: another type)."""
     aborts: int = 0
-    """Fields in the job's aborts hash (`JobRedis.aborts` reads them)."""
+    """Fields in the job's aborts hash (`JobRedis.aborts` reads them); -1: the key holds another type."""
 
     @property
     def live(self) -> np.ndarray:
@@ -325,8 +325,15 @@ class JobRedis:
 
     async def aborts(self, generation: int) -> dict[int, WorkerAbort]:
         """The nodes whose workers abandoned a step of `generation` (`WorkerAbort`, by node). The fields of
-        older generations, and any that do not decode or do not match their field's name, are deleted."""
-        raw: dict[bytes | str, bytes | str] = await self.client.hgetall(self.keys.aborts)
+        older generations, of generations past the next (aborts follow commits), and any that do not decode
+        or do not match their field's name, are deleted; so is the key when it holds another type (the
+        agents' reports would fail on it)."""
+        try:
+            raw: dict[bytes | str, bytes | str] = await self.client.hgetall(self.keys.aborts)
+        except ResponseError:  # WRONGTYPE
+            self.garbage("abort", self.keys.aborts, "not a hash: deleted")
+            await self.client.delete(self.keys.aborts)
+            return {}
         found: dict[int, WorkerAbort] = {}
         stale: list[bytes | str] = []
         for field, value in raw.items():
@@ -335,7 +342,7 @@ class JobRedis:
             if abort is None or named != f"{abort.generation}:{abort.node}":
                 self.garbage("abort", f"{self.keys.aborts} {named}", "deleted")
                 stale.append(field)
-            elif abort.generation < generation:
+            elif abort.generation < generation or abort.generation > generation + 1:
                 stale.append(field)
             elif abort.generation == generation:
                 found[abort.node] = abort

@@ -142,7 +142,10 @@ class TelemetryPass:
             if report.node in watched and report.generation <= published.generation:
                 mitigation = tracker.report(report) or mitigation
         for record in await redis.new_iterations():
-            if self.progress is None or (record.generation, record.step) > self.progress[:2]:
+            # A parked node's probe steps count on from its own last step under the current generation:
+            # they are no training progress (taken for it, they ended a job early and re-armed `_aborts`).
+            newer = self.progress is None or (record.generation, record.step) > self.progress[:2]
+            if record.node in current.plan_nodes and newer:
                 self.progress = (record.generation, record.step, record.loss)
             if record.generation == published.generation:
                 self.rates[record.node] = (record.generation, record.seconds, record.samples)

@@ -480,7 +480,7 @@ class JobController:
             if self.failslow is not None:
                 self.failslow.forget(confirmed)
         quiet = not (deciding or suspects or self.fencing.fenced or at_last_step)
-        if quiet and scan is not None and scan.aborts:
+        if quiet and scan is not None and scan.aborts != 0:
             deciding = await self._aborted(published)  # hung nodes fenced here are planned around below
         if spec.replace_failed_nodes and not at_last_step:
             await self.capacity.keep_up(self, published, self.fencing.fenced)
@@ -720,12 +720,17 @@ class JobController:
     async def _aborted(self, published: PlanAnnouncement) -> bool:
         """Workers abandoned a step of the current generation and no node died (`_aborts`): fence the nodes
         that hang (the pass plans around them), or re-form the world. True when a decision started."""
-        aborts = await self.require()[2].aborts(published.generation)
+        try:
+            aborts = await self.require()[2].aborts(published.generation)
+        except REDIS_DOWN:
+            return False  # the rest of the pass runs; the next reads them again
         world = frozenset(published.plan.nodes)
         verdict = self.aborts.observe(published.generation, world, aborts, time.monotonic())
         if verdict is None:
             return False
         what = _aborts.summary(aborts)
+        if verdict.hung and not self.watch.heartbeats_trusted():
+            return False  # Redis was away: a report lost meanwhile comes again with its agent's next beat
         if verdict.hung:
             waited = _aborts.hang_after_s(aborts)
             cause = f"hung: neither stepped nor aborted for {waited:.0f} s while its peers did ({what})"
@@ -747,18 +752,22 @@ class JobController:
         reformed = rendezvous_again(
             published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, copies_done=True
         )
-        self.aborts.reforming(reformed.generation)
         self.event("Warning", api.Reason.COLLECTIVE_FAILED, reason)
         log.info("job %s/%s: %s", self.namespace, self.name, reason)
 
         async def reform() -> None:
-            await self._commit_and_apply(reformed, published)
+            if await self._commit_and_apply(reformed, published):
+                self.aborts.reforming(reformed.generation)
+                if self.failslow is not None:
+                    self.failslow.same_layout(published.generation, reformed.generation)
 
         self._start(reform)
         return True
 
     async def _rendezvous_again(self, published: PlanAnnouncement) -> None:
-        await self._commit_and_apply(rendezvous_again(published), published)
+        again = rendezvous_again(published)
+        if await self._commit_and_apply(again, published) and self.failslow is not None:
+            self.failslow.same_layout(published.generation, again.generation)
 
     async def _commit_and_apply(
         self, message: PlanAnnouncement, current: PlanAnnouncement, failslow: dict[str, Any] | None = None

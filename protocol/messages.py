@@ -193,6 +193,12 @@ class WorkerAbort(_Message):
         description="The worker's collective timeout: how long a peer blocked behind a hung one waits before "
         "it aborts too.",
     )
+    plan_timeout_s: float = Field(
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="How long the worker waits for the next generation before it exits.",
+    )
     at: float = Field(ge=0, allow_inf_nan=False, description="Unix time on the agent.")
 
 

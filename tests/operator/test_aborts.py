@@ -4,6 +4,7 @@ the scan's count, `JobRedis.aborts`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -34,7 +35,13 @@ def _abort(
     node: int, generation: int = 4, at: float = 100.0, error: str = "PeerFailure: no progress"
 ) -> WorkerAbort:
     return WorkerAbort(
-        node=node, generation=generation, step=17, error=error, collective_timeout_s=5.0, at=at
+        node=node,
+        generation=generation,
+        step=17,
+        error=error,
+        collective_timeout_s=5.0,
+        plan_timeout_s=120.0,
+        at=at,
     )
 
 
@@ -54,6 +61,9 @@ def test_nodes_that_neither_aborted_nor_stepped_hang_after_two_collective_timeou
     assert waited == pytest.approx(2 * 5.0 + ABORT_GRACE_S)
     assert judge(WORLD, some, waited - 0.1) is None  # a peer blocked behind another may still abort
     assert judge(WORLD, some, waited) == Verdict(hung=(1,))
+    # A collective timeout as long as the plan timeout: the aborted nodes would give up before the verdict.
+    patient = {n: a.model_copy(update={"collective_timeout_s": 100.0}) for n, a in some.items()}
+    assert hang_after_s(patient) == pytest.approx(60.0)
 
 
 def test_aborts_of_nodes_outside_the_world_count_for_nothing() -> None:
@@ -137,18 +147,51 @@ async def test_agents_report_aborts_and_the_operator_reads_the_current_generatio
     assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == 0
     for node in range(3):
         agent = Telemetry(client, keys, node, f"aborts-node-{node}")
-        assert await agent.record_abort(3, 40, "PeerFailure: old", 5.0) is not None
-        sent = await agent.record_abort(4, 41, "RuntimeError: reset\nframe 1\nframe 2", 7.5)
+        assert await agent.record_abort(3, 40, "PeerFailure: old", 5.0, 120.0) is not None
+        sent = await agent.record_abort(4, 41, "RuntimeError: reset\nframe 1\nframe 2", 7.5, 120.0)
         assert sent is not None and sent.error == "RuntimeError: reset"
     await client.hset(keys.aborts, "4:9", b"{not json")  # garbage
     await client.hset(keys.aborts, "4:1", encode(_abort(2)))  # a field that does not name its message's node
     await client.hset(keys.aborts, "5:0", encode(_abort(0, generation=5)))  # ahead of the committed one
-    assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == 8
+    await client.hset(keys.aborts, "9:0", encode(_abort(0, generation=9)))  # far ahead: garbage
+    assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == 9
     found = await state.aborts(4)
     assert sorted(found) == [0, 2] and found[0].step == 41 and found[0].collective_timeout_s == 7.5
-    # Older generations and garbage are deleted; the generation ahead is left for when it is committed.
+    # Older generations and garbage are deleted; the next generation's is left for when it is committed.
     assert sorted(await client.hkeys(keys.aborts)) == [b"4:0", b"4:2", b"5:0"]
+    # A key of another type would fail every agent's report: deleted.
     await client.delete(keys.aborts)
+    await client.set(keys.aborts, b"garbage")
+    assert (await state.scan(nodes, node_list([0, 1, 2]))).aborts == -1
+    assert await state.aborts(4) == {} and not await client.exists(keys.aborts)
+
+
+async def test_an_abort_lost_to_a_redis_hiccup_is_sent_again_with_the_next_beat(
+    client: aioredis.Redis,
+) -> None:
+    """A network fault often breaks the collectives and the Redis writes at once: a report lost then would
+    get a healthy node taken for hung. The agent sends it with every beat until its node steps again."""
+    keys = JobKeys("default", "aborts-again")
+    await client.delete(keys.aborts)
+    agent = Telemetry(client, keys, 1, "aborts-again-node-1")
+    await client.set(keys.aborts, b"not a hash")  # the report's write fails, as on a broken connection
+    assert await agent.record_abort(6, 12, "PeerFailure: no progress", 5.0, 120.0) is None
+    assert agent.waiting is not None and agent.waiting.generation == 6
+    await client.delete(keys.aborts)  # the connection is back
+    stopped = asyncio.Event()
+    beating = asyncio.create_task(agent.heartbeat_forever(stopped))
+    try:
+        for _ in range(50):
+            if await client.hexists(keys.aborts, "6:1"):
+                break
+            await asyncio.sleep(0.05)
+        assert await client.hexists(keys.aborts, "6:1")
+        await agent.record_iteration(7, 13, 0.1, 4)  # the generation it waited for: no more resends
+        assert agent.waiting is None
+    finally:
+        stopped.set()
+        await beating
+        await client.delete(keys.aborts, keys.heartbeat(1), keys.beaten, keys.iterations)
 
 
 async def test_an_agent_of_a_deleted_job_cannot_report_aborts_into_the_new_jobs_keys(
@@ -157,6 +200,33 @@ async def test_an_agent_of_a_deleted_job_cannot_report_aborts_into_the_new_jobs_
     keys = JobKeys("default", "aborts-fenced")
     await client.set(keys.owner, "uid-of-the-new-job")
     old = Telemetry(client, keys, 0, "aborts-fenced-node-0", job_uid="uid-of-the-deleted-job")
-    assert await old.record_abort(2, 9, "PeerFailure", 5.0) is None
+    assert await old.record_abort(2, 9, "PeerFailure", 5.0, 120.0) is None
     assert await client.hlen(keys.aborts) == 0
     await client.delete(keys.owner)
+
+
+async def test_a_node_of_several_devices_is_reported_once_every_device_aborted(
+    client: aioredis.Redis,
+) -> None:
+    """Each device of a node runs its own worker. One that hangs while the others abort is the node
+    hanging: reported as aborted, the node would be re-formed with the stuck device, and the rendezvous
+    would stall until the plan timeout. So the node's abort goes out once all its devices have said it."""
+    from resilientjob.agent._bridge import TrainingAgent
+    from resilientjob.agent.config import JobConfig
+    from resilientjob.protocol.workload import Workload
+
+    keys = JobKeys("default", "aborts-lanes")
+    await client.delete(keys.aborts)
+    agent = TrainingAgent(
+        Telemetry(client, keys, 3, "aborts-lanes-node-3"), JobConfig(workload=Workload(model="gpt")), "h:1"
+    )
+    agent.lanes = 2
+    line = {"kind": "abort", "generation": 5, "step": 8, "error": "PeerFailure", "collective_timeout_s": 5.0}
+    try:
+        await agent._forward({**line, "lane": 1, "plan_timeout_s": 120.0})
+        assert await client.hlen(keys.aborts) == 0  # device 0 may hang
+        await agent._forward({**line, "lane": 0, "plan_timeout_s": 120.0})
+        assert await client.hkeys(keys.aborts) == [b"5:3"]
+    finally:
+        agent.stop()
+        await client.delete(keys.aborts)

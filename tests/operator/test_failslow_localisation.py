@@ -924,3 +924,28 @@ def test_validations_findings_say_how_slow_it_timed_what_it_named() -> None:
     assert [f.kind for f in findings] == [FindingKind.SLOW_LINK, FindingKind.SLOW_DEVICE]
     assert "found slow links 0->2 (transfer vs median: 0->2: 3.00x)" in findings[0].message
     assert "nodes [1] (GEMM vs median: 1: 2.50x)" in findings[1].message
+
+
+def test_a_first_rung_is_judged_on_the_world_that_re_formed_with_its_layout() -> None:
+    # The rung's generation aborted a step with every node alive and re-formed as the next generation with
+    # the same layout (`_aborts`): the rung's steps go on under it. Before, they counted for nothing there
+    # and the rung was never judged.
+    spec = FailSlowSpec(
+        slowdown_threshold=1.3,
+        min_duration_s=0,
+        overheads=StrategyOverheads(microbatch_s=0.5, topology_s=1000.0, restart_s=1000.0),
+    )
+    job = Job(spec, seed=5)
+    job.run(20, {}, noise=0.02)
+    job.run(5, {5: 2.0}, noise=0.02)
+    job.report(5, 2.0)
+    job.run(30, {5: 2.0}, noise=0.02)
+    job.tracker.published(job.mitigations[0], generation=1)
+    job.generation = 1
+    job.run(3, {5: 2.0 * 1.6}, noise=0.02)  # a few steps of the rung, then the world re-forms
+    job.tracker.same_layout(1, 2)
+    job.tracker.same_layout(0, 3)  # another generation's republication moves nothing
+    assert job.tracker.rung_check.generation == 2
+    job.generation = 2
+    job.run(12, {5: 2.0 * 1.6}, noise=0.02)
+    assert [m.action for m in job.mitigations] == [Action.MICROBATCH, Action.REVERT]

@@ -1,4 +1,5 @@
-"""The telemetry pass's Event throttle for dismissed slow reports and validation requests."""
+"""The telemetry pass: its Event throttle for dismissed slow reports and validation requests, and what counts
+as the job's progress."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import redis.asyncio as aioredis
 from test_failslow_decisions import PROFILE, grid_plan
 from test_failslow_localisation import profile, report, result
 
+from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._failslow import FailSlowTracker
-from resilientjob.operator._redis_state import JobRedis, announcement
+from resilientjob.operator._redis_state import JobRedis, Published, announcement
 from resilientjob.operator._telemetry_pass import EventThrottle, PassContext, TelemetryPass
 from resilientjob.operator.api import FailSlowSpec
 from resilientjob.protocol.keys import JobKeys
@@ -65,3 +67,35 @@ async def test_validation_requests_are_logged_each_and_posted_as_events_at_most_
     assert len(requested) == 1 and requested[0][2].startswith("validation 1 at generation 0"), events
     logged = [r.getMessage() for r in caplog.records if "validation " in r.getMessage()]
     assert [m.split("validation ")[1].split()[0] for m in logged] == ["1", "2", "3"], logged
+
+
+async def test_a_parked_nodes_probe_steps_are_no_training_progress(redis_url: str) -> None:
+    """A parked node's agent records probe steps under the current generation, counting on from its own last
+    step. Taken for the job's progress, they ended a job early (its last step "reached") and re-armed the
+    re-formations of `_aborts` (a step "committed" under the re-formed world)."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = JobKeys("default", "parked-progress")
+    ctl = PassContext(
+        namespace="default",
+        name="parked-progress",
+        redis=JobRedis(client, keys),
+        tracker=FailSlowTracker(FailSlowSpec()),
+        profile=PROFILE,
+        validation_timeout_s=30.0,
+        working=lambda node: True,
+        event=lambda kind, reason, message: None,
+    )
+    plan = grid_plan([[0, 1], [2, 3]]).model_copy(update={"generation": 4})
+    current = Published.of(announcement(plan, parked=[5]))
+    telemetry = TelemetryPass()
+    try:
+        await telemetry.run(ctl, current)  # the stream is read from its end on
+        for node, step in ((0, 30), (5, 90)):  # node 5 parked: its probes count on from its step 60
+            await Telemetry(client, keys, node, f"pod-{node}").record_iteration(
+                4, step, 0.1, 0 if node else 4
+            )
+        await telemetry.run(ctl, current)
+        assert telemetry.progress is not None and telemetry.progress[:2] == (4, 30)
+    finally:
+        await client.delete(keys.iterations)
+        await client.aclose()
