@@ -18,8 +18,8 @@ The telemetry half of each pass (throughput, fail-slow reports, profiles and val
 
 Why this module is past 600 lines: `JobController` is the one place where a job's observations meet its
 side effects, in the order a pass needs them; every rule it applies is decided elsewhere, pure where it can
-be (`_decide`, `_whole_job`, `_capacity`, `_fencing`, `_lifecycle`, `_profile_source`, `_durable`, `_store`,
-`planning`), and what is left here is the sequence.
+be (`_decide`, `_whole_job`, `_capacity`, `_fencing`, `_aborts`, `_lifecycle`, `_profile_source`, `_durable`,
+`_store`, `planning`), and what is left here is the sequence.
 """
 
 from __future__ import annotations
