@@ -559,16 +559,8 @@ def test_s2_balances_a_slow_device_that_is_also_a_slow_links_end(named_by: str) 
     assert resumed.devices == job.tracker.devices
 
 
-@pytest.mark.parametrize(
-    ("after", "published", "reverted"), [(1.6, True, True), (0.75, True, False), (1.6, False, False)]
-)
-def test_a_first_rung_that_made_the_job_slower_is_reverted_once(
-    after: float, published: bool, reverted: bool
-) -> None:
-    # S2 is chosen from estimates; on a noisy host they can be wrong and the job run slower than with the
-    # slowdown left alone. The steps of the generation that published the rung are compared with those
-    # before it: slower by the threshold, and the plan from before the episode is published again. A rung
-    # that was not published (nothing would help) is not judged: the job's steps then say nothing of it.
+def _s2_for_node_5() -> tuple[FailSlowSpec, Job]:
+    """A job whose node 5 turned 2x slow and got S2 (cheap, the other rungs priced out)."""
     spec = FailSlowSpec(
         slowdown_threshold=1.3,
         min_duration_s=0,
@@ -579,6 +571,20 @@ def test_a_first_rung_that_made_the_job_slower_is_reverted_once(
     job.run(5, {5: 2.0}, noise=0.02)
     job.report(5, 2.0)
     job.run(30, {5: 2.0}, noise=0.02)
+    return spec, job
+
+
+@pytest.mark.parametrize(
+    ("after", "published", "reverted"), [(1.6, True, True), (0.75, True, False), (1.6, False, False)]
+)
+def test_a_first_rung_that_made_the_job_slower_is_reverted_once(
+    after: float, published: bool, reverted: bool
+) -> None:
+    # S2 is chosen from estimates; on a noisy host they can be wrong and the job run slower than with the
+    # slowdown left alone. The steps of the generation that published the rung are compared with those
+    # before it: slower by the threshold, and the plan from before the episode is published again. A rung
+    # that was not published (nothing would help) is not judged: the job's steps then say nothing of it.
+    spec, job = _s2_for_node_5()
     assert [m.action for m in job.mitigations] == [Action.MICROBATCH]
     s2 = job.mitigations[0]
     if published:
@@ -930,16 +936,7 @@ def test_a_first_rung_is_judged_on_the_world_that_re_formed_with_its_layout() ->
     # The rung's generation aborted a step with every node alive and re-formed as the next generation with
     # the same layout (`_aborts`): the rung's steps go on under it. Before, they counted for nothing there
     # and the rung was never judged.
-    spec = FailSlowSpec(
-        slowdown_threshold=1.3,
-        min_duration_s=0,
-        overheads=StrategyOverheads(microbatch_s=0.5, topology_s=1000.0, restart_s=1000.0),
-    )
-    job = Job(spec, seed=5)
-    job.run(20, {}, noise=0.02)
-    job.run(5, {5: 2.0}, noise=0.02)
-    job.report(5, 2.0)
-    job.run(30, {5: 2.0}, noise=0.02)
+    _, job = _s2_for_node_5()
     job.tracker.published(job.mitigations[0], generation=1)
     job.generation = 1
     job.run(3, {5: 2.0 * 1.6}, noise=0.02)  # a few steps of the rung, then the world re-forms
