@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.chaos_command == "clear":
             had = clear_order(client, keys, node)
-            print(f"pod/{args.pod} {'cleared' if had else 'had no slowdown'}")
+            print(f"pod/{args.pod} {'cleared' if had else 'had no chaos order'}")
             return 0
         if _env_value(cluster, pod, ALLOW_ENV) != "1":
             raise CliError(

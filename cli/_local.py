@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._chaos import ALLOW_ENV
+from ._chaos import ALLOW_ENV, parse_duration
 from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
@@ -313,14 +313,6 @@ def _kill(pod: str, namespace: str = "default") -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
-    except (ValueError, IndexError):
-        raise CliError(f"for: expected a duration such as 60s, got {text!r}") from None
-
-
 def _worker(pod: str, field: str, namespace: str) -> tuple[dict[str, str], dict[str, Any]]:
     """A worker pod's labels (the job named by its owner) and the pod itself; CliError naming `field` when
     there is no such pod or it is no ResilientJob worker."""
@@ -351,7 +343,7 @@ def _clear(pod: str, namespace: str = "default") -> int:
         )
     finally:
         client.close()
-    print(f"pod/{pod} {'cleared' if had else 'had no slowdown'}")
+    print(f"pod/{pod} {'cleared' if had else 'had no chaos order'}")
     return 0
 
 
@@ -373,6 +365,7 @@ def _slow(
     from resilientjob.agent.chaos import ChaosOrder, write_order
     from resilientjob.protocol.keys import JobKeys
 
+    seconds = parse_duration(duration)  # bad input is refused before anything is read or written
     labels, body = _worker(pod, "pod", namespace)
     job = labels["resilientjob.io/job"]
     containers = (body.get("spec") or {}).get("containers") or []
@@ -395,7 +388,7 @@ def _slow(
     try:
         order = ChaosOrder(
             factor=factor,
-            until=time.time() + _seconds(duration),
+            until=time.time() + seconds,
             link=peer,
             latency_s=latency_s,
             bandwidth_bps=bandwidth_bps,

@@ -54,7 +54,13 @@ def rendezvous_again(
     its layers (a `checkpoint` plan would reload the last checkpoint for nothing). `copies_done`: every
     worker got past the current generation's layer copies (it ran a step), so the next one copies nothing
     again, and a node that only sent layers (whose worker has left) is not waited for at its rendezvous."""
-    update: dict[str, object] = {"generation": current.generation + 1, "policy": Policy.DYNAMIC}
+    # No planner ran: the previous decision's candidates and planning time are not this one's.
+    update: dict[str, object] = {
+        "generation": current.generation + 1,
+        "policy": Policy.DYNAMIC,
+        "candidates": (),
+        "planning_s": 0.0,
+    }
     if copies_done:
         update["transfers"] = ()
     plan = current.plan.model_copy(update=update)

@@ -24,7 +24,7 @@ from resilientjob.operator._aborts import (
 )
 from resilientjob.operator._redis_state import JobRedis, announcement, node_list
 from resilientjob.operator._store import rendezvous_again
-from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
+from resilientjob.planner.plan import Candidate, PipelinePlan, Plan, Policy, StagePlan, Transfer
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import WorkerAbort, abort_line, encode
 
@@ -111,7 +111,15 @@ def test_a_re_formed_world_keeps_the_layout_and_copies_nothing_again() -> None:
     copied = (Transfer(layer=0, src=5, dst=2, bytes=8), Transfer(layer=1, src=5, dst=2, bytes=8))
     plan = Plan(
         generation=6, policy=Policy.TEMPLATES, microbatch_size=1, pipelines=pipelines, step_time_s=1.0
-    ).model_copy(update={"transfers": copied})
+    ).model_copy(
+        update={
+            "transfers": copied,
+            "planning_s": 0.4,
+            "candidates": (
+                Candidate(policy=Policy.TEMPLATES, layout="DP2", step_time_s=1, transition_s=0, score=2),
+            ),
+        }
+    )
     current = announcement(plan, trigger="NodeJoined", nodes=[2], parked=[7])
     reformed = rendezvous_again(
         current, api.Reason.COLLECTIVE_FAILED, "nodes [0, 2] abandoned step 9", copies_done=True
@@ -119,6 +127,7 @@ def test_a_re_formed_world_keeps_the_layout_and_copies_nothing_again() -> None:
     assert reformed.generation == 7 and reformed.trigger == "CollectiveFailed" and reformed.nodes == []
     assert reformed.plan.pipelines == plan.pipelines and reformed.plan.policy is Policy.DYNAMIC
     assert reformed.plan.transfers == () and reformed.parked == [7]  # node 5 is not waited for
+    assert reformed.plan.candidates == () and reformed.plan.planning_s == 0  # no planner ran
     assert rendezvous_again(current).plan.transfers == copied  # a replaced store may have cut copies short
 
 

@@ -65,6 +65,7 @@ def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
     # 120 s the workers used to wait before every pod exited.
     assert took_s < 30, took_s
     assert reformed["nodes"] == [] and reformed["layout"] == layout, reformed
+    assert not reformed.get("planS") and not _status(local)["lastDecision"].get("candidates")  # no planner
     generation = reformed["generation"]
     status = _status(local)
     assert not status.get("fencedNodes"), status.get("fencedNodes")
@@ -92,6 +93,8 @@ def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
     took_s = time.monotonic() - ordered_at
     assert took_s < 60, took_s  # 5 s until the peers abort, then two collective timeouts and the grace
     assert hung["nodes"] == [2], hung
+    # Detected from when its peers began to wait on it: a collective timeout, then the hang window.
+    assert hung["detectS"] >= 13, hung
     assert hung["generation"] > generation
     until(
         lambda: len(_steps_after(local, "demo-gpt-node-0", hung["generation"])) > 10,

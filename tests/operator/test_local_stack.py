@@ -106,9 +106,12 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     assert "slowed x2.0" in slow.stdout
     bad = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--factor", "0.5", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "factor" in bad.stderr
+    # A duration of nothing would replace the live order with one already over (a clear in disguise).
+    zero = rjob(stack, "chaos", "hang", "local-cpu-node-1", "--for", "0s", check=False)
+    assert zero.returncode == 2 and "for: must be a positive duration" in zero.stderr, zero.stderr
     # Withdrawn before its time is up: the order is gone from the job's Redis, once.
     assert "pod/local-cpu-node-1 cleared" in rjob(stack, "chaos", "clear", "local-cpu-node-1").stdout
-    assert "had no slowdown" in rjob(stack, "chaos", "clear", "local-cpu-node-1").stdout
+    assert "had no chaos order" in rjob(stack, "chaos", "clear", "local-cpu-node-1").stdout
 
     assert "stopped" in rjob(stack, "down").stdout
     assert not (stack / "state.json").exists()
