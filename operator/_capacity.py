@@ -146,7 +146,10 @@ class CapacityKeeper:
     """`not_before` times of waits already told in an Event."""
 
     def fenced(self, ctl: JobView, node: int, now: float | None = None) -> None:
-        """A failed worker of the plan was fenced: its replacement waits by its strikes."""
+        """A failed worker of the plan was fenced: its replacement waits by its strikes (a job that replaces
+        nobody, `replaceFailedNodes: false`, records no wait: nothing would ever take it off)."""
+        if not ctl.require_spec().replace_failed_nodes:
+            return
         pod = ctl.pods.get(node)
         if pod is not None:
             if pod.uid in self._handled:

@@ -10,6 +10,7 @@ from _support import bert_spec_fields
 from resilientjob.operator import api
 from resilientjob.operator._capacity import (
     Backoff,
+    CapacityKeeper,
     after_failure,
     replacements,
     rfc3339,
@@ -207,3 +208,15 @@ def test_the_workers_measured_switch_goes_into_its_recovery_once() -> None:
     assert (updated[0].rendezvous_s, updated[0].copy_s, updated[0].copied_bytes) == (0.0401, 0.081, 3 << 20)
     assert updated[1] == recoveries[1]  # nothing reported for it (yet)
     assert measured_switches(updated, {1: (0.04012, 0.081, 3 << 20)}) is None  # unchanged: no status patch
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_fence_records_a_waiting_replacement_only_where_one_will_come(replace: bool) -> None:
+    """`status.capacity.waiting` of a job with `replaceFailedNodes: false` kept an entry per fence that no
+    replacement would ever take off."""
+    from types import SimpleNamespace
+
+    spec = parse_spec(bert_spec_fields(replace_failed_nodes=replace))
+    ctl = SimpleNamespace(pods={}, status=api.ResilientJobStatus(), require_spec=lambda: spec)
+    CapacityKeeper().fenced(ctl, 2, now=1000.0)  # type: ignore[arg-type]
+    assert len(ctl.status.capacity.waiting) == (1 if replace else 0)
