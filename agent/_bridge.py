@@ -120,13 +120,14 @@ class _ProbeHooks(StepHooks):
         lane: int = 0,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         plan_timeout_s: float = POD_PLAN_TIMEOUT_S,
+        abort_sink: str | None = None,
     ) -> None:
         from ._worker_probe import WorkerProbe, chaos_client
 
         self.node = node
         self.lane = lane
-        self.abort_sink = sink_path if lane == 0 else sink_path.rpartition(".")[0]
-        """Lane 0's sink, read by the agent: every lane's abort goes there (`TrainingAgent._lane_aborted`)."""
+        self.abort_sink = abort_sink or sink_path
+        """Lane 0's sink, which the agent reads: every lane's abort goes there (`TrainingAgent._forward`)."""
         self.collective_timeout_s = collective_timeout_s
         """Sent with an abort: how long this worker's peers wait behind a hung one before they abort too."""
         self.plan_timeout_s = plan_timeout_s
@@ -182,6 +183,7 @@ def worker_entry(
     from ._store_client import ReconnectingStore, address_from_pod_env
     from .worker import device_name, run_from_plan
 
+    abort_sink = sink_path
     if local_rank:
         sink_path = f"{sink_path}.{local_rank}"
     _die_with_parent(parent)
@@ -198,6 +200,7 @@ def worker_entry(
         lane=local_rank,
         collective_timeout_s=config.collective_timeout_s,
         plan_timeout_s=config.plan_timeout_s,
+        abort_sink=abort_sink,
     )
     # The store pod may be replaced while the job trains: the worker follows it to its new address.
     timeout = timedelta(seconds=config.plan_timeout_s)

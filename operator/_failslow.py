@@ -299,8 +299,7 @@ class FailSlowTracker:
 
     def same_layout(self, old: int, new: int) -> None:
         """Generation `new` is generation `old`'s layout again (`FirstRungCheck.same_layout`)."""
-        if self.rung_check.action and self.rung_check.generation == old:
-            self.rung_check.same_layout(old, new)
+        if self.rung_check.same_layout(old, new):
             self.changed = True
 
     def not_published(self, mitigation: Mitigation) -> None:

@@ -63,11 +63,13 @@ class FirstRungCheck:
         if self.action and self.generation < 0:
             self.action, self.decided_on, self._after = "", -1, []
 
-    def same_layout(self, old: int, new: int) -> None:
+    def same_layout(self, old: int, new: int) -> bool:
         """Generation `new` republished generation `old`'s layout (a world re-formed, a store replaced):
-        when `old` published the rung being judged, `new`'s steps are the rung's too."""
-        if self.action and self.generation == old:
-            self.generation = new
+        when `old` published the rung being judged, `new`'s steps are the rung's too. Whether it moved."""
+        if not (self.action and self.generation == old):
+            return False
+        self.generation = new
+        return True
 
     def observe(self, generation: int, seconds: float) -> str | None:
         """A step of the slowest node under `generation`: before the rung's plan, the level it started from

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,16 +116,24 @@ class Fencing:
             confirmed[node] = cause
         return confirmed
 
-    async def fence(self, failures: dict[int, tuple[api.Reason, str]]) -> None:
+    async def fence(
+        self, failures: dict[int, tuple[api.Reason, str]], last_seen: Mapping[int, float] | None = None
+    ) -> None:
         """Fence each failed node: into the status (durable before the pod goes), its pod deleted at once,
-        its heartbeat forgotten in Redis (a replacement must beat anew), a replacement asked for."""
+        its heartbeat forgotten in Redis (a replacement must beat anew), a replacement asked for.
+        `last_seen`: when a node last showed life (monotonic) where neither its pod nor its heartbeat tells
+        it (a worker that hangs while its agent beats on, `_aborts`); its detection latency counts from
+        there."""
         ctl = self.ctl
         detected = time.monotonic()
         for node, (reason, cause) in failures.items():
-            path = "heartbeat" if reason is api.Reason.HEARTBEAT_EXPIRED else "pod"
-            since = self.heartbeat_seen.get(node) if path == "heartbeat" else self.workers.seen_at.get(node)
-            if reason is api.Reason.NODE_HUNG:
-                since = None  # its peers' aborts told it (`_aborts`), not the pod or its heartbeat
+            since: float | None
+            if last_seen is not None and node in last_seen:
+                path, since = "hang", last_seen[node]
+            elif reason is api.Reason.HEARTBEAT_EXPIRED:
+                path, since = "heartbeat", self.heartbeat_seen.get(node)
+            else:
+                path, since = "pod", self.workers.seen_at.get(node)
             latency = max(0.0, detected - since) if since is not None else None
             if latency is not None:
                 metrics.DETECTION_SECONDS.labels(path).observe(latency)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -736,17 +735,14 @@ class JobController:
             waited = _aborts.hang_after_s(aborts)
             cause = f"hung: neither stepped nor aborted for {waited:.0f} s while its peers did ({what})"
             self.event("Warning", api.Reason.NODE_HUNG, f"nodes {list(verdict.hung)} {cause}")
-            await self.fencing.fence(dict.fromkeys(verdict.hung, (api.Reason.NODE_HUNG, cause)))
-            # Its last sign of life: a collective timeout before its peers' first abort, when they began
-            # to wait on it.
-            since_s = self.aborts.waited_s(time.monotonic()) + max(
-                a.collective_timeout_s for a in aborts.values()
+            # Its last sign of life: a collective timeout before its peers' first abort was seen, when they
+            # began to wait on it.
+            now = time.monotonic()
+            silent_s = self.aborts.waited_s(now) + max(a.collective_timeout_s for a in aborts.values())
+            await self.fencing.fence(
+                dict.fromkeys(verdict.hung, (api.Reason.NODE_HUNG, cause)),
+                last_seen=dict.fromkeys(verdict.hung, now - silent_s),
             )
-            for node in verdict.hung:
-                if node in self.fencing.fenced:
-                    self.fencing.fenced[node] = dataclasses.replace(
-                        self.fencing.fenced[node], detect_s=since_s
-                    )
             return False
         if not self.aborts.may_reform():
             if self.aborts.gave_up != published.generation:
