@@ -12,6 +12,8 @@ What kmock leaves out and this adds, each reproducing the real server's behaviou
 - writes: JSON merge patch (strategic merge patch taken as merge), JSON patch, server-side apply (create or
   merge, without field ownership), replace; a `metadata.resourceVersion` that is not the current one is a
   409 conflict; the status subresource and the main resource each change their own part of the object;
+- a pod naming a ServiceAccount its namespace lacks is refused (403), as the ServiceAccount admission
+  plugin refuses it;
 - deletion with finalizers, propagation policies and owner-reference garbage collection
   (`_local_api_store`); watches from a resourceVersion with 410 Gone once it is too old
   (`_local_api_watch`); label and field selectors (`_local_api_select`);
@@ -61,6 +63,7 @@ CORE_RESOURCES: tuple[tuple[str, str, str, str, bool], ...] = (
     ("", "v1", "configmaps", "ConfigMap", True),
     ("", "v1", "secrets", "Secret", True),
     ("", "v1", "services", "Service", True),
+    ("", "v1", "serviceaccounts", "ServiceAccount", True),
     ("", "v1", "namespaces", "Namespace", False),
     # kopf watches CRDs to learn when resources appear; without it, it never starts watching.
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False),
@@ -74,6 +77,7 @@ _SHORT_NAMES = {
     "pods": ("po",),
     "configmaps": ("cm",),
     "services": ("svc",),
+    "serviceaccounts": ("sa",),
     "namespaces": ("ns",),
     "events": ("ev",),
     _CRDS: ("crd", "crds"),
@@ -152,6 +156,22 @@ class LocalApiServer(kmock.KubernetesEmulator):
         ] = kmock.ResourceInfo(
             kind=kind.kind, singular=kind.singular, namespaced=kind.namespaced, verbs=set(discovery.VERBS)
         )
+
+    def _admit_service_account(self, pod: dict[str, Any]) -> None:
+        """The ServiceAccount admission plugin: a pod names an account of its namespace that exists (every
+        namespace has `default`, which the emulator does not store)."""
+        account = (pod.get("spec") or {}).get("serviceAccountName") or "default"
+        space, name = pod["metadata"].get("namespace"), pod["metadata"].get("name", "")
+        accounts = references.resource("", "v1", "serviceaccounts")
+        if account != "default" and self._store.peek((accounts, space, account)) is None:
+            raise refuse(
+                403,
+                "Forbidden",
+                f'pods "{name}" is forbidden: error looking up service account {space}/{account}: '
+                f'serviceaccount "{account}" not found',
+                name=name,
+                kind="pods",
+            )
 
     def kind_of(self, resource: references.resource) -> Kind:
         kind = self._kinds.get((resource.group or "", resource.version or "", resource.plural or ""))
@@ -429,6 +449,8 @@ class LocalApiServer(kmock.KubernetesEmulator):
                 f'{kind.plural} "{name}" is forbidden: unable to create new content in namespace {space} '
                 "because it is being terminated",
             )
+        if kind.kind == "Pod":
+            self._admit_service_account(obj)
         if "status" in kind.subresources and kind.kind != "Pod":
             obj.pop("status", None)  # set through the status subresource only
         if kind.kind == "Namespace":

@@ -1,8 +1,9 @@
 """A process kubelet for the local stack: runs each Pod of the (emulated) API server as a local process.
 
 Pod phase follows the process (Running while it lives, Succeeded/Failed by exit code), annotations and
-labels are written to files the way the downward API does, `fieldRef`/`secretKeyRef` environment variables
-are resolved, and a deleted pod's processes are stopped. It talks to the API over HTTP like any kubelet.
+labels are written to files the way the downward API does, `fieldRef`, `secretKeyRef` and `configMapKeyRef`
+environment variables are resolved, and a deleted pod's processes are stopped. It talks to the API over HTTP
+like any kubelet.
 
 Every process a pod started dies with the pod, as a container's do: each pod runs in its own session (and
 process group), a deleted pod's whole group is stopped, and when a pod's main process exits (killed or not)
@@ -182,6 +183,14 @@ class ProcessKubelet:
                 value = (secret.get("data") or {}).get(ref["key"])
                 if value is not None:
                     env[item["name"]] = base64.b64decode(value).decode()
+            elif "configMapKeyRef" in source:
+                ref = source["configMapKeyRef"]
+                configmap = await self.kube.get(
+                    core_path(body["metadata"]["namespace"], "configmaps", ref["name"])
+                )
+                value = ((configmap or {}).get("data") or {}).get(ref["key"])
+                if value is not None:
+                    env[item["name"]] = value
         env["RJOB_PODINFO_DIR"] = str(podinfo)
         # The container's last words, which a kubelet keeps in its status (`/dev/termination-log` there).
         env["RJOB_TERMINATION_LOG"] = str(podinfo.parent / "termination-log")

@@ -19,6 +19,7 @@ from resilientjob.protocol.workload import (
 )
 
 from . import api
+from ._api_pods import apply_overrides
 from .names import SUBDOMAIN_MAX, fit
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -298,7 +299,7 @@ def pod_manifest(
         )
     metadata = _metadata(body, pod_name(job, node), {LABEL_NODE: str(node)})
     metadata["annotations"] = generation_annotations(generation, layout)
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": metadata,
@@ -313,6 +314,7 @@ def pod_manifest(
             "volumes": volumes,
         },
     }
+    return apply_overrides(pod, spec.pod_overrides)
 
 
 def _password_env(spec: api.ResilientJobSpec) -> list[dict[str, Any]]:
@@ -349,7 +351,7 @@ def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redi
         "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),
         "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}],
     }
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _metadata(body, store_pod_name(job), {LABEL_ROLE: ROLE_STORE}),
@@ -362,3 +364,4 @@ def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redi
             "volumes": [{"name": "scratch", "emptyDir": {}}],
         },
     }
+    return apply_overrides(pod, spec.pod_overrides, worker=False)

@@ -27,6 +27,9 @@ from resilientjob.planner.profile import LayerProfile, ModelProfile, builtin_pro
 from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import DataSpec, OutputSpec, Precision, TrainingSpec
 
+# The pods' part of the spec has a module of its own: it also lays itself on a pod manifest.
+from ._api_pods import PodOverrides
+
 GROUP = "resilientjob.io"
 VERSION = "v1alpha1"
 KIND = "ResilientJob"
@@ -145,6 +148,7 @@ class Reason(StrEnum):
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
     LOST_AFTER_TRAINING = "LostAfterTraining"
     COLLECTIVE_FAILED = "CollectiveFailed"
+    PODS_REFUSED = "PodsRefused"
     NODE_HUNG = "NodeHung"
 
 
@@ -475,6 +479,12 @@ class ResilientJobSpec(_Api):
         max_length=32,
         description="Claims mounted into every worker pod (model directories, data, outputs).",
         json_schema_extra=_immutable("volumes"),
+    )
+    pod_overrides: PodOverrides = Field(
+        default_factory=PodOverrides,
+        description="What the job's pods add to the operator's defaults: node pool, tolerations, affinity, "
+        "environment, CPU and memory, image pull secrets, service account, labels.",
+        json_schema_extra=_immutable("podOverrides"),
     )
 
     @field_validator("device_memory", mode="before")

@@ -57,6 +57,10 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
             out[bound] = True
     if "enum" in out and "type" not in out:
         out["type"] = "string"
+    if out.get("type") == "object" and out.get("additionalProperties") is True:
+        # `dict[str, Any]` (a pod's affinity): a structural schema says so with preserve-unknown-fields.
+        out.pop("additionalProperties")
+        out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("type") == "object" and "properties" in out:
         out.setdefault("additionalProperties", None)
         if out["additionalProperties"] in (None, False):
@@ -101,9 +105,24 @@ def crd_manifest() -> dict[str, Any]:
                     "storage": True,
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": [
-                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Workers", "type": "string", "jsonPath": ".status.workers"},
-                        {"name": "Layout", "type": "string", "jsonPath": ".status.layout"},
+                        {
+                            "name": "Phase",
+                            "type": "string",
+                            "jsonPath": ".status.phase",
+                            "description": "Pending, Running, Reconfiguring, Succeeded or Failed.",
+                        },
+                        {
+                            "name": "Workers",
+                            "type": "string",
+                            "jsonPath": ".status.workers",
+                            "description": "Workers of the current plan at work / in it.",
+                        },
+                        {
+                            "name": "Layout",
+                            "type": "string",
+                            "jsonPath": ".status.layout",
+                            "description": "The current plan's DP x PP layout.",
+                        },
                         {
                             "name": "Throughput",
                             "type": "number",
@@ -122,7 +141,22 @@ def crd_manifest() -> dict[str, Any]:
                             "jsonPath": ".status.loss",
                             "description": "Training loss of the last committed step.",
                         },
+                        {
+                            "name": "Gen",
+                            "type": "integer",
+                            "jsonPath": ".status.planGeneration",
+                            "description": "Plan generation: one more at every recovery, mitigation or "
+                            "re-formation of the workers.",
+                        },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                        {
+                            "name": "Last-Change",
+                            "type": "string",
+                            "jsonPath": ".status.lastDecision.trigger",
+                            "description": "What published the current generation (NodeFailed, NodeSlow, "
+                            "CollectiveFailed, ...).",
+                            "priority": 1,
+                        },
                     ],
                     "schema": {
                         "openAPIV3Schema": {

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, NoReturn, cast
 
 import kopf
@@ -60,7 +60,7 @@ from ._redis_watch import REDIS_DOWN, RedisWatch, job_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
-from .kube import KubeApi, core_path, custom_path
+from .kube import KubeApi, KubeError, core_path, custom_path
 from .planning import (
     NODE_LOCAL_CHECKPOINTS,
     PlannerInputs,
@@ -239,7 +239,8 @@ class JobController:
         the crash-loop count a replacement pod carries (`_capacity`)."""
         spec = self.require_spec()
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
-        await self.ensure_store()
+        async with self._pods_refused():
+            await self.ensure_store()
 
         def manifest(node: int) -> dict[str, Any]:
             made = _manifests.pod_manifest(
@@ -251,7 +252,23 @@ class JobController:
                 made["metadata"]["annotations"][_manifests.ANNOTATION_STRIKES] = str(strikes[node])
             return made
 
-        await self.workers.create([manifest(node) for node in nodes], self.observe_pod)
+        async with self._pods_refused():
+            await self.workers.create([manifest(node) for node in nodes], self.observe_pod)
+
+    @contextlib.asynccontextmanager
+    async def _pods_refused(self) -> AsyncIterator[None]:
+        """A pod the API server refuses (a ServiceAccount or PriorityClass that does not exist, a quota, an
+        admission policy): a Warning Event with the server's words, and the job's daemon tries again
+        `pods_refused_retry_s` later (the missing object may be created meanwhile), instead of a traceback
+        a second."""
+        try:
+            yield
+        except KubeError as exc:
+            if exc.status not in (400, 403, 422):
+                raise
+            self.event("Warning", api.Reason.PODS_REFUSED, f"the API server refused the job's pods: {exc}")
+            delay = self.settings.pods_refused_retry_s
+            raise kopf.TemporaryError(f"pods refused: {exc}", delay=delay) from None
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""

@@ -57,12 +57,16 @@ class OperatorSettings:
     terminating this long after its grace period ended (its node is gone, and no kubelet will ever confirm
     it) is force-deleted (`_lifecycle.earlier_job_gone`)."""
 
+    pods_refused_retry_s: float = 30.0
+    """After the API server refused a pod of a job (a ServiceAccount that does not exist yet, a quota), the
+    job's daemon tries again this much later; a Warning Event `PodsRefused` carries the server's words."""
+
     standalone: bool = False
     """Skip kopf peering (one operator only). With peering, a second operator waits as a standby."""
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "status_interval_s", "replace_backoff_s", "replace_backoff_max_s",
-                     "join_settle_s", "leftover_grace_s"):  # fmt: skip
+                     "join_settle_s", "leftover_grace_s", "pods_refused_retry_s"):  # fmt: skip
             # NaN compares false with everything: it would pass every bound below and break every wait.
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
@@ -73,6 +77,8 @@ class OperatorSettings:
                 raise ValueError(f"{name} must be 0..65535, got {port}")
         if self.join_settle_s < 0:
             raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
+        if self.pods_refused_retry_s <= 0:
+            raise ValueError(f"pods_refused_retry_s must be > 0, got {self.pods_refused_retry_s}")
         if self.leftover_grace_s < 0:
             raise ValueError(f"leftover_grace_s must be >= 0, got {self.leftover_grace_s}")
         if not 0 <= self.replace_backoff_s <= self.replace_backoff_max_s:
@@ -99,6 +105,7 @@ class OperatorSettings:
             ("replace_backoff_max_s", "RJOB_REPLACE_BACKOFF_MAX_S", float),
             ("join_settle_s", "RJOB_JOIN_SETTLE_S", float),
             ("leftover_grace_s", "RJOB_LEFTOVER_GRACE_S", float),
+            ("pods_refused_retry_s", "RJOB_PODS_REFUSED_RETRY_S", float),
         ):
             if env.get(variable):
                 given[name] = kind(env[variable])
@@ -122,6 +129,7 @@ class OperatorSettings:
             "RJOB_REPLACE_BACKOFF_MAX_S": str(self.replace_backoff_max_s),
             "RJOB_JOIN_SETTLE_S": str(self.join_settle_s),
             "RJOB_LEFTOVER_GRACE_S": str(self.leftover_grace_s),
+            "RJOB_PODS_REFUSED_RETRY_S": str(self.pods_refused_retry_s),
         }
         for key, value in (
             ("RJOB_API_URL", self.api_url),

@@ -174,11 +174,15 @@ def render() -> str:
         f"`{api.SHORT_NAME}`), namespaced, with a status subresource. Every object rejects unknown fields, "
         "so a misspelt field is an error that names it. Examples: `examples/`.",
         "",
-        "`kubectl get rjob` shows:",
+        "`kubectl get rjob` shows (and `-o wide` adds the columns marked wide):",
         "",
-        "| column | from |",
-        "| --- | --- |",
-        *[f"| {c['name']} | `{c['jsonPath']}` |" for c in version["additionalPrinterColumns"]],
+        "| column | from | what |",
+        "| --- | --- | --- |",
+        *[
+            f"| {c['name']}{' (wide)' if c.get('priority') else ''} | `{c['jsonPath']}` | "
+            f"{c.get('description', '')} |"
+            for c in version["additionalPrinterColumns"]
+        ],
         "",
     ]
     for title, root in (("Spec", api.ResilientJobSpec), ("Status", api.ResilientJobStatus)):

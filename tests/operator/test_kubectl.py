@@ -69,7 +69,7 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             return table if row[1:3] == ["Running", "4/4"] else None
 
         table = until(running, 40, "the job Running with 4 workers (kubectl get rjob)")
-        assert table.split()[:8] == [
+        assert table.split()[:9] == [
             "NAME",
             "PHASE",
             "WORKERS",
@@ -77,6 +77,7 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             "THROUGHPUT",
             "STEP",
             "LOSS",
+            "GEN",
             "AGE",
         ]
 

@@ -251,7 +251,7 @@ def test_health_port_settings() -> None:
 @pytest.mark.parametrize(
     "name",
     ["poll_interval_s", "status_interval_s", "replace_backoff_s", "replace_backoff_max_s", "join_settle_s",
-     "leftover_grace_s"],
+     "leftover_grace_s", "pods_refused_retry_s"],
 )  # fmt: skip
 def test_operator_settings_refuse_seconds_that_are_not_a_number(name: str) -> None:
     """`RJOB_LEFTOVER_GRACE_S=nan` passed the `< 0` check, and no stuck pod was ever stuck long enough."""

@@ -1,0 +1,304 @@
+"""`spec.podOverrides`: what one job adds to its pods, over the operator's cluster-wide defaults.
+
+The chart's `workers` values (`_worker_defaults`) place every job's pods alike. A cluster runs jobs that
+need different things: a node pool of their own (`nodeSelector`, `tolerations`, `affinity`), credentials
+for a private registry (`imagePullSecrets`) or for object storage (`serviceAccountName`), environment for
+NCCL or an experiment tracker (`env`, values or keys of Secrets and ConfigMaps), CPU and memory beside the
+accelerators (`resources`), labels and annotations for the cluster's own tooling.
+
+The types are part of the API (`api.ResilientJobSpec.pod_overrides`, re-exported there) and validate on
+construction, so a bad value is refused with its field named before any pod exists. What the operator sets
+itself stays the operator's: `RJOB_*` and the pod's identity variables, the `resilientjob.io/` labels and
+annotations, and the accelerator request (`spec.deviceResource` x `spec.gpusPerNode`).
+
+`apply_overrides` lays them on a pod manifest before the cluster's defaults are merged in, and those
+defaults give way to the job wherever both speak (`WorkerDefaults.apply`). The store pod (no device, no
+training code) takes what places and admits it (labels, annotations, node selector, tolerations, priority
+class, service account, image pull secrets), not what sizes or configures a worker.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+OPERATOR_PREFIX = "resilientjob.io/"
+"""Labels and annotations under this prefix are the operator's (job, node, role, generation, layout)."""
+
+RESERVED_ENV_PREFIX = "RJOB_"
+RESERVED_ENV = frozenset({"POD_NAME", "POD_IP"})
+"""The pod's own identity, which the agent reads; every `RJOB_*` variable is the operator's too."""
+
+ACCELERATOR_RESOURCES = frozenset({"nvidia.com/gpu", "huawei.com/Ascend910"})
+"""Requested from `spec.deviceResource` x `spec.gpusPerNode` only: the planner counts on that many devices."""
+
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+_LABEL_KEY = re.compile(rf"^({DNS_SUBDOMAIN_PATTERN[1:-1]}/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
+# A Kubernetes quantity as pods' resources take it: `8`, `500m`, `64Gi`, `1.5G` (no sign or exponent).
+RESOURCE_QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_SCALE = {
+    "": Decimal(1),
+    "m": Decimal("0.001"),
+    **{suffix: Decimal(1024) ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{suffix: Decimal(1000) ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+
+def _check_label_keys(mapping: dict[str, str], what: str, values: bool) -> dict[str, str]:
+    """Keys (and, for labels and node selectors, values) as the API server takes them; the operator's own
+    prefix refused."""
+    for key, value in mapping.items():
+        prefix, _, name = key.rpartition("/")
+        if len(key) > 316 or len(prefix) > 253 or not _LABEL_KEY.fullmatch(key) or not name:
+            raise ValueError(f"{key!r} is not a valid {what} key")
+        if key.startswith(OPERATOR_PREFIX):
+            raise ValueError(f"{key!r}: {OPERATOR_PREFIX} {what}s are the operator's")
+        if values and not _LABEL_VALUE.fullmatch(value):
+            raise ValueError(f"{key}: {value!r} is not a valid {what} value (63 characters, [-A-Za-z0-9_.])")
+    return mapping
+
+
+class Toleration(_Model):
+    """A taint the job's pods tolerate (as a pod's `tolerations` entry)."""
+
+    key: str = Field(default="", max_length=316, description="The taint's key; empty with Exists: any taint.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str = Field(default="", max_length=63, description="The taint's value (Equal only).")
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        default="", description="NoSchedule, PreferNoSchedule or NoExecute; empty: any effect."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated; empty: for ever."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value: must be empty when operator is Exists")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("operator: must be Exists when key is empty (it tolerates every taint)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds: only for effect NoExecute")
+        return self
+
+
+class KeySelector(_Model):
+    """A key of a Secret or ConfigMap in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
+    key: str = Field(min_length=1, max_length=253, description="The key holding the value.")
+    optional: bool = Field(default=False, description="Start the pod even when it is missing.")
+
+
+class EnvSource(_Model):
+    """Where an environment variable's value comes from: one of a Secret's or a ConfigMap's keys."""
+
+    secret_key_ref: KeySelector | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: KeySelector | None = Field(default=None, description="A key of a ConfigMap.")
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("give exactly one of secretKeyRef and configMapKeyRef")
+        return self
+
+
+class EnvVar(_Model):
+    """One environment variable of the worker containers."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=ENV_NAME_PATTERN, description="Its name.")
+    value: str | None = Field(default=None, max_length=32768, description="Its value.")
+    value_from: EnvSource | None = Field(default=None, description="Or where its value comes from.")
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvVar:
+        if self.name.startswith(RESERVED_ENV_PREFIX) or self.name in RESERVED_ENV:
+            raise ValueError(f"name: {self.name} is set by the operator")
+        if (self.value is None) == (self.value_from is None):
+            raise ValueError(f"{self.name}: give exactly one of value and valueFrom")
+        return self
+
+    def manifest(self) -> dict[str, Any]:
+        """The container's `env` entry."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ImagePullSecret(_Model):
+    """A Secret of type kubernetes.io/dockerconfigjson in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
+
+
+def _quantity(value: int | str) -> Decimal:
+    if isinstance(value, int):
+        return Decimal(value)
+    match = re.fullmatch(RESOURCE_QUANTITY_PATTERN, value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a quantity such as 8, 500m or 64Gi")
+    suffix = match.group(2) or ""
+    return Decimal(value.removesuffix(suffix)) * _SCALE[suffix]
+
+
+class Resources(_Model):
+    """CPU, memory and other resources of each worker container, beside its accelerators."""
+
+    requests: dict[str, int | str] = Field(
+        default_factory=dict, description="What the scheduler reserves, e.g. {cpu: 16, memory: 200Gi}."
+    )
+    limits: dict[str, int | str] = Field(default_factory=dict, description="What the container may use.")
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _amounts(cls, amounts: dict[str, int | str]) -> dict[str, int | str]:
+        for name, amount in amounts.items():
+            if name in ACCELERATOR_RESOURCES:
+                raise ValueError(f"{name}: accelerators come from spec.deviceResource x spec.gpusPerNode")
+            if isinstance(amount, bool) or (isinstance(amount, int) and amount < 0):
+                raise ValueError(f"{name}: {amount!r} is not a quantity")
+            try:
+                _quantity(amount)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return amounts
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> Resources:
+        for name, request in self.requests.items():
+            if name in self.limits and _quantity(request) > _quantity(self.limits[name]):
+                raise ValueError(f"requests.{name}: {request} is more than its limit {self.limits[name]}")
+        return self
+
+    def manifest(self) -> dict[str, dict[str, str]]:
+        return {
+            kind: {name: str(amount) for name, amount in amounts.items()}
+            for kind, amounts in (("requests", self.requests), ("limits", self.limits))
+            if amounts
+        }
+
+
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+
+
+class PodOverrides(_Model):
+    """What the job's pods add to the operator's defaults (the chart's `workers` values): the job's own
+    settings win where both speak. The store pod takes the labels, annotations, node selector,
+    tolerations, priority class, service account and image pull secrets; the rest is the workers'."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="Added to every pod of the job.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Added to every pod of the job.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods must run on (a node pool, a GPU type)."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Taints the pods tolerate (e.g. a GPU pool's)."
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The worker pods' affinity, as a pod's spec.affinity (nodeAffinity, podAffinity, "
+        "podAntiAffinity); it replaces the operator's default.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    priority_class_name: str = Field(
+        default="", max_length=253, description="The pods' PriorityClass (preemption order in the cluster)."
+    )
+    service_account_name: str = Field(
+        default="",
+        max_length=253,
+        description="The pods' ServiceAccount (e.g. one bound to an object store's credentials); empty: the "
+        "namespace's default.",
+    )
+    image_pull_secrets: list[ImagePullSecret] = Field(
+        default_factory=list, max_length=16, description="Secrets to pull spec.image from a private registry."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=256, description="Environment of the worker containers."
+    )
+    resources: Resources = Field(default_factory=Resources, description="The worker containers' resources.")
+
+    @field_validator("labels", "node_selector")
+    @classmethod
+    def _labels(cls, mapping: dict[str, str]) -> dict[str, str]:
+        return _check_label_keys(mapping, "label", values=True)
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, mapping: dict[str, str]) -> dict[str, str]:
+        return _check_label_keys(mapping, "annotation", values=False)
+
+    @field_validator("priority_class_name", "service_account_name")
+    @classmethod
+    def _object_name(cls, name: str) -> str:
+        if name and not re.fullmatch(DNS_SUBDOMAIN_PATTERN, name):
+            raise ValueError(f"{name!r} is not a valid object name (lower case, digits, '-' and '.')")
+        return name
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity(cls, affinity: dict[str, Any]) -> dict[str, Any]:
+        for kind, rules in affinity.items():
+            if kind not in AFFINITY_KINDS:
+                raise ValueError(f"{kind!r} is not one of {', '.join(AFFINITY_KINDS)}")
+            if not isinstance(rules, dict):
+                raise ValueError(f"{kind}: an object, as in a pod's spec.affinity")
+        return affinity
+
+    @model_validator(mode="after")
+    def _unique_env(self) -> PodOverrides:
+        names = [item.name for item in self.env]
+        for index, name in enumerate(names):
+            if names.index(name) != index:
+                raise ValueError(f"env.{index}.name: {name} is set twice")
+        return self
+
+
+def apply_overrides(pod: dict[str, Any], overrides: PodOverrides, *, worker: bool = True) -> dict[str, Any]:
+    """`pod` (a manifest the operator built) with the job's overrides laid on it, in place; returned."""
+    metadata, spec = pod["metadata"], pod["spec"]
+    container = spec["containers"][0]
+    # The operator's own keys cannot be overridden (refused on construction), so neither side loses one.
+    metadata["labels"] = {**overrides.labels, **metadata.get("labels", {})}
+    if overrides.annotations:
+        metadata["annotations"] = {**overrides.annotations, **(metadata.get("annotations") or {})}
+    if overrides.node_selector:
+        spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **overrides.node_selector}
+    if overrides.tolerations:
+        spec["tolerations"] = [
+            *spec.get("tolerations", []),
+            *(
+                t.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+                for t in overrides.tolerations
+            ),
+        ]
+    if overrides.priority_class_name:
+        spec["priorityClassName"] = overrides.priority_class_name
+    if overrides.service_account_name:
+        spec["serviceAccountName"] = overrides.service_account_name
+    if overrides.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s.name} for s in overrides.image_pull_secrets]
+    if not worker:
+        return pod
+    if overrides.affinity:
+        spec["affinity"] = dict(overrides.affinity)
+    if overrides.env:
+        # The job's value replaces the operator's scratch defaults (TMPDIR, TORCH_HOME, ...) in place; the
+        # variables the agent depends on cannot be named here at all.
+        given = {item.name: item.manifest() for item in overrides.env}
+        env = [given.pop(item["name"], item) for item in container["env"]]
+        container["env"] = [*env, *given.values()]
+    resources = overrides.resources.manifest()
+    if resources:
+        merged = container.setdefault("resources", {})
+        for kind, amounts in resources.items():
+            merged[kind] = {**amounts, **merged.get(kind, {})}  # the accelerator count stays the job's
+    return pod

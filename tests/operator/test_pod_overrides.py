@@ -1,0 +1,213 @@
+"""`spec.podOverrides`: a job places and configures its own pods (node pool, tolerations, affinity,
+environment, CPU and memory, pull secrets, service account, labels) over the operator's cluster-wide
+defaults, and a pod the API server refuses is said in an Event and tried again, not a traceback a second."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from _rjob_stack import REAL_CLUSTER, Stack, eventually, job_manifest
+
+from resilientjob.operator import api
+from resilientjob.operator._manifests import pod_manifest, store_pod_manifest
+from resilientjob.operator._worker_defaults import WorkerDefaults
+from resilientjob.planner.errors import PlannerError
+
+AFFINITY = {
+    "podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 50,
+                "podAffinityTerm": {
+                    "topologyKey": "kubernetes.io/hostname",
+                    "labelSelector": {"matchLabels": {"team": "llm"}},
+                },
+            }
+        ]
+    }
+}
+OVERRIDES: dict[str, Any] = {
+    "labels": {"team": "llm"},
+    "annotations": {"example.com/cost-centre": "42"},
+    "nodeSelector": {"gpu": "h100", "pool": "training"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": AFFINITY,
+    "priorityClassName": "training-high",
+    "serviceAccountName": "trainer",
+    "imagePullSecrets": [{"name": "regcred"}],
+    "env": [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "TMPDIR", "value": "/scratch"},
+        {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}},
+        {"name": "RUN_NAME", "valueFrom": {"configMapKeyRef": {"name": "run", "key": "name"}}},
+    ],
+    "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
+}
+BASE = {"image": "x", "model": "llama2-7b", "nodes": 4, "globalBatchSize": 8, "microBatchSize": 1}
+BODY = {"metadata": {"name": "llm", "namespace": "team", "uid": "u"}}
+
+
+def _spec(**overrides: Any) -> api.ResilientJobSpec:
+    return api.parse_spec({**BASE, "deviceResource": "nvidia.com/gpu", "gpusPerNode": 8, **overrides})
+
+
+def test_worker_pods_carry_the_overrides_and_the_store_pod_what_places_it() -> None:
+    spec = _spec(podOverrides=OVERRIDES)
+    worker = pod_manifest(BODY, spec, 1, 0, "DP4 PP[1,1,1,1]", "redis://r:6379/0")
+    meta, pod = worker["metadata"], worker["spec"]
+    assert meta["labels"]["team"] == "llm" and meta["labels"]["resilientjob.io/node"] == "1"
+    assert meta["annotations"]["example.com/cost-centre"] == "42"
+    assert meta["annotations"]["resilientjob.io/generation"] == "0"  # the operator's own stay
+    assert pod["nodeSelector"] == {"gpu": "h100", "pool": "training"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"] == AFFINITY
+    assert pod["priorityClassName"] == "training-high" and pod["serviceAccountName"] == "trainer"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    container = pod["containers"][0]
+    env = {item["name"]: item for item in container["env"]}
+    assert len(env) == len(container["env"])  # TMPDIR replaced in place, not given twice
+    assert env["TMPDIR"] == {"name": "TMPDIR", "value": "/scratch"}
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and env["RJOB_NODE"]["value"] == "1"
+    assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "wandb",
+        "key": "key",
+        "optional": False,
+    }
+    assert env["RUN_NAME"]["valueFrom"]["configMapKeyRef"]["name"] == "run"
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "8"},  # the accelerators stay the job's count
+    }
+
+    store = store_pod_manifest(BODY, spec, "redis://r:6379/0")
+    meta, pod = store["metadata"], store["spec"]
+    assert meta["labels"]["team"] == "llm" and meta["labels"]["resilientjob.io/role"] == "store"
+    assert pod["nodeSelector"] == {"gpu": "h100", "pool": "training"} and pod["tolerations"]
+    assert pod["serviceAccountName"] == "trainer" and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["priorityClassName"] == "training-high"
+    # No training code runs there: no worker sizing, placement among workers or environment.
+    container = pod["containers"][0]
+    assert "affinity" not in pod and "resources" not in container
+    assert not {"NCCL_DEBUG", "WANDB_API_KEY"} & {item["name"] for item in container["env"]}
+
+    plain = pod_manifest(BODY, _spec(), 1, 0, "DP4 PP[1,1,1,1]", "redis://r:6379/0")
+    for field in ("nodeSelector", "tolerations", "affinity", "serviceAccountName", "imagePullSecrets"):
+        assert field not in plain["spec"], field
+
+
+def test_the_cluster_defaults_give_way_to_the_job() -> None:
+    defaults = WorkerDefaults.model_validate(
+        {
+            "nodeSelector": {"pool": "shared", "arch": "amd64"},
+            "tolerations": [{"key": "shared", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"x": 1}},
+            "priorityClassName": "default-low",
+            "resources": {"requests": {"cpu": "4", "ephemeral-storage": "10Gi"}},
+            "env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "HF_HOME", "value": "/cache"}],
+        }
+    )
+    worker = defaults.apply(pod_manifest(BODY, _spec(podOverrides=OVERRIDES), 0, 0, "L", "redis://r:6379/0"))
+    pod, container = worker["spec"], worker["spec"]["containers"][0]
+    assert pod["nodeSelector"] == {"pool": "training", "arch": "amd64", "gpu": "h100"}
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "shared"]
+    assert pod["affinity"] == AFFINITY and pod["priorityClassName"] == "training-high"
+    assert container["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "10Gi"}
+    env = [item for item in container["env"] if item["name"] in ("NCCL_DEBUG", "HF_HOME")]
+    assert env == [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "HF_HOME", "value": "/cache"}]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "said"),
+    [
+        ({"env": [{"name": "RJOB_NODE", "value": "1"}]}, "spec.podOverrides.env.0", "set by the operator"),
+        ({"env": [{"name": "POD_IP", "value": "1"}]}, "spec.podOverrides.env.0", "set by the operator"),
+        ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "spec.podOverrides", "twice"),
+        ({"env": [{"name": "A"}]}, "spec.podOverrides.env.0", "exactly one of value and valueFrom"),
+        ({"env": [{"name": "A", "valueFrom": {}}]}, "spec.podOverrides.env.0.valueFrom", "exactly one"),
+        ({"labels": {"resilientjob.io/job": "x"}}, "spec.podOverrides.labels", "the operator's"),
+        ({"labels": {"team": "not a value"}}, "spec.podOverrides.labels", "not a valid label value"),
+        ({"nodeSelector": {"bad key!": "x"}}, "spec.podOverrides.nodeSelector", "not a valid label key"),
+        ({"annotations": {"resilientjob.io/layout": "x"}}, "spec.podOverrides.annotations", "the operator's"),
+        ({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
+         "spec.podOverrides.tolerations.0", "must be empty"),
+        ({"tolerations": [{"value": "v"}]}, "spec.podOverrides.tolerations.0", "must be Exists"),
+        ({"tolerations": [{"key": "k", "tolerationSeconds": 5}]}, "spec.podOverrides.tolerations.0",
+         "NoExecute"),
+        ({"affinity": {"nodeAfinity": {}}}, "spec.podOverrides.affinity", "not one of nodeAffinity"),
+        ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "spec.podOverrides.resources.limits",
+         "spec.gpusPerNode"),
+        ({"resources": {"requests": {"cpu": "8 cores"}}}, "spec.podOverrides.resources.requests",
+         "not a quantity"),
+        ({"resources": {"requests": {"memory": "64Gi"}, "limits": {"memory": "32Gi"}}},
+         "spec.podOverrides.resources", "more than its limit"),
+        ({"priorityClassName": "High"}, "spec.podOverrides.priorityClassName", "not a valid object name"),
+        ({"serviceAccountName": "a_b"}, "spec.podOverrides.serviceAccountName", "not a valid object name"),
+        ({"imagePullSecrets": ["regcred"]}, "spec.podOverrides.imagePullSecrets.0", ""),
+        ({"nodeSelectors": {}}, "spec.podOverrides.nodeSelectors", ""),
+    ],
+)  # fmt: skip
+def test_bad_overrides_are_refused_naming_the_field(overrides: dict[str, Any], field: str, said: str) -> None:
+    with pytest.raises(PlannerError) as caught:
+        _spec(podOverrides=overrides)
+    assert caught.value.field == field and said in str(caught.value), (caught.value.field, str(caught.value))
+    assert "\n" not in str(caught.value)
+
+
+def _overrides_without_cluster_objects() -> dict[str, Any]:
+    """The overrides a test cluster can take without objects it lacks (a real API server refuses pods of a
+    PriorityClass that does not exist)."""
+    overrides = copy.deepcopy(OVERRIDES)
+    del overrides["priorityClassName"], overrides["serviceAccountName"]
+    return overrides
+
+
+@pytest.fixture
+def quick_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator (started by `stack` after this) tries refused pods again after 1 s, not 30."""
+    monkeypatch.setenv("RJOB_PODS_REFUSED_RETRY_S", "1")
+
+
+@pytest.mark.cluster
+async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_its_account(
+    quick_retry: None, stack: Stack
+) -> None:
+    kube = stack.kube
+    overrides = _overrides_without_cluster_objects()
+    assert await kube.create_job(job_manifest("placed", podOverrides=overrides)) is None
+
+    async def pods(job: str) -> list[dict[str, Any]] | None:
+        found = await kube.job_pods(job)
+        return found if len(found) == 4 else None
+
+    created = await eventually(lambda: pods("placed"), 20, "4 pods")
+    stored = await kube.get(api.PLURAL, "placed")
+    assert stored is not None
+    # The CRD keeps the affinity as given (an open object in its schema: nothing pruned).
+    assert stored["spec"]["podOverrides"]["affinity"] == AFFINITY
+    for pod in created:
+        assert pod["spec"]["nodeSelector"] == {"gpu": "h100", "pool": "training"}
+        assert pod["spec"]["affinity"] == AFFINITY and pod["metadata"]["labels"]["team"] == "llm"
+        env = {item["name"]: item for item in pod["spec"]["containers"][0]["env"]}
+        assert env["NCCL_DEBUG"]["value"] == "INFO" and "secretKeyRef" in env["WANDB_API_KEY"]["valueFrom"]
+
+    # A ServiceAccount that does not exist yet: the API server refuses the pods (403). One Warning Event
+    # with its words; once the account exists, the next try creates them.
+    account = {"serviceAccountName": "trainer-missing"}
+    assert await kube.create_job(job_manifest("refused", podOverrides=account)) is None
+
+    async def refused() -> str | None:
+        events = [e for e in await kube.events_of("refused") if e.get("reason") == "PodsRefused"]
+        return events[0]["message"] if events else None
+
+    message = await eventually(refused, 20, "the PodsRefused Event")
+    assert 'serviceaccount "trainer-missing" not found' in message and "\n" not in message, message
+    assert await kube.job_pods("refused") == []
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer-missing"}}
+    assert await kube.api.create(kube.path("serviceaccounts"), sa)
+    made = await eventually(lambda: pods("refused"), 30, "the pods once the account exists")
+    assert {pod["spec"]["serviceAccountName"] for pod in made} == {"trainer-missing"}
+    if not REAL_CLUSTER:
+        log = stack.operator.log.read_text()
+        assert "Traceback" not in log, log[-5000:]
