@@ -63,6 +63,13 @@ KINDS: Mapping[str, Message] = {
         3: ("binaryData", ("map", "bytes")),
         4: ("immutable", "bool"),
     },
+    # `kubectl create serviceaccount` (a job's spec.podOverrides.serviceAccountName must exist).
+    "ServiceAccount": {
+        1: ("metadata", _OBJECT_META),
+        2: ("secrets", ("list", {1: ("kind", "string"), 2: ("namespace", "string"), 3: ("name", "string")})),
+        3: ("imagePullSecrets", ("list", {1: ("name", "string")})),
+        4: ("automountServiceAccountToken", "bool"),
+    },
 }
 _TYPE_META: Message = {1: ("apiVersion", "string"), 2: ("kind", "string")}
 _UNKNOWN: Message = {1: ("typeMeta", _TYPE_META), 2: ("raw", "bytes")}

@@ -267,6 +267,7 @@ class JobController:
             if exc.status not in (400, 403, 422):
                 raise
             self.event("Warning", api.Reason.PODS_REFUSED, f"the API server refused the job's pods: {exc}")
+            await self.write_status(force=True)  # `kubectl get rjob` shows the job Pending, not blank
             delay = self.settings.pods_refused_retry_s
             raise kopf.TemporaryError(f"pods refused: {exc}", delay=delay) from None
 

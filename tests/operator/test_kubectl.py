@@ -183,18 +183,28 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             kubectl("get", "configmap", "settings", "-n", "team-a", "-o", "jsonpath={.data.a}").stdout == "b"
         )
         talker["metadata"]["namespace"] = "team-a"
-        talker["spec"]["containers"][0]["command"] = ["python", "-c", "import os; print(os.environ['WORD'])"]
+        talker["spec"]["serviceAccountName"] = "runner"
+        talker["spec"]["containers"][0]["command"] = [
+            "python", "-c", "import os; print(os.environ['WORD'], os.environ['A'])"
+        ]  # fmt: skip
         talker["spec"]["containers"][0]["env"] = [
-            {"name": "WORD", "valueFrom": {"secretKeyRef": {"name": "token", "key": "word"}}}
+            {"name": "WORD", "valueFrom": {"secretKeyRef": {"name": "token", "key": "word"}}},
+            {"name": "A", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "a"}}},
         ]
         (tmp_path / "talker.yaml").write_text(yaml.safe_dump(talker))
+        # A ServiceAccount the namespace lacks: refused as the admission plugin refuses it.
+        refused = kubectl("apply", "-f", str(tmp_path / "talker.yaml"), ok=False)
+        assert refused.returncode != 0 and 'serviceaccount "runner" not found' in refused.stderr, refused
+        assert kubectl("create", "serviceaccount", "runner", "-n", "team-a").stdout.strip() == (
+            "serviceaccount/runner created"
+        )
         kubectl("apply", "-f", str(tmp_path / "talker.yaml"))
         until(
-            lambda: kubectl("logs", "-n", "team-a", "talker").stdout == "sesame\n" or None,
+            lambda: kubectl("logs", "-n", "team-a", "talker").stdout == "sesame b\n" or None,
             20,
-            "the talker in team-a printing its secret",
+            "the talker in team-a printing its secret and its setting",
         )
-        assert rjob_ok(state, "logs", "-n", "team-a", "talker") == "sesame\n"
+        assert rjob_ok(state, "logs", "-n", "team-a", "talker") == "sesame b\n"
 
         bad = yaml.safe_load((ROOT / "examples" / "local-cpu.yaml").read_text())
         # kubectl asks for strict field validation: a misspelt field is named, not only the one it lacks.

@@ -204,6 +204,7 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
     message = await eventually(refused, 20, "the PodsRefused Event")
     assert 'serviceaccount "trainer-missing" not found' in message and "\n" not in message, message
     assert await kube.job_pods("refused") == []
+    assert (await kube.job_status("refused")).get("phase") == "Pending"  # not a blank row in kubectl get
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer-missing"}}
     assert await kube.api.create(kube.path("serviceaccounts"), sa)
     made = await eventually(lambda: pods("refused"), 30, "the pods once the account exists")
