@@ -2,8 +2,9 @@
 
 Pod phase follows the process (Running while it lives, Succeeded/Failed by exit code), annotations and
 labels are written to files the way the downward API does, `fieldRef`, `secretKeyRef` and `configMapKeyRef`
-environment variables are resolved, and a deleted pod's processes are stopped. It talks to the API over HTTP
-like any kubelet.
+environment variables are resolved (a missing key keeps the pod Pending, its container waiting with
+`CreateContainerConfigError`, until it exists), and a deleted pod's processes are stopped. It talks to the
+API over HTTP like any kubelet.
 
 Every process a pod started dies with the pod, as a container's do: each pod runs in its own session (and
 process group), a deleted pod's whole group is stopped, and when a pod's main process exits (killed or not)
@@ -92,6 +93,11 @@ class RunningPod:
     """Its main process exited and what it left in its group was killed: the group id may be reused now."""
 
 
+class ContainerConfigError(Exception):
+    """A container's environment names a Secret or ConfigMap key that is not there: the pod stays Pending
+    (CreateContainerConfigError) and is tried again until it is."""
+
+
 class ProcessKubelet:
     """Poll the API for pods, start/stop their processes, and report their phases. With a `namespace`,
     only that namespace's pods run; without one, every namespace's."""
@@ -143,7 +149,11 @@ class ProcessKubelet:
             if running is None:
                 if (body.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
                     continue
-                running = await self._start(body)
+                try:
+                    running = await self._start(body)
+                except ContainerConfigError as exc:
+                    await self._waiting(body, "CreateContainerConfigError", str(exc))
+                    continue
                 self.pods[uid] = running
             annotations = dict(body["metadata"].get("annotations") or {})
             if annotations != running.annotations:
@@ -176,21 +186,21 @@ class ProcessKubelet:
                 env[item["name"]] = str(item["value"])
             elif "fieldRef" in source:
                 env[item["name"]] = fields.get(source["fieldRef"]["fieldPath"], "")
-            elif "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                secret_path = core_path(body["metadata"]["namespace"], "secrets", ref["name"])
-                secret = await self.kube.get(secret_path) or {}
-                value = (secret.get("data") or {}).get(ref["key"])
+            elif "secretKeyRef" in source or "configMapKeyRef" in source:
+                kind = "secret" if "secretKeyRef" in source else "configmap"
+                ref = source["secretKeyRef" if kind == "secret" else "configMapKeyRef"]
+                found = await self.kube.get(core_path(body["metadata"]["namespace"], f"{kind}s", ref["name"]))
+                value = ((found or {}).get("data") or {}).get(ref["key"])
                 if value is not None:
-                    env[item["name"]] = base64.b64decode(value).decode()
-            elif "configMapKeyRef" in source:
-                ref = source["configMapKeyRef"]
-                configmap = await self.kube.get(
-                    core_path(body["metadata"]["namespace"], "configmaps", ref["name"])
-                )
-                value = ((configmap or {}).get("data") or {}).get(ref["key"])
-                if value is not None:
-                    env[item["name"]] = value
+                    env[item["name"]] = base64.b64decode(value).decode() if kind == "secret" else value
+                elif not ref.get("optional"):
+                    # As a kubelet does: the container is not created until the key exists.
+                    if found is None:
+                        raise ContainerConfigError(f'{kind} "{ref["name"]}" not found')
+                    where = (
+                        f"{'Secret' if kind == 'secret' else 'ConfigMap'} {found['metadata']['namespace']}"
+                    )
+                    raise ContainerConfigError(f"couldn't find key {ref['key']} in {where}/{ref['name']}")
         env["RJOB_PODINFO_DIR"] = str(podinfo)
         # The container's last words, which a kubelet keeps in its status (`/dev/termination-log` there).
         env["RJOB_TERMINATION_LOG"] = str(podinfo.parent / "termination-log")
@@ -243,6 +253,21 @@ class ProcessKubelet:
         return RunningPod(
             name, namespace, body["metadata"]["uid"], process, podinfo, annotations, metrics_port=metrics_port
         )
+
+    async def _waiting(self, body: dict[str, Any], reason: str, message: str) -> None:
+        """A pod whose container cannot be created yet: Pending, the container waiting with `reason`."""
+        container = body["spec"]["containers"][0]["name"]
+        waiting = {"waiting": {"reason": reason, "message": message}}
+        statuses = (body.get("status") or {}).get("containerStatuses") or []
+        if statuses and statuses[0].get("state") == waiting:
+            return  # told already
+        status = {
+            "phase": "Pending",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"name": container, "ready": False, "restartCount": 0, "state": waiting}],
+        }
+        path = core_path(body["metadata"]["namespace"], "pods", body["metadata"]["name"]) + "/status"
+        await self.kube.patch(path, {"status": status})
 
     async def _report(self, pod: RunningPod) -> None:
         code = pod.process.poll()

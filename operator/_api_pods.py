@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 OPERATOR_PREFIX = "resilientjob.io/"
@@ -41,14 +41,22 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 _LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
 _LABEL_KEY = re.compile(rf"^({DNS_SUBDOMAIN_PATTERN[1:-1]}/)?{_LABEL_NAME}$")
 _LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
-# A Kubernetes quantity as pods' resources take it: `8`, `500m`, `64Gi`, `1.5G` (no sign or exponent).
-RESOURCE_QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# A Kubernetes quantity as pods' resources take it: `8`, `500m`, `64Gi`, `1.5G`, `.5`, `1e3` (no sign).
+RESOURCE_QUANTITY_PATTERN = (
+    r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(n|u|m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][-+]?[0-9]+)?$"
+)
 _SCALE = {
     "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
     "m": Decimal("0.001"),
     **{suffix: Decimal(1024) ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{suffix: Decimal(1000) ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
 }
+
+
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+AnnotationValue = Annotated[str, StringConstraints(max_length=65536)]
 
 
 class _Model(BaseModel):
@@ -146,7 +154,9 @@ def _quantity(value: int | str) -> Decimal:
     match = re.fullmatch(RESOURCE_QUANTITY_PATTERN, value)
     if match is None:
         raise ValueError(f"{value!r} is not a quantity such as 8, 500m or 64Gi")
-    suffix = match.group(2) or ""
+    suffix = match.group(3) or ""
+    if suffix[:1] in ("e", "E"):
+        return Decimal(value)  # a decimal exponent, which Decimal reads itself
     return Decimal(value.removesuffix(suffix)) * _SCALE[suffix]
 
 
@@ -154,9 +164,13 @@ class Resources(_Model):
     """CPU, memory and other resources of each worker container, beside its accelerators."""
 
     requests: dict[str, int | str] = Field(
-        default_factory=dict, description="What the scheduler reserves, e.g. {cpu: 16, memory: 200Gi}."
+        default_factory=dict,
+        max_length=16,
+        description="What the scheduler reserves, e.g. {cpu: 16, memory: 200Gi}.",
     )
-    limits: dict[str, int | str] = Field(default_factory=dict, description="What the container may use.")
+    limits: dict[str, int | str] = Field(
+        default_factory=dict, max_length=16, description="What the container may use."
+    )
 
     @field_validator("requests", "limits")
     @classmethod
@@ -195,16 +209,24 @@ class PodOverrides(_Model):
     settings win where both speak. The store pod takes the labels, annotations, node selector,
     tolerations, priority class, service account and image pull secrets; the rest is the workers'."""
 
-    labels: dict[str, str] = Field(default_factory=dict, description="Added to every pod of the job.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Added to every pod of the job.")
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels the pods must run on (a node pool, a GPU type)."
+    # Bounded, so that the CRD's immutability rule has a bounded cost for a real API server's CEL budget.
+    labels: dict[str, LabelValue] = Field(
+        default_factory=dict, max_length=64, description="Added to every pod of the job."
+    )
+    annotations: dict[str, AnnotationValue] = Field(
+        default_factory=dict, max_length=64, description="Added to every pod of the job."
+    )
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Node labels the pods must run on (a node pool, a GPU type).",
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=64, description="Taints the pods tolerate (e.g. a GPU pool's)."
     )
     affinity: dict[str, Any] = Field(
         default_factory=dict,
+        max_length=3,
         description="The worker pods' affinity, as a pod's spec.affinity (nodeAffinity, podAffinity, "
         "podAntiAffinity); it replaces the operator's default.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},

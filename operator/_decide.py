@@ -28,6 +28,28 @@ def now_rfc3339() -> str:
 LAST_WORDS_SHOWN = 300
 """Characters of a failed container's last line that a failure's cause quotes."""
 
+NOT_STARTING_REASONS = frozenset(
+    {
+        "CreateContainerConfigError",  # a Secret or ConfigMap key its env names is missing
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+    }
+)
+"""Why a kubelet keeps a container waiting that will not start by itself (the pod stays Pending)."""
+
+
+def not_starting(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of a container of `pod` that the kubelet cannot start, or None."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = ((container or {}).get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason in NOT_STARTING_REASONS:
+            return str(reason), str(waiting.get("message") or "")[:1024]
+    return None
+
 
 @dataclass(frozen=True, slots=True)
 class PodView:

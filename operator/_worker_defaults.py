@@ -107,9 +107,13 @@ class WorkerDefaults(BaseModel):
             spec.setdefault("runtimeClassName", self.runtime_class_name)
         if self.resources and worker:
             merged = container.setdefault("resources", {})
+            # A resource the job sizes (in its requests or its limits) is the job's in both: a default
+            # limit of 64Gi under the job's request of 200Gi would make a pod the API server refuses.
+            own = {name for amounts in merged.values() for name in amounts}
             for kind, amounts in self.resources.items():
                 # The accelerator count comes from the job; the defaults add CPU, memory, RDMA, ...
-                merged[kind] = {**{k: str(v) for k, v in amounts.items()}, **merged.get(kind, {})}
+                added = {k: str(v) for k, v in amounts.items() if k not in own}
+                merged[kind] = {**added, **merged.get(kind, {})}
         if self.env:
             named = {item["name"] for item in container["env"]}
             container["env"] += [item for item in self.env if item.get("name") not in named]

@@ -149,6 +149,7 @@ class Reason(StrEnum):
     LOST_AFTER_TRAINING = "LostAfterTraining"
     COLLECTIVE_FAILED = "CollectiveFailed"
     PODS_REFUSED = "PodsRefused"
+    POD_NOT_STARTING = "PodNotStarting"
     NODE_HUNG = "NodeHung"
 
 

@@ -28,6 +28,11 @@ class KubeError(RuntimeError):
         self.status = status
 
 
+class PodsRefused(kopf.TemporaryError):
+    """The API server refused a pod the job needs (already told in a `PodsRefused` Event). Raised out of a
+    job's daemon, kopf runs it again after `delay`; a replacement mid-training waits that long instead."""
+
+
 def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     if not info.server.startswith("https"):
         return False

@@ -60,7 +60,7 @@ from ._redis_watch import REDIS_DOWN, RedisWatch, job_client
 from ._store import StoreKeeper, rendezvous_again
 from ._telemetry_pass import PassContext, TelemetryPass, restore_failslow
 from ._worker_defaults import load_worker_defaults
-from .kube import KubeApi, KubeError, core_path, custom_path
+from .kube import KubeApi, KubeError, PodsRefused, core_path, custom_path
 from .planning import (
     NODE_LOCAL_CHECKPOINTS,
     PlannerInputs,
@@ -123,6 +123,8 @@ class JobController:
         )
         self.fencing = Fencing(self, self.workers, self.capacity)
         self.aborts = _aborts.AbortWatch()
+        self._told_not_starting: set[tuple[object, str]] = set()
+        """(pod uid, reason) of the containers that do not start, already told in an Event."""
         """The current generation's abandoned steps with no node dead (`_aborts`)."""
 
     def _event_body(self) -> kopf.Body:
@@ -141,6 +143,16 @@ class JobController:
 
     # ---- pod events (from the kopf pod watch) -----------------------------------------------------------
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
+        stuck = None if deleted else _decide.not_starting(pod)
+        meta = pod.get("metadata") or {}
+        if stuck is not None and self.body and (meta.get("uid"), stuck[0]) not in self._told_not_starting:
+            # Pending for ever otherwise, with nothing in the job's Events: a Secret its env names that is
+            # not there, an image that cannot be pulled. Once per pod and reason.
+            self._told_not_starting.add((meta.get("uid"), stuck[0]))
+            said = f"pod {meta.get('name')} does not start: {stuck[0]}" + (
+                f": {stuck[1]}" if stuck[1] else ""
+            )
+            self.event("Warning", api.Reason.POD_NOT_STARTING, said)
         if self.store.observe(pod, deleted):
             self.wakeup.set()  # a store pod gone or Failed is created again (`reconcile_once`)
             return
@@ -239,8 +251,7 @@ class JobController:
         the crash-loop count a replacement pod carries (`_capacity`)."""
         spec = self.require_spec()
         await self.kube.create(core_path(self.namespace, "services"), _manifests.service_manifest(self.body))
-        async with self._pods_refused():
-            await self.ensure_store()
+        await self.ensure_store()
 
         def manifest(node: int) -> dict[str, Any]:
             made = _manifests.pod_manifest(
@@ -266,16 +277,21 @@ class JobController:
         except KubeError as exc:
             if exc.status not in (400, 403, 422):
                 raise
-            self.event("Warning", api.Reason.PODS_REFUSED, f"the API server refused the job's pods: {exc}")
-            await self.write_status(force=True)  # `kubectl get rjob` shows the job Pending, not blank
-            delay = self.settings.pods_refused_retry_s
-            raise kopf.TemporaryError(f"pods refused: {exc}", delay=delay) from None
+            # 422 (an object the server finds invalid) comes back on every try: the spec must change.
+            fix = " (delete the job and apply it with that changed)" if exc.status == 422 else ""
+            self.event(
+                "Warning", api.Reason.PODS_REFUSED, f"the API server refused the job's pods: {exc}{fix}"
+            )
+            with contextlib.suppress(KubeError):  # the retry below must not become a traceback a second
+                await self.write_status(force=True)  # `kubectl get rjob` shows the job Pending, not blank
+            raise PodsRefused(f"pods refused: {exc}", delay=self.settings.pods_refused_retry_s) from None
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""
-        await self.store.ensure(
-            self.body, self.require_spec(), self._redis_url(), self.settings.worker_defaults
-        )
+        async with self._pods_refused():
+            await self.store.ensure(
+                self.body, self.require_spec(), self._redis_url(), self.settings.worker_defaults
+            )
 
     def _redis_url(self) -> str:
         return self.require_spec().redis.url or self.settings.redis_url

@@ -5,10 +5,16 @@ defaults, and a pod the API server refuses is said in an Event and tried again, 
 from __future__ import annotations
 
 import copy
+import json
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from _rjob_stack import REAL_CLUSTER, Stack, eventually, job_manifest
+import yaml
+from _rjob_stack import REAL_CLUSTER, Stack, emulator_only, eventually, job_manifest, set_pod_phase
+from _support import job_object, rjob_ok, until
 
 from resilientjob.operator import api
 from resilientjob.operator._manifests import pod_manifest, store_pod_manifest
@@ -45,6 +51,7 @@ OVERRIDES: dict[str, Any] = {
     ],
     "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
 }
+ROOT = Path(__file__).resolve().parents[2]
 BASE = {"image": "x", "model": "llama2-7b", "nodes": 4, "globalBatchSize": 8, "microBatchSize": 1}
 BODY = {"metadata": {"name": "llm", "namespace": "team", "uid": "u"}}
 
@@ -104,7 +111,10 @@ def test_the_cluster_defaults_give_way_to_the_job() -> None:
             "tolerations": [{"key": "shared", "operator": "Exists"}],
             "affinity": {"nodeAffinity": {"x": 1}},
             "priorityClassName": "default-low",
-            "resources": {"requests": {"cpu": "4", "ephemeral-storage": "10Gi"}},
+            "resources": {
+                "requests": {"cpu": "4", "ephemeral-storage": "10Gi"},
+                "limits": {"memory": "32Gi", "cpu": "16"},
+            },
             "env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "HF_HOME", "value": "/cache"}],
         }
     )
@@ -113,7 +123,12 @@ def test_the_cluster_defaults_give_way_to_the_job() -> None:
     assert pod["nodeSelector"] == {"pool": "training", "arch": "amd64", "gpu": "h100"}
     assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "shared"]
     assert pod["affinity"] == AFFINITY and pod["priorityClassName"] == "training-high"
-    assert container["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "10Gi"}
+    # What the job sizes is the job's in both kinds: no default limit of 32Gi under its 64Gi request, no
+    # default CPU limit beside its CPU request (a pod the API server would refuse, or one it never sized).
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "10Gi"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "8"},
+    }
     env = [item for item in container["env"] if item["name"] in ("NCCL_DEBUG", "HF_HOME")]
     assert env == [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "HF_HOME", "value": "/cache"}]
 
@@ -140,6 +155,10 @@ def test_the_cluster_defaults_give_way_to_the_job() -> None:
          "spec.gpusPerNode"),
         ({"resources": {"requests": {"cpu": "8 cores"}}}, "spec.podOverrides.resources.requests",
          "not a quantity"),
+        ({"resources": {"requests": {"cpu": "1.5"}, "limits": {"cpu": "1200m"}}},
+         "spec.podOverrides.resources", "more than its limit"),
+        ({"resources": {"requests": {"memory": "2e9"}, "limits": {"memory": "1Gi"}}},
+         "spec.podOverrides.resources", "more than its limit"),
         ({"resources": {"requests": {"memory": "64Gi"}, "limits": {"memory": "32Gi"}}},
          "spec.podOverrides.resources", "more than its limit"),
         ({"priorityClassName": "High"}, "spec.podOverrides.priorityClassName", "not a valid object name"),
@@ -212,3 +231,115 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
     if not REAL_CLUSTER:
         log = stack.operator.log.read_text()
         assert "Traceback" not in log, log[-5000:]
+
+
+@pytest.mark.cluster
+@emulator_only("the test sets pod phases itself, as the kubelet of a real cluster would")
+async def test_a_refused_replacement_waits_while_the_job_trains_on(quick_retry: None, stack: Stack) -> None:
+    """A replacement pod refused mid-training (its ServiceAccount deleted meanwhile) must not stop the job's
+    loop: the failure is planned around as ever, the replacement waits in `status.capacity.waiting` and is
+    asked for again, under a new id, once the account is back."""
+    kube = stack.kube
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "runner"}}
+    assert await kube.api.create(kube.path("serviceaccounts"), account)
+    spec = {"failSlow": {"enabled": False}, "podOverrides": {"serviceAccountName": "runner"}}
+    assert await kube.create_job(job_manifest("repl", **spec)) is None
+
+    async def status_where(check: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        status = await kube.job_status("repl")
+        return status if status and check(status) else None
+
+    await eventually(lambda: status_where(lambda s: s.get("planGeneration") == 0), 20, "generation 0")
+    for node in range(4):
+        await set_pod_phase(kube, f"repl-node-{node}", "Running")
+    assert await kube.delete("serviceaccounts", "runner")
+    await kube.delete("pods", "repl-node-1")
+
+    def waiting(status: dict[str, Any]) -> bool:
+        return status.get("failedNodes") == [1] and bool((status.get("capacity") or {}).get("waiting"))
+
+    status = await eventually(
+        lambda: status_where(waiting), 15, "node 1 planned around, its replacement waiting"
+    )
+    assert status["planGeneration"] >= 1 and status["workersTotal"] == 3
+    assert sorted(
+        int(p["metadata"]["labels"]["resilientjob.io/node"]) for p in await kube.job_pods("repl")
+    ) == [
+        0,
+        2,
+        3,
+    ]
+    events = [e for e in await kube.events_of("repl") if e.get("reason") == "PodsRefused"]
+    assert events and 'serviceaccount "runner" not found' in events[0]["message"]
+    assert not [e for e in await kube.events_of("repl") if e.get("reason") == "ReplacementBackoff"]
+    # The loop goes on meanwhile: another worker's death is still planned around.
+    await kube.delete("pods", "repl-node-3")
+    await eventually(
+        lambda: status_where(lambda s: s.get("failedNodes") == [1, 3]), 15, "node 3 planned around"
+    )
+
+    assert await kube.api.create(kube.path("serviceaccounts"), account)
+
+    async def replaced() -> list[int] | None:
+        nodes = sorted(
+            int(p["metadata"]["labels"]["resilientjob.io/node"]) for p in await kube.job_pods("repl")
+        )
+        return nodes if len(nodes) == 4 else None
+
+    nodes = await eventually(replaced, 20, "two replacement pods once the account is back")
+    assert nodes[:2] == [0, 2] and min(nodes[2:]) >= 4, nodes  # new ids, never 1 or 3 again
+    log = stack.operator.log.read_text()
+    assert "Traceback" not in log, log[-5000:]
+
+
+def _call(state: Path, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One request to the local stack's API server under `state`, as any client sends it."""
+    api_url = json.loads((state / "state.json").read_text())["api_url"]
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        api_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        answer: dict[str, Any] = json.loads(reply.read())
+    return answer
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet")
+def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: Path, tmp_path: Path) -> None:
+    """The worker's env names a Secret that is not there: the kubelet keeps the container waiting
+    (CreateContainerConfigError), as a node's does, and the operator says so in a `PodNotStarting` Warning
+    (before, the job sat Pending with nothing in its Events). Once the Secret exists the pods start, and
+    the process has the value."""
+    manifest = yaml.safe_load((ROOT / "examples" / "local-cpu.yaml").read_text())
+    secret_env = {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}}
+    manifest["spec"]["podOverrides"] = {"env": [secret_env]}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    rjob_ok(local, "apply", "-f", str(path))
+    name = manifest["metadata"]["name"]
+
+    def told() -> list[str] | None:
+        events = _call(local, "GET", "/api/v1/namespaces/default/events")["items"]
+        said = [e["message"] for e in events if e.get("reason") == "PodNotStarting"]
+        return said or None
+
+    said = until(told, 30, "a PodNotStarting Event")
+    assert (
+        f"pod {name}-node-" in said[0] and 'CreateContainerConfigError: secret "wandb" not found' in said[0]
+    )
+    pods = _call(local, "GET", "/api/v1/namespaces/default/pods")["items"]
+    assert pods and all(p["status"]["phase"] == "Pending" for p in pods), [p["status"] for p in pods]
+
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "wandb"},
+        "data": {"key": "czNjcmV0"},
+    }
+    _call(local, "POST", "/api/v1/namespaces/default/secrets", secret)
+    until(lambda: job_object(local, name).get("status", {}).get("workers") == "4/4", 60, "4 workers running")
+    pids = [int(p.read_text()) for p in (local / "pods").glob(f"{name}-node-*/pid")]
+    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
+    assert b"WANDB_API_KEY=s3cret" in environ
