@@ -17,7 +17,7 @@ from _rjob_stack import REAL_CLUSTER, Stack, emulator_only, eventually, job_mani
 from _support import job_object, rjob_ok, until
 
 from resilientjob.operator import api
-from resilientjob.operator._manifests import pod_manifest, store_pod_manifest
+from resilientjob.operator._manifests import STORE_RESOURCES, pod_manifest, store_pod_manifest
 from resilientjob.operator._worker_defaults import WorkerDefaults
 from resilientjob.planner.errors import PlannerError
 
@@ -96,7 +96,7 @@ def test_worker_pods_carry_the_overrides_and_the_store_pod_what_places_it() -> N
     assert pod["priorityClassName"] == "training-high"
     # No training code runs there: no worker sizing, placement among workers or environment.
     container = pod["containers"][0]
-    assert "affinity" not in pod and "resources" not in container
+    assert "affinity" not in pod and container["resources"] == STORE_RESOURCES  # its own size only
     assert not {"NCCL_DEBUG", "WANDB_API_KEY"} & {item["name"] for item in container["env"]}
 
     plain = pod_manifest(BODY, _spec(), 1, 0, "DP4 PP[1,1,1,1]", "redis://r:6379/0")

@@ -13,7 +13,7 @@ import pytest
 from _chart import CHART, objects, one, validate
 
 from resilientjob.operator import api
-from resilientjob.operator._manifests import pod_manifest, store_pod_manifest
+from resilientjob.operator._manifests import STORE_RESOURCES, pod_manifest, store_pod_manifest
 from resilientjob.operator._worker_defaults import WorkerDefaults
 from resilientjob.planner import PlannerError
 
@@ -71,7 +71,8 @@ def test_the_store_pod_runs_beside_the_workers_without_their_accelerator_or_size
     pod = defaults.apply(store, worker=False)
     spec_out, container = pod["spec"], pod["spec"]["containers"][0]
     assert spec_out["nodeSelector"] == {"kubernetes.io/arch": "arm64"} and "affinity" not in spec_out
-    assert "cpu" not in (container.get("resources") or {}).get("requests", {})
+    # Its own small size, not the workers' (the defaults asked for 8 CPUs and 64Gi on a GPU node before).
+    assert container["resources"] == STORE_RESOURCES
     assert all(volume["name"] != "dshm" for volume in spec_out.get("volumes", []))
     # Still admitted where the workers are: their tolerations, priority and security contexts.
     assert spec_out["tolerations"] and spec_out["priorityClassName"] == "training-high"
