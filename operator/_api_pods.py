@@ -92,6 +92,10 @@ class Toleration(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Toleration:
+        if self.key and not _LABEL_KEY.fullmatch(self.key):
+            raise ValueError(f"key: {self.key!r} is not a qualified name (as a label key)")
+        if not _LABEL_VALUE.fullmatch(self.value):
+            raise ValueError(f"value: {self.value!r} is not a valid label value")
         if self.operator == "Exists" and self.value:
             raise ValueError("value: must be empty when operator is Exists")
         if not self.key and self.operator != "Exists":
@@ -105,7 +109,9 @@ class KeySelector(_Model):
     """A key of a Secret or ConfigMap in the job's namespace."""
 
     name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
-    key: str = Field(min_length=1, max_length=253, description="The key holding the value.")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key holding the value."
+    )
     optional: bool = Field(default=False, description="Start the pod even when it is missing.")
 
 
