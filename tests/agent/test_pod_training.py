@@ -129,6 +129,18 @@ class _Job:
         self.client.close()
 
 
+def _inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A tiny GPT-2 directory, a token file, and where the trained model goes."""
+    return gpt2_directory(tmp_path / "gpt2"), token_file(tmp_path / "tokens.bin"), tmp_path / "out"
+
+
+def _saved_steps(checkpoints: Path) -> list[int]:
+    """The steps the job's checkpoint directory holds, in order."""
+    return sorted(
+        int(d.name.removeprefix("step")) for d in checkpoints.iterdir() if d.name.startswith("step")
+    )
+
+
 def _apply(stack: Path, tmp_path: Path, manifest: dict[str, Any]) -> _Job:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -188,11 +200,7 @@ def _check_run(job: _Job, tmp_path: Path, model_dir: Path, tokens: Path, steps: 
 @pytest.mark.slow
 def test_hf_directory_job_survives_a_kill_and_exports_the_model(stack: Path, tmp_path: Path) -> None:
     steps = 150
-    model_dir, tokens, output = (
-        gpt2_directory(tmp_path / "gpt2"),
-        token_file(tmp_path / "tokens.bin"),
-        tmp_path / "out",
-    )
+    model_dir, tokens, output = _inputs(tmp_path)
     manifest = _manifest("hfjob", model_dir, tokens, output, steps=steps, nodes=4, faultTolerance=1)
     job = _apply(stack, tmp_path, manifest)
     until(lambda: job.committed() >= 1, 90, "a first committed step")
@@ -215,11 +223,7 @@ def test_hf_directory_job_survives_a_kill_and_exports_the_model(stack: Path, tmp
 @pytest.mark.slow
 def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_path: Path) -> None:
     steps = 120
-    model_dir, tokens, output = (
-        gpt2_directory(tmp_path / "gpt2"),
-        token_file(tmp_path / "tokens.bin"),
-        tmp_path / "out",
-    )
+    model_dir, tokens, output = _inputs(tmp_path)
     checkpoints = tmp_path / "ckpt"  # shared by every worker: a ReadWriteMany volume on a cluster
     manifest = _manifest(
         "beyond",
@@ -245,9 +249,7 @@ def test_beyond_f_restarts_from_the_checkpoint_in_the_pod_path(stack: Path, tmp_
     assert "restarted from checkpoint step" in log, log[-2000:]
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
     # Twelve checkpoints were written; the older ones went as newer ones completed (a volume must not fill).
-    kept = sorted(
-        int(d.name.removeprefix("step")) for d in checkpoints.iterdir() if d.name.startswith("step")
-    )
+    kept = _saved_steps(checkpoints)
     assert kept[-1] == steps and len(kept) <= 3, kept
     job.close()
 
@@ -262,11 +264,7 @@ def test_every_node_lost_restarts_on_replacements_from_the_checkpoint_not_from_s
     the job trained again from there on the restored weights, its samples and schedule repeated, and every
     saved step was deleted. The run must be the failure-free one, step for step."""
     steps = 60
-    model_dir, tokens, output = (
-        gpt2_directory(tmp_path / "gpt2"),
-        token_file(tmp_path / "tokens.bin"),
-        tmp_path / "out",
-    )
+    model_dir, tokens, output = _inputs(tmp_path)
     checkpoints = tmp_path / "ckpt"
     manifest = _manifest(
         "reclaimed",
@@ -286,9 +284,7 @@ def test_every_node_lost_restarts_on_replacements_from_the_checkpoint_not_from_s
     logs = "".join(rjob_ok(stack, "logs", f"reclaimed-node-{n}") for n in (2, 3))
     assert "restarted from checkpoint step 20" in logs, logs[-2000:]
     _check_run(job, tmp_path, model_dir, tokens, steps, output)
-    kept = sorted(
-        int(d.name.removeprefix("step")) for d in checkpoints.iterdir() if d.name.startswith("step")
-    )
+    kept = _saved_steps(checkpoints)
     assert kept[-1] == steps, kept
     job.close()
 
@@ -391,11 +387,7 @@ def test_the_last_holder_dying_while_a_replacement_copies_from_it_restarts_from_
     job restarts from its checkpoint and trains to the end; node 1's replacement, joining right after the
     restart, is taken in without anyone waiting out a plan timeout."""
     steps = 150
-    model_dir, tokens, output = (
-        gpt2_directory(tmp_path / "gpt2"),
-        token_file(tmp_path / "tokens.bin"),
-        tmp_path / "out",
-    )
+    model_dir, tokens, output = _inputs(tmp_path)
     manifest = _manifest(
         "lastholder",
         model_dir,
@@ -450,11 +442,7 @@ def test_a_worker_killed_after_the_last_step_leaves_a_whole_trained_model(
     and the next holder of its layers writes them: `transformers` loads the model. Before, the job said
     Succeeded with those files missing."""
     steps = 30
-    model_dir, tokens, output = (
-        gpt2_directory(tmp_path / "gpt2"),
-        token_file(tmp_path / "tokens.bin"),
-        tmp_path / "out",
-    )
+    model_dir, tokens, output = _inputs(tmp_path)
     manifest = _manifest(
         "lastwords",
         model_dir,
