@@ -89,6 +89,9 @@ class RunningPod:
     annotations: dict[str, str]
     reported: str = ""
     metrics_port: int | None = None
+    container: str = "worker"
+    started_at: str = ""
+    """RFC 3339: when its process started (its container status's `running.startedAt`)."""
     ended: bool = False
     """Its main process exited and what it left in its group was killed: the group id may be reused now."""
 
@@ -251,7 +254,15 @@ class ProcessKubelet:
         (directory / "pid").write_text(str(process.pid))
         annotations = dict(body["metadata"].get("annotations") or {})
         return RunningPod(
-            name, namespace, body["metadata"]["uid"], process, podinfo, annotations, metrics_port=metrics_port
+            name,
+            namespace,
+            body["metadata"]["uid"],
+            process,
+            podinfo,
+            annotations,
+            metrics_port=metrics_port,
+            container=body["spec"]["containers"][0]["name"],
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
 
     async def _waiting(self, body: dict[str, Any], reason: str, message: str) -> None:
@@ -281,6 +292,16 @@ class ProcessKubelet:
                     "phase": "Running",
                     "podIP": "127.0.0.1",
                     "conditions": [{"type": "Ready", "status": "True"}],
+                    # A merge patch replaces the list: a waiting state from before (a missing Secret key,
+                    # `_waiting`) goes, as a kubelet's status of a started container says.
+                    "containerStatuses": [
+                        {
+                            "name": pod.container,
+                            "ready": True,
+                            "restartCount": 0,
+                            "state": {"running": {"startedAt": pod.started_at}},
+                        }
+                    ],
                 },
             )
         else:
@@ -296,7 +317,12 @@ class ProcessKubelet:
                 "message": f"exit code {code}",
                 "conditions": [{"type": "Ready", "status": "False"}],
                 "containerStatuses": [
-                    {"name": "worker", "ready": False, "restartCount": 0, "state": {"terminated": terminated}}
+                    {
+                        "name": pod.container,
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": terminated},
+                    }
                 ],
             }
         if phase != pod.reported:

@@ -112,7 +112,9 @@ class KeySelector(_Model):
     key: str = Field(
         min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key holding the value."
     )
-    optional: bool = Field(default=False, description="Start the pod even when it is missing.")
+    optional: bool = Field(
+        default=False, description="Start the pod even when the Secret/ConfigMap or its key is missing."
+    )
 
 
 class EnvSource(_Model):
@@ -129,11 +131,13 @@ class EnvSource(_Model):
 
 
 class EnvVar(_Model):
-    """One environment variable of the worker containers."""
+    """A variable: a value, or a key of a Secret or ConfigMap."""
 
     name: str = Field(min_length=1, max_length=253, pattern=ENV_NAME_PATTERN, description="Its name.")
     value: str | None = Field(default=None, max_length=32768, description="Its value.")
-    value_from: EnvSource | None = Field(default=None, description="Or where its value comes from.")
+    value_from: EnvSource | None = Field(
+        default=None, description="A Secret's or ConfigMap's key to read it from (instead of value)."
+    )
 
     @model_validator(mode="after")
     def _one(self) -> EnvVar:
@@ -213,7 +217,8 @@ AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
 class PodOverrides(_Model):
     """What the job's pods add to the operator's defaults (the chart's `workers` values): the job's own
     settings win where both speak. The store pod takes the labels, annotations, node selector,
-    tolerations, priority class, service account and image pull secrets; the rest is the workers'."""
+    tolerations, priority class, service account and image pull secrets; env, affinity and resources are
+    the workers' only."""
 
     # Bounded, so that the CRD's immutability rule has a bounded cost for a real API server's CEL budget.
     labels: dict[str, LabelValue] = Field(
@@ -250,9 +255,16 @@ class PodOverrides(_Model):
         default_factory=list, max_length=16, description="Secrets to pull spec.image from a private registry."
     )
     env: list[EnvVar] = Field(
-        default_factory=list, max_length=256, description="Environment of the worker containers."
+        default_factory=list,
+        max_length=256,
+        description="Variables added to the worker containers' environment (TMPDIR and the cache paths may "
+        "be set: point them at a mounted volume, the root filesystem is read-only).",
     )
-    resources: Resources = Field(default_factory=Resources, description="The worker containers' resources.")
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="The worker containers' CPU, memory and other resources (quantities such as 8, 500m, "
+        "64Gi); not accelerators, which are spec.gpusPerNode of spec.deviceResource.",
+    )
 
     @field_validator("labels", "node_selector")
     @classmethod

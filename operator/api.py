@@ -71,7 +71,8 @@ def quantity_bytes(value: int | str) -> int:
 
 def _immutable(what: str) -> dict[str, Any]:
     """A CEL transition rule: the field cannot change once the job exists (enforced by the API server)."""
-    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": f"{what} is immutable"}]}
+    message = f"{what} is immutable: delete the job and apply it again to change it"
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message}]}
 
 
 class _Api(BaseModel):
@@ -361,7 +362,8 @@ def _spec_rules(schema: dict[str, Any]) -> None:
             rules.append(
                 {
                     "rule": f"has(self.{name}) == has(oldSelf.{name})",
-                    "message": f"{name} is immutable: it cannot be added or removed once applied",
+                    "message": f"{name} is immutable: it cannot be added or removed once applied (delete the "
+                    "job and apply it again)",
                     "fieldPath": f".{name}",
                 }
             )
@@ -483,8 +485,9 @@ class ResilientJobSpec(_Api):
     )
     pod_overrides: PodOverrides = Field(
         default_factory=PodOverrides,
-        description="What the job's pods add to the operator's defaults: node pool, tolerations, affinity, "
-        "environment, CPU and memory, image pull secrets, service account, labels.",
+        description="What the job's pods add to the operator's defaults (the job wins): node selector, "
+        "tolerations, affinity, priority class, environment, CPU and memory, image pull secrets, service "
+        "account, labels and annotations. The store pod takes only what places and admits it.",
         json_schema_extra=_immutable("podOverrides"),
     )
 

@@ -344,6 +344,9 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
     }
     _call(local, "POST", "/api/v1/namespaces/default/secrets", secret)
     until(lambda: job_object(local, name).get("status", {}).get("workers") == "4/4", 60, "4 workers running")
+    # The container's status says it runs now (kubectl's STATUS column), not the wait from before.
+    started = _call(local, "GET", "/api/v1/namespaces/default/pods")["items"]
+    assert all("running" in p["status"]["containerStatuses"][0]["state"] for p in started), started
     pids = [int(p.read_text()) for p in (local / "pods").glob(f"{name}-node-*/pid")]
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
     assert b"WANDB_API_KEY=s3cret" in environ
