@@ -275,7 +275,7 @@ class ProcessKubelet:
         status = {
             "phase": "Pending",
             "conditions": [{"type": "Ready", "status": "False"}],
-            "containerStatuses": [{"name": container, "ready": False, "restartCount": 0, "state": waiting}],
+            "containerStatuses": _container_statuses(container, waiting),
         }
         path = core_path(body["metadata"]["namespace"], "pods", body["metadata"]["name"]) + "/status"
         await self.kube.patch(path, {"status": status})
@@ -294,14 +294,9 @@ class ProcessKubelet:
                     "conditions": [{"type": "Ready", "status": "True"}],
                     # A merge patch replaces the list: a waiting state from before (a missing Secret key,
                     # `_waiting`) goes, as a kubelet's status of a started container says.
-                    "containerStatuses": [
-                        {
-                            "name": pod.container,
-                            "ready": True,
-                            "restartCount": 0,
-                            "state": {"running": {"startedAt": pod.started_at}},
-                        }
-                    ],
+                    "containerStatuses": _container_statuses(
+                        pod.container, {"running": {"startedAt": pod.started_at}}
+                    ),
                 },
             )
         else:
@@ -316,14 +311,7 @@ class ProcessKubelet:
                 "reason": reason,
                 "message": f"exit code {code}",
                 "conditions": [{"type": "Ready", "status": "False"}],
-                "containerStatuses": [
-                    {
-                        "name": pod.container,
-                        "ready": False,
-                        "restartCount": 0,
-                        "state": {"terminated": terminated},
-                    }
-                ],
+                "containerStatuses": _container_statuses(pod.container, {"terminated": terminated}),
             }
         if phase != pod.reported:
             await self.kube.patch(core_path(pod.namespace, "pods", pod.name) + "/status", {"status": status})
@@ -346,6 +334,11 @@ LOG_TIMES = "log.times"
 """Beside a pod's `log`: `<byte offset> <unix time>` of each line's start, when the kubelet read it."""
 LOG_LINE_LIMIT = 1 << 16
 """Bytes read at most before a line is written out without its end (a process that never ends a line)."""
+
+
+def _container_statuses(container: str, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's one container's status in `state` (waiting, running or terminated); ready while it runs."""
+    return [{"name": container, "ready": "running" in state, "restartCount": 0, "state": state}]
 
 
 def capture_log(stream: IO[bytes], log_path: Path, times_path: Path) -> None:

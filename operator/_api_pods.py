@@ -19,12 +19,12 @@ class, service account, image pull secrets), not what sizes or configures a work
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from . import _quantity, names
 
 OPERATOR_PREFIX = "resilientjob.io/"
 """Labels and annotations under this prefix are the operator's (job, node, role, generation, layout)."""
@@ -37,23 +37,6 @@ ACCELERATOR_RESOURCES = frozenset({"nvidia.com/gpu", "huawei.com/Ascend910"})
 """Requested from `spec.deviceResource` x `spec.gpusPerNode` only: the planner counts on that many devices."""
 
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-_LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
-_LABEL_KEY = re.compile(rf"^({DNS_SUBDOMAIN_PATTERN[1:-1]}/)?{_LABEL_NAME}$")
-_LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
-# A Kubernetes quantity as pods' resources take it: `8`, `500m`, `64Gi`, `1.5G`, `.5`, `1e3` (no sign).
-RESOURCE_QUANTITY_PATTERN = (
-    r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(n|u|m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][-+]?[0-9]+)?$"
-)
-_SCALE = {
-    "": Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("0.001"),
-    **{suffix: Decimal(1024) ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
-    **{suffix: Decimal(1000) ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
-}
-
 
 LabelValue = Annotated[str, StringConstraints(max_length=63)]
 AnnotationValue = Annotated[str, StringConstraints(max_length=65536)]
@@ -63,16 +46,24 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
+def _qualified_name(key: str) -> bool:
+    """A label key, annotation key or taint key: a name of up to 63 characters, with an optional DNS
+    subdomain prefix and a slash (as the API server's `IsQualifiedName`)."""
+    prefix, slash, name = key.rpartition("/")
+    return (
+        bool(name) and not names.label_value_errors(name) and not (slash and names.subdomain_errors(prefix))
+    )
+
+
 def _check_label_keys(mapping: dict[str, str], what: str, values: bool) -> dict[str, str]:
     """Keys (and, for labels and node selectors, values) as the API server takes them; the operator's own
     prefix refused."""
     for key, value in mapping.items():
-        prefix, _, name = key.rpartition("/")
-        if len(key) > 316 or len(prefix) > 253 or not _LABEL_KEY.fullmatch(key) or not name:
+        if not _qualified_name(key):
             raise ValueError(f"{key!r} is not a valid {what} key")
         if key.startswith(OPERATOR_PREFIX):
             raise ValueError(f"{key!r}: {OPERATOR_PREFIX} {what}s are the operator's")
-        if values and not _LABEL_VALUE.fullmatch(value):
+        if values and names.label_value_errors(value):
             raise ValueError(f"{key}: {value!r} is not a valid {what} value (63 characters, [-A-Za-z0-9_.])")
     return mapping
 
@@ -92,9 +83,9 @@ class Toleration(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Toleration:
-        if self.key and not _LABEL_KEY.fullmatch(self.key):
+        if self.key and not _qualified_name(self.key):
             raise ValueError(f"key: {self.key!r} is not a qualified name (as a label key)")
-        if not _LABEL_VALUE.fullmatch(self.value):
+        if names.label_value_errors(self.value):
             raise ValueError(f"value: {self.value!r} is not a valid label value")
         if self.operator == "Exists" and self.value:
             raise ValueError("value: must be empty when operator is Exists")
@@ -108,7 +99,7 @@ class Toleration(_Model):
 class KeySelector(_Model):
     """A key of a Secret or ConfigMap in the job's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
+    name: str = Field(min_length=1, max_length=253, pattern=names.SUBDOMAIN_PATTERN, description="Its name.")
     key: str = Field(
         min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key holding the value."
     )
@@ -155,19 +146,7 @@ class EnvVar(_Model):
 class ImagePullSecret(_Model):
     """A Secret of type kubernetes.io/dockerconfigjson in the job's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
-
-
-def _quantity(value: int | str) -> Decimal:
-    if isinstance(value, int):
-        return Decimal(value)
-    match = re.fullmatch(RESOURCE_QUANTITY_PATTERN, value)
-    if match is None:
-        raise ValueError(f"{value!r} is not a quantity such as 8, 500m or 64Gi")
-    suffix = match.group(3) or ""
-    if suffix[:1] in ("e", "E"):
-        return Decimal(value)  # a decimal exponent, which Decimal reads itself
-    return Decimal(value.removesuffix(suffix)) * _SCALE[suffix]
+    name: str = Field(min_length=1, max_length=253, pattern=names.SUBDOMAIN_PATTERN, description="Its name.")
 
 
 class Resources(_Model):
@@ -191,7 +170,7 @@ class Resources(_Model):
             if isinstance(amount, bool) or (isinstance(amount, int) and amount < 0):
                 raise ValueError(f"{name}: {amount!r} is not a quantity")
             try:
-                _quantity(amount)
+                _quantity.value(amount)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         return amounts
@@ -199,7 +178,7 @@ class Resources(_Model):
     @model_validator(mode="after")
     def _requests_within_limits(self) -> Resources:
         for name, request in self.requests.items():
-            if name in self.limits and _quantity(request) > _quantity(self.limits[name]):
+            if name in self.limits and _quantity.value(request) > _quantity.value(self.limits[name]):
                 raise ValueError(f"requests.{name}: {request} is more than its limit {self.limits[name]}")
         return self
 
@@ -279,7 +258,7 @@ class PodOverrides(_Model):
     @field_validator("priority_class_name", "service_account_name")
     @classmethod
     def _object_name(cls, name: str) -> str:
-        if name and not re.fullmatch(DNS_SUBDOMAIN_PATTERN, name):
+        if name and names.subdomain_errors(name):
             raise ValueError(f"{name!r} is not a valid object name (lower case, digits, '-' and '.')")
         return name
 

@@ -31,12 +31,12 @@ LABEL_ROLE = "resilientjob.io/role"
 ROLE_STORE = "store"
 STORE_COMMAND = ["python", "-m", "resilientjob.agent.store_host"]
 STORE_PORT = 29500
+"""The port of the job's TCPStore in the store pod (the headless Service's `rendezvous` port)."""
 STORE_RESOURCES = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 """The store pod's own size: one Python process with torch imported (~300 MiB on the CPU wheel; more with a
 CUDA build's libraries mapped). Requests keep it out of BestEffort, the class a node under memory pressure
 evicts first (a store evicted stalls every worker until it is re-created), and satisfy a namespace quota
 that demands them; the limit bounds a leak."""
-"""The port of the job's TCPStore in the store pod (the headless Service's `rendezvous` port)."""
 ANNOTATION_GENERATION = "resilientjob.io/generation"
 ANNOTATION_LAYOUT = "resilientjob.io/layout"
 ANNOTATION_STRIKES = "resilientjob.io/strikes"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Mapping
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING
 from enum import StrEnum
 from typing import Any
 
@@ -26,6 +26,8 @@ from resilientjob.planner.plan import Policy
 from resilientjob.planner.profile import LayerProfile, ModelProfile, builtin_profiles
 from resilientjob.protocol.models import ModelSource, model_source
 from resilientjob.protocol.workload import DataSpec, OutputSpec, Precision, TrainingSpec
+
+from . import _quantity
 
 # The pods' part of the spec has a module of its own: it also lays itself on a pod manifest.
 from ._api_pods import PodOverrides
@@ -48,11 +50,6 @@ MODEL_PATTERN = (
 
 # A Kubernetes resource quantity without sign or exponent: `80Gi`, `64G`, `1.5Ti`, `85899345920`.
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-_QUANTITY_SCALE = {
-    "": 1,
-    **{suffix: 1024 ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
-    **{suffix: 1000 ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
-}
 DEFAULT_DEVICE_MEMORY_BYTES = 80 * 2**30
 """The planner's memory per accelerator when `spec.deviceMemory` is not given (an 80 GB A100/H100)."""
 
@@ -61,12 +58,9 @@ def quantity_bytes(value: int | str) -> int:
     """Bytes of a Kubernetes quantity (an integer, or a string as `QUANTITY_PATTERN`), rounded up."""
     if isinstance(value, int):
         return value
-    match = re.fullmatch(QUANTITY_PATTERN, value)
-    if match is None:
+    if re.fullmatch(QUANTITY_PATTERN, value) is None:
         raise ValueError(f"{value!r} is not a quantity such as 80Gi, 64G or 85899345920")
-    suffix = match.group(2) or ""
-    exact = Decimal(value.removesuffix(suffix)) * _QUANTITY_SCALE[suffix]
-    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+    return int(_quantity.value(value).to_integral_value(rounding=ROUND_CEILING))
 
 
 def _immutable(what: str) -> dict[str, Any]:

@@ -16,7 +16,9 @@ import re
 SUBDOMAIN_MAX = 253
 LABEL_MAX = 63
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_SUBDOMAIN_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
+SUBDOMAIN_PATTERN = rf"^{_LABEL}(\.{_LABEL})*$"
+"""A DNS-1123 subdomain (most object names), as a JSON-schema pattern."""
+_SUBDOMAIN_RE = re.compile(SUBDOMAIN_PATTERN)
 _LABEL_RE = re.compile(rf"^{_LABEL}$")
 _DNS1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")

@@ -123,9 +123,9 @@ class JobController:
         )
         self.fencing = Fencing(self, self.workers, self.capacity)
         self.aborts = _aborts.AbortWatch()
+        """The current generation's abandoned steps with no node dead (`_aborts`)."""
         self._told_not_starting: set[tuple[object, str]] = set()
         """(pod uid, reason) of the containers that do not start, already told in an Event."""
-        """The current generation's abandoned steps with no node dead (`_aborts`)."""
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
