@@ -265,7 +265,7 @@ def _get() -> int:
             f"{status.get('throughput', 0):>10} {status.get('step', 0):>8} {_loss(status.get('loss')):>8} "
             f"{status.get('planGeneration', '')}"
         )
-        why = _failure(status)
+        why = _failure(status) or _waiting(status)
         if why:
             print(f"  {why}")
     _, pods = _call("GET", "/api/v1/pods")
@@ -293,6 +293,20 @@ def _failure(status: dict[str, object]) -> str:
     ]
     failed.sort(key=lambda c: c.get("type") != "Valid")  # an invalid spec says it best
     return f"{failed[0].get('reason', '')}: {failed[0]['message']}" if failed else ""
+
+
+def _waiting(status: dict[str, object]) -> str:
+    """For a job whose worker pods do not all run, why not (its WorkersReady condition); '' otherwise."""
+    conditions = status.get("conditions")
+    for c in conditions if isinstance(conditions, list) else []:
+        if (
+            isinstance(c, dict)
+            and c.get("type") == "WorkersReady"
+            and c.get("status") == "False"
+            and c.get("reason") != "TrainingComplete"
+        ):
+            return f"{c.get('reason', '')}: {c.get('message', '')}"
+    return ""
 
 
 def _loss(value: object) -> str:

@@ -3,7 +3,8 @@
 shows the CRD's `additionalPrinterColumns` and `kubectl get pods` a pod's readiness and phase.
 
 Reproduces kube-apiserver's table convertors trimmed to what kubectl prints: a CRD's columns are its
-printer columns after Name (simple `.a.b` JSON paths; `date` columns shown as an age), built-in kinds get
+printer columns after Name (`.a.b` JSON paths, with `[?(@.key=="value")]` filters and `[N]` indexes;
+`date` columns shown as an age), built-in kinds get
 Name and Age, namespaces their Status too, pods Name, Ready, Status, Restarts and Age, events their time,
 type, reason, object and message, ConfigMaps and Secrets their Data count (Secrets their Type), Services their
 type, address and ports. Each row carries the object's metadata (`includeObject=Metadata`, the
@@ -13,6 +14,7 @@ default) or the object itself (`includeObject=Object`).
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,12 +50,30 @@ def _age(timestamp: Any) -> str:
     return f"{max(seconds, 0)}s"
 
 
+_STEP = re.compile(r"""\.([^.\[]+)|\[\?\(@\.([A-Za-z0-9_]+)\s*==\s*(?:"([^"]*)"|'([^']*)')\)\]|\[(\d+)\]""")
+"""One step of a column's JSON path: `.field`, a list filter `[?(@.type=="Ready")]`, or an index `[0]`."""
+
+
 def _path(obj: Mapping[str, Any], path: str) -> Any:
+    """The value at a printer column's JSON path, or None. A filter keeps the first matching item, as
+    kube-apiserver's CRD table convertor prints the first result."""
     value: Any = obj
-    for part in path.strip(".").split("."):
-        if not isinstance(value, Mapping):
-            return None
-        value = value.get(part)
+    at = 0
+    while at < len(path) and value is not None:
+        step = _STEP.match(path, at)
+        if step is None:
+            return None  # a path beyond this subset prints nothing rather than fail the listing
+        field, key, double, single, index = step.groups()
+        at = step.end()
+        if field is not None:
+            value = value.get(field) if isinstance(value, Mapping) else None
+        elif key is not None:
+            wanted = double if double is not None else single
+            items = value if isinstance(value, list) else []
+            value = next((i for i in items if isinstance(i, Mapping) and i.get(key) == wanted), None)
+        else:
+            number = int(index)
+            value = value[number] if isinstance(value, list) and number < len(value) else None
     return value
 
 

@@ -72,6 +72,8 @@ class PodView:
     """The worker container's termination message, when it left one."""
     unschedulable: str = ""
     """Why the scheduler finds no node for it (its PodScheduled condition), while it finds none."""
+    not_starting: str = ""
+    """'<reason>: <message>' of a container the kubelet cannot start (`not_starting`), while it cannot."""
 
     @property
     def completed(self) -> bool:
@@ -142,6 +144,7 @@ def pod_view(pod: Mapping[str, Any], job: str) -> PodView | None:
         strikes=int(strikes) if strikes.isdigit() else 0,
         last_words=last_words,
         unschedulable=unschedulable,
+        not_starting=": ".join(part for part in not_starting(pod) or () if part),
     )
 
 
@@ -229,6 +232,11 @@ def completed(
     message = f"training finished under generation {published.generation} ({published.layout})"
     conditions = set_condition(
         status.conditions, api.ConditionType.COMPLETE, True, api.Reason.TRAINING_COMPLETE, message
+    )
+    # As a completed pod's Ready: False, and why.
+    exited = "the workers trained to the end and exited"
+    conditions = set_condition(
+        conditions, api.ConditionType.WORKERS_READY, False, api.Reason.TRAINING_COMPLETE, exited
     )
     update = {
         "phase": api.Phase.SUCCEEDED,

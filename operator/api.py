@@ -106,6 +106,9 @@ class ConditionType(StrEnum):
     TELEMETRY_CURRENT = "TelemetryCurrent"
     """False while Redis is away: the throughput, step and loss shown are as of its last answer. Set from
     the first outage on (a job that never lost Redis has no such condition)."""
+    WORKERS_READY = "WorkersReady"
+    """True while every worker pod the job asked for runs; False with why not (`_workers_ready`). From the
+    first plan on."""
 
 
 class Reason(StrEnum):
@@ -146,6 +149,9 @@ class Reason(StrEnum):
     PODS_REFUSED = "PodsRefused"
     POD_NOT_STARTING = "PodNotStarting"
     NODE_HUNG = "NodeHung"
+    POD_UNSCHEDULABLE = "PodUnschedulable"
+    PODS_STARTING = "PodsStarting"
+    ALL_WORKERS_RUNNING = "AllWorkersRunning"
 
 
 class LayerSpec(_Api):
@@ -566,7 +572,9 @@ class ResilientJobSpec(_Api):
 class Condition(_Api):
     """One aspect of the job's state, as Kubernetes conditions are (Valid, Planned, Degraded, ...)."""
 
-    type: ConditionType = Field(description="Valid, Planned, Degraded, Complete or TelemetryCurrent.")
+    type: ConditionType = Field(
+        description="Valid, Planned, Degraded, WorkersReady, Complete or TelemetryCurrent."
+    )
     status: str = Field(pattern=r"^(True|False|Unknown)$", description="True, False or Unknown.")
     reason: Reason
     message: str = Field(default="", max_length=32768, description="Why, in one line naming any field.")

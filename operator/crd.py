@@ -118,6 +118,14 @@ def crd_manifest() -> dict[str, Any]:
                             "description": "Workers of the current plan at work / in it.",
                         },
                         {
+                            "name": "Reason",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="WorkersReady")].reason',
+                            "description": "Whether every worker pod runs (AllWorkersRunning) or why not: "
+                            "PodsStarting, PodNotStarting, PodUnschedulable, PodsRefused, NodeFailed; "
+                            "TrainingComplete at the end. The WorkersReady condition's message says more.",
+                        },
+                        {
                             "name": "Layout",
                             "type": "string",
                             "jsonPath": ".status.layout",

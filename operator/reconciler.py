@@ -49,6 +49,7 @@ from . import (
     _manifests,
     _profile_source,
     _whole_job,
+    _workers_ready,
     api,
     metrics,
 )
@@ -126,6 +127,9 @@ class JobController:
         """The current generation's abandoned steps with no node dead (`_aborts`)."""
         self._told_not_starting: set[tuple[object, str]] = set()
         """(pod uid, reason) of the containers that do not start, already told in an Event."""
+        self._refused: dict[str, str] = {}
+        """The API server's refusals of the job's pods, by what it refused ('worker pods', 'store pod'),
+        until a later try succeeds (`_pods_refused`; the WorkersReady condition shows them)."""
 
     def _event_body(self) -> kopf.Body:
         # kopf.event needs apiVersion/kind/metadata of the involved object; it accepts any such mapping.
@@ -263,15 +267,15 @@ class JobController:
                 made["metadata"]["annotations"][_manifests.ANNOTATION_STRIKES] = str(strikes[node])
             return made
 
-        async with self._pods_refused():
+        async with self._pods_refused("worker pods"):
             await self.workers.create([manifest(node) for node in nodes], self.observe_pod)
 
     @contextlib.asynccontextmanager
-    async def _pods_refused(self) -> AsyncIterator[None]:
+    async def _pods_refused(self, what: str) -> AsyncIterator[None]:
         """A pod the API server refuses (a ServiceAccount or PriorityClass that does not exist, a quota, an
-        admission policy): a Warning Event with the server's words, and the job's daemon tries again
-        `pods_refused_retry_s` later (the missing object may be created meanwhile), instead of a traceback
-        a second."""
+        admission policy): a Warning Event with the server's words, the WorkersReady condition saying so
+        until a later try of `what` succeeds, and the job's daemon tries again `pods_refused_retry_s` later
+        (the missing object may be created meanwhile), instead of a traceback a second."""
         try:
             yield
         except KubeError as exc:
@@ -279,16 +283,28 @@ class JobController:
                 raise
             # 422 (an object the server finds invalid) comes back on every try: the spec must change.
             fix = " (delete the job and apply it with that changed)" if exc.status == 422 else ""
-            self.event(
-                "Warning", api.Reason.PODS_REFUSED, f"the API server refused the job's pods: {exc}{fix}"
-            )
+            said = f"the API server refused the job's {what}: {exc}{fix}"
+            self.event("Warning", api.Reason.PODS_REFUSED, said)
+            self._refused[what] = said
+            self._workers_ready()
             with contextlib.suppress(KubeError):  # the retry below must not become a traceback a second
                 await self.write_status(force=True)  # `kubectl get rjob` shows the job Pending, not blank
             raise PodsRefused(f"pods refused: {exc}", delay=self.settings.pods_refused_retry_s) from None
+        self._refused.pop(what, None)
+
+    def _workers_ready(self) -> None:
+        """The WorkersReady condition as the pods of the job and of its current plan are now."""
+        planned = self._published.plan_nodes if self._published is not None else ()
+        refused = "; ".join(self._refused[what] for what in sorted(self._refused))
+        conditions = _workers_ready.workers_ready(
+            self.status.conditions, planned, self.pods, refused, self.fencing.fenced
+        )
+        if conditions is not self.status.conditions:
+            self.status = self.status.model_copy(update={"conditions": conditions})
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""
-        async with self._pods_refused():
+        async with self._pods_refused("store pod"):
             await self.store.ensure(
                 self.body, self.require_spec(), self._redis_url(), self.settings.worker_defaults
             )
@@ -544,6 +560,7 @@ class JobController:
             failures = dict(self.fencing.fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
+        self._workers_ready()
         if outage is not None:
             raise outage  # the telemetry pass reads Redis; the loop backs off and keeps count of the outage
         outcome = await self._telemetry.run(self._pass_context(), current)

@@ -61,6 +61,9 @@ def test_a_completed_job_lists_no_slow_node_and_no_worker_at_work() -> None:
     assert (done.workers, done.workers_alive) == ("0/2", 0)  # not the last pass's count, as pods completed
     complete = next(c for c in done.conditions if c.type == api.ConditionType.COMPLETE)
     assert complete.reason == api.Reason.TRAINING_COMPLETE and message.startswith("training finished")
+    # The Reason column says so too, as a completed pod's Ready is False: the workers exited.
+    ready = next(c for c in done.conditions if c.type == api.ConditionType.WORKERS_READY)
+    assert (ready.status, ready.reason) == ("False", api.Reason.TRAINING_COMPLETE)
 
 
 def test_a_worker_stopped_by_the_spec_is_told_from_a_node_failure() -> None:

@@ -66,13 +66,15 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
         def running() -> str | None:
             table = kubectl("get", "rjob").stdout
             row = next((line.split() for line in table.splitlines() if line.startswith("local-cpu ")), [])
-            return table if row[1:3] == ["Running", "4/4"] else None
+            return table if row[1:4] == ["Running", "4/4", "AllWorkersRunning"] else None
 
+        # The Reason column is a filtered JSON path (the WorkersReady condition's reason).
         table = until(running, 40, "the job Running with 4 workers (kubectl get rjob)")
-        assert table.split()[:9] == [
+        assert table.split()[:10] == [
             "NAME",
             "PHASE",
             "WORKERS",
+            "REASON",
             "LAYOUT",
             "THROUGHPUT",
             "STEP",

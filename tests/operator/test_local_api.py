@@ -248,8 +248,16 @@ async def test_kubectl_documents_tables_and_logs(server: Any, tmp_path: Any) -> 
     await call(client, "POST", rjob_path(), job_manifest("tab"))
     table_accept = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
     _, table = await call(client, "GET", rjob_path(), headers=table_accept)
-    assert [c["name"] for c in table["columnDefinitions"]][:3] == ["Name", "Phase", "Workers"]
-    assert table["rows"][0]["cells"][0] == "tab"
+    assert [c["name"] for c in table["columnDefinitions"]][:4] == ["Name", "Phase", "Workers", "Reason"]
+    assert table["rows"][0]["cells"][:4] == ["tab", None, None, None]
+    # The Reason column's path filters the conditions by type, as kube-apiserver's JSONPath does.
+    conditions = [
+        {"type": "Planned", "status": "True", "reason": "Planned"},
+        {"type": "WorkersReady", "status": "False", "reason": "PodNotStarting"},
+    ]
+    await call(client, "PATCH", rjob_path("tab", status=True), {"status": {"conditions": conditions}})
+    _, table = await call(client, "GET", rjob_path(), headers=table_accept)
+    assert table["rows"][0]["cells"][3] == "PodNotStarting"
     _, listing = await call(client, "GET", rjob_path())
     assert listing["kind"] == "ResilientJobList" and listing["items"][0]["kind"] == "ResilientJob"
     emulator.pod_logs = tmp_path

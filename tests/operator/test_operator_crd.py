@@ -101,6 +101,7 @@ def test_schema_has_defaults_bounds_immutability_and_columns() -> None:
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Phase",
         "Workers",
+        "Reason",
         "Layout",
         "Throughput",
         "Step",

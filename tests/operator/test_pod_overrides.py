@@ -227,11 +227,21 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
     message = await eventually(refused, 20, "the PodsRefused Event")
     assert 'serviceaccount "trainer-missing" not found' in message and "\n" not in message, message
     assert await kube.job_pods("refused") == []
-    assert (await kube.job_status("refused")).get("phase") == "Pending"  # not a blank row in kubectl get
+    status = await kube.job_status("refused")
+    assert status.get("phase") == "Pending"  # not a blank row in kubectl get
+    # The status keeps the cause (the Reason column) after the Event has expired.
+    said = workers_ready(status)
+    assert said[:2] == ("False", "PodsRefused") and 'serviceaccount "trainer-missing" not found' in said[2]
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer-missing"}}
     assert await kube.api.create(kube.path("serviceaccounts"), sa)
     made = await eventually(lambda: pods("refused"), 30, "the pods once the account exists")
     assert {pod["spec"]["serviceAccountName"] for pod in made} == {"trainer-missing"}
+
+    async def no_longer_refused() -> tuple[str, str, str] | None:
+        said = workers_ready(await kube.job_status("refused"))
+        return said if said[1] not in ("", "PodsRefused") else None
+
+    await eventually(no_longer_refused, 20, "WorkersReady past PodsRefused once the pods exist")
     if not REAL_CLUSTER:
         log = stack.operator.log.read_text()
         assert "Traceback" not in log, log[-5000:]
@@ -275,6 +285,7 @@ async def test_a_refused_replacement_waits_while_the_job_trains_on(quick_retry: 
     ]
     events = [e for e in await kube.events_of("repl") if e.get("reason") == "PodsRefused"]
     assert events and 'serviceaccount "runner" not found' in events[0]["message"]
+    assert workers_ready(await kube.job_status("repl"))[1] == "PodsRefused"
     assert not [e for e in await kube.events_of("repl") if e.get("reason") == "ReplacementBackoff"]
     # The loop goes on meanwhile: another worker's death is still planned around.
     await kube.delete("pods", "repl-node-3")
@@ -292,8 +303,23 @@ async def test_a_refused_replacement_waits_while_the_job_trains_on(quick_retry: 
 
     nodes = await eventually(replaced, 20, "two replacement pods once the account is back")
     assert nodes[:2] == [0, 2] and min(nodes[2:]) >= 4, nodes  # new ids, never 1 or 3 again
+    for node in nodes[2:]:
+        await set_pod_phase(kube, f"repl-node-{node}", "Running")
+    await eventually(
+        lambda: status_where(lambda s: workers_ready(s)[:2] == ("True", "AllWorkersRunning")),
+        20,
+        "every worker pod running, the refusal forgotten",
+    )
     log = stack.operator.log.read_text()
     assert "Traceback" not in log, log[-5000:]
+
+
+def workers_ready(status: dict[str, Any]) -> tuple[str, str, str]:
+    """(status, reason, message) of a job status's WorkersReady condition; empty strings when it has none."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "WorkersReady":
+            return condition["status"], condition["reason"], condition.get("message", "")
+    return "", "", ""
 
 
 def _call(state: Path, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -336,6 +362,15 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
     pods = _call(local, "GET", "/api/v1/namespaces/default/pods")["items"]
     assert pods and all(p["status"]["phase"] == "Pending" for p in pods), [p["status"] for p in pods]
 
+    # The job's status says it too (kubectl get rjob's Reason column), and `rjob local get` under its row.
+    def not_starting() -> tuple[str, str, str] | None:
+        said = workers_ready(job_object(local, name).get("status") or {})
+        return said if said[1] == "PodNotStarting" else None
+
+    stuck = until(not_starting, 30, "WorkersReady False, PodNotStarting")
+    assert stuck[0] == "False" and 'CreateContainerConfigError: secret "wandb" not found' in stuck[2]
+    assert "PodNotStarting: pod " in rjob_ok(local, "get")
+
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -344,6 +379,11 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
     }
     _call(local, "POST", "/api/v1/namespaces/default/secrets", secret)
     until(lambda: job_object(local, name).get("status", {}).get("workers") == "4/4", 60, "4 workers running")
+    until(
+        lambda: workers_ready(job_object(local, name).get("status") or {})[1] == "AllWorkersRunning",
+        20,
+        "WorkersReady True",
+    )
     # The container's status says it runs now (kubectl's STATUS column), not the wait from before.
     started = _call(local, "GET", "/api/v1/namespaces/default/pods")["items"]
     assert all("running" in p["status"]["containerStatuses"][0]["state"] for p in started), started
