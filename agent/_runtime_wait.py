@@ -9,6 +9,12 @@ the `failures` counter the moment it sees a worker die; every plan records how m
 for, so any increase beyond that means "abandon this step". Recovery is then bounded by detection plus one
 slice, not by the collective timeout.
 
+A world can also break with every worker alive: a reset connection fails one rank's collective, and the
+ranks waiting for that rank's part would wait out their collective timeout (gloo's 5 s in a pod; NCCL's
+watchdog, minutes) before they abandon the step too and the operator can re-form the world
+(`operator/_aborts`). So a rank that abandons a step says so in its generation's `abandoned` counter
+(`FailureNotice.abandon`), which trips every other rank's notice of that generation at its next look.
+
 An abandoned `wait()` keeps its helper thread until the old group's own timeout fires; the old group can be
 destroyed and a new one created meanwhile (the pending operation only ever touches the old group's buffers).
 """
@@ -26,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilientjob.protocol.store_keys import FAILURES_KEY, accounted_key
+from resilientjob.protocol.store_keys import FAILURES_KEY, abandoned_key, accounted_key
 
 
 class PeerFailure(RuntimeError):
@@ -47,12 +53,15 @@ Wait = Callable[[dist.Work | None, str], None]
 
 @dataclass(slots=True)
 class FailureNotice:
-    """Reads the job's failure counter; trips once it exceeds what the current plan accounts for."""
+    """Reads the job's failure counter; trips once it exceeds what the current plan accounts for, or once a
+    rank of `generation` abandoned its step."""
 
     store: Store | None
     accounted: int = 0
     check_every_s: float = 0.02
     """Seconds between two looks at the store while a wait is in progress."""
+    generation: int | None = None
+    """The plan generation whose world this notice guards (None: no such world, only deaths count)."""
 
     def __post_init__(self) -> None:
         if self.check_every_s <= 0:
@@ -65,13 +74,23 @@ class FailureNotice:
         """The notice for a plan; a plan published without a count accounts for every failure so far."""
         key = accounted_key(generation)
         accounted = int(store.get(key)) if store.check([key]) else int(store.add(FAILURES_KEY, 0))
-        return cls(store, accounted, check_every_s)
+        return cls(store, accounted, check_every_s, generation)
 
     def failures(self) -> int:
         return 0 if self.store is None else int(self.store.add(FAILURES_KEY, 0))
 
     def tripped(self) -> bool:
-        return self.failures() > self.accounted
+        if self.failures() > self.accounted:
+            return True
+        if self.store is None or self.generation is None:
+            return False
+        return int(self.store.add(abandoned_key(self.generation), 0)) > 0
+
+    def abandon(self) -> None:
+        """Tell every rank of this generation that this one abandoned its step: their waits abandon it too,
+        at their next look, instead of waiting out the collective timeout for this rank's part."""
+        if self.store is not None and self.generation is not None:
+            self.store.add(abandoned_key(self.generation), 1)
 
 
 @dataclass(slots=True)

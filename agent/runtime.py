@@ -638,6 +638,9 @@ class Trainer:
             # The world's all-reduce failed here: its groups may hold operations pending on the dead peer,
             # so they must be retired, not destroyed, whenever this trainer leaves them (even at close()).
             self._abandoned = True
+            # Peers may still wait in it for this rank's part, dead peer or not (a reset connection): they
+            # learn that the world broke at their next look, not after their collective timeout.
+            self.notice.abandon()
             # Every rank voted before the failure: the step is committed everywhere. The flags are lost; the
             # next step fails on the dead peer and the switch happens then, on every survivor alike.
             self._fault(CommitPhase.REDUCED)

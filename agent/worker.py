@@ -371,6 +371,8 @@ def worker_main(
         except ReconfigurationError:
             raise
         except RuntimeError as exc:
+            # First, so that the peers waiting for this rank's part of the step abandon it at once.
+            trainer.notice.abandon()
             store.set(event_key("abort", trainer.generation, node), repr(time.time()))
             # The operator learns of it through the agent: with every node alive, no failure detector would
             # publish the plan this worker now waits for (`operator/_aborts`).

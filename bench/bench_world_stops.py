@@ -5,7 +5,11 @@ local chaos hang` on another (its worker blocks while its agent beats on; it is 
 
 For each order it prints the seconds from the order's write to the generation that answers it, to the first
 step node 0 commits under that generation, and the training gap (node 0's last committed step before the
-order to its first after), and it checks that node 0 committed no step number twice.
+order to its first after), and it checks that node 0 committed no step number twice. For a break it also
+prints how every node abandoned the broken step, from its pod's log: waiting out its collective timeout
+("no progress within"), or at once (the broken call itself, or a peer's word through the generation's
+`abandoned` counter, `agent._runtime_wait.FailureNotice`). Run it on a checkout before that counter
+(c32f9db) for the comparison in docs/benchmarks/runtime.md.
 
 No baseline runs beside it: before `operator/_aborts` the workers waited out their plan timeout (120 s in a
 pod) and exited, every pod at once; that path is gone from the code, so the 120 s is the configuration's
@@ -21,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +87,21 @@ def timed(stack: Stack, fault: str, node: int, trigger: str) -> dict[str, Any]:
         "first_step_s": round(resumed_at - ordered_at, 2),
         "training_gap_s": round(resumed_at - last_before, 2),
         "reason": plan.reason,
+        # A re-formed world has the broken one's nodes.
+        "abandoned": abandoned(stack, plan.generation - 1, plan.plan.nodes) if fault == "break" else {},
     }
+
+
+def abandoned(stack: Stack, generation: int, nodes: Iterable[int]) -> dict[int, str]:
+    """How each node's pod log says it abandoned its step of `generation` (the error, shortened)."""
+    said: dict[int, str] = {}
+    for node in nodes:
+        lines = stack.rjob("logs", f"{JOB}-node-{node}").splitlines()
+        found = [line for line in lines if line.startswith(f"gen {generation}: ") and " abandoned" in line]
+        if found:
+            error = found[0].split(" abandoned: ", 1)[-1].removesuffix("; waiting for the next generation")
+            said[node] = error[:120]
+    return said
 
 
 def main() -> int:
@@ -111,11 +130,20 @@ def main() -> int:
             stack.down()
     repeated = len(steps) - len(set(steps))
     for row in rows:
+        timed_out = [node for node, error in row["abandoned"].items() if "no progress within" in error]
+        waited = (
+            f"; nodes that waited out their collective timeout: {timed_out or 'none'}"
+            if row["fault"] == "break"
+            else ""
+        )
         print(
             f"{row['fault']:>5} node {row['node']}: generation {row['generation']} {row['answered_s']:.2f} s "
             f"after the order, node 0's first step under it {row['first_step_s']:.2f} s, training gap "
-            f"{row['training_gap_s']:.2f} s"
+            f"{row['training_gap_s']:.2f} s{waited}"
         )
+    for row in rows:
+        for node, error in sorted(row["abandoned"].items()):
+            print(f"  generation {row['generation'] - 1}, node {node} abandoned its step: {error}")
     print(f"node 0 committed {len(steps)} steps in the stream kept, {repeated} step numbers twice")
     print(json.dumps(rows))
     return 0 if repeated == 0 else 1

@@ -9,6 +9,7 @@ library only.
   plan/<g>              Plan JSON of generation g
   failures              failures announced so far (counter; a wait abandons its step when it grows)
   accounted/<g>         the failure count plan g was computed with
+  abandoned/<g>         ranks of plan g that abandoned a step (counter; a wait of g abandons its step too)
   applied/<g>           count of workers that finished switching to g
   loss/<step>           "<g>:<loss>" written by world rank 0 at each commit
   committed             committed steps so far
@@ -49,6 +50,11 @@ def plan_key(generation: int) -> str:
 def accounted_key(generation: int) -> str:
     """The failure count the plan of `generation` was computed with."""
     return f"accounted/{generation}"
+
+
+def abandoned_key(generation: int) -> str:
+    """Counter of the ranks of `generation` that abandoned a step: one is enough to break its world."""
+    return f"abandoned/{generation}"
 
 
 def applied_key(generation: int) -> str:

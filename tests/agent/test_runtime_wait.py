@@ -72,6 +72,27 @@ def test_announced_failure_abandons_a_blocked_receive(store: TCPStore) -> None:
     waiter.close()
 
 
+def test_a_rank_that_abandons_its_step_trips_the_notices_of_its_generation_only(store: TCPStore) -> None:
+    """A reset connection fails one rank's collective with every rank alive: its peers, waiting for its
+    part, abandon the step at its word instead of after their collective timeout."""
+    store.set(accounted_key(5), "0")
+    broken, peer = FailureNotice.for_generation(store, 5), FailureNotice.for_generation(store, 5, 0.01)
+    assert not peer.tripped()
+    waiter = Waiter(timeout_s=8)
+    blocked = _PendingWork()  # the broken rank's part never comes
+    threading.Timer(0.2, broken.abandon).start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailure, match="a peer failed"):
+        waiter.wait(blocked, peer, "all-reduce")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2.0  # the 8 s timeout did not pass
+    # The world that re-forms (the next generation) starts quiet; a notice of no generation never trips.
+    store.set(accounted_key(6), "0")
+    assert not FailureNotice.for_generation(store, 6).tripped()
+    assert not FailureNotice(store).tripped()
+    blocked.deliver()
+    waiter.close()
+
+
 def test_wait_times_out_without_a_notice(store: TCPStore) -> None:
     waiter = Waiter(timeout_s=0.3)
     blocked = _PendingWork()

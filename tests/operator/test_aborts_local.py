@@ -61,10 +61,19 @@ def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
     rjob_ok(local, "chaos", "break", "demo-gpt-node-1")
     reformed = until(lambda: _recovery(local, "CollectiveFailed"), 40, "the world re-formed")
     took_s = time.monotonic() - ordered_at
-    # One collective timeout (5 s) for the peers to abort, the grace (3 s), the commit: well inside the
-    # 120 s the workers used to wait before every pod exited.
+    # The grace (3 s) and the commit: well inside the 120 s the workers used to wait before every pod exited.
     assert took_s < 30, took_s
     assert reformed["nodes"] == [] and reformed["layout"] == layout, reformed
+    # The peers waiting for the broken rank's part abandoned the step at the rank's word (its generation's
+    # `abandoned` counter), none by waiting out its 5 s collective timeout ("no progress within").
+    broken = reformed["generation"] - 1
+    for node in range(3):
+        said = [
+            line
+            for line in rjob_ok(local, "logs", f"demo-gpt-node-{node}").splitlines()
+            if line.startswith(f"gen {broken}: ") and " abandoned" in line
+        ]
+        assert said and "no progress within" not in said[0], (node, said)
     assert not reformed.get("planS") and not _status(local)["lastDecision"].get("candidates")  # no planner
     generation = reformed["generation"]
     status = _status(local)
