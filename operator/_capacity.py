@@ -183,23 +183,26 @@ class CapacityKeeper:
             generation, layout = current.generation, current.layout
             if ctl.status.plan_generation > generation:  # applied meanwhile by a background decision
                 generation, layout = ctl.status.plan_generation, ctl.status.layout
+            made = decided.create
             try:
                 await ctl.create_pods(strikes, generation, layout, strikes=strikes)
             except PodsRefused as refused:
-                # Training goes on without them; each waits to be asked for again (under a new id, with
-                # its strikes), as after a backoff. A pod of the batch the server took is live by the next
-                # pass, and the wait it leaves is then surplus (`replacements` drops it).
+                # Training goes on without them; each refused one waits to be asked for again (under a new
+                # id, with its strikes), as after a backoff. The pods of the batch the server took were read
+                # back (`WorkerPods.create`): they count as replaced, and are told below.
+                made = [(node, count) for node, count in decided.create if node in ctl.pods]
                 retry_at = rfc3339(now + (refused.delay or 0.0))
                 self._announced.add(retry_at)  # a refusal (its Event told), not a crash loop's backoff
                 again = [
-                    api.WaitingReplacement(strikes=count, not_before=retry_at) for _, count in decided.create
+                    api.WaitingReplacement(strikes=count, not_before=retry_at)
+                    for node, count in decided.create
+                    if node not in ctl.pods
                 ]
                 capacity = ctl.status.capacity
                 update = {"waiting": [*capacity.waiting, *again], "replaced": capacity.replaced - len(again)}
                 ctl.status = ctl.status.model_copy(update={"capacity": capacity.model_copy(update=update)})
                 await ctl.write_status(force=True)
-                return
-            for node, count in decided.create:
+            for node, count in made:
                 after = f" after {count} quick failure(s) in a row" if count else ""
                 ctl.event(
                     "Normal",

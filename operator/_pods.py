@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import _decide, _manifests
-from .kube import KubeApi, core_path
+from .kube import KubeApi, KubeError, core_path
 
 PATCH_CONCURRENCY = 32
 """Requests to the API server in flight at once when a generation creates or patches many pods."""
@@ -83,16 +83,28 @@ class WorkerPods:
     ) -> None:
         """Create these pods (an existing one is left as it is), then read the job's pods back through
         `observe` (the controller's, which also sees its store pod), so that a pass right after does not
-        take a pod the watch has not delivered yet for gone."""
+        take a pod the watch has not delivered yet for gone. When the server refuses some, the ones it took
+        are read back all the same before the first refusal is raised: the caller counts what exists."""
         limit = asyncio.Semaphore(PATCH_CONCURRENCY)
 
         async def create(manifest: dict[str, Any]) -> None:
             async with limit:
                 await self.kube.create(core_path(self.namespace, "pods"), manifest)
 
-        await asyncio.gather(*(create(manifest) for manifest in manifests))
-        for pod in await self.kube.list(core_path(self.namespace, "pods"), _manifests.job_selector(self.job)):
+        done = await asyncio.gather(*(create(manifest) for manifest in manifests), return_exceptions=True)
+        refused = next((result for result in done if isinstance(result, BaseException)), None)
+        try:
+            listed = await self.kube.list(
+                core_path(self.namespace, "pods"), _manifests.job_selector(self.job)
+            )
+        except KubeError:
+            if refused is None:
+                raise
+            listed = []  # the refusal is what to tell; the watch delivers the pods the server took
+        for pod in listed:
             observe(pod, False)
+        if refused is not None:
+            raise refused
 
     async def annotate(self, nodes: Iterable[int], generation: int, layout: str) -> None:
         """Patch the generation annotations onto these nodes' pods; a pod that already shows the generation

@@ -273,9 +273,10 @@ class JobController:
     @contextlib.asynccontextmanager
     async def _pods_refused(self, what: str) -> AsyncIterator[None]:
         """A pod the API server refuses (a ServiceAccount or PriorityClass that does not exist, a quota, an
-        admission policy): a Warning Event with the server's words, the WorkersReady condition saying so
-        until a later try of `what` succeeds, and the job's daemon tries again `pods_refused_retry_s` later
-        (the missing object may be created meanwhile), instead of a traceback a second."""
+        admission policy): a Warning Event with the server's words (again only when they change), the
+        WorkersReady condition saying so until a later try of `what` succeeds, and the job's daemon tries
+        again `pods_refused_retry_s` later (the missing object may be created meanwhile), instead of a
+        traceback a second."""
         try:
             yield
         except KubeError as exc:
@@ -284,7 +285,8 @@ class JobController:
             # 422 (an object the server finds invalid) comes back on every try: the spec must change.
             fix = " (delete the job and apply it with that changed)" if exc.status == 422 else ""
             said = f"the API server refused the job's {what}: {exc}{fix}"
-            self.event("Warning", api.Reason.PODS_REFUSED, said)
+            if self._refused.get(what) != said:  # once per refusal: the condition keeps it meanwhile
+                self.event("Warning", api.Reason.PODS_REFUSED, said)
             self._refused[what] = said
             self._workers_ready()
             with contextlib.suppress(KubeError):  # the retry below must not become a traceback a second

@@ -4,6 +4,7 @@ defaults, and a pod the API server refuses is said in an Event and tried again, 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import urllib.request
@@ -11,14 +12,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
-from _rjob_stack import REAL_CLUSTER, Stack, emulator_only, eventually, job_manifest, set_pod_phase
+from _rjob_stack import (
+    REAL_CLUSTER,
+    Stack,
+    api_server,
+    emulator_only,
+    eventually,
+    job_manifest,
+    set_pod_phase,
+)
 from _support import job_object, rjob_ok, until
 
 from resilientjob.operator import api
 from resilientjob.operator._manifests import STORE_RESOURCES, pod_manifest, store_pod_manifest
+from resilientjob.operator._pods import WorkerPods
 from resilientjob.operator._worker_defaults import WorkerDefaults
+from resilientjob.operator.kube import KubeApi, KubeError
 from resilientjob.planner.errors import PlannerError
 
 AFFINITY = {
@@ -226,6 +238,9 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
 
     message = await eventually(refused, 20, "the PodsRefused Event")
     assert 'serviceaccount "trainer-missing" not found' in message and "\n" not in message, message
+    await asyncio.sleep(2.5)  # two more tries at the 1 s retry, refused alike: no Event of their own
+    told = [e for e in await kube.events_of("refused") if e.get("reason") == "PodsRefused"]
+    assert len(told) == 1 and int(told[0].get("count") or 1) == 1, told
     assert await kube.job_pods("refused") == []
     status = await kube.job_status("refused")
     assert status.get("phase") == "Pending"  # not a blank row in kubectl get
@@ -320,6 +335,37 @@ def workers_ready(status: dict[str, Any]) -> tuple[str, str, str]:
         if condition.get("type") == "WorkersReady":
             return condition["status"], condition["reason"], condition.get("message", "")
     return "", "", ""
+
+
+@pytest.mark.cluster
+@emulator_only("the emulator's ServiceAccount admission refuses one pod of the batch and takes the other")
+async def test_a_partly_refused_batch_reads_back_the_pods_the_server_took() -> None:
+    """The API server takes some pods of a batch and refuses others: the refusal is raised, and the pods it
+    took are in the job's view already, so replacements count them as made (`status.capacity.replaced`)
+    and ask again only for the refused ones."""
+    async with api_server() as (_, url):
+        kube = KubeApi(kopf.ConnectionInfo(server=url, insecure=True, default_namespace="default"))
+        try:
+            pods = WorkerPods(kube, "default", "split", asyncio.Event())
+            spec = _spec()
+            body = {"metadata": {"name": "split", "namespace": "default", "uid": "u"}}
+            taken = pod_manifest(body, spec, 4, 1, "DP4 PP[1,1,1,1]", "redis://r:6379/0")
+            refused = pod_manifest(body, spec, 5, 1, "DP4 PP[1,1,1,1]", "redis://r:6379/0")
+            refused["spec"]["serviceAccountName"] = "nobody"
+            for manifest in (taken, refused):  # no job object here: its garbage collector would take them
+                del manifest["metadata"]["ownerReferences"]
+            seen: list[str] = []
+
+            def observe(pod: dict[str, Any], deleted: bool) -> None:
+                seen.append(pod["metadata"]["name"])
+                pods.observe(pod, deleted)
+
+            with pytest.raises(KubeError) as error:
+                await pods.create([refused, taken], observe)
+            assert error.value.status == 403 and 'serviceaccount "nobody" not found' in str(error.value)
+            assert seen == ["split-node-4"] and set(pods.views) == {4}
+        finally:
+            await kube.close()
 
 
 def _call(state: Path, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
