@@ -183,7 +183,7 @@ class CapacityKeeper:
             generation, layout = current.generation, current.layout
             if ctl.status.plan_generation > generation:  # applied meanwhile by a background decision
                 generation, layout = ctl.status.plan_generation, ctl.status.layout
-            made = decided.create
+            made = list(decided.create)
             try:
                 await ctl.create_pods(strikes, generation, layout, strikes=strikes)
             except PodsRefused as refused:
