@@ -40,6 +40,13 @@ def workers_ready(
     return set_condition(conditions, api.ConditionType.WORKERS_READY, ready, reason, message)
 
 
+def failed(conditions: list[api.Condition], reason: api.Reason, why: str) -> list[api.Condition]:
+    """WorkersReady of a job that failed (`reason`, as its Valid or Planned condition says): no worker runs
+    any more, its pods are deleted. Left as it was, the column read `AllWorkersRunning` on a Failed job."""
+    message = f"no worker runs: the job failed: {why}"
+    return set_condition(conditions, api.ConditionType.WORKERS_READY, False, reason, message)
+
+
 def _verdict(
     planned: list[int], pods: Mapping[int, PodView], refused: str, lost: set[int]
 ) -> tuple[bool, api.Reason, str]:

@@ -199,6 +199,7 @@ class JobController:
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.VALID, False, reason, str(error)
         )
+        conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
@@ -336,6 +337,7 @@ class JobController:
         conditions = _decide.set_condition(
             self.status.conditions, api.ConditionType.PLANNED, False, reason, str(error)
         )
+        conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))

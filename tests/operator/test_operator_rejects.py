@@ -46,6 +46,8 @@ async def test_bad_manifests_are_refused_naming_the_field_and_make_no_pods(stack
         valid = next(c for c in status["conditions"] if c["type"] == "Valid")
         assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
         assert valid["message"].startswith(field), valid["message"]
+        ready = next(c for c in status["conditions"] if c["type"] == "WorkersReady")
+        assert ready["reason"] == "InvalidSpec" and field in ready["message"], ready
     # Rules that no schema states reach the operator on any server; those the CRD states never do.
     assert {"bf16-cpu", "encoder"} <= {name for name, _ in by_operator}
     assert not {"f-too-big", "batch", "no-nodes", "policy", "typo", "memory-unit"} & {

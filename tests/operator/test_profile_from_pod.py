@@ -195,6 +195,10 @@ async def test_a_model_node_0_cannot_read_fails_the_job_naming_it(stack: Stack, 
     valid = _condition(status, "Valid")
     assert valid["status"] == "False" and valid["reason"] == "InvalidWorkload", valid
     assert valid["message"].startswith("spec.model: ") and str(missing) in valid["message"]
+    # The Reason column of `kubectl get rjob` says it too: no worker runs, and why.
+    ready = _condition(status, "WorkersReady")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidWorkload"), ready
+    assert ready["message"].startswith("no worker runs: the job failed: spec.model: "), ready
     assert await stack.kube.get("configmaps", "hfmissing-profile") is None
     assert await eventually(lambda: _no_pods(stack, "hfmissing"), 10, "the pods deleted")
 
@@ -249,6 +253,7 @@ async def test_a_checked_workload_no_layout_can_run_fails_and_its_pods_go(stack:
     planned = _condition(status, "Planned")
     assert planned["reason"] == "PlanInfeasible", planned
     assert planned["message"].startswith("spec.deviceMemory: the model does not fit"), planned["message"]
+    assert _condition(status, "WorkersReady")["reason"] == "PlanInfeasible"
     assert _condition(status, "Valid")["status"] == "True" and status["planGeneration"] == -1
     assert await eventually(lambda: _no_pods(stack, name), 10, "the pods deleted")
 
