@@ -123,8 +123,8 @@ def crd_manifest() -> dict[str, Any]:
                             "jsonPath": '.status.conditions[?(@.type=="WorkersReady")].reason',
                             "description": "Whether every worker pod runs (AllWorkersRunning) or why not: "
                             "PodsStarting, PodNotStarting, PodUnschedulable, PodsRefused, NodeFailed; "
-                            "TrainingComplete at the end, and a Failed job's reason. The WorkersReady condition's "
-                            "message says more.",
+                            "TrainingComplete at the end, and a Failed job's reason. The WorkersReady "
+                            "condition's message says more.",
                         },
                         {
                             "name": "Layout",

@@ -52,6 +52,13 @@ REDIS_REPAIRS = Counter(
     [JOB_LABEL, "kind"],
 )
 REDIS_OUTAGES = Counter("rjob_redis_outages_total", "Redis outages seen by a job's loop.", [JOB_LABEL])
+WORKERS_NOT_READY = Gauge(
+    "rjob_workers_not_ready",
+    "1 while the job's worker pods do not all run (its WorkersReady condition is False), labelled with why: "
+    "PodNotStarting, PodUnschedulable, PodsRefused, PodsStarting, NodeFailed. No series while they do, nor "
+    "for a job that ended.",
+    [JOB_LABEL, "reason"],
+)
 
 _PER_JOB: dict[Counter | Gauge, tuple[str, ...]] = {
     PLAN_GENERATION: (),
@@ -65,6 +72,7 @@ _PER_JOB: dict[Counter | Gauge, tuple[str, ...]] = {
     REDIS_RESTORES: (),
     REDIS_REPAIRS: ("kind",),
     REDIS_OUTAGES: (),
+    WORKERS_NOT_READY: ("reason",),
 }
 """The series that name a job, with their other labels: a deleted job's go with it (`forget_job`)."""
 
@@ -82,6 +90,26 @@ def forget_job(job: str) -> None:
         for rest in found:
             with contextlib.suppress(KeyError):
                 metric.remove(job, *rest)
+    _NOT_READY.pop(job, None)
+
+
+_NOT_READY: dict[str, str] = {}
+"""The reason each job's `rjob_workers_not_ready` series carries now."""
+
+
+def workers_not_ready(job: str, reason: str | None) -> None:
+    """The job's one `rjob_workers_not_ready` series, for `reason`; none when `reason` is None (every worker
+    runs, or the job ended). A pass that finds the same reason changes nothing."""
+    before = _NOT_READY.get(job)
+    if before == reason:
+        return
+    if before is not None:
+        with contextlib.suppress(KeyError):
+            WORKERS_NOT_READY.remove(job, before)
+        del _NOT_READY[job]
+    if reason is not None:
+        WORKERS_NOT_READY.labels(job, reason).set(1)
+        _NOT_READY[job] = reason
 
 
 export_drop_counts()

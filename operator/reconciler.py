@@ -201,6 +201,7 @@ class JobController:
         )
         conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
+        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
 
@@ -304,6 +305,8 @@ class JobController:
         )
         if conditions is not self.status.conditions:
             self.status = self.status.model_copy(update={"conditions": conditions})
+        ready = next(c for c in conditions if c.type == api.ConditionType.WORKERS_READY)
+        metrics.workers_not_ready(self.name, None if ready.status == "True" else ready.reason)
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""
@@ -339,6 +342,7 @@ class JobController:
         )
         conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
+        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
         await self.workers.delete_all()
@@ -631,6 +635,7 @@ class JobController:
     async def _complete(self, published: PlanAnnouncement) -> None:
         """Every worker trained to the end: the job succeeded (its pods stay, Completed, for their logs)."""
         self.status, message = _decide.completed(self.status, published)
+        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Normal", api.Reason.TRAINING_COMPLETE, message)
         log.info("job %s/%s: %s", self.namespace, self.name, message)

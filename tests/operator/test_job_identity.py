@@ -130,6 +130,7 @@ def test_a_deleted_jobs_metric_series_go_with_it() -> None:
     metrics.SAMPLES_PER_SECOND.labels("gone-job").set(120.0)
     metrics.RECONFIGURATIONS.labels("gone-job", "dynamic").inc()
     metrics.REDIS_REPAIRS.labels("gone-job", "plan").inc()
+    metrics.workers_not_ready("gone-job", "PodNotStarting")
     metrics.SAMPLES_PER_SECOND.labels("kept-job").set(80.0)
 
     def series(job: str) -> list[str]:
@@ -146,6 +147,34 @@ def test_a_deleted_jobs_metric_series_go_with_it() -> None:
     assert series("gone-job") == []
     assert series("kept-job") == ["rjob_samples_per_second"]
     metrics.forget_job("kept-job")
+
+
+def test_workers_not_ready_is_one_series_for_the_current_reason_and_none_once_they_run() -> None:
+    from prometheus_client import REGISTRY
+
+    from resilientjob.operator import metrics
+
+    def reasons(job: str) -> dict[str, float]:
+        return {
+            sample.labels["reason"]: sample.value
+            for family in REGISTRY.collect()
+            for sample in family.samples
+            if sample.name == "rjob_workers_not_ready" and sample.labels.get(metrics.JOB_LABEL) == job
+        }
+
+    metrics.workers_not_ready("waits", "PodsRefused")
+    metrics.workers_not_ready("waits", "PodsRefused")  # every pass says it again: nothing changes
+    assert reasons("waits") == {"PodsRefused": 1.0}
+    metrics.workers_not_ready("waits", "PodNotStarting")  # the cause moved on: the old series goes
+    assert reasons("waits") == {"PodNotStarting": 1.0}
+    metrics.workers_not_ready("waits", None)
+    assert reasons("waits") == {}
+    metrics.workers_not_ready("waits", "PodUnschedulable")
+    metrics.forget_job("waits")
+    assert reasons("waits") == {}
+    metrics.workers_not_ready("waits", "PodUnschedulable")  # a job of the same name, applied again
+    assert reasons("waits") == {"PodUnschedulable": 1.0}
+    metrics.forget_job("waits")
 
 
 def test_an_earlier_jobs_pod_is_forced_out_only_once_its_grace_is_spent() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
+import socket
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -204,9 +206,31 @@ def quick_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RJOB_PODS_REFUSED_RETRY_S", "1")
 
 
+@pytest.fixture
+def metrics_port(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The operator (started by `stack` after this) serves its Prometheus metrics on this port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    monkeypatch.setenv("RJOB_METRICS_PORT", str(port))
+    return port
+
+
+def _not_ready(port: int, job: str) -> list[str]:
+    """The reasons of the operator's `rjob_workers_not_ready` series of `job` whose value is 1."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = re.findall(r"^rjob_workers_not_ready\{(.*)\} 1\.0$", text, re.MULTILINE)
+    return sorted(
+        re.search(r'reason="([^"]*)"', labels)[1]  # type: ignore[index]
+        for labels in found
+        if f'rjob="{job}"' in labels
+    )
+
+
 @pytest.mark.cluster
 async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_its_account(
-    quick_retry: None, stack: Stack
+    quick_retry: None, metrics_port: int, stack: Stack
 ) -> None:
     kube = stack.kube
     overrides = _overrides_without_cluster_objects()
@@ -247,6 +271,8 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
     # The status keeps the cause (the Reason column) after the Event has expired.
     said = workers_ready(status)
     assert said[:2] == ("False", "PodsRefused") and 'serviceaccount "trainer-missing" not found' in said[2]
+    # And the series the chart's ResilientJobWorkersNotRunning alert watches.
+    assert _not_ready(metrics_port, "refused") == ["PodsRefused"]
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer-missing"}}
     assert await kube.api.create(kube.path("serviceaccounts"), sa)
     made = await eventually(lambda: pods("refused"), 30, "the pods once the account exists")
@@ -257,6 +283,12 @@ async def test_the_api_server_keeps_the_overrides_and_a_refused_pod_waits_for_it
         return said if said[1] not in ("", "PodsRefused") else None
 
     await eventually(no_longer_refused, 20, "WorkersReady past PodsRefused once the pods exist")
+
+    async def series_moved_on() -> list[str] | None:
+        reasons = _not_ready(metrics_port, "refused")
+        return reasons if "PodsRefused" not in reasons and len(reasons) <= 1 else None
+
+    await eventually(series_moved_on, 10, "one rjob_workers_not_ready series, past PodsRefused")
     if not REAL_CLUSTER:
         log = stack.operator.log.read_text()
         assert "Traceback" not in log, log[-5000:]

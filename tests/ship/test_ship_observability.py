@@ -118,8 +118,10 @@ def test_rules_are_parameterised_by_values() -> None:
     by_name = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
     assert "> 7" in by_name["ResilientJobRepeatedRecoveries"]["expr"]
     assert by_name["ResilientJobDegraded"]["for"] == "15m"
+    assert by_name["ResilientJobWorkersNotRunning"]["for"] == "10m"
+    assert "rjob_workers_not_ready" in by_name["ResilientJobWorkersNotRunning"]["expr"]
     for alert in by_name.values():
         assert alert["labels"]["severity"] in {"info", "warning", "critical"}
         # An alert per job names the job in its summary.
-        if "by (rjob)" in alert["expr"]:
+        if "by (rjob" in alert["expr"]:
             assert "{{ $labels.rjob }}" in alert["annotations"]["summary"], alert["alert"]
