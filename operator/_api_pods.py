@@ -26,6 +26,9 @@ from pydantic.alias_generators import to_camel
 
 from . import _quantity, names
 
+# The affinity's types have a module of their own (the pod's affinity is a small API of its own).
+from ._api_affinity import Affinity
+
 OPERATOR_PREFIX = "resilientjob.io/"
 """Labels and annotations under this prefix are the operator's (job, node, role, generation, layout)."""
 
@@ -46,20 +49,11 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
-def _qualified_name(key: str) -> bool:
-    """A label key, annotation key or taint key: a name of up to 63 characters, with an optional DNS
-    subdomain prefix and a slash (as the API server's `IsQualifiedName`)."""
-    prefix, slash, name = key.rpartition("/")
-    return (
-        bool(name) and not names.label_value_errors(name) and not (slash and names.subdomain_errors(prefix))
-    )
-
-
 def _check_label_keys(mapping: dict[str, str], what: str, values: bool) -> dict[str, str]:
     """Keys (and, for labels and node selectors, values) as the API server takes them; the operator's own
     prefix refused."""
     for key, value in mapping.items():
-        if not _qualified_name(key):
+        if not names.is_qualified_name(key):
             raise ValueError(f"{key!r} is not a valid {what} key")
         if key.startswith(OPERATOR_PREFIX):
             raise ValueError(f"{key!r}: {OPERATOR_PREFIX} {what}s are the operator's")
@@ -83,7 +77,7 @@ class Toleration(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Toleration:
-        if self.key and not _qualified_name(self.key):
+        if self.key and not names.is_qualified_name(self.key):
             raise ValueError(f"key: {self.key!r} is not a qualified name (as a label key)")
         if names.label_value_errors(self.value):
             raise ValueError(f"value: {self.value!r} is not a valid label value")
@@ -190,9 +184,6 @@ class Resources(_Model):
         }
 
 
-AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
-
-
 class PodOverrides(_Model):
     """What the job's pods add to the operator's defaults (the chart's `workers` values): the job's own
     settings win where both speak. The store pod takes the labels, annotations, node selector,
@@ -214,12 +205,10 @@ class PodOverrides(_Model):
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=64, description="Taints the pods tolerate (e.g. a GPU pool's)."
     )
-    affinity: dict[str, Any] = Field(
-        default_factory=dict,
-        max_length=3,
+    affinity: Affinity | None = Field(
+        default=None,
         description="The worker pods' affinity, as a pod's spec.affinity (nodeAffinity, podAffinity, "
-        "podAntiAffinity); it replaces the operator's default.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        "podAntiAffinity); it replaces the chart's default.",
     )
     priority_class_name: str = Field(
         default="", max_length=253, description="The pods' PriorityClass (preemption order in the cluster)."
@@ -262,16 +251,6 @@ class PodOverrides(_Model):
             raise ValueError(f"{name!r} is not a valid object name (lower case, digits, '-' and '.')")
         return name
 
-    @field_validator("affinity")
-    @classmethod
-    def _affinity(cls, affinity: dict[str, Any]) -> dict[str, Any]:
-        for kind, rules in affinity.items():
-            if kind not in AFFINITY_KINDS:
-                raise ValueError(f"{kind!r} is not one of {', '.join(AFFINITY_KINDS)}")
-            if not isinstance(rules, dict):
-                raise ValueError(f"{kind}: an object, as in a pod's spec.affinity")
-        return affinity
-
     @model_validator(mode="after")
     def _unique_env(self) -> PodOverrides:
         names = [item.name for item in self.env]
@@ -307,8 +286,8 @@ def apply_overrides(pod: dict[str, Any], overrides: PodOverrides, *, worker: boo
         spec["imagePullSecrets"] = [{"name": s.name} for s in overrides.image_pull_secrets]
     if not worker:
         return pod
-    if overrides.affinity:
-        spec["affinity"] = dict(overrides.affinity)
+    if overrides.affinity is not None:
+        spec["affinity"] = overrides.affinity.manifest()
     if overrides.env:
         # The job's value replaces the operator's scratch defaults (TMPDIR, TORCH_HOME, ...) in place; the
         # variables the agent depends on cannot be named here at all.

@@ -58,9 +58,7 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     if out.get("type") == "object" and out.get("additionalProperties") is True:
-        # `dict[str, Any]` (a pod's affinity): a structural schema says so with preserve-unknown-fields.
-        out.pop("additionalProperties")
-        out["x-kubernetes-preserve-unknown-fields"] = True
+        raise ValueError("an open object (dict[str, Any]) has no structural schema: type it")
     if out.get("type") == "object" and "properties" in out:
         out.setdefault("additionalProperties", None)
         if out["additionalProperties"] in (None, False):

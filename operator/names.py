@@ -83,6 +83,13 @@ def label_value_errors(value: str) -> list[str]:
     return errors
 
 
+def is_qualified_name(key: str) -> bool:
+    """A label key, annotation key, taint key or topology key: a name of up to 63 characters, with an
+    optional DNS subdomain prefix and a slash (as the API server's `IsQualifiedName`)."""
+    prefix, slash, name = key.rpartition("/")
+    return bool(name) and not label_value_errors(name) and not (slash and subdomain_errors(prefix))
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 

@@ -147,6 +147,40 @@ def test_the_cluster_defaults_give_way_to_the_job() -> None:
     assert env == [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "HF_HOME", "value": "/cache"}]
 
 
+def test_an_affinity_of_every_kind_reaches_the_pods_as_written() -> None:
+    """Typed as Kubernetes types it, and laid on the worker pods as the user wrote it: nothing added, no
+    empty list or null for what was not given."""
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                           "values": ["NVIDIA-H100-80GB-HBM3"]}]},
+                    {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["bad-node"]}]},
+                ]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 10, "preference": {"matchExpressions": [{"key": "cpus", "operator": "Gt",
+                                                                   "values": ["64"]}]}}
+            ],
+        },
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": {},
+                 "namespaceSelector": {"matchLabels": {"team": "llm"}}}
+            ]
+        },
+        **AFFINITY,
+    }  # fmt: skip
+    spec = _spec(podOverrides={"affinity": affinity})
+    worker = pod_manifest(BODY, spec, 1, 0, "DP4 PP[1,1,1,1]", "redis://r:6379/0")
+    assert worker["spec"]["affinity"] == affinity
+    assert (
+        api.ResilientJobSpec.model_validate(spec.model_dump(by_alias=True)).pod_overrides
+        == spec.pod_overrides
+    )
+
+
 @pytest.mark.parametrize(
     ("overrides", "field", "said"),
     [
@@ -168,7 +202,35 @@ def test_the_cluster_defaults_give_way_to_the_job() -> None:
          "spec.podOverrides.env.0.valueFrom.secretKeyRef.key", "pattern"),
         ({"tolerations": [{"key": "k", "tolerationSeconds": 5}]}, "spec.podOverrides.tolerations.0",
          "NoExecute"),
-        ({"affinity": {"nodeAfinity": {}}}, "spec.podOverrides.affinity", "not one of nodeAffinity"),
+        ({"affinity": {"nodeAfinity": {}}}, "spec.podOverrides.affinity.nodeAfinity", "not permitted"),
+        ({"affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}},
+         "spec.podOverrides.affinity.nodeAffinity.requiredDuringScheduling", "not permitted"),
+        ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In"}]}]}}}},
+         "spec.podOverrides.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+         ".nodeSelectorTerms.0.matchExpressions.0", "In needs at least one value"),
+        ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{}]}}}},
+         "spec.podOverrides.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution",
+         "nodeSelectorTerms.0: give matchExpressions or matchFields"),
+        ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 0, "preference": {"matchExpressions": [{"key": "a", "operator": "Exists"}]}}]}}},
+         "spec.podOverrides.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution.0.weight",
+         "greater than or equal to 1"),
+        ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 5, "preference": {"matchExpressions": [{"key": "cores", "operator": "Gt",
+                                                             "values": ["many"]}]}}]}}},
+         "spec.podOverrides.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution.0"
+         ".preference.matchExpressions.0", "Gt takes one integer"),
+        ({"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {"team": "llm"}}}]}}},
+         "spec.podOverrides.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution.0"
+         ".topologyKey", "Field required"),
+        ({"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "zone", "labelSelector": {"matchExpressions": [
+                {"key": "team", "operator": "Exists", "values": ["llm"]}]}}]}}},
+         "spec.podOverrides.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution.0"
+         ".labelSelector.matchExpressions.0", "must be empty with Exists"),
         ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "spec.podOverrides.resources.limits",
          "spec.gpusPerNode"),
         ({"resources": {"requests": {"cpu": "8 cores"}}}, "spec.podOverrides.resources.requests",
