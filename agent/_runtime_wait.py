@@ -10,8 +10,9 @@ for, so any increase beyond that means "abandon this step". Recovery is then bou
 slice, not by the collective timeout.
 
 A world can also break with every worker alive: a reset connection fails one rank's collective, and the
-ranks waiting for that rank's part would wait out their collective timeout (gloo's 5 s in a pod; NCCL's
-watchdog, minutes) before they abandon the step too and the operator can re-form the world
+ranks waiting for that rank's part would wait out their collective timeout (`collective_timeout_s`, 5 s in
+a pod, on any backend: `Waiter` gives up at it) before they abandon the step too and the operator can
+re-form the world
 (`operator/_aborts`). So a rank that abandons a step says so in its generation's `abandoned` counter
 (`FailureNotice.abandon`), which trips every other rank's notice of that generation at its next look.
 

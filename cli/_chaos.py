@@ -25,6 +25,8 @@ import os
 import time
 from typing import Any
 
+from resilientjob.protocol.models import SYNTHETIC_PREFIX
+
 from ._common import CliError, guarded
 
 LABEL_JOB = "resilientjob.io/job"
@@ -32,6 +34,16 @@ LABEL_NODE = "resilientjob.io/node"
 ALLOW_ENV = "RJOB_ALLOW_CHAOS"  # agent.chaos.ALLOW_ENV, repeated so that `rjob chaos kill` needs no torch
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def check_fault_applies(fault: str | None, model: str | None, job: str) -> None:
+    """A break or a hang acts on the worker's collectives: the synthetic loop has none, and the order would
+    be taken and never carried out. Refuse it, naming why, rather than print that it was ordered."""
+    if fault in ("break", "hang") and (model or "").startswith(SYNTHETIC_PREFIX):
+        raise CliError(
+            f"pod: job {job!r} runs the synthetic loop (spec.model {model}), which has no collectives to "
+            f"{fault}: use a job that trains a model, such as examples/demo.yaml (slow and kill work on both)"
+        )
 
 
 def parse_duration(text: str, field: str = "for") -> float:
@@ -222,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"in {args.pod}'s env)"
             )
         if args.chaos_command in ("break", "hang"):
+            check_fault_applies(args.chaos_command, _env_value(cluster, pod, "RJOB_MODEL"), job)
             fault = ChaosOrder(factor=1.0, until=time.time() + seconds, fault=args.chaos_command)
             write_order(client, keys, node, fault)
         else:

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._chaos import ALLOW_ENV, parse_duration
+from ._chaos import ALLOW_ENV, check_fault_applies, parse_duration
 from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
@@ -390,6 +390,7 @@ def _slow(
             f"pod: job {job!r} does not allow chaos: set spec.chaos.enabled: true ({ALLOW_ENV}=1 is not in "
             f"{pod}'s env)"
         )
+    check_fault_applies(fault, env.get("RJOB_MODEL"), job)
     peer: int | None = None
     if link is not None:
         peer_labels = {"resilientjob.io/job": job, "resilientjob.io/node": link} if link.isdigit() else None

@@ -412,14 +412,17 @@ def explain(decision: api.Decision) -> str:
 def set_condition(
     conditions: list[api.Condition], type_: api.ConditionType, status: bool, reason: api.Reason, message: str
 ) -> list[api.Condition]:
-    """Replace the condition of this type; keep its transition time when its status did not change."""
+    """Replace the condition of this type where it stands (`kubectl describe` keeps its order), or add it
+    last; keep its transition time when its status did not change."""
     flag = "True" if status else "False"
     old = next((c for c in conditions if c.type == type_), None)
     when = old.last_transition_time if old is not None and old.status == flag else now_rfc3339()
     new = api.Condition(
         type=type_, status=flag, reason=reason, message=message[:32768], last_transition_time=when
     )
-    return [c for c in conditions if c.type != type_] + [new]
+    if old is None:
+        return [*conditions, new]
+    return [new if c.type == type_ else c for c in conditions]
 
 
 def telemetry_condition(

@@ -7,8 +7,10 @@ as long as it holds, and the `Reason` printer column shows it.
 
 The most actionable cause wins: pods the API server refuses (`PodsRefused`), containers the kubelet cannot
 start (`PodNotStarting`), pods no node fits (`PodUnschedulable`), workers that failed and are being
-recovered from (`NodeFailed`), pods still starting (`PodsStarting`). Replacement pods count as the plan's
-own: a replacement that cannot start is why the job stays degraded.
+recovered from (`NodeFailed`, briefly: the next generation plans around them), workers that exited after
+the last step (`TrainingComplete`), the plan's pods still starting (`PodsStarting`). A replacement pod
+counts when it is stuck (it is why the job stays degraded), not while it merely starts: the job's workers
+all run meanwhile, and the message names it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from ._decide import PodView, set_condition
 
 PODS_NAMED = 3
 """Pods a message names; the others are counted."""
+
+HELD_UP = frozenset({api.Reason.PODS_REFUSED, api.Reason.POD_NOT_STARTING, api.Reason.POD_UNSCHEDULABLE})
+"""Causes a user fixes (told in Warnings): the job says so in a Normal Event when they are over."""
 
 
 def workers_ready(
@@ -67,16 +72,29 @@ def _verdict(
         why = pods[first].failed if first in pods and pods[first].failed else "fenced"
         said = f"{len(failed)} of {len(planned)} workers failed, recovering; node {first}: {why}"
         return False, api.Reason.NODE_FAILED, said
+    exited = [node for node in planned if node in pods and pods[node].completed]
+    if exited:
+        # The last step: the workers exit one by one as they finish writing (the job completes after).
+        said = f"{len(exited)} of {len(planned)} workers trained to the end and exited"
+        return False, api.Reason.TRAINING_COMPLETE, said
     running = [pod for pod in present if pod.phase == "Running" and pod.failed is None]
+    working = sum(1 for pod in running if pod.node in planned)
+    # The plan's own pods that do not run yet hold the job up; a replacement on its way does not (it joins
+    # once it runs; Degraded says what the job lacks meanwhile), unless it is stuck (above).
     starting = [pod for pod in present if pod not in running and pod.failed is None]
-    missing = [node for node in planned if node not in pods]
-    if starting or missing:
-        working = sum(1 for pod in running if pod.node in planned)
-        waiting = [pod.name for pod in starting] + [f"node {node} (no pod yet)" for node in missing]
+    held = [pod.name for pod in starting if pod.node in planned]
+    missing = [f"node {node} (no pod yet)" for node in planned if node not in pods]
+    if held or missing:
+        waiting = [*held, *missing]
         said = f"{working} of {len(planned)} workers running; starting: {', '.join(waiting[:PODS_NAMED])}"
         more = len(waiting) - PODS_NAMED
         return False, api.Reason.PODS_STARTING, said + (f" and {more} more" if more > 0 else "")
-    return True, api.Reason.ALL_WORKERS_RUNNING, f"{len(planned)} of {len(planned)} workers running"
+    joining = [pod.name for pod in starting if pod.node not in planned]
+    said = f"{working} of {len(planned)} workers running"
+    if joining:
+        said += f"; replacements starting: {', '.join(joining[:PODS_NAMED])}"
+        said += f" and {len(joining) - PODS_NAMED} more" if len(joining) > PODS_NAMED else ""
+    return True, api.Reason.ALL_WORKERS_RUNNING, said
 
 
 def _named(pods: list[PodView], what: str, why: Callable[[PodView], str]) -> str:

@@ -23,9 +23,11 @@ MERGE_PATCH = "application/merge-patch+json"
 
 
 class KubeError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, said: str = "") -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.said = said or message
+        """The server's own words (its Status message), without the request they answer."""
 
 
 class PodsRefused(kopf.TemporaryError):
@@ -121,7 +123,7 @@ class KubeApi:
             raise kopf.TemporaryError(f"{method} {path}: HTTP {status}", delay=1.0)
         if status >= 400 and status not in (404, 409):
             message = payload.get("message", "") if isinstance(payload, dict) else str(payload)
-            raise KubeError(status, f"{method} {path}: {message}")
+            raise KubeError(status, f"{method} {path}: {message}", said=message)
         return status, payload
 
     async def _send(

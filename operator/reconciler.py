@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, NoReturn, cast
@@ -75,6 +76,9 @@ from .planning import (
 from .settings import OperatorSettings
 
 log = logging.getLogger("resilientjob.operator")
+
+POD_NAMED = re.compile(r'\bpods? "[^"]*"')
+"""A pod's name in an API server's refusal (`pods "job-node-7" is forbidden: ...`)."""
 
 
 class InvalidJob(Exception):
@@ -286,7 +290,10 @@ class JobController:
                 raise
             # 422 (an object the server finds invalid) comes back on every try: the spec must change.
             fix = " (delete the job and apply it with that changed)" if exc.status == 422 else ""
-            said = f"the API server refused the job's {what}: {exc}{fix}"
+            # The server names the pod, and each replacement asked for again has another name: without it,
+            # a refusal that comes back alike is the same refusal (one Event, a condition that holds still).
+            words = POD_NAMED.sub("a pod", exc.said)
+            said = f"the API server refused the job's {what} (HTTP {exc.status}): {words}{fix}"
             if self._refused.get(what) != said:  # once per refusal: the condition keeps it meanwhile
                 self.event("Warning", api.Reason.PODS_REFUSED, said)
             self._refused[what] = said
@@ -296,17 +303,34 @@ class JobController:
             raise PodsRefused(f"pods refused: {exc}", delay=self.settings.pods_refused_retry_s) from None
         self._refused.pop(what, None)
 
-    def _workers_ready(self) -> None:
-        """The WorkersReady condition as the pods of the job and of its current plan are now."""
-        planned = self._published.plan_nodes if self._published is not None else ()
-        refused = "; ".join(self._refused[what] for what in sorted(self._refused))
-        conditions = _workers_ready.workers_ready(
-            self.status.conditions, planned, self.pods, refused, self.fencing.fenced
+    def _workers_ready(self, plan_nodes: Iterable[int] | None = None) -> bool:
+        """The WorkersReady condition as the job's pods and the plan's nodes (by default the current
+        plan's) are now; True when it changed. A refusal of worker pods counts while pods are still wanted
+        (no plan yet, a plan node without a pod, replacements waiting): one whose pods are no longer asked
+        for (the replacement dropped, the job at its last step) must not hide every later cause."""
+        if plan_nodes is None:
+            plan_nodes = self._published.plan_nodes if self._published is not None else ()
+        planned = sorted(set(plan_nodes))
+        wanted = (
+            self._published is None
+            or bool(self.status.capacity.waiting)
+            or any(node not in self.pods for node in planned)
         )
-        if conditions is not self.status.conditions:
-            self.status = self.status.model_copy(update={"conditions": conditions})
+        if not wanted:
+            self._refused.pop("worker pods", None)
+        refused = "; ".join(self._refused[what] for what in sorted(self._refused))
+        before = self.status.conditions
+        conditions = _workers_ready.workers_ready(before, planned, self.pods, refused, self.fencing.fenced)
         ready = next(c for c in conditions if c.type == api.ConditionType.WORKERS_READY)
         metrics.workers_not_ready(self.name, None if ready.status == "True" else ready.reason)
+        if conditions is before:
+            return False
+        self.status = self.status.model_copy(update={"conditions": conditions})
+        was = next((c for c in before if c.type == api.ConditionType.WORKERS_READY), None)
+        if ready.status == "True" and was is not None and was.reason in _workers_ready.HELD_UP:
+            # The failures were told in Warnings; so is their end, for `kubectl get events`.
+            self.event("Normal", api.Reason.ALL_WORKERS_RUNNING, f"{ready.message} (was {was.reason})")
+        return True
 
     async def ensure_store(self) -> None:
         """The job's store pod, created (again) when missing (`_store`)."""
@@ -361,6 +385,7 @@ class JobController:
         if not done.first:
             metrics.RECONFIGURATIONS.labels(self.name, message.policy).inc()
         self.status = done.status
+        self._workers_ready(message.plan.nodes)  # in the same write: not blank, nor a refusal just over
         await self._write_status(force=True)
         metrics.PLAN_GENERATION.labels(self.name).set(message.generation)
         self.event(
@@ -568,7 +593,9 @@ class JobController:
             failures = dict(self.fencing.fenced)
             self._start(lambda: self._reconfigure(published, failures, joins))
             deciding = True
-        self._workers_ready()
+        if self._workers_ready() and outage is not None:
+            with contextlib.suppress(KubeError):  # the API server answers while Redis does not
+                await self.write_status(force=True)
         if outage is not None:
             raise outage  # the telemetry pass reads Redis; the loop backs off and keeps count of the outage
         outcome = await self._telemetry.run(self._pass_context(), current)

@@ -348,6 +348,19 @@ async def api(redis_url: str) -> AsyncIterator[tuple[LocalApiServer, str]]:
             ("pods", _pod("demo-0", 0, [*env, {"name": ALLOW_ENV, "value": "1"}])),
             ("pods", _pod("demo-1", 1, [*env, {"name": ALLOW_ENV, "value": "1"}])),
             ("pods", _pod("prod-0", 0, env, job="prod")),
+            (
+                "pods",
+                _pod(
+                    "toy-0",
+                    0,
+                    [
+                        *env,
+                        {"name": ALLOW_ENV, "value": "1"},
+                        {"name": "RJOB_MODEL", "value": "synthetic:bert-large"},
+                    ],
+                    job="toy",
+                ),
+            ),
             ("pods", {"metadata": {"name": "plain"}, "spec": {"containers": []}}),
         ]
         import aiohttp
@@ -413,6 +426,9 @@ async def test_cli_break_and_hang_write_fault_orders(
     assert "its next collective will fail" in out and "will hang in its next collective for 90s" in out
     assert await _rjob("chaos", "hang", "prod-0", "--server", url) == 2
     assert "does not allow chaos" in capsys.readouterr().err
+    # The synthetic loop has no collectives: the order would be taken and never carried out.
+    assert await _rjob("chaos", "break", "toy-0", "--server", url) == 2
+    assert "runs the synthetic loop (spec.model synthetic:bert-large)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

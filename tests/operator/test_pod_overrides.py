@@ -26,7 +26,7 @@ from _rjob_stack import (
     job_manifest,
     set_pod_phase,
 )
-from _support import job_object, rjob_ok, until
+from _support import job_object, rjob_local, rjob_ok, until
 
 from resilientjob.operator import api
 from resilientjob.operator._manifests import STORE_RESOURCES, pod_manifest, store_pod_manifest
@@ -401,6 +401,9 @@ async def test_a_refused_replacement_waits_while_the_job_trains_on(quick_retry: 
     await eventually(
         lambda: status_where(lambda s: s.get("failedNodes") == [1, 3]), 15, "node 3 planned around"
     )
+    await asyncio.sleep(2.5)  # its replacement, and node 1's again, refused alike under new pod names
+    told = [e for e in await kube.events_of("repl") if e.get("reason") == "PodsRefused"]
+    assert len(told) == 1 and int(told[0].get("count") or 1) == 1, [e["message"] for e in told]
 
     assert await kube.api.create(kube.path("serviceaccounts"), account)
 
@@ -530,3 +533,6 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
     pids = [int(p.read_text()) for p in (local / "pods").glob(f"{name}-node-*/pid")]
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
     assert b"WANDB_API_KEY=s3cret" in environ
+    # The example trains the synthetic loop: a break has no collective to act on, and says so.
+    refused = rjob_local(local, "chaos", "break", f"{name}-node-1")
+    assert refused.returncode == 2 and "runs the synthetic loop" in refused.stderr, refused

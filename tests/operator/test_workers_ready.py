@@ -106,23 +106,38 @@ def test_the_cause_a_user_acts_on_first_wins() -> None:
     assert _ready({0: _pod(0), 2: _pod(2)}, plan=range(3), lost=[1]).message.endswith("node 1: fenced")
 
 
-def test_pods_still_starting_are_counted_and_named() -> None:
-    pods = {
-        0: _pod(0),
-        1: _pod(1, "Pending"),
-        5: _pod(5, "Pending"),
-    }  # node 5: a replacement, not planned yet
-    condition = _ready(pods)
+def test_the_plans_pods_still_starting_are_counted_and_named() -> None:
+    # Node 5: a replacement, not planned yet (it is named only when stuck, or beside all running).
+    pods = {0: _pod(0), 1: _pod(1, "Pending"), 5: _pod(5, "Pending")}
+    condition = _ready(pods, plan=range(5))
     assert (condition.status, condition.reason) == ("False", "PodsStarting")
     assert condition.message == (
-        "1 of 4 workers running; starting: job-node-1, job-node-5, node 2 (no pod yet) and 1 more"
+        "1 of 5 workers running; starting: job-node-1, node 2 (no pod yet), node 3 (no pod yet) and 1 more"
     )
 
 
-def test_pods_on_their_way_out_and_finished_ones_hold_nothing_up() -> None:
+def test_a_replacement_on_its_way_holds_nothing_up_but_a_stuck_one_does() -> None:
+    """After a kill the job trains on its three workers while node 4's pod starts: `3/3` beside
+    PodsStarting read as a contradiction. A replacement that cannot start is why the job stays degraded."""
+    pods = {0: _pod(0), 1: _pod(1), 2: _pod(2), 4: _pod(4, "Pending")}
+    condition = _ready(pods, plan=range(3))
+    assert (condition.status, condition.reason) == ("True", "AllWorkersRunning")
+    assert condition.message == "3 of 3 workers running; replacements starting: job-node-4"
+    pods[4] = _pod(4, "Pending", not_starting="ErrImagePull: not found")
+    assert _ready(pods, plan=range(3)).reason == "PodNotStarting"
+
+
+def test_workers_that_exited_after_the_last_step_are_not_all_running() -> None:
+    pods = {0: _pod(0, "Succeeded"), 1: _pod(1), 2: _pod(2)}
+    condition = _ready(pods, plan=range(3))
+    assert (condition.status, condition.reason) == ("False", "TrainingComplete")
+    assert condition.message == "1 of 3 workers trained to the end and exited"
+
+
+def test_pods_on_their_way_out_and_finished_ones_outside_the_plan_hold_nothing_up() -> None:
     pods = {n: _pod(n) for n in range(3)}
     pods[3] = replace(_pod(3, "Pending", not_starting="ErrImagePull: nope"), deleting=True)
-    pods[4] = _pod(4, "Succeeded")
+    pods[4] = _pod(4, "Succeeded")  # a parked or idle node's probe that ended
     assert _ready(pods, plan=range(3)).reason == "AllWorkersRunning"
 
 
