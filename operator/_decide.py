@@ -406,7 +406,7 @@ def explain(decision: api.Decision) -> str:
     how = f"{decision.strategy} " if decision.strategy else ""
     plan = f"{how}{decision.policy} {decision.layout}"
     head = f"generation {decision.generation}: {decision.trigger}{nodes} -> {plan}"
-    return f"{head} ({decision.reason})" + (f"; candidates: {ranked}" if ranked else "")
+    return f"{head} ({decision.reason})" + (f"; candidates (estimates): {ranked}" if ranked else "")
 
 
 def set_condition(

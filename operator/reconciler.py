@@ -388,6 +388,8 @@ class JobController:
         self._workers_ready(message.plan.nodes)  # in the same write: not blank, nor a refusal just over
         await self._write_status(force=True)
         metrics.PLAN_GENERATION.labels(self.name).set(message.generation)
+        if done.trigger is api.Reason.COLLECTIVE_FAILED and not done.first:
+            return  # its Warning said it all, with the generation (`_aborted`): no planner ran to explain
         self.event(
             "Normal", api.Reason.PLANNED if done.first else done.trigger, _decide.explain(done.decision)
         )
@@ -846,7 +848,8 @@ class JobController:
         reformed = rendezvous_again(
             published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, copies_done=True
         )
-        self.event("Warning", api.Reason.COLLECTIVE_FAILED, reason)
+        # The one Event of a re-formation (`apply` tells no other for it): the generation is named here.
+        self.event("Warning", api.Reason.COLLECTIVE_FAILED, f"{reason} (generation {reformed.generation})")
         log.info("job %s/%s: %s", self.namespace, self.name, reason)
 
         async def reform() -> None:

@@ -467,7 +467,7 @@ class _Replanner:
         placed, transfers = place_plan(slots, self.change.holdings, self.profile)
         plan = placed.model_copy(update={"transfers": tuple(transfers)})
         moved = sum(t.bytes for t in transfers)
-        reason = f"{len(transfers)} layer copies, {moved} bytes"
+        reason = f"{len(transfers)} layer copies, {_size(moved)}"
         idle = len(self.change.alive) - layout.nodes
         if idle:
             reason += f"; {idle} node(s) idle"
@@ -646,3 +646,11 @@ def replan(
             "planning_s": time.perf_counter() - started,
         }
     )
+
+
+def _size(count: int) -> str:
+    """Bytes as a reader takes them in: `2.38 GiB`, `476 KiB`, `12 B`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"

@@ -12,8 +12,10 @@ pod exited and the job lost every node at once."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,13 @@ pytestmark = [
 def _status(state: Path) -> dict[str, Any]:
     status: dict[str, Any] = job_object(state, "demo-gpt").get("status") or {}
     return status
+
+
+def _events(state: Path) -> list[dict[str, Any]]:
+    api_url = json.loads((state / "state.json").read_text())["api_url"]
+    with urllib.request.urlopen(f"{api_url}/api/v1/namespaces/default/events", timeout=10) as reply:
+        items: list[dict[str, Any]] = json.loads(reply.read())["items"]
+    return items
 
 
 def _recovery(state: Path, trigger: str) -> dict[str, Any] | None:
@@ -94,6 +103,10 @@ def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
         "the switch measured",
     )
     assert measured["copiedBytes"] == 0, measured  # every node kept its layers
+    # One Event for the re-formation, a Warning naming the generation (a Normal one repeated it before).
+    told = [e for e in _events(local) if e.get("reason") == "CollectiveFailed"]
+    assert [e["type"] for e in told] == ["Warning"], told
+    assert told[0]["message"].endswith(f"(generation {generation})"), told[0]["message"]
     assert _status(local)["workers"] == "3/3"
 
     ordered_at = time.monotonic()
