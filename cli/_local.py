@@ -270,6 +270,8 @@ def _get() -> int:
             print(f"  {why}")
     _, pods = _call("GET", "/api/v1/pods")
     print(f"\n{'NAMESPACE':<12} {'POD':<28} {'PHASE':<10} GENERATION")
+    if not (pods or {}).get("items"):
+        print("(no pods)")
     for pod in (pods or {}).get("items", []):
         meta = pod["metadata"]
         annotations = meta.get("annotations") or {}

@@ -129,8 +129,8 @@ class JobController:
         self.fencing = Fencing(self, self.workers, self.capacity)
         self.aborts = _aborts.AbortWatch()
         """The current generation's abandoned steps with no node dead (`_aborts`)."""
-        self._told_not_starting: set[tuple[object, str]] = set()
-        """(pod uid, reason) of the containers that do not start, already told in an Event."""
+        self._told_not_starting: set[tuple[str, str]] = set()
+        """(reason, message) of the containers that do not start, already told in an Event."""
         self._refused: dict[str, str] = {}
         """The API server's refusals of the job's pods, by what it refused ('worker pods', 'store pod'),
         until a later try succeeds (`_pods_refused`; the WorkersReady condition shows them)."""
@@ -153,10 +153,12 @@ class JobController:
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool) -> None:
         stuck = None if deleted else _decide.not_starting(pod)
         meta = pod.get("metadata") or {}
-        if stuck is not None and self.body and (meta.get("uid"), stuck[0]) not in self._told_not_starting:
+        if stuck is not None and self.body and stuck not in self._told_not_starting:
             # Pending for ever otherwise, with nothing in the job's Events: a Secret its env names that is
-            # not there, an image that cannot be pulled. Once per pod and reason.
-            self._told_not_starting.add((meta.get("uid"), stuck[0]))
+            # not there, an image that cannot be pulled. Once per cause, not once per pod (every pod of the
+            # job meets the same missing Secret; the WorkersReady condition counts them), until every
+            # worker runs again (`_workers_ready`).
+            self._told_not_starting.add(stuck)
             said = f"pod {meta.get('name')} does not start: {stuck[0]}" + (
                 f": {stuck[1]}" if stuck[1] else ""
             )
@@ -327,6 +329,8 @@ class JobController:
             return False
         self.status = self.status.model_copy(update={"conditions": conditions})
         was = next((c for c in before if c.type == api.ConditionType.WORKERS_READY), None)
+        if ready.status == "True":
+            self._told_not_starting.clear()  # a cause that comes back is told again
         if ready.status == "True" and was is not None and was.reason in _workers_ready.HELD_UP:
             # The failures were told in Warnings; so is their end, for `kubectl get events`.
             self.event("Normal", api.Reason.ALL_WORKERS_RUNNING, f"{ready.message} (was {was.reason})")

@@ -513,6 +513,8 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
     stuck = until(not_starting, 30, "WorkersReady False, PodNotStarting")
     assert stuck[0] == "False" and 'CreateContainerConfigError: secret "wandb" not found' in stuck[2]
     assert "PodNotStarting: pod " in rjob_ok(local, "get")
+    # Four pods meet the same missing Secret: one Warning says it (the condition counts the pods).
+    assert len(told() or []) == 1 and "(and 3 more pods)" in stuck[2], (told(), stuck)
 
     secret = {
         "apiVersion": "v1",
@@ -527,6 +529,10 @@ def test_a_pod_whose_secret_is_missing_is_told_and_starts_once_it_exists(local: 
         20,
         "WorkersReady True",
     )
+    # And its end is told too, for `kubectl get events`.
+    events = _call(local, "GET", "/api/v1/namespaces/default/events")["items"]
+    over = [e for e in events if e.get("reason") == "AllWorkersRunning"]
+    assert over and over[0]["type"] == "Normal" and "(was PodNotStarting)" in over[0]["message"], over
     # The container's status says it runs now (kubectl's STATUS column), not the wait from before.
     started = _call(local, "GET", "/api/v1/namespaces/default/pods")["items"]
     assert all("running" in p["status"]["containerStatuses"][0]["state"] for p in started), started
