@@ -8,7 +8,7 @@ deadlock) fences nobody: no failure detector publishes the generation the worker
 their plan timeout (120 s in a pod), exit, and the job loses every node at once. The agents therefore report
 each abandoned step (`WorkerAbort`, the job's `aborts` hash), and this module judges what they say:
 
-- Every node of the world aborted and none died within `ABORT_GRACE_S`: a transient fault. The world
+- Every node of the world aborted and none died within `REFORM_GRACE_S`: a transient fault. The world
   re-forms: the same layout as the next generation (`_store.rendezvous_again`), the abandoned step trained
   again, nothing copied.
 - Some nodes aborted and the others neither aborted nor committed a step for `hang_after_s` (twice the
@@ -17,7 +17,10 @@ each abandoned step (`WorkerAbort`, the job's `aborts` hash), and this module ju
   and their pods deleted, which ends the hung processes too.
 
 The grace first: the usual abort follows a death (the survivors of a killed pod abandon their step), and
-the fail-stop path, not a re-formation, must answer it. A world that re-formed and aborted again before it
+the fail-stop path, not a re-formation, must answer it. A dead node reports no abort, so a world whose every
+node did is alive; it waits only `REFORM_GRACE_S`, for a pod that failed just after its abort to show. With
+the peers' abandon notice (`agent._runtime_wait`) every node aborts within a look of the first, and that
+short grace is what a broken collective costs. A world that re-formed and aborted again before it
 committed a step is re-formed at most `MAX_REFORMS` times in a row; then the workers' plan timeout takes
 over, as before this existed, and an Event says so.
 """
@@ -33,6 +36,10 @@ from resilientjob.protocol.messages import WorkerAbort
 ABORT_GRACE_S = 1.5 * HEARTBEAT_TTL_S
 """How long after the first abort of a generation the fail-stop path has to explain it (a dead node is
 fenced within the heartbeat TTL, a deleted pod at once) before the aborts are judged on their own."""
+
+REFORM_GRACE_S = 0.5
+"""How long after the first abort a world whose every node reported waits before it re-forms: a node that
+aborted and then failed (its pod deleted, Failed, its node lost) shows in the pod watch within it."""
 
 MAX_REFORMS = 3
 """Re-formations in a row without a committed step between them, after which the operator stops."""
@@ -61,11 +68,11 @@ def judge(world: frozenset[int], aborts: Mapping[int, WorkerAbort], waited_s: fl
     """The verdict on a generation whose `world` (its plan's nodes) reported `aborts`, `waited_s` after
     the first was seen; None while it is too early to tell (or nothing to judge)."""
     reported = set(aborts) & world
-    if not reported or waited_s < ABORT_GRACE_S:
+    if not reported:
         return None
     if reported == world:
-        return Verdict(reform=True)
-    if waited_s < hang_after_s(aborts):
+        return Verdict(reform=True) if waited_s >= REFORM_GRACE_S else None
+    if waited_s < ABORT_GRACE_S or waited_s < hang_after_s(aborts):
         return None
     return Verdict(hung=tuple(sorted(world - reported)))
 

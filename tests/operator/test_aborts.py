@@ -16,6 +16,7 @@ from resilientjob.operator import api
 from resilientjob.operator._aborts import (
     ABORT_GRACE_S,
     MAX_REFORMS,
+    REFORM_GRACE_S,
     AbortWatch,
     Verdict,
     hang_after_s,
@@ -49,10 +50,15 @@ def _aborts(*nodes: int, generation: int = 4) -> dict[int, WorkerAbort]:
     return {node: _abort(node, generation) for node in nodes}
 
 
-def test_every_node_aborted_re_forms_once_the_fail_stop_path_had_its_grace() -> None:
+def test_every_node_aborted_re_forms_after_a_short_grace_and_others_wait_for_the_fail_stop_path() -> None:
     everyone = _aborts(0, 1, 2, 3)
-    assert judge(WORLD, everyone, ABORT_GRACE_S - 0.1) is None  # a death would be fenced meanwhile
-    assert judge(WORLD, everyone, ABORT_GRACE_S) == Verdict(reform=True)
+    # A dead node reports no abort: a world whose every node did is alive. It waits only for a pod that
+    # failed just after its abort to show, not the heartbeat TTL's grace (3 s was the whole of a break).
+    assert judge(WORLD, everyone, REFORM_GRACE_S - 0.1) is None
+    assert judge(WORLD, everyone, REFORM_GRACE_S) == Verdict(reform=True)
+    assert REFORM_GRACE_S < ABORT_GRACE_S
+    # Some nodes silent: a death is the fail-stop path's, which fences it within the grace.
+    assert judge(WORLD, _aborts(0, 1, 2), ABORT_GRACE_S - 0.1) is None
 
 
 def test_nodes_that_neither_aborted_nor_stepped_hang_after_two_collective_timeouts() -> None:
@@ -85,8 +91,8 @@ def test_the_watch_clocks_each_generation_from_its_first_abort() -> None:
     watch = AbortWatch()
     assert watch.observe(4, WORLD, {}, now=10.0) is None
     assert watch.observe(4, WORLD, _aborts(0), now=20.0) is None  # the clock starts here
-    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + ABORT_GRACE_S - 0.5) is None
-    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + ABORT_GRACE_S) == Verdict(reform=True)
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + REFORM_GRACE_S - 0.1) is None
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + REFORM_GRACE_S) == Verdict(reform=True)
     # A new generation starts a new clock.
     assert watch.observe(5, WORLD, _aborts(0, 1, 2, 3, generation=5), now=40.0) is None
     assert watch.waited_s(41.0) == pytest.approx(1.0)
