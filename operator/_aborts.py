@@ -38,8 +38,12 @@ ABORT_GRACE_S = 1.5 * HEARTBEAT_TTL_S
 fenced within the heartbeat TTL, a deleted pod at once) before the aborts are judged on their own."""
 
 REFORM_GRACE_S = 0.5
-"""How long after the first abort a world whose every node reported waits before it re-forms: a node that
-aborted and then failed (its pod deleted, Failed, its node lost) shows in the pod watch within it."""
+"""How long after its last node reported a world whose every node reported waits before it re-forms, the
+first time in a row: a pod deleted meanwhile shows in the pod watch within it. A node that reports its abort
+and then dies (a device fault after the step failed) may show later (a Failed pod takes the kubelet's status
+report, a lost machine the heartbeat TTL): the re-formed generation is then replaced by the fail-stop path's,
+one wasted generation. The re-formations after it in a row wait `ABORT_GRACE_S`, so that a link that flaps
+for seconds does not spend `MAX_REFORMS` in a few."""
 
 MAX_REFORMS = 3
 """Re-formations in a row without a committed step between them, after which the operator stops."""
@@ -64,14 +68,23 @@ class Verdict:
     """Nodes to fence as hung."""
 
 
-def judge(world: frozenset[int], aborts: Mapping[int, WorkerAbort], waited_s: float) -> Verdict | None:
+def judge(
+    world: frozenset[int],
+    aborts: Mapping[int, WorkerAbort],
+    waited_s: float,
+    settled_s: float | None = None,
+    reform_grace_s: float = REFORM_GRACE_S,
+) -> Verdict | None:
     """The verdict on a generation whose `world` (its plan's nodes) reported `aborts`, `waited_s` after
-    the first was seen; None while it is too early to tell (or nothing to judge)."""
+    the first was seen and `settled_s` after the last new one (default: `waited_s`); None while it is too
+    early to tell (or nothing to judge). Every node reported: re-form once `reform_grace_s` has passed since
+    the last report."""
     reported = set(aborts) & world
     if not reported:
         return None
     if reported == world:
-        return Verdict(reform=True) if waited_s >= REFORM_GRACE_S else None
+        settled = waited_s if settled_s is None else settled_s
+        return Verdict(reform=True) if settled >= reform_grace_s else None
     if waited_s < ABORT_GRACE_S or waited_s < hang_after_s(aborts):
         return None
     return Verdict(hung=tuple(sorted(world - reported)))
@@ -92,6 +105,10 @@ class AbortWatch:
     generation: int = -1
     first_seen: float | None = None
     """Monotonic time the first abort of `generation` was seen; None: none yet."""
+    last_new: float | None = None
+    """Monotonic time a node of the world was first seen among `generation`'s aborts, the latest such."""
+    seen: frozenset[int] = frozenset()
+    """The world's nodes seen among `generation`'s aborts so far."""
     reforms: int = 0
     reformed: int = -1
     """The generation the latest re-formation published."""
@@ -103,12 +120,18 @@ class AbortWatch:
     ) -> Verdict | None:
         """The verdict on `generation`'s aborts now (`judge`); the first call with aborts starts the clock."""
         if generation != self.generation:
-            self.generation, self.first_seen = generation, None
-        if not set(aborts) & world:
+            self.generation, self.first_seen, self.last_new, self.seen = generation, None, None, frozenset()
+        reported = frozenset(aborts) & world
+        if not reported:
             return None
         if self.first_seen is None:
             self.first_seen = now
-        return judge(world, aborts, now - self.first_seen)
+        if reported - self.seen:
+            self.seen, self.last_new = self.seen | reported, now
+        settled = now - (self.last_new if self.last_new is not None else now)
+        # The first re-formation in a row is quick; the next ones wait as long as any verdict did before.
+        grace = REFORM_GRACE_S if self.reforms == 0 else ABORT_GRACE_S
+        return judge(world, aborts, now - self.first_seen, settled, grace)
 
     def stepped(self, generation: int) -> None:
         """A step committed under `generation`: a re-formed world that trains again ends the run of them."""

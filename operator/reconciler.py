@@ -822,8 +822,10 @@ class JobController:
         if verdict is None:
             return False
         what = _aborts.summary(aborts)
-        if verdict.hung and not self.watch.heartbeats_trusted():
-            return False  # Redis was away: a report lost meanwhile comes again with its agent's next beat
+        if not self.watch.heartbeats_trusted():
+            # Redis was away: a report lost meanwhile comes again with its agent's next beat, and a node
+            # that died meanwhile is not fenced yet (its heartbeat says nothing until Redis is trusted).
+            return False
         if verdict.hung:
             waited = _aborts.hang_after_s(aborts)
             cause = f"hung: neither stepped nor aborted for {waited:.0f} s while its peers did ({what})"

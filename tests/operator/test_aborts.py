@@ -91,11 +91,31 @@ def test_the_watch_clocks_each_generation_from_its_first_abort() -> None:
     watch = AbortWatch()
     assert watch.observe(4, WORLD, {}, now=10.0) is None
     assert watch.observe(4, WORLD, _aborts(0), now=20.0) is None  # the clock starts here
-    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + REFORM_GRACE_S - 0.1) is None
-    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=20.0 + REFORM_GRACE_S) == Verdict(reform=True)
+    # The last node reported at 21: the short grace counts from there, not from the first abort.
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=21.0) is None
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=21.0 + REFORM_GRACE_S - 0.1) is None
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=21.0 + REFORM_GRACE_S) == Verdict(reform=True)
     # A new generation starts a new clock.
     assert watch.observe(5, WORLD, _aborts(0, 1, 2, 3, generation=5), now=40.0) is None
     assert watch.waited_s(41.0) == pytest.approx(1.0)
+
+
+def test_a_re_formation_in_a_row_waits_the_full_grace_so_a_flapping_link_keeps_its_budget() -> None:
+    """Three quick re-formations took 3-4 s: a link flapping for 5-10 s would have spent MAX_REFORMS."""
+    watch = AbortWatch()
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=10.0) is None
+    assert watch.observe(4, WORLD, _aborts(0, 1, 2, 3), now=10.0 + REFORM_GRACE_S) == Verdict(reform=True)
+    watch.reforming(5)  # and the re-formed world aborts again before it commits a step
+    everyone = _aborts(0, 1, 2, 3, generation=5)
+    assert watch.observe(5, WORLD, everyone, now=20.0) is None
+    assert watch.observe(5, WORLD, everyone, now=20.0 + ABORT_GRACE_S - 0.1) is None
+    assert watch.observe(5, WORLD, everyone, now=20.0 + ABORT_GRACE_S) == Verdict(reform=True)
+    watch.reforming(6)
+    watch.stepped(6)  # it trains again: the next break is quick again
+    assert watch.observe(6, WORLD, _aborts(0, 1, 2, 3, generation=6), now=30.0) is None
+    assert watch.observe(6, WORLD, _aborts(0, 1, 2, 3, generation=6), now=30.0 + REFORM_GRACE_S) == Verdict(
+        reform=True
+    )
 
 
 def test_re_formations_stop_after_the_limit_until_a_step_commits() -> None:
