@@ -12,9 +12,9 @@ slice, not by the collective timeout.
 A world can also break with every worker alive: a reset connection fails one rank's collective, and the
 ranks waiting for that rank's part would wait out their collective timeout (`collective_timeout_s`, 5 s in
 a pod, on any backend: `Waiter` gives up at it) before they abandon the step too and the operator can
-re-form the world
-(`operator/_aborts`). So a rank that abandons a step says so in its generation's `abandoned` counter
-(`FailureNotice.abandon`), which trips every other rank's notice of that generation at its next look.
+re-form the world (`operator/_aborts`). So a rank that abandons a step says so in its generation's
+`abandoned` counter (`FailureNotice.abandon`), which trips every other rank's notice of that generation at
+its next look.
 
 An abandoned `wait()` keeps its helper thread until the old group's own timeout fires; the old group can be
 destroyed and a new one created meanwhile (the pending operation only ever touches the old group's buffers).

@@ -105,7 +105,7 @@ class AbortWatch:
     generation: int = -1
     first_seen: float | None = None
     """Monotonic time the first abort of `generation` was seen; None: none yet."""
-    last_new: float | None = None
+    last_new: float = 0.0
     """Monotonic time a node of the world was first seen among `generation`'s aborts, the latest such."""
     seen: frozenset[int] = frozenset()
     """The world's nodes seen among `generation`'s aborts so far."""
@@ -120,18 +120,17 @@ class AbortWatch:
     ) -> Verdict | None:
         """The verdict on `generation`'s aborts now (`judge`); the first call with aborts starts the clock."""
         if generation != self.generation:
-            self.generation, self.first_seen, self.last_new, self.seen = generation, None, None, frozenset()
+            self.generation, self.first_seen, self.seen = generation, None, frozenset()
         reported = frozenset(aborts) & world
         if not reported:
             return None
         if self.first_seen is None:
             self.first_seen = now
-        if reported - self.seen:
+        if reported - self.seen:  # always on the first call of a generation with aborts
             self.seen, self.last_new = self.seen | reported, now
-        settled = now - (self.last_new if self.last_new is not None else now)
         # The first re-formation in a row is quick; the next ones wait as long as any verdict did before.
         grace = REFORM_GRACE_S if self.reforms == 0 else ABORT_GRACE_S
-        return judge(world, aborts, now - self.first_seen, settled, grace)
+        return judge(world, aborts, now - self.first_seen, now - self.last_new, grace)
 
     def stepped(self, generation: int) -> None:
         """A step committed under `generation`: a re-formed world that trains again ends the run of them."""

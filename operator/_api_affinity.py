@@ -79,10 +79,9 @@ class LabelSelector(_Model):
     @field_validator("match_labels")
     @classmethod
     def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        for key, value in labels.items():
-            _key(key)
-            if names.label_value_errors(value):
-                raise ValueError(f"{key}: {value!r} is not a valid label value")
+        error = names.label_map_error(labels, "label", values=True)
+        if error:
+            raise ValueError(error)
         return labels
 
 

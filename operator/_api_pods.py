@@ -52,13 +52,12 @@ class _Model(BaseModel):
 def _check_label_keys(mapping: dict[str, str], what: str, values: bool) -> dict[str, str]:
     """Keys (and, for labels and node selectors, values) as the API server takes them; the operator's own
     prefix refused."""
-    for key, value in mapping.items():
-        if not names.is_qualified_name(key):
-            raise ValueError(f"{key!r} is not a valid {what} key")
+    error = names.label_map_error(mapping, what, values)
+    if error:
+        raise ValueError(error)
+    for key in mapping:
         if key.startswith(OPERATOR_PREFIX):
             raise ValueError(f"{key!r}: {OPERATOR_PREFIX} {what}s are the operator's")
-        if values and names.label_value_errors(value):
-            raise ValueError(f"{key}: {value!r} is not a valid {what} value (63 characters, [-A-Za-z0-9_.])")
     return mapping
 
 

@@ -45,6 +45,15 @@ def workers_ready(
     return set_condition(conditions, api.ConditionType.WORKERS_READY, ready, reason, message)
 
 
+def not_ready(status: api.ResilientJobStatus) -> str | None:
+    """Why the job's worker pods do not all run, for `rjob_workers_not_ready`: the WorkersReady condition's
+    reason while it is False and the job runs; None when they do, and for a job that ended."""
+    if status.phase in (api.Phase.SUCCEEDED, api.Phase.FAILED):
+        return None
+    ready = next((c for c in status.conditions if c.type == api.ConditionType.WORKERS_READY), None)
+    return ready.reason.value if ready is not None and ready.status == "False" else None
+
+
 def failed(conditions: list[api.Condition], reason: api.Reason, why: str) -> list[api.Condition]:
     """WorkersReady of a job that failed (`reason`, as its Valid or Planned condition says): no worker runs
     any more, its pods are deleted. Left as it was, the column read `AllWorkersRunning` on a Failed job."""

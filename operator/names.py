@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 
 SUBDOMAIN_MAX = 253
 LABEL_MAX = 63
@@ -88,6 +89,17 @@ def is_qualified_name(key: str) -> bool:
     optional DNS subdomain prefix and a slash (as the API server's `IsQualifiedName`)."""
     prefix, slash, name = key.rpartition("/")
     return bool(name) and not label_value_errors(name) and not (slash and subdomain_errors(prefix))
+
+
+def label_map_error(mapping: Mapping[str, str], what: str, values: bool) -> str:
+    """Why a map of `what` keys (and, when `values`, label values) is not one the API server takes; '' when
+    it is (labels, node selectors, annotations, label selectors)."""
+    for key, value in mapping.items():
+        if not is_qualified_name(key):
+            return f"{key!r} is not a valid {what} key"
+        if values and label_value_errors(value):
+            return f"{key}: {value!r} is not a valid {what} value (63 characters, [-A-Za-z0-9_.])"
+    return ""
 
 
 def _digest(text: str) -> str:

@@ -207,7 +207,6 @@ class JobController:
         )
         conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
-        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
 
@@ -323,17 +322,16 @@ class JobController:
         refused = "; ".join(self._refused[what] for what in sorted(self._refused))
         before = self.status.conditions
         conditions = _workers_ready.workers_ready(before, planned, self.pods, refused, self.fencing.fenced)
-        ready = next(c for c in conditions if c.type == api.ConditionType.WORKERS_READY)
-        metrics.workers_not_ready(self.name, None if ready.status == "True" else ready.reason)
         if conditions is before:
             return False
         self.status = self.status.model_copy(update={"conditions": conditions})
+        ready = next(c for c in conditions if c.type == api.ConditionType.WORKERS_READY)
         was = next((c for c in before if c.type == api.ConditionType.WORKERS_READY), None)
         if ready.status == "True":
             self._told_not_starting.clear()  # a cause that comes back is told again
-        if ready.status == "True" and was is not None and was.reason in _workers_ready.HELD_UP:
-            # The failures were told in Warnings; so is their end, for `kubectl get events`.
-            self.event("Normal", api.Reason.ALL_WORKERS_RUNNING, f"{ready.message} (was {was.reason})")
+            if was is not None and was.reason in _workers_ready.HELD_UP:
+                # The failures were told in Warnings; so is their end, for `kubectl get events`.
+                self.event("Normal", api.Reason.ALL_WORKERS_RUNNING, f"{ready.message} (was {was.reason})")
         return True
 
     async def ensure_store(self) -> None:
@@ -370,7 +368,6 @@ class JobController:
         )
         conditions = _workers_ready.failed(conditions, reason, str(error))
         self.status = self.status.model_copy(update={"phase": api.Phase.FAILED, "conditions": conditions})
-        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Warning", reason, str(error))
         await self.workers.delete_all()
@@ -668,7 +665,6 @@ class JobController:
     async def _complete(self, published: PlanAnnouncement) -> None:
         """Every worker trained to the end: the job succeeded (its pods stay, Completed, for their logs)."""
         self.status, message = _decide.completed(self.status, published)
-        metrics.workers_not_ready(self.name, None)
         await self._write_status(force=True)
         self.event("Normal", api.Reason.TRAINING_COMPLETE, message)
         log.info("job %s/%s: %s", self.namespace, self.name, message)
@@ -933,7 +929,9 @@ class JobController:
         await self._write_status(force)
 
     async def _write_status(self, force: bool) -> None:
-        """Patch the status when it changed (and, unless forced, at most every status_interval_s)."""
+        """Patch the status when it changed (and, unless forced, at most every status_interval_s). The
+        `rjob_workers_not_ready` series follows the status meant to be written, at every call."""
+        metrics.workers_not_ready(self.name, _workers_ready.not_ready(self.status))
         now = time.monotonic()
         if not force and now < self._status_due:
             return  # before serialising: most passes end here

@@ -154,3 +154,17 @@ def test_the_transition_time_stays_while_the_status_does_not_change() -> None:
 
 def replace_time(conditions: list[api.Condition], when: str) -> list[api.Condition]:
     return [c.model_copy(update={"last_transition_time": when}) for c in conditions]
+
+
+def test_the_not_ready_series_follows_the_condition_and_ends_with_the_job() -> None:
+    from resilientjob.operator._workers_ready import failed, not_ready
+
+    stuck = workers_ready([], range(2), {0: _pod(0), 1: _pod(1, "Pending", not_starting="ErrImagePull: x")})
+    status = api.ResilientJobStatus(phase=api.Phase.RUNNING, conditions=stuck)
+    assert not_ready(status) == "PodNotStarting"
+    running = workers_ready(stuck, range(2), {0: _pod(0), 1: _pod(1)})
+    assert not_ready(status.model_copy(update={"conditions": running})) is None
+    ended = status.model_copy(
+        update={"phase": api.Phase.FAILED, "conditions": failed(stuck, api.Reason.INVALID_SPEC, "x")}
+    )
+    assert not_ready(ended) is None and not_ready(api.ResilientJobStatus()) is None
