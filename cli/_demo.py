@@ -28,7 +28,7 @@ from typing import Any
 from resilientjob.protocol.store_keys import COMMITTED_KEY, event_key, loss_key
 
 from ._common import CliError, guarded
-from ._demo_failslow import FailSlowWatch
+from ._demo_failslow import BASELINE_S, FailSlowWatch
 from ._manifest_files import load_documents
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
@@ -429,9 +429,10 @@ class Chaos:
             self.killed_at = seen.killed_at = now
             self.killed = victim
             return [seen.event(f"kill: worker {victim} (SIGKILL)")]
-        # The kill's recovery takes about a second; 15 s after it leaves a settled healthy baseline
-        # (`_demo_failslow.BASELINE_S`) and most of the run for detecting and mitigating the slowdown.
-        slow_after = min(15.0, max(6.0, 0.1 * self.duration))
+        # The kill's recovery takes about a second; 12-15 s after it leave a settled healthy baseline
+        # (`BASELINE_S` before the order, none of it before the kill, also in a short run) and most of
+        # the run for detecting and mitigating the slowdown.
+        slow_after = max(BASELINE_S + 2.0, min(15.0, 0.1 * self.duration))
         remaining = self.duration - now
         if (
             self.killed_at is not None

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from typing import IO, Any
 from resilientjob.operator.kube import KubeApi, core_path
 
 from ._tether import tethered
+from .ports import free_port
 
 # What the operator writes into its pods and the agent reads (operator/_manifests.py, agent/store_host.py):
 # repeated, not imported, as a kubelet knows nothing of either (tests/operator/test_local_stack.py checks
@@ -59,14 +59,6 @@ AGENT_METRICS_ENV = "RJOB_AGENT_METRICS_PORT"
 STORE_PORT_ENV = "RJOB_STORE_PORT"
 WORKLOAD_ENV = "RJOB_WORKLOAD"
 HOST_TMP = "/tmp"
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pod_directory(pods: Path, namespace: str, name: str) -> Path:

@@ -33,7 +33,8 @@ from resilientjob.operator.kube import KubeApi
 
 from ._tether import tethered
 from .emulator import LocalApiServer
-from .kubelet import ProcessKubelet, free_port
+from .kubelet import ProcessKubelet
+from .ports import free_port
 
 __all__ = ["free_port", "serve"]
 
@@ -111,8 +112,9 @@ async def serve(state_dir: Path) -> None:
     def start_redis() -> subprocess.Popen[bytes]:
         command = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
         with (state_dir / "redis.log").open("ab") as log:
-            # A restart needs the same port back (every client has its URL); a pod's free_port() could
-            # have taken it meanwhile: redis-server then exits at once, and is tried again after its backoff.
+            # A restart needs the same port back (every client has its URL); another process could have
+            # bound it meanwhile (rare: see .ports): redis-server then exits at once, and is tried again
+            # after its backoff.
             return subprocess.Popen(
                 tethered([*command, "--appendonly", "no"]), stdout=log, stderr=subprocess.STDOUT
             )

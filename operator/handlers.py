@@ -131,7 +131,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo | None = None, **
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
     if rjob.metrics_port:
-        start_http_server(rjob.metrics_port)
+        try:
+            start_http_server(rjob.metrics_port)
+        except OSError as error:
+            # One line, and soon again: a port a previous process still holds is free in seconds.
+            raise kopf.TemporaryError(
+                f"RJOB_METRICS_PORT={rjob.metrics_port}: cannot serve metrics there ({error.strerror})",
+                delay=5,
+            ) from None
     if rjob.worker_defaults:
         # Fail at start, naming the field, rather than create pods that never schedule.
         load_worker_defaults(rjob.worker_defaults)

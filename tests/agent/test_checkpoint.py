@@ -9,6 +9,7 @@ from typing import cast
 
 import pytest
 import torch
+from _support import free_port
 from torch import nn
 
 from resilientjob.agent import _dcp_compat
@@ -137,7 +138,6 @@ def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
     """Two survivors on one checkpoint volume; node 1 is still writing step 6 when the restart plan comes.
     Node 0 checks in first: it must not look for the newest checkpoint before node 1's save is on disk (it
     restored step 3, node 1 step 6, and the rendezvous failed the job on the disagreement)."""
-    import socket
     import threading
     import time
     from datetime import timedelta
@@ -181,9 +181,7 @@ def test_a_restart_waits_for_every_survivors_saves_so_all_restore_the_same_step(
 
     monkeypatch.setattr(_dcp_compat, "save_local", slow)
     savers[1].save(6, trainers[1].layers, {i for i, o in owners.items() if o == 1})
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
     restart = plan(Policy.CHECKPOINT, 1)
     errors: list[BaseException] = []

@@ -4,7 +4,6 @@ for a plan nobody would publish and died of a TimeoutError that hid the real err
 
 from __future__ import annotations
 
-import socket
 import sys
 import textwrap
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support import free_port
 from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._runtime_wait import ComputeError
@@ -44,12 +44,6 @@ def layers():
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.torch
 def test_an_error_in_the_models_own_step_ends_the_worker_with_it_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -59,7 +53,7 @@ def test_an_error_in_the_models_own_step_ends_the_worker_with_it_at_once(
     monkeypatch.delitem(sys.modules, "buggy_model", raising=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    port = _free_port()
+    port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
     stage = StagePlan(layers=(0, 3), node=0)
     plan = Plan(

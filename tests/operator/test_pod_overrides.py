@@ -8,7 +8,6 @@ import asyncio
 import copy
 import json
 import re
-import socket
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from _rjob_stack import (
     job_manifest,
     set_pod_phase,
 )
-from _support import job_object, rjob_local, rjob_ok, until
+from _support import free_port, job_object, rjob_local, rjob_ok, until
 
 from resilientjob.operator import api
 from resilientjob.operator._manifests import STORE_RESOURCES, pod_manifest, store_pod_manifest
@@ -271,9 +270,7 @@ def quick_retry(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def metrics_port(monkeypatch: pytest.MonkeyPatch) -> int:
     """The operator (started by `stack` after this) serves its Prometheus metrics on this port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     monkeypatch.setenv("RJOB_METRICS_PORT", str(port))
     return port
 

@@ -248,6 +248,23 @@ def test_health_port_settings() -> None:
         OperatorSettings(health_port=70000)
 
 
+def test_a_metrics_port_in_use_is_one_line_naming_the_setting_and_retried_soon() -> None:
+    import socket
+
+    import kopf
+
+    from resilientjob.operator import handlers
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        memo = kopf.Memo(rjob=OperatorSettings(metrics_port=port))
+        with pytest.raises(kopf.TemporaryError, match=f"^RJOB_METRICS_PORT={port}: cannot serve") as caught:
+            handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
+    assert caught.value.delay == 5 and caught.value.__cause__ is None
+
+
 @pytest.mark.parametrize(
     "name",
     ["poll_interval_s", "status_interval_s", "replace_backoff_s", "replace_backoff_max_s", "join_settle_s",
