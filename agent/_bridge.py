@@ -146,13 +146,14 @@ class _ProbeHooks(StepHooks):
     def on_applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
         self.probe.applied(generation, rendezvous_s, copy_s, copied_bytes)
 
-    def on_abort(self, generation: int, step: int, error: str) -> None:
+    def on_abort(self, generation: int, step: int, error: str, switching: bool = False) -> None:
         line = {
             "kind": "abort",
             "lane": self.lane,
             "generation": generation,
             "step": step,
             "error": error,
+            "switching": switching,
             "collective_timeout_s": self.collective_timeout_s,
             "plan_timeout_s": self.plan_timeout_s,
         }
@@ -227,8 +228,8 @@ class TrainingAgent:
         """Generation -> (rendezvous s, copy s, bytes) of this node's switch to it, until its first step."""
         self.lanes = 1
         """Workers this node runs (`start`): its abort is reported once every one of them aborted."""
-        self.aborted: dict[int, set[int]] = {}
-        """Generation -> the lanes that abandoned a step of it."""
+        self.aborted: dict[int, dict[int, bool]] = {}
+        """Generation -> the lanes that abandoned a step of it (or the switch to it: True)."""
 
     def devices(self) -> int:
         """Workers this node starts: one per device of its stages in the store's current plan. Blocks until
@@ -313,16 +314,19 @@ class TrainingAgent:
             )
         elif kind == "abort":
             lane = int(event.get("lane", 0))
+            switching = bool(event.get("switching", False))
             print(
-                f"gen {event['generation']}: step {event['step']} abandoned"
+                f"gen {event['generation']}: "
+                + ("switch abandoned" if switching else f"step {event['step']} abandoned")
                 + (f" by device {lane}" if self.lanes > 1 else "")
                 + f": {event['error']}; waiting for the next generation",
                 flush=True,
             )
             # A node is reported once all its devices aborted: a device that hangs while the others abort
             # is the node hanging (`_aborts` fences it), and re-forming the world with it would stall.
-            lanes = self.aborted.setdefault(event["generation"], set())
-            lanes.add(lane)
+            # Any device's switch makes the node's: its lanes' copies are one node's copies.
+            lanes = self.aborted.setdefault(event["generation"], {})
+            lanes[lane] = lanes.get(lane, False) or switching
             if len(lanes) < self.lanes:
                 return
             for older in [g for g in self.aborted if g < event["generation"]]:
@@ -333,6 +337,7 @@ class TrainingAgent:
                 event["error"],
                 event["collective_timeout_s"],
                 event["plan_timeout_s"],
+                switching=any(lanes.values()),
             )
         elif kind == "validation":
             print(

@@ -243,6 +243,8 @@ class WorkerProbe:
     def on_plan(self, plan: Plan) -> None:
         """A new plan renumbers the ranks: chaos link targets and profile labels follow (one dict, updated
         in place, so the injector's `rank_of` sees it at once)."""
+        if self.watcher is not None:
+            self.watcher.injector.switch_begins()
         self.ranks.clear()
         self.ranks.update(rank_table(plan, self.lane))
         self.nodes_by_rank = nodes_by_rank(plan)
@@ -252,6 +254,8 @@ class WorkerProbe:
 
     # ---- steps ------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        if self.watcher is not None:
+            self.watcher.injector.switch_ends()
         self.tracer.compute_begins()  # the wait since the last step's end is not compute to stretch
         self._step_began = time.perf_counter()
         self._step_cursor = self.tracer.ring.head

@@ -36,7 +36,8 @@ Two faults that leave the worker alive, for what a slowdown cannot show (`rjob c
 hang`), as `"fault"` in the order:
 - `break`: the worker's next `torch.distributed` call raises a `RuntimeError` once, as a connection reset
   under it would (the peers then time out in the same collective, as behind a real reset): the whole world
-  abandons its step while every node stays alive.
+  abandons its step while every node stays alive. With `switch`, the first call of the worker's next switch
+  to a new generation (its rendezvous's step agreement) instead: the world abandons the switch.
 - `hang`: the worker's next call blocks until the order expires or is cleared, as a stuck kernel or a
   deadlock would; its agent keeps beating.
 
@@ -109,6 +110,10 @@ class ChaosOrder(BaseModel):
     fault: Literal["break", "hang"] | None = None
     """Instead of a slowdown: `break` the worker's next call once, or `hang` it until `until` (module doc).
     `factor` is 1 with a fault."""
+    switch: Literal[True] | None = None
+    """A `break` that waits for the worker's next switch to a new generation and breaks its first call
+    there, as a reset during a reconfiguration would (written only when set, as the other optional
+    fields)."""
 
     @model_validator(mode="after")
     def _finite(self) -> ChaosOrder:
@@ -116,6 +121,8 @@ class ChaosOrder(BaseModel):
             raise ValueError("until: must be a finite unix time")
         if self.fault is not None and (self.factor != 1.0 or self.link is not None):
             raise ValueError("fault: an order is a slowdown (factor, link) or a fault, not both")
+        if self.switch and self.fault != "break":
+            raise ValueError("switch: only a break waits for the next switch")
         return self
 
     def active(self, now: float | None = None) -> bool:
@@ -205,6 +212,8 @@ class ChaosInjector:
         """Total delay injected so far (for tests and logs)."""
         self._broken: set[float] = set()
         """The `break` orders (by their `until`) already carried out: each breaks one call."""
+        self.switching = False
+        """The worker is switching to a new generation (`switch_begins`), until its first step."""
 
     def _current(self) -> ChaosOrder | None:
         order = self.order
@@ -244,8 +253,18 @@ class ChaosInjector:
         self.injected_s += delay
         return delay
 
+    def switch_begins(self) -> None:
+        """The worker applies a new plan: a `switch` break order may act now."""
+        self.switching = True
+
+    def switch_ends(self) -> None:
+        """The worker's first step under the new plan begins."""
+        self.switching = False
+
     def _fault(self, order: ChaosOrder, op: str) -> None:
         if order.fault == "break":
+            if order.switch and not self.switching:
+                return  # it waits for the worker's next switch
             if order.until not in self._broken:
                 self._broken.add(order.until)
                 raise BrokenOnOrder(f"chaos: {op} broken on order, as by a reset connection")

@@ -31,9 +31,10 @@ class StepHooks:
         """A step committed: `step` is the number of committed steps now, `samples` how many samples'
         losses this node computed in it. Not called for an abandoned step."""
 
-    def on_abort(self, generation: int, step: int, error: str) -> None:
+    def on_abort(self, generation: int, step: int, error: str, switching: bool = False) -> None:
         """Step `step` of `generation` (numbered as `after_step` numbers it once committed) was abandoned on
-        a communication error (`error`, one line): this worker, alive, now waits for the next generation."""
+        a communication error (`error`, one line), in the switch to `generation` when `switching` (the
+        plan's layer copies may be unfinished): this worker, alive, now waits for the next generation."""
 
     def before_export(self, store: Store, items: list[int]) -> None:
         """The job trained its last step; this node is about to write `items` of the trained model (layer

@@ -115,6 +115,32 @@ class TransferRecord:
     bytes: int
 
 
+def copies_left(
+    transfers: tuple[Transfer, ...],
+    node: int,
+    copied: set[int],
+    layers: Mapping[int, LayerState],
+    wait: Wait,
+    comm_device: torch.device | str = "cpu",
+) -> tuple[Transfer, ...]:
+    """The plan's `transfers` less those that an earlier try of the same switch completed: every worker of
+    the receiving node holds the layer, received then (`copied`: layers this worker received in a switch
+    that did not complete). A re-formed world (`operator/_aborts`) carries the failed switch's transfers
+    again, and a source whose own copies had all completed has dropped the layers it gave away.
+
+    Every worker of the world calls it with the same plan (one all-reduce, when there are transfers): each
+    says which of its node's receipts it still lacks, and a transfer is skipped where no one lacks it."""
+    if not transfers:
+        return transfers
+    lacking = [
+        int(transfer.dst == node and not (transfer.layer in copied and transfer.layer in layers))
+        for transfer in transfers
+    ]
+    flags = torch.tensor(lacking, dtype=torch.int32, device=comm_device)
+    wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), "copies left")
+    return tuple(transfer for transfer, left in zip(transfers, flags.tolist(), strict=True) if left)
+
+
 def execute_transfers(
     transfers: Iterable[Transfer],
     node: int,

@@ -416,13 +416,20 @@ class Telemetry:
         return record
 
     async def record_abort(
-        self, generation: int, step: int, error: str, collective_timeout_s: float, plan_timeout_s: float
+        self,
+        generation: int,
+        step: int,
+        error: str,
+        collective_timeout_s: float,
+        plan_timeout_s: float,
+        switching: bool = False,
     ) -> WorkerAbort | None:
-        """Tell the operator that this node's workers abandoned `step` of `generation` on a communication
-        error and wait for the next generation (`operator/_aborts`). The report is sent again with every
-        heartbeat until this node steps in a newer generation: one lost to a Redis hiccup (a network fault
-        often breaks both at once) would get this node taken for hung. None when it could not be sent now
-        (Redis away, the keys another job's, or values no `WorkerAbort` holds)."""
+        """Tell the operator that this node's workers abandoned `step` of `generation` (or the switch to it:
+        `switching`) on a communication error and wait for the next generation (`operator/_aborts`). The
+        report is sent again with every heartbeat until this node steps in a newer generation: one lost to a
+        Redis hiccup (a network fault often breaks both at once) would get this node taken for hung. None
+        when it could not be sent now (Redis away, the keys another job's, or values no `WorkerAbort`
+        holds)."""
         try:
             abort = WorkerAbort(
                 node=self.node,
@@ -432,6 +439,7 @@ class Telemetry:
                 collective_timeout_s=collective_timeout_s,
                 plan_timeout_s=plan_timeout_s,
                 at=time.time(),
+                switching=True if switching else None,
             )
         except ValueError as exc:  # a pydantic ValidationError: a bug here, not the operator's to trust
             print(f"resilientjob.agent: abort of step {step} not reported: {exc}", flush=True)

@@ -231,7 +231,8 @@ def _settle(
                 checkpointer.discard_after(trainer.step)
         except ReconfigurationError:
             raise
-        except RuntimeError:
+        except RuntimeError as exc:
+            _abandon_switch(trainer, store, plan, exc)
             plan = wait_for_plan_after(store, plan.generation, timeout_s)
             continue
         generation = plan.generation
@@ -260,6 +261,19 @@ def _settle(
             ),
         )
         return joined
+
+
+def _abandon_switch(trainer: Trainer, store: Store, plan: Plan, exc: RuntimeError) -> None:
+    """The switch to `plan` failed here (its rendezvous, a layer copy): say so as an abandoned step says
+    it, so that the peers stop waiting on this node and the operator learns that the world stopped. A peer's
+    death is answered by the fail-stop path anyway; with every node alive nothing else would publish the
+    generation the workers wait for: they waited out their plan timeout, and every pod exited."""
+    if trainer.node not in world_nodes(plan):
+        return
+    if trainer.generation == plan.generation:  # the switch had begun: the peers' waits watch this notice
+        trainer.notice.abandon()
+    store.set(event_key("abort", plan.generation, trainer.node), repr(time.time()))
+    trainer.hooks.on_abort(plan.generation, trainer.step + 1, abort_line(exc), switching=True)
 
 
 def _record_losses(trainer: Trainer, store: Store) -> None:

@@ -1,7 +1,10 @@
 """A world that stops with every node alive (`operator/_aborts`), timed on the local stack with the demo's
 real GPT on CPU gloo workers: `rjob local chaos break` on one worker (its next collective fails once, as a
 reset connection would; the world re-forms, `CollectiveFailed`), repeated `--breaks` times, then `rjob
-local chaos hang` on another (its worker blocks while its agent beats on; it is fenced, `NodeHung`).
+local chaos hang` on another (its worker blocks while its agent beats on; it is fenced, `NodeHung`). Between
+them, `--switch-breaks` times, a break in a switch: `chaos break --switch` arms node 0's next rendezvous,
+then a plain break on node 1 brings a re-formation on, whose switch fails; the world re-forms once more
+(both `CollectiveFailed`), timed from the plain break to the second.
 
 For each order it prints the seconds from the order's write to the generation that answers it, to the first
 step node 0 commits under that generation, and the training gap (node 0's last committed step before the
@@ -42,14 +45,16 @@ JOB = "demo-gpt"
 HANG_S = 300
 
 
-def order(stack: Stack, fault: str, node: int) -> float:
+def order(stack: Stack, fault: str, node: int, switch: bool = False) -> float:
     """Write a `fault` order on `node`; returns when it was written (unix time)."""
-    options = ["--for", f"{HANG_S}s"] if fault == "hang" else []
+    options = ["--for", f"{HANG_S}s"] if fault == "hang" else (["--switch"] if switch else [])
     stack.rjob("chaos", fault, f"{JOB}-node-{node}", *options)
     raw = stack.client.get(stack.keys.chaos(node))
     if raw is None:
         raise RuntimeError(f"no chaos order on node {node} after `rjob local chaos {fault}`")
-    return ChaosOrder.model_validate_json(raw).until - (HANG_S if fault == "hang" else 60.0)
+    return ChaosOrder.model_validate_json(raw).until - (
+        HANG_S if fault == "hang" else 600.0 if switch else 60.0
+    )
 
 
 def answered(stack: Stack, after: int, trigger: str) -> tuple[PlanAnnouncement, float]:
@@ -67,11 +72,18 @@ def answered(stack: Stack, after: int, trigger: str) -> tuple[PlanAnnouncement, 
     raise TimeoutError(f"no {trigger} generation after {after} within 120 s")
 
 
-def timed(stack: Stack, fault: str, node: int, trigger: str) -> dict[str, Any]:
+def timed(
+    stack: Stack, fault: str, node: int, trigger: str, switch_node: int | None = None
+) -> dict[str, Any]:
+    """One order timed; with `switch_node`, that node's next switch is broken first, and the answer is the
+    second generation (the re-formation of the re-formation whose switch failed)."""
     before = stack.plan()
     assert before is not None
+    if switch_node is not None:
+        order(stack, "break", switch_node, switch=True)
+        time.sleep(0.5)  # two polls of the node's chaos watcher
     ordered_at = order(stack, fault, node)
-    plan, seen_at = answered(stack, before.generation, trigger)
+    plan, seen_at = answered(stack, before.generation + (1 if switch_node is not None else 0), trigger)
 
     def first_step() -> float | None:
         sent = [r.sent_at for r in stack.iterations() if r.node == 0 and r.generation >= plan.generation]
@@ -80,7 +92,7 @@ def timed(stack: Stack, fault: str, node: int, trigger: str) -> dict[str, Any]:
     resumed_at = wait(first_step, 60, f"node 0's first step under generation {plan.generation}")
     last_before = max(r.sent_at for r in stack.iterations() if r.node == 0 and r.sent_at < ordered_at)
     return {
-        "fault": fault,
+        "fault": fault if switch_node is None else "switch",
         "node": node,
         "generation": plan.generation,
         "answered_s": round(seen_at - ordered_at, 2),
@@ -89,15 +101,21 @@ def timed(stack: Stack, fault: str, node: int, trigger: str) -> dict[str, Any]:
         "reason": plan.reason,
         # A re-formed world has the broken one's nodes.
         "abandoned": abandoned(stack, plan.generation - 1, plan.plan.nodes) if fault == "break" else {},
+        "switches": abandoned(stack, plan.generation - 1, plan.plan.nodes, "switch")
+        if switch_node is not None
+        else {},
     }
 
 
-def abandoned(stack: Stack, generation: int, nodes: Iterable[int]) -> dict[int, str]:
-    """How each node's pod log says it abandoned its step of `generation` (the error, shortened)."""
+def abandoned(stack: Stack, generation: int, nodes: Iterable[int], what: str = "") -> dict[int, str]:
+    """How each node's pod log says it abandoned its step (or `what`: "switch") of `generation` (the error,
+    shortened)."""
     said: dict[int, str] = {}
     for node in nodes:
         lines = stack.rjob("logs", f"{JOB}-node-{node}").splitlines()
-        found = [line for line in lines if line.startswith(f"gen {generation}: ") and " abandoned" in line]
+        found = [
+            line for line in lines if line.startswith(f"gen {generation}: {what}") and " abandoned" in line
+        ]
         if found:
             error = found[0].split(" abandoned: ", 1)[-1].removesuffix("; waiting for the next generation")
             said[node] = error[:120]
@@ -110,6 +128,7 @@ def main() -> int:
     )
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--breaks", type=int, default=3)
+    parser.add_argument("--switch-breaks", type=int, default=2)
     args = parser.parse_args()
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     job["spec"]["nodes"] = args.nodes
@@ -124,6 +143,9 @@ def main() -> int:
             for round_ in range(args.breaks):
                 rows.append(timed(stack, "break", 1 + round_ % (args.nodes - 1), "CollectiveFailed"))
                 time.sleep(5)  # steps under the re-formed world before the next order
+            for _ in range(args.switch_breaks):
+                rows.append(timed(stack, "break", 1, "CollectiveFailed", switch_node=0))
+                time.sleep(5)
             rows.append(timed(stack, "hang", args.nodes - 1, "NodeHung"))
             steps = [r.step for r in stack.iterations() if r.node == 0]
         finally:
@@ -133,7 +155,7 @@ def main() -> int:
         timed_out = [node for node, error in row["abandoned"].items() if "no progress within" in error]
         waited = (
             f"; nodes that waited out their collective timeout: {timed_out or 'none'}"
-            if row["fault"] == "break"
+            if row["fault"] in ("break", "switch")
             else ""
         )
         print(
@@ -143,7 +165,8 @@ def main() -> int:
         )
     for row in rows:
         for node, error in sorted(row["abandoned"].items()):
-            print(f"  generation {row['generation'] - 1}, node {node} abandoned its step: {error}")
+            kind = "the switch" if node in row["switches"] else "its step"
+            print(f"  generation {row['generation'] - 1}, node {node} abandoned {kind}: {error}")
     print(f"node 0 committed {len(steps)} steps in the stream kept, {repeated} step numbers twice")
     print(json.dumps(rows))
     return 0 if repeated == 0 else 1

@@ -4,7 +4,8 @@
                                                    slow compute, or the link to PEER
     rjob chaos clear POD                                          withdraw a slowdown or a hang early
     rjob chaos kill POD                                           delete the pod at once (a fail-stop)
-    rjob chaos break POD                                          fail its next collective once (pod alive)
+    rjob chaos break POD [--switch]                               fail its next collective once (pod alive),
+                                                                  or its next switch's
     rjob chaos hang POD [--for DURATION]                          block its worker (its agent beats on)
 
 The pod is read through the Kubernetes API (`--server URL` for a plain-HTTP endpoint such as
@@ -46,6 +47,20 @@ def check_fault_applies(fault: str | None, model: str | None, job: str) -> None:
         )
 
 
+SWITCH_HELP = "fail the pod's next switch to a new generation instead (its rendezvous), whenever it comes"
+
+
+def break_window_s(switch: bool) -> float:
+    """How long a break order waits to be carried out: the worker's next call comes within a step, its next
+    switch whenever the job next reconfigures."""
+    return 600.0 if switch else 60.0
+
+
+def break_said(switch: bool) -> str:
+    """What `break` tells the user it ordered."""
+    return "its next switch to a new generation will fail" if switch else "its next collective will fail"
+
+
 def parse_duration(text: str, field: str = "for") -> float:
     """`90`, `90s`, `2m` or `1h` in seconds (> 0); a clear error names the flag otherwise."""
     try:
@@ -75,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "break", help="fail a pod's next collective once, as a reset connection would (the pod stays alive)"
     )
     broken.add_argument("pod")
+    broken.add_argument("--switch", action="store_true", help=SWITCH_HELP)
     hang = commands.add_parser(
         "hang", help="block a pod's worker in its next collective (its agent beats on)"
     )
@@ -208,7 +224,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.chaos_command == "hang":
         seconds = parse_duration(args.duration)
     elif args.chaos_command == "break":
-        seconds = 60.0  # the order waits this long for the worker's next call
+        seconds = break_window_s(args.switch)
     cluster = _Cluster(args)
     pod = cluster.pod(args.pod)
     job, node = _worker(pod, args.pod)
@@ -235,7 +251,10 @@ def _run(args: argparse.Namespace) -> int:
             )
         if args.chaos_command in ("break", "hang"):
             check_fault_applies(args.chaos_command, _env_value(cluster, pod, "RJOB_MODEL"), job)
-            fault = ChaosOrder(factor=1.0, until=time.time() + seconds, fault=args.chaos_command)
+            switch = True if args.chaos_command == "break" and args.switch else None
+            fault = ChaosOrder(
+                factor=1.0, until=time.time() + seconds, fault=args.chaos_command, switch=switch
+            )
             write_order(client, keys, node, fault)
         else:
             link = _peer_node(cluster, job, args.link) if args.link else None
@@ -252,7 +271,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if args.chaos_command == "break":
-        print(f"pod/{args.pod}: its next collective will fail")
+        print(f"pod/{args.pod}: {break_said(args.switch)}")
     elif args.chaos_command == "hang":
         print(f"pod/{args.pod}: its worker will hang in its next collective for {args.duration}")
     else:

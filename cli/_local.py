@@ -1,7 +1,7 @@
 """`rjob local`: the whole control plane on this machine (emulated API server over HTTP, real Redis, the real
 operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs POD`, `chaos kill POD`,
-`chaos slow POD --factor F --for 60s [--link PEER]`, `chaos break POD`, `chaos hang POD [--for 10m]`, `chaos
-clear POD`, `down`."""
+`chaos slow POD --factor F --for 60s [--link PEER]`, `chaos break POD [--switch]`, `chaos hang POD [--for
+10m]`, `chaos clear POD`, `down`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._chaos import ALLOW_ENV, check_fault_applies, parse_duration
+from ._chaos import ALLOW_ENV, SWITCH_HELP, break_said, break_window_s, check_fault_applies, parse_duration
 from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
@@ -107,6 +107,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "break", help="fail a pod's next collective once, as a reset connection would (the pod stays alive)"
     )
     broken.add_argument("pod")
+    broken.add_argument("--switch", action="store_true", help=SWITCH_HELP)
     broken.add_argument("-n", "--namespace", default="default")
     hang = chaos.add_parser("hang", help="block a pod's worker in its next collective (its agent beats on)")
     hang.add_argument("pod")
@@ -139,9 +140,11 @@ def _run(args: argparse.Namespace) -> int:
         return _kill(args.pod, args.namespace)
     if args.chaos_command == "clear":
         return _clear(args.pod, args.namespace)
-    if args.chaos_command in ("break", "hang"):
-        duration = args.duration if args.chaos_command == "hang" else "60s"
-        return _slow(args.pod, 1.0, duration, namespace=args.namespace, fault=args.chaos_command)
+    if args.chaos_command == "hang":
+        return _slow(args.pod, 1.0, args.duration, namespace=args.namespace, fault="hang")
+    if args.chaos_command == "break":
+        window = f"{break_window_s(args.switch):g}s"
+        return _slow(args.pod, 1.0, window, namespace=args.namespace, fault="break", switch=args.switch)
     return _slow(
         args.pod, args.factor, args.duration, args.link, args.latency, args.bandwidth, args.namespace
     )
@@ -372,9 +375,11 @@ def _slow(
     bandwidth_bps: float = 1e9,
     namespace: str = "default",
     fault: str | None = None,
+    switch: bool = False,
 ) -> int:
     """Write the chaos order the pod's worker obeys (`agent.chaos`): its compute, or its link to `link`
-    (whose nominal latency and bandwidth set the delay per transfer), or a `fault` ("break", "hang")."""
+    (whose nominal latency and bandwidth set the delay per transfer), or a `fault` ("break", "hang"; a
+    break in the worker's next `switch`)."""
     import redis
     from pydantic import ValidationError
 
@@ -410,6 +415,7 @@ def _slow(
             latency_s=latency_s,
             bandwidth_bps=bandwidth_bps,
             fault=fault,
+            switch=True if switch else None,
         )
     except ValidationError as exc:
         error = exc.errors()[0]
@@ -420,7 +426,7 @@ def _slow(
     finally:
         client.close()
     if fault == "break":
-        print(f"pod/{pod}: its next collective will fail")
+        print(f"pod/{pod}: {break_said(switch)}")
     elif fault == "hang":
         print(f"pod/{pod}: its worker will hang in its next collective for {duration}")
     else:

@@ -1,7 +1,8 @@
 """A world that stopped with every node alive, and what the operator does about it.
 
 Workers abandon a step when a collective or a receive fails (`agent.worker`: any RuntimeError of a step),
-and wait for the next generation. After a death that generation comes from the fail-stop path, which fences
+or the switch to a generation when its rendezvous or a layer copy fails (`WorkerAbort.switching`), and
+wait for the next generation. After a death that generation comes from the fail-stop path, which fences
 the dead node within the heartbeat TTL. But a communication error with no death behind it (a reset
 connection, a link that flapped) or a peer that hangs while its agent beats on (a stuck kernel, a
 deadlock) fences nobody: no failure detector publishes the generation the workers wait for, they wait out
@@ -10,7 +11,7 @@ each abandoned step (`WorkerAbort`, the job's `aborts` hash), and this module ju
 
 - Every node of the world aborted and none died within `REFORM_GRACE_S`: a transient fault. The world
   re-forms: the same layout as the next generation (`_store.rendezvous_again`), the abandoned step trained
-  again, nothing copied.
+  again, nothing copied, or after a failed switch the copies it left unfinished (`copies_to_carry`).
 - Some nodes aborted and the others neither aborted nor committed a step for `hang_after_s` (twice the
   longest collective timeout the aborts name, plus the grace: a peer blocked further up a pipeline aborts
   within one timeout of its own): those hang. They are fenced as failed (`NodeHung`) and planned around,
@@ -30,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from resilientjob.planner.plan import Plan, Transfer
 from resilientjob.protocol.keys import HEARTBEAT_TTL_S
 from resilientjob.protocol.messages import WorkerAbort
 
@@ -90,11 +92,29 @@ def judge(
     return Verdict(hung=tuple(sorted(world - reported)))
 
 
+def copies_to_carry(plan: Plan, aborts: Mapping[int, WorkerAbort]) -> tuple[Transfer, ...]:
+    """The layer copies of `plan` that the re-formed generation must carry again. None when every node
+    abandoned a step: each got past the copies. After a failed switch (an abort `switching`), those that may
+    be unfinished: the senders of the world itself (its workers agree which copies completed before they
+    move a layer: `agent.p2p.copies_left`) and the nodes that only send and failed in the switch too. A node
+    that only sends and reported nothing finished its sends and left: it is not waited for again."""
+    if not any(abort.switching for abort in aborts.values()):
+        return ()
+    running = set(plan.nodes)
+    return tuple(
+        transfer
+        for transfer in plan.transfers
+        if transfer.src in running or (transfer.src in aborts and aborts[transfer.src].switching)
+    )
+
+
 def summary(aborts: Mapping[int, WorkerAbort]) -> str:
-    """One clause for the Event and the decision: the step, who aborted, and the error of the node that
-    aborted first (the others' usually say only that it stopped answering)."""
+    """One clause for the Event and the decision: the step (or the switch), who aborted, and the error of
+    the node that aborted first (the others' usually say only that it stopped answering)."""
     first = min(aborts.values(), key=lambda abort: (abort.at, abort.node))
-    return f"nodes {sorted(aborts)} abandoned step {first.step} (first node {first.node}: {first.error})"
+    switching = any(abort.switching for abort in aborts.values())
+    what = f"the switch to generation {first.generation}" if switching else f"step {first.step}"
+    return f"nodes {sorted(aborts)} abandoned {what} (first node {first.node}: {first.error})"
 
 
 @dataclass(slots=True)

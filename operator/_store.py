@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from resilientjob.planner.plan import Policy
+from resilientjob.planner.plan import Policy, Transfer
 from resilientjob.protocol.messages import PlanAnnouncement
 from resilientjob.protocol.models import ModelSource, model_source
 
@@ -47,13 +47,14 @@ def rendezvous_again(
     trigger: api.Reason = api.Reason.REPLANNED,
     reason: str = "the job's store pod was replaced: the workers rendezvous again on the new store",
     detect_s: float = 0.0,
-    copies_done: bool = False,
+    transfers: tuple[Transfer, ...] | None = None,
 ) -> PlanAnnouncement:
     """The committed layout again as the next generation: for workers whose store was replaced, or whose
     world stopped on a communication error with every node alive (`_aborts`). `dynamic`: every node keeps
-    its layers (a `checkpoint` plan would reload the last checkpoint for nothing). `copies_done`: every
-    worker got past the current generation's layer copies (it ran a step), so the next one copies nothing
-    again, and a node that only sent layers (whose worker has left) is not waited for at its rendezvous."""
+    its layers (a `checkpoint` plan would reload the last checkpoint for nothing). `transfers`: the layer
+    copies the next generation carries again (`_aborts.copies_to_carry`: none once every worker got past
+    them, so that a node that only sent layers, whose worker has left, is not waited for at its
+    rendezvous); None: the current generation's, all of them."""
     # No planner ran: the previous decision's candidates and planning time are not this one's.
     update: dict[str, object] = {
         "generation": current.generation + 1,
@@ -61,8 +62,8 @@ def rendezvous_again(
         "candidates": (),
         "planning_s": 0.0,
     }
-    if copies_done:
-        update["transfers"] = ()
+    if transfers is not None:
+        update["transfers"] = transfers
     plan = current.plan.model_copy(update=update)
     return announcement(
         plan,

@@ -846,9 +846,9 @@ class JobController:
             return False
         reason = f"{what}; every node alive: the world re-forms with the same layout"
         waited = self.aborts.waited_s(time.monotonic())
-        # Every worker aborted a step, so every one got past the generation's copies.
+        carried = _aborts.copies_to_carry(published.plan, aborts)
         reformed = rendezvous_again(
-            published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, copies_done=True
+            published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, transfers=carried
         )
         # The one Event of a re-formation (`apply` tells no other for it): the generation is named here.
         self.event("Warning", api.Reason.COLLECTIVE_FAILED, f"{reason} (generation {reformed.generation})")

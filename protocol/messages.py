@@ -17,7 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -177,8 +177,12 @@ class SlowReport(_Message):
 
 class WorkerAbort(_Message):
     """A node's workers abandoned step `step` of `generation` on a communication error (a collective or a
-    receive failed, or timed out behind a peer) and wait, alive, for the next generation. Sent once per
-    abandoned step by the node's agent (`agent.telemetry.Telemetry.record_abort`)."""
+    receive failed, or timed out behind a peer), or in the switch to `generation` before it (`switching`),
+    and wait, alive, for the next generation. Sent once per abandoned step by the node's agent
+    (`agent.telemetry.Telemetry.record_abort`)."""
+
+    # An agent may run a newer image than the operator: `switching` goes out only when it is set.
+    sparse = True
 
     node: int = Field(ge=0, le=1_000_000)
     generation: int = Field(ge=0)
@@ -200,6 +204,11 @@ class WorkerAbort(_Message):
         description="How long the worker waits for the next generation before it exits.",
     )
     at: float = Field(ge=0, allow_inf_nan=False, description="Unix time on the agent.")
+    switching: Literal[True] | None = Field(
+        default=None,
+        description="Set when the node failed while applying the generation's plan, before its first step: "
+        "the plan's layer copies may be unfinished, and a re-formation must carry them again.",
+    )
 
 
 class PlanAnnouncement(_Message):

@@ -139,6 +139,21 @@ def test_a_break_order_fails_one_call_and_a_hang_order_blocks_until_cleared() ->
         ChaosOrder(factor=2, until=1, fault="hang")
 
 
+def test_a_switch_break_waits_for_the_next_switch_and_breaks_its_first_call_once() -> None:
+    injector = ChaosInjector()
+    injector.order = ChaosOrder(factor=1, until=time.time() + 600, fault="break", switch=True)
+    assert injector("all_reduce", -1, 8, 0.1) == 0.0  # a step's call: the order waits
+    injector.switch_begins()  # the worker applies a new plan
+    with pytest.raises(BrokenOnOrder, match="all_reduce broken on order"):
+        injector("all_reduce", -1, 8, 0.0)
+    assert injector("all_reduce", -1, 8, 0.0) == 0.0  # once: the re-formed switch goes through
+    injector.switch_ends()
+    injector.switch_begins()
+    assert injector("isend", 1, 8, 0.0) == 0.0
+    with pytest.raises(ValueError, match="switch: only a break"):
+        ChaosOrder(factor=1, until=1, fault="hang", switch=True)
+
+
 def test_ring_neighbours_follow_the_group_rank_order() -> None:
     ring = (0, 2, 4, 6)
     assert chaos.ring_neighbours(ring, 0, 2) and chaos.ring_neighbours(ring, 0, 6)  # the closing link
@@ -418,12 +433,17 @@ async def test_cli_break_and_hang_write_fault_orders(
     assert await _rjob("chaos", "break", "demo-1", "--server", url) == 0
     order = parse_order(client.get(KEYS.chaos(1)))  # type: ignore[arg-type]
     assert order is not None and order.fault == "break" and order.factor == 1.0
+    assert await _rjob("chaos", "break", "demo-1", "--switch", "--server", url) == 0
+    order = parse_order(client.get(KEYS.chaos(1)))  # type: ignore[arg-type]
+    assert order is not None and order.fault == "break" and order.switch  # it waits for the next switch
+    assert order.until == pytest.approx(time.time() + 600, abs=5)
     assert await _rjob("chaos", "hang", "demo-1", "--for", "90s", "--server", url) == 0
     order = parse_order(client.get(KEYS.chaos(1)))  # type: ignore[arg-type]
     assert order is not None and order.fault == "hang"
     assert order.until == pytest.approx(time.time() + 90, abs=5)
     out = capsys.readouterr().out
     assert "its next collective will fail" in out and "will hang in its next collective for 90s" in out
+    assert "its next switch to a new generation will fail" in out
     assert await _rjob("chaos", "hang", "prod-0", "--server", url) == 2
     assert "does not allow chaos" in capsys.readouterr().err
     # The synthetic loop has no collectives: the order would be taken and never carried out.

@@ -19,6 +19,7 @@ from resilientjob.operator._aborts import (
     REFORM_GRACE_S,
     AbortWatch,
     Verdict,
+    copies_to_carry,
     hang_after_s,
     judge,
     summary,
@@ -147,14 +148,41 @@ def test_a_re_formed_world_keeps_the_layout_and_copies_nothing_again() -> None:
         }
     )
     current = announcement(plan, trigger="NodeJoined", nodes=[2], parked=[7])
+    carried = copies_to_carry(plan, _aborts(0, 2, generation=6))  # every node got past the copies
     reformed = rendezvous_again(
-        current, api.Reason.COLLECTIVE_FAILED, "nodes [0, 2] abandoned step 9", copies_done=True
+        current, api.Reason.COLLECTIVE_FAILED, "nodes [0, 2] abandoned step 9", transfers=carried
     )
     assert reformed.generation == 7 and reformed.trigger == "CollectiveFailed" and reformed.nodes == []
     assert reformed.plan.pipelines == plan.pipelines and reformed.plan.policy is Policy.DYNAMIC
     assert reformed.plan.transfers == () and reformed.parked == [7]  # node 5 is not waited for
     assert reformed.plan.candidates == () and reformed.plan.planning_s == 0  # no planner ran
     assert rendezvous_again(current).plan.transfers == copied  # a replaced store may have cut copies short
+
+
+def test_after_a_failed_switch_the_copies_that_may_be_unfinished_are_carried_again() -> None:
+    """Node 2 failed in the switch to generation 6 (a copy, or its rendezvous); node 0 got through and
+    abandoned the first step. The copies of the world's own senders go again (the workers skip those done:
+    `agent.p2p.copies_left`), and those of a node that only sends: node 5 failed in the switch too, node 6
+    reported nothing (its sends completed and its worker left: waiting for it would stall the world)."""
+    pipelines = tuple(
+        PipelinePlan(stages=(StagePlan(layers=(0, 3), node=node),), microbatches=4) for node in (0, 2)
+    )
+    transfers = (
+        Transfer(layer=0, src=0, dst=2, bytes=8),
+        Transfer(layer=1, src=5, dst=2, bytes=8),
+        Transfer(layer=2, src=6, dst=2, bytes=8),
+    )
+    plan = Plan(
+        generation=6, policy=Policy.DYNAMIC, microbatch_size=1, pipelines=pipelines, step_time_s=1.0
+    ).model_copy(update={"transfers": transfers})
+    switched = {node: _abort(node, generation=6).model_copy(update={"switching": True}) for node in (2, 5)}
+    aborts = {0: _abort(0, generation=6), **switched}
+    assert copies_to_carry(plan, aborts) == transfers[:2]
+    assert copies_to_carry(plan, {0: aborts[0], 2: _abort(2, generation=6)}) == ()
+    assert summary(aborts).startswith("nodes [0, 2, 5] abandoned the switch to generation 6 (first node 0: ")
+    # Sent only when set: an operator of the older schema (which forbids fields it does not know) still
+    # reads the aborts of a newer agent that abandoned a step.
+    assert b"switching" not in encode(aborts[0]) and b'"switching":true' in encode(aborts[2])
 
 
 def test_abort_line_keeps_the_first_line_of_a_long_error() -> None:
@@ -258,10 +286,13 @@ async def test_a_node_of_several_devices_is_reported_once_every_device_aborted(
     agent.lanes = 2
     line = {"kind": "abort", "generation": 5, "step": 8, "error": "PeerFailure", "collective_timeout_s": 5.0}
     try:
-        await agent._forward({**line, "lane": 1, "plan_timeout_s": 120.0})
+        await agent._forward({**line, "lane": 1, "plan_timeout_s": 120.0, "switching": True})
         assert await client.hlen(keys.aborts) == 0  # device 0 may hang
         await agent._forward({**line, "lane": 0, "plan_timeout_s": 120.0})
         assert await client.hkeys(keys.aborts) == [b"5:3"]
+        # Device 1 failed in the switch to generation 5: so did the node, whose copies may be unfinished.
+        reported = WorkerAbort.model_validate_json(await client.hget(keys.aborts, "5:3"))
+        assert reported.switching is True
     finally:
         agent.stop()
         await client.delete(keys.aborts)

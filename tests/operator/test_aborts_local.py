@@ -109,6 +109,35 @@ def test_a_broken_collective_re_forms_the_world_and_a_hung_worker_is_fenced(
     assert told[0]["message"].endswith(f"(generation {generation})"), told[0]["message"]
     assert _status(local)["workers"] == "3/3"
 
+    # A reset in the middle of a switch: node 0's next rendezvous breaks, and node 1's next collective
+    # brings that switch on. Every node abandons it alive; the world re-forms again instead of waiting
+    # out the workers' plan timeout (120 s), as it did before the agents reported failed switches.
+    rjob_ok(local, "chaos", "break", "demo-gpt-node-0", "--switch")
+    time.sleep(0.5)  # two polls of node 0's chaos watcher: the order is armed before the switch comes
+    ordered_at = time.monotonic()
+    rjob_ok(local, "chaos", "break", "demo-gpt-node-1")
+
+    def switch_re_formed() -> dict[str, Any] | None:
+        row = _recovery(local, "CollectiveFailed")
+        decision = _status(local)["lastDecision"]
+        switched = (
+            row and row["generation"] >= generation + 2 and "abandoned the switch" in decision["reason"]
+        )
+        return decision if switched else None
+
+    decision = until(switch_re_formed, 60, "the world re-formed after its switch broke")
+    took_s = time.monotonic() - ordered_at
+    assert took_s < 30, took_s  # two re-formations: the second in a row waits the full grace (3 s)
+    assert "nodes [0, 1, 2] abandoned the switch to generation" in decision["reason"], decision
+    # Node 0's own line names the broken call; its peers, told by its abandon notice, may report first.
+    said = [
+        line for line in rjob_ok(local, "logs", "demo-gpt-node-0").splitlines() if "switch abandoned" in line
+    ]
+    assert said and "broken on order" in said[0], said
+    generation = decision["generation"]
+    until(lambda: len(_steps_after(local, "demo-gpt-node-0", generation)) > 10, 60, "steps after the switch")
+    assert not _status(local).get("fencedNodes") and _status(local)["workers"] == "3/3"
+
     ordered_at = time.monotonic()
     rjob_ok(local, "chaos", "hang", "demo-gpt-node-2", "--for", "5m")
     hung = until(lambda: _recovery(local, "NodeHung"), 90, "the hung worker fenced")

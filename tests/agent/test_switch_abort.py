@@ -1,0 +1,179 @@
+"""A switch to a new generation that fails with every worker alive, on real gloo workers (`worker_main`):
+every worker reports the abandoned switch (`StepHooks.on_abort(..., switching=True)`), and the re-formed
+generation carries the switch's copies again (`operator._aborts.copies_to_carry`), less those that were
+done (`agent.p2p.copies_left`).
+
+The layout: three nodes, DP2 PP[2,1]; generation 1 swaps the two stages of the first pipeline, so nodes 0
+and 1 give each other their layers and drop their own. Node 0's switch then fails after its copies (its
+pipeline channels cannot be built), and the others' fail waiting for it. Generation 2 is generation 1 again:
+had it copied the layers again, node 0 would have had to send layers it had dropped, and the world would
+have stopped once more. The test plays the operator: it publishes the plans and reads the abort reports."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from datetime import timedelta
+from multiprocessing.queues import Queue
+from typing import Any
+
+import pytest
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from resilientjob.agent.hooks import StepHooks
+from resilientjob.agent.worker import JobConfig, publish_plan
+from resilientjob.operator._aborts import copies_to_carry
+from resilientjob.planner.plan import Plan, Policy, Transfer
+from resilientjob.planner.profile import ModelProfile
+from resilientjob.protocol.messages import WorkerAbort
+from resilientjob.protocol.store_keys import loss_key, received_key
+from resilientjob.testing.plans import RuntimePlanner
+from resilientjob.testing.reference import reference_run
+
+pytestmark = pytest.mark.torch
+
+GPT8 = {"layers": 8, "hidden": 32, "heads": 2, "vocab": 32, "seq_len": 16}
+NODES, STEPS, SWITCH_AT, FAILING = 3, 6, 2, 0
+
+
+def _config() -> JobConfig:
+    return JobConfig.plain(
+        "gpt",
+        model_options=dict(GPT8),
+        num_samples=128,
+        steps=STEPS,
+        collective_timeout_s=3.0,
+        plan_timeout_s=60.0,
+    )
+
+
+def _abort_key(generation: int, node: int) -> str:
+    return f"test/abort/{generation}/{node}"
+
+
+class _Reporting(StepHooks):
+    """Plays the agent's part: each abort goes where the test reads it. Node 0 also publishes generation 1
+    (stored by the test) once step `SWITCH_AT` committed, so that the switch comes mid-run on every node."""
+
+    def __init__(self, node: int, store: Any) -> None:
+        self.node, self.store = node, store
+
+    def on_abort(self, generation: int, step: int, error: str, switching: bool = False) -> None:
+        self.store.set(_abort_key(generation, self.node), "switch" if switching else "step")
+
+    def after_step(self, plan: Plan | None, generation: int, step: int, loss: float, samples: int) -> None:
+        if self.node == 0 and step == SWITCH_AT and generation == 0:
+            publish_plan(self.store, Plan.model_validate_json(self.store.get("test/next")), 0)
+
+
+def _node(node: int, port: int, results: Queue[Any]) -> None:
+    from resilientjob.agent import runtime
+    from resilientjob.agent.worker import worker_main
+
+    torch.set_num_threads(1)
+    if node == FAILING:
+        build_ops = runtime.build_ops
+
+        def fail_once(plan: Plan) -> Any:
+            # After this node's copies (its given-away layers dropped), before its pipeline channels exist.
+            if plan.generation == 1:
+                raise RuntimeError("injected: the switch failed after the copies")
+            return build_ops(plan)
+
+        runtime.build_ops = fail_once  # type: ignore[assignment]
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    result = worker_main(
+        node, _config(), "127.0.0.1", port, _Reporting(node, store), restore=False, store=store
+    )
+    results.put((node, result))
+
+
+def _swapped(plan: Plan, profile: ModelProfile) -> Plan:
+    """`plan` (DP2 PP[2,1]) with the first pipeline's stages swapped between nodes 0 and 1: generation 1."""
+    first, second = plan.pipelines
+    head, tail = first.stages
+    assert (head.node, tail.node, second.nodes) == (0, 1, (2,))
+    size = {index: layer.param_bytes + layer.optimizer_bytes for index, layer in enumerate(profile.layers)}
+    swaps = [(index, 0, 1) for index in range(*head.layers)] + [
+        (index, 1, 0) for index in range(*tail.layers)
+    ]
+    return plan.model_copy(
+        update={
+            "generation": 1,
+            "pipelines": (
+                first.model_copy(
+                    update={
+                        "stages": (head.model_copy(update={"node": 1}), tail.model_copy(update={"node": 0}))
+                    }
+                ),
+                second,
+            ),
+            "transfers": tuple(Transfer(layer=i, src=s, dst=d, bytes=size[i]) for i, s, d in swaps),
+        }
+    )
+
+
+def _wait_for(store: Any, keys: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        assert time.monotonic() < deadline, f"timed out waiting for {keys}"
+        time.sleep(0.02)
+
+
+def test_a_switch_that_fails_after_its_copies_re_forms_without_copying_them_again(
+    gpt_profile: ModelProfile,
+) -> None:
+    planner = RuntimePlanner.for_job(gpt_profile, nodes=NODES, global_batch=8, microbatch_size=2)
+    plan = planner.initial(Policy.DYNAMIC)
+    swapped = _swapped(plan, gpt_profile)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store.set("test/next", swapped.model_dump_json())
+    publish_plan(store, plan, 0)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "resilientjob.agent.runtime"])
+    results: Queue[Any] = context.Queue()
+    workers = [
+        context.Process(target=_node, args=(n, store.port, results), daemon=True) for n in range(NODES)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        # Every node abandons the switch to generation 1, alive; the operator's part: re-form it.
+        _wait_for(store, [_abort_key(1, n) for n in range(NODES)], 60.0)
+        kinds = {n: store.get(_abort_key(1, n)).decode() for n in range(NODES)}
+        assert kinds[FAILING] == "switch", kinds
+        aborts = {
+            node: WorkerAbort(
+                node=node,
+                generation=1,
+                step=SWITCH_AT + 1,
+                error="-",
+                collective_timeout_s=3.0,
+                plan_timeout_s=60.0,
+                at=time.time(),
+                switching=True if kind == "switch" else None,
+            )
+            for node, kind in kinds.items()
+        }
+        carried = copies_to_carry(swapped, aborts)
+        assert (
+            carried == swapped.transfers
+        )  # every sender runs a stage: all of them, the workers sort them out
+        publish_plan(store, swapped.model_copy(update={"generation": 2, "transfers": carried}), 0)
+        finished = dict(results.get(timeout=90) for _ in range(NODES))
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    assert all(finished[n]["step"] == STEPS and not finished[n]["left"] for n in range(NODES)), finished
+    # Generation 1's copies were all done before node 0 failed, and generation 2 moved none of them again:
+    # each layer crossed once, as planned (recorded when the switch completed, with generation 2).
+    records = [r.split(",") for r in store.get(received_key(2)).decode().split(";") if r]
+    moved = sorted((int(layer), int(src), int(dst), int(size)) for layer, src, dst, size in records)
+    assert moved == sorted((t.layer, t.src, t.dst, t.bytes) for t in swapped.transfers)
+    # The same training as without the failed switch: the losses of the single-process run.
+    reference, _, _ = reference_run(_config(), plan.global_batch, plan.microbatch_size)
+    losses = [float(store.get(loss_key(step)).decode().split(":", 1)[1]) for step in range(STEPS)]
+    assert losses == pytest.approx(reference[:STEPS], rel=0.01)
