@@ -115,6 +115,44 @@ class TransferRecord:
     bytes: int
 
 
+def switch_copies(
+    transfers: tuple[Transfer, ...],
+    node: int,
+    copied: set[int],
+    layers: dict[int, LayerState],
+    make_layer: Callable[[int], LayerState],
+    wait: Wait,
+    rank_of: Mapping[int, int],
+    lane: int = 0,
+    stage_group: dist.ProcessGroup | None = None,
+    comm_device: torch.device | str = "cpu",
+) -> list[TransferRecord]:
+    """A switch's layer copies (`execute_transfers`), safe to try again when the switch fails on the way
+    and the world re-forms with the same copies (`operator/_aborts`). Every worker of the world calls it
+    with the same plan; it returns what this worker received.
+
+    1. The copies an earlier try completed are skipped (`copies_left`): `copied` holds the layers this
+       worker received since the model last changed (the caller empties it at every update).
+    2. A layer received whole joins `copied`. With a tensor-parallel stage, only once its replicated part
+       has come by the stage's broadcast, at the end: before that it is not whole on the other lanes.
+    3. Once this worker's copies are done, one all-reduce: past it every receiver holds its layers, so a
+       source may drop the ones it gave away. Before, a source whose own copies had completed dropped them
+       while a receiver's failed, and no later try could get them."""
+    comm = torch.device(comm_device)
+    left = copies_left(transfers, node, copied, layers, wait, comm)
+    before = set(layers)
+    try:
+        received = execute_transfers(left, node, rank_of, layers, make_layer, wait, lane, stage_group, comm)
+    except BaseException:
+        if stage_group is None:  # a whole layer enters `layers` once all its tensors arrived
+            copied |= set(layers) - before
+        raise
+    copied |= {record.layer for record in received}
+    if left:
+        wait(dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=comm), async_op=True), "copies landed")
+    return received
+
+
 def copies_left(
     transfers: tuple[Transfer, ...],
     node: int,
@@ -124,12 +162,9 @@ def copies_left(
     comm_device: torch.device | str = "cpu",
 ) -> tuple[Transfer, ...]:
     """The plan's `transfers` less those that an earlier try of the same switch completed: every worker of
-    the receiving node holds the layer, received then (`copied`: layers this worker received in a switch
-    that did not complete). A re-formed world (`operator/_aborts`) carries the failed switch's transfers
-    again, and a source whose own copies had all completed has dropped the layers it gave away.
-
-    Every worker of the world calls it with the same plan (one all-reduce, when there are transfers): each
-    says which of its node's receipts it still lacks, and a transfer is skipped where no one lacks it."""
+    the receiving node holds the layer, received then (`copied`). One all-reduce, when there are
+    transfers: each worker says which of its node's receipts it still lacks, and a transfer is skipped
+    where no one lacks it."""
     if not transfers:
         return transfers
     lacking = [

@@ -74,7 +74,7 @@ from .data import SampleOrder, TokenDataset, fingerprint
 from .hooks import StepHooks
 from .models import ModelSpec, lm_loss
 from .optim import PLAIN_ADAMW, clip_coefficient, lr_at, set_lr
-from .p2p import LayerState, TransferRecord, copies_left, execute_transfers
+from .p2p import LayerState, TransferRecord, switch_copies
 
 
 def check_supported(plan: Plan) -> int:
@@ -237,8 +237,8 @@ class Trainer:
     _fingerprint: int | None = None
     """The data set's digest (`data.fingerprint`), read once, at the first rendezvous."""
     _copied: set[int] = field(default_factory=set)
-    """Layers received in a switch that then failed: a re-formed switch does not copy them again
-    (`p2p.copies_left`)."""
+    """Layers received since the model last changed: a re-formed switch does not copy them again
+    (`p2p.switch_copies`)."""
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
@@ -417,24 +417,18 @@ class Trainer:
                     self._mesh = stage_mesh(group, self.device)
             self._rebind()
         rendezvous = time.perf_counter()
-        transfers = copies_left(
-            plan.transfers, self.node, self._copied, self.layers, self._wait, self.comm_device
+        records = switch_copies(
+            plan.transfers,
+            self.node,
+            self._copied,
+            self.layers,
+            self._receive_layer,
+            self._wait,
+            self._rank_of,
+            lane=self.local_rank,
+            stage_group=self._tp_groups[0] if self._tp_groups else None,
+            comm_device=self.comm_device,
         )
-        before = set(self.layers)
-        try:
-            records = execute_transfers(
-                transfers,
-                self.node,
-                self._rank_of,
-                self.layers,
-                self._receive_layer,
-                self._wait,
-                lane=self.local_rank,
-                stage_group=self._tp_groups[0] if self._tp_groups else None,
-                comm_device=self.comm_device,
-            )
-        finally:
-            self._copied |= set(self.layers) - before
         keep = held_layers(plan).get(self.node, set())
         missing = keep - set(self.layers)
         if missing:
@@ -463,7 +457,6 @@ class Trainer:
             bytes_received=sum(record.bytes for record in records),
         )
         self._pending = []
-        self._copied.clear()
         return True
 
     # ---- one step ----------------------------------------------------------------------------------------
@@ -618,6 +611,7 @@ class Trainer:
             layer.optimizer.step()
         self.step += 1
         self._voted = None
+        self._copied.clear()  # the layers changed: a copy made before is not one to keep
 
     def _commit(
         self, loss_share: float, newer_plan: bool, sq_norm_share: float, sample_ids: list[int]

@@ -35,6 +35,7 @@ from resilientjob.protocol.store_keys import (
     loss_key,
     plan_key,
     received_key,
+    restored_key,
     steptime_key,
 )
 
@@ -128,7 +129,13 @@ def wait_for_plan_with(
 
 
 def await_peers(
-    store: Store, plan: Plan, node: int, degree: int, timeout_s: float, steps: int | None = None
+    store: Store,
+    plan: Plan,
+    node: int,
+    degree: int,
+    timeout_s: float,
+    steps: int | None = None,
+    key: str | None = None,
 ) -> bool:
     """Check in for plan `plan.generation` and wait for every worker of its world before the rendezvous,
     whose timeout is the collective timeout (seconds). Workers reach a rendezvous far apart: at a fresh start
@@ -138,11 +145,12 @@ def await_peers(
     apart fails with no peer dead, and then nothing publishes a newer plan. Stops waiting when a newer plan
     appears (a peer died meanwhile) or after `timeout_s`; then the rendezvous decides as before. False when
     it gave up. `JobFinished` when the job trained its `steps` meanwhile (a replacement that joins as the
-    job ends waits for peers that have exited)."""
+    job ends waits for peers that have exited). `key`: the counter to count in (default: the generation's
+    check-ins)."""
     nodes = world_nodes(plan)
     if node not in nodes:
         return True
-    key = checkin_key(plan.generation)
+    key = key or checkin_key(plan.generation)
     expected = len(nodes) * degree
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
@@ -165,15 +173,19 @@ def check_in(
     steps: int | None = None,
 ) -> None:
     """Wait for the plan's world (`await_peers`); for a `restart`, then load the newest complete checkpoint
-    (`_restore`). Each worker's own saves are on disk before it checks in, so that past the barrier every
-    worker finds the same newest step: a survivor still writing the newest checkpoint when the restart came
-    made a peer that looked first restore the step before, and the rendezvous failed the job on the
-    disagreement."""
+    (`_restore`), and wait for the world again. Each worker's own saves are on disk before it checks in, so
+    that past the barrier every worker finds the same newest step: a survivor still writing the newest
+    checkpoint when the restart came made a peer that looked first restore the step before, and the
+    rendezvous failed the job on the disagreement. Loading takes each node its own time (minutes for a large
+    model, from a shared volume): a node that loaded a collective timeout after its peers failed their
+    rendezvous, and the restart with it."""
     if restart and checkpointer is not None:
         checkpointer.wait()
     await_peers(store, plan, trainer.node, trainer.degree, timeout_s, steps)
     if restart:
         _restore(trainer, checkpointer, plan)
+        loaded = restored_key(plan.generation)
+        await_peers(store, plan, trainer.node, trainer.degree, timeout_s, steps, key=loaded)
 
 
 def _restore(trainer: Trainer, checkpointer: Checkpointer | None, plan: Plan) -> None:

@@ -33,7 +33,7 @@ def _ephemeral_start() -> int:
 def _bindable(port: int) -> bool:
     with socket.socket() as probe:
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind(("0.0.0.0", port))  # every address: the metrics servers bind all of them
         except OSError:
             return False
         return True

@@ -92,28 +92,26 @@ def judge(
     return Verdict(hung=tuple(sorted(world - reported)))
 
 
+def switch_failed(aborts: Mapping[int, WorkerAbort]) -> bool:
+    """Whether a node failed in the switch to the aborts' generation (`WorkerAbort.switching`), not only in
+    a step after it: its layer copies, or its checkpoint restart, may be unfinished."""
+    return any(abort.switching for abort in aborts.values())
+
+
 def copies_to_carry(plan: Plan, aborts: Mapping[int, WorkerAbort]) -> tuple[Transfer, ...]:
-    """The layer copies of `plan` that the re-formed generation must carry again. None when every node
-    abandoned a step: each got past the copies. After a failed switch (an abort `switching`), those that may
-    be unfinished: the senders of the world itself (its workers agree which copies completed before they
-    move a layer: `agent.p2p.copies_left`) and the nodes that only send and failed in the switch too. A node
-    that only sends and reported nothing finished its sends and left: it is not waited for again."""
-    if not any(abort.switching for abort in aborts.values()):
-        return ()
-    running = set(plan.nodes)
-    return tuple(
-        transfer
-        for transfer in plan.transfers
-        if transfer.src in running or (transfer.src in aborts and aborts[transfer.src].switching)
-    )
+    """The layer copies of `plan` that the re-formed generation carries again. None when every node
+    abandoned a step: each got past the copies, and a node that only sent layers may have left. After a
+    failed switch, all of them: the workers agree which ones completed before they move a layer
+    (`agent.p2p.switch_copies`), and no source drops a layer before every receiver holds its own, so every
+    sender of a copy still to make is still there, waiting for the next generation like the others."""
+    return plan.transfers if switch_failed(aborts) else ()
 
 
 def summary(aborts: Mapping[int, WorkerAbort]) -> str:
     """One clause for the Event and the decision: the step (or the switch), who aborted, and the error of
     the node that aborted first (the others' usually say only that it stopped answering)."""
     first = min(aborts.values(), key=lambda abort: (abort.at, abort.node))
-    switching = any(abort.switching for abort in aborts.values())
-    what = f"the switch to generation {first.generation}" if switching else f"step {first.step}"
+    what = f"the switch to generation {first.generation}" if switch_failed(aborts) else f"step {first.step}"
     return f"nodes {sorted(aborts)} abandoned {what} (first node {first.node}: {first.error})"
 
 

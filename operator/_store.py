@@ -48,17 +48,20 @@ def rendezvous_again(
     reason: str = "the job's store pod was replaced: the workers rendezvous again on the new store",
     detect_s: float = 0.0,
     transfers: tuple[Transfer, ...] | None = None,
+    restart_again: bool = False,
 ) -> PlanAnnouncement:
     """The committed layout again as the next generation: for workers whose store was replaced, or whose
     world stopped on a communication error with every node alive (`_aborts`). `dynamic`: every node keeps
     its layers (a `checkpoint` plan would reload the last checkpoint for nothing). `transfers`: the layer
     copies the next generation carries again (`_aborts.copies_to_carry`: none once every worker got past
     them, so that a node that only sent layers, whose worker has left, is not waited for at its
-    rendezvous); None: the current generation's, all of them."""
+    rendezvous); None: the current generation's, all of them. `restart_again`: the current generation is
+    a restart from the checkpoint whose switch failed: the next one restarts again (as `dynamic` the nodes
+    whose restore had not completed would train on what they hold)."""
     # No planner ran: the previous decision's candidates and planning time are not this one's.
     update: dict[str, object] = {
         "generation": current.generation + 1,
-        "policy": Policy.DYNAMIC,
+        "policy": Policy.CHECKPOINT if restart_again else Policy.DYNAMIC,
         "candidates": (),
         "planning_s": 0.0,
     }

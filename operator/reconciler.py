@@ -846,9 +846,14 @@ class JobController:
             return False
         reason = f"{what}; every node alive: the world re-forms with the same layout"
         waited = self.aborts.waited_s(time.monotonic())
-        carried = _aborts.copies_to_carry(published.plan, aborts)
+        restart = _aborts.switch_failed(aborts) and published.plan.policy is Policy.CHECKPOINT
         reformed = rendezvous_again(
-            published, api.Reason.COLLECTIVE_FAILED, reason, detect_s=waited, transfers=carried
+            published,
+            api.Reason.COLLECTIVE_FAILED,
+            reason,
+            detect_s=waited,
+            transfers=_aborts.copies_to_carry(published.plan, aborts),
+            restart_again=restart,
         )
         # The one Event of a re-formation (`apply` tells no other for it): the generation is named here.
         self.event("Warning", api.Reason.COLLECTIVE_FAILED, f"{reason} (generation {reformed.generation})")

@@ -98,6 +98,11 @@ def checkin_key(generation: int) -> str:
     return f"checkin/{generation}"
 
 
+def restored_key(generation: int) -> str:
+    """Counter of the workers that loaded the checkpoint for the restart of `generation`."""
+    return f"restored/{generation}"
+
+
 def arriving_key(generation: int) -> str:
     """Counter of the ranks that reached the process-group rendezvous of `generation`."""
     return f"arriving/{generation}"

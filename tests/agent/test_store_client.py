@@ -236,6 +236,44 @@ def test_every_rendezvous_waits_for_every_worker_of_its_world() -> None:
     assert await_peers(fresh, moving, node=3, degree=1, timeout_s=5)
 
 
+def test_a_restart_waits_for_every_worker_to_load_the_checkpoint_before_its_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading takes each node its own time (minutes for a large model): the node that loaded first entered
+    the rendezvous, waited a collective timeout for the other, and the restart failed with nobody dead."""
+    import threading
+    from types import SimpleNamespace
+
+    from torch._C._distributed_c10d import HashStore
+
+    from resilientjob.agent import worker
+
+    loaded: dict[int, float] = {}
+    entered: dict[int, float] = {}
+
+    def restore(trainer: SimpleNamespace, checkpointer: object, plan: Plan) -> None:
+        time.sleep(1.0 if trainer.node == 1 else 0.0)  # node 1's volume is slower
+        loaded[trainer.node] = time.monotonic()
+
+    monkeypatch.setattr(worker, "_restore", restore)
+    store = HashStore()
+    plan = _plan(3).model_copy(update={"policy": Policy.CHECKPOINT})
+    worker.publish_plan(store, plan, 0)
+
+    def check_in(node: int) -> None:
+        trainer = SimpleNamespace(node=node, degree=1)
+        worker.check_in(trainer, store, plan, 10.0, restart=True, checkpointer=None)  # type: ignore[arg-type]
+        entered[node] = time.monotonic()
+
+    threads = [threading.Thread(target=check_in, args=(node,)) for node in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=15)
+    assert sorted(entered) == [0, 1]
+    assert entered[0] >= loaded[1]  # node 0 entered the rendezvous only once node 1 had loaded
+
+
 def test_a_worker_waiting_to_join_a_job_that_trained_its_last_step_ends() -> None:
     """A replacement taken in as the job ends waits for peers that exported and exited: it ends too (its pod
     completes) instead of waiting out the plan timeout and then staying up as a parked node."""

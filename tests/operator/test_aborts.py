@@ -23,6 +23,7 @@ from resilientjob.operator._aborts import (
     hang_after_s,
     judge,
     summary,
+    switch_failed,
 )
 from resilientjob.operator._redis_state import JobRedis, announcement, node_list
 from resilientjob.operator._store import rendezvous_again
@@ -159,30 +160,32 @@ def test_a_re_formed_world_keeps_the_layout_and_copies_nothing_again() -> None:
     assert rendezvous_again(current).plan.transfers == copied  # a replaced store may have cut copies short
 
 
-def test_after_a_failed_switch_the_copies_that_may_be_unfinished_are_carried_again() -> None:
+def test_after_a_failed_switch_its_copies_and_its_restart_are_carried_again() -> None:
     """Node 2 failed in the switch to generation 6 (a copy, or its rendezvous); node 0 got through and
-    abandoned the first step. The copies of the world's own senders go again (the workers skip those done:
-    `agent.p2p.copies_left`), and those of a node that only sends: node 5 failed in the switch too, node 6
-    reported nothing (its sends completed and its worker left: waiting for it would stall the world)."""
+    abandoned the first step. Every copy goes again, node 5's too (it only sends): the workers skip those
+    that landed (`agent.p2p.switch_copies`), and no source drops a layer before every receiver holds its
+    own, so node 5 still holds what it has to send, and waits for the next generation like the others."""
     pipelines = tuple(
         PipelinePlan(stages=(StagePlan(layers=(0, 3), node=node),), microbatches=4) for node in (0, 2)
     )
-    transfers = (
-        Transfer(layer=0, src=0, dst=2, bytes=8),
-        Transfer(layer=1, src=5, dst=2, bytes=8),
-        Transfer(layer=2, src=6, dst=2, bytes=8),
-    )
+    transfers = (Transfer(layer=0, src=0, dst=2, bytes=8), Transfer(layer=1, src=5, dst=2, bytes=8))
     plan = Plan(
         generation=6, policy=Policy.DYNAMIC, microbatch_size=1, pipelines=pipelines, step_time_s=1.0
     ).model_copy(update={"transfers": transfers})
-    switched = {node: _abort(node, generation=6).model_copy(update={"switching": True}) for node in (2, 5)}
-    aborts = {0: _abort(0, generation=6), **switched}
-    assert copies_to_carry(plan, aborts) == transfers[:2]
-    assert copies_to_carry(plan, {0: aborts[0], 2: _abort(2, generation=6)}) == ()
-    assert summary(aborts).startswith("nodes [0, 2, 5] abandoned the switch to generation 6 (first node 0: ")
+    aborts = {0: _abort(0, generation=6), 2: _abort(2, generation=6).model_copy(update={"switching": True})}
+    assert switch_failed(aborts) and copies_to_carry(plan, aborts) == transfers
+    stepped = {0: aborts[0], 2: _abort(2, generation=6)}
+    assert not switch_failed(stepped) and copies_to_carry(plan, stepped) == ()
+    assert summary(aborts).startswith("nodes [0, 2] abandoned the switch to generation 6 (first node 0: ")
     # Sent only when set: an operator of the older schema (which forbids fields it does not know) still
     # reads the aborts of a newer agent that abandoned a step.
     assert b"switching" not in encode(aborts[0]) and b'"switching":true' in encode(aborts[2])
+    # A restart from the checkpoint whose switch failed restarts again: as `dynamic`, a node whose restore
+    # had not completed would train on what it held (with tensor parallelism, its initial weights).
+    restart = announcement(plan.model_copy(update={"policy": Policy.CHECKPOINT, "transfers": ()}))
+    again = rendezvous_again(restart, api.Reason.COLLECTIVE_FAILED, "-", transfers=(), restart_again=True)
+    assert again.plan.policy is Policy.CHECKPOINT and again.generation == 7
+    assert rendezvous_again(restart, api.Reason.COLLECTIVE_FAILED, "-").plan.policy is Policy.DYNAMIC
 
 
 def test_abort_line_keeps_the_first_line_of_a_long_error() -> None:

@@ -23,7 +23,7 @@ from _rjob_stack import emulator_only
 from _support import job_object, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOWED_S = 25
+SLOWED_S = 20
 """How long worker 3 is slowed: S4, priced first, must come while the order holds (on two loaded cores the
 levels and the rung take 5-10 s)."""
 DRAINED_S = 15
