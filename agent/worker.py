@@ -243,6 +243,10 @@ def _settle(
                 checkpointer.discard_after(trainer.step)
         except ReconfigurationError:
             raise
+        except torch.OutOfMemoryError as exc:
+            # This node's own memory, not a peer: a re-formed world would fail alike, up to its limit of
+            # tries. The worker exits with it, and the fail-stop path plans around the node.
+            raise ComputeError(f"switch to generation {plan.generation}: {abort_line(exc)}") from exc
         except RuntimeError as exc:
             _abandon_switch(trainer, store, plan, exc)
             plan = wait_for_plan_after(store, plan.generation, timeout_s)

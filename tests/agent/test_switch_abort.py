@@ -194,3 +194,42 @@ def test_a_failed_switch_re_forms_and_copies_only_what_had_not_landed(
     reference, _, _ = reference_run(_config(), plan.global_batch, plan.microbatch_size)
     losses = [float(store.get(loss_key(step)).decode().split(":", 1)[1]) for step in range(STEPS)]
     assert losses == pytest.approx(reference[:STEPS], rel=0.01)
+
+
+def test_out_of_memory_in_a_switch_ends_the_worker_instead_of_re_forming_the_world() -> None:
+    """No re-formed world gives a node more memory: three re-formations and the plan timeout were all it
+    bought. The worker exits with the error (`ComputeError`), and the fail-stop path plans around it."""
+    from types import SimpleNamespace
+
+    from torch._C._distributed_c10d import HashStore
+
+    from resilientjob.agent import worker
+    from resilientjob.agent._runtime_wait import ComputeError
+    from resilientjob.planner.plan import PipelinePlan, StagePlan
+
+    said: list[tuple[int, bool]] = []
+
+    def apply_plan(plan: Plan, store: Any) -> bool:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    trainer = SimpleNamespace(
+        node=0,
+        degree=1,
+        step=4,
+        generation=0,
+        apply_plan=apply_plan,
+        hooks=SimpleNamespace(on_abort=lambda g, step, error, switching=False: said.append((g, switching))),
+    )
+    stages = (StagePlan(layers=(0, 8), node=0),)
+    plan = Plan(
+        generation=1,
+        policy=Policy.DYNAMIC,
+        microbatch_size=2,
+        pipelines=(PipelinePlan(stages=stages, microbatches=2),),
+        step_time_s=0.1,
+    )
+    store = HashStore()
+    publish_plan(store, plan, 0)
+    with pytest.raises(ComputeError, match="switch to generation 1: OutOfMemoryError: CUDA out of memory"):
+        worker._settle(trainer, store, plan, timeout_s=5.0)  # type: ignore[arg-type]
+    assert said == []  # no abort reported: nothing for the operator to re-form
