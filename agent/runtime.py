@@ -49,6 +49,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed.device_mesh import DeviceMesh
 
 from resilientjob.planner.plan import Plan
+from resilientjob.protocol.messages import abort_line
 from resilientjob.protocol.store_keys import GENERATION_KEY, arriving_key
 from resilientjob.protocol.workload import Precision, TrainingSpec
 
@@ -533,6 +534,13 @@ class Trainer:
             self.fault_hook(self.step, phase)
 
     def _run_step(self, latest_generation: int) -> tuple[float, bool, list[int]]:
+        if self._abandoned:
+            # The last commit was decided by the vote after this rank's commit all-reduce failed: the world's
+            # collectives are out of step (a rank never issued the one the others did), and the next one
+            # could pair with a stale operation of theirs and commit a step on this rank alone (seen: the
+            # re-formed world found its ranks two steps apart, one without the gradients to catch up, and
+            # every worker exited). No step more in this world: the next generation starts clean.
+            raise PeerFailure(f"step {self.step}: the world's collectives broke at the last commit")
         step, plan = self.step, self._current()
         grads = self._gradient_sync()
         grads.zero(self.layers)
@@ -636,10 +644,13 @@ class Trainer:
         commit = torch.tensor(flags, dtype=reduce_dtype(self.comm_device), device=self.comm_device)
         try:
             self._wait(dist.all_reduce(commit, async_op=True), "commit")
-        except RuntimeError:
+        except RuntimeError as exc:
             totals = vote.close()
             if totals is None:
                 raise
+            # Said, as the worker says an abandoned step: a fault here would otherwise leave no trace.
+            said = f"commit of step {self.step}: {abort_line(exc)}; every rank had voted: committed"
+            print(said, flush=True)
             # The world's all-reduce failed here: its groups may hold operations pending on the dead peer,
             # so they must be retired, not destroyed, whenever this trainer leaves them (even at close()).
             self._abandoned = True

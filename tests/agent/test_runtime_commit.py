@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
 from resilientjob.agent._plan_store import read_generation, read_plan
@@ -107,6 +108,22 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
     plan = read_plan(store, read_generation(store))
 
     def hook(step: int, phase: CommitPhase) -> None:
+        if fault is not None and (node, step, str(phase)) == fault[:3] and fault[3:] == ("break",):
+            # Every vote is in; this rank's commit all-reduce then fails before it is issued (a reset
+            # connection): it commits by the vote, while its peers' all-reduces stay pending.
+            keys = [vote_key(0, step, rank) for rank in range(NODES)]
+            deadline = time.monotonic() + 20.0
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            real = dist.all_reduce
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                dist.all_reduce = real
+                raise RuntimeError("injected: the commit all-reduce broke")
+
+            dist.all_reduce = broken
+            store.set(f"broken/{node}", "1")
+            return
         if fault is not None and (node, step, str(phase)) == fault[:3] and fault[3:] == ("lag",):
             # The peers commit; this rank loses its commit (as when the store holding the votes is
             # replaced mid-commit) and meets the next rendezvous one step behind them.
@@ -146,8 +163,9 @@ def _worker(node: int, port: int, fault: tuple[Any, ...] | None, results: Queue[
     while trainer.step < STEPS:
         try:
             loss, switch, _ = trainer.run_step(read_generation(store))
-        except RuntimeError:
+        except RuntimeError as exc:
             aborted_at.append(trainer.step)
+            store.set(f"abandoned-by/{trainer.generation}/{node}", str(exc))
             began = time.monotonic()
             trainer.apply_plan(wait_for_plan_after(store, trainer.generation, 60.0), store)
             switch_s.append(time.monotonic() - began)
@@ -264,6 +282,54 @@ def test_kill_at_commit_point_leaves_survivors_at_one_step(
         # The switch after the death did not hang on the old groups, which were retired, not destroyed.
         assert len(switch_s) == 1 and switch_s[0] < 20.0, row
         assert retired == 1, row
+
+
+@pytest.mark.torch
+def test_a_commit_decided_by_the_vote_ends_the_world_before_its_collectives_pair_out_of_step(
+    gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    """One rank's commit all-reduce breaks after every vote is in: all commit the step by the vote. That
+    rank never issued the all-reduce its peers did, so the world's collectives are out of step. A next step
+    in it could let a rank commit alone (its commit all-reduce paired with the peers' stale one): the
+    re-formed world found its ranks apart with no gradients to catch up, and every worker exited (seen
+    twice in `bench_world_stops`). Now every rank stops before its next step, and the world re-formed with
+    the same layout trains to the end. The race itself needs a rank through its next gradient all-reduce
+    within the waiter's first look, which this test does not arrange: it checks where each rank stopped."""
+    planner = RuntimePlanner.for_job(
+        gpt_profile, nodes=NODES, global_batch=8, microbatch_size=2, dp_range=(2, 2)
+    )
+    config = job_config(steps=STEPS)
+    reference, _, _ = reference_run(config, 8, 2)
+    plan = planner.initial()
+    store, workers, results = _start_workers(plan, (VICTIM, FAIL_STEP, str(CommitPhase.VOTED), "break"))
+    collected: dict[int, tuple[Any, ...]] = {}
+    try:
+        deadline = time.monotonic() + 90.0
+        while not store.check([f"broken/{VICTIM}"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.check([f"broken/{VICTIM}"]), "the fault never fired"
+        time.sleep(1.0)  # every rank reaches its next step, and stops there
+        publish_plan(store, plan.model_copy(update={"generation": 1}), 0)  # the operator's re-formation
+        while len(collected) < NODES and time.monotonic() < deadline:
+            row = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            collected[row[0]] = row
+    finally:
+        for process in workers.values():
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert sorted(collected) == list(range(NODES))
+    # The broken step committed everywhere; every rank abandoned the next one before any collective of it.
+    assert {tuple(row[2]) for row in collected.values()} == {(FAIL_STEP + 1,)}, collected
+    for node in range(NODES):
+        said = store.get(f"abandoned-by/0/{node}").decode()
+        assert "the world's collectives broke at the last commit" in said, (node, said)
+    for node, row in collected.items():
+        _, step, _, losses, _, _, _, _ = row
+        assert step == STEPS and sorted(losses) == list(range(STEPS)), row
+        for index in range(STEPS):
+            assert losses[index] == pytest.approx(reference[index], rel=1e-4), (node, index)
+    _assert_each_sample_once(store)
 
 
 @pytest.mark.torch
