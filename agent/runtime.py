@@ -657,8 +657,8 @@ class Trainer:
             # Peers may still wait in it for this rank's part, dead peer or not (a reset connection): they
             # learn that the world broke at their next look, not after their collective timeout.
             self.notice.abandon()
-            # Every rank voted before the failure: the step is committed everywhere. The flags are lost; the
-            # next step fails on the dead peer and the switch happens then, on every survivor alike.
+            # Every rank voted before the failure: the step is committed everywhere. The flags are lost; no
+            # rank starts a next step in this world (`_run_step`), and the switch happens then, alike.
             self._fault(CommitPhase.REDUCED)
             self.checkpoint_due = False
             return totals[0], False, totals[1]
