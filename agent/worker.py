@@ -280,16 +280,24 @@ def _settle(
 
 
 def _abandon_switch(trainer: Trainer, store: Store, plan: Plan, exc: RuntimeError) -> None:
-    """The switch to `plan` failed here (its rendezvous, a layer copy): say so as an abandoned step says
-    it, so that the peers stop waiting on this node and the operator learns that the world stopped. A peer's
-    death is answered by the fail-stop path anyway; with every node alive nothing else would publish the
-    generation the workers wait for: they waited out their plan timeout, and every pod exited."""
-    if trainer.node not in world_nodes(plan):
-        return
-    if trainer.generation == plan.generation:  # the switch had begun: the peers' waits watch this notice
+    """The switch to `plan` failed here (its rendezvous, a layer copy): said as an abandoned step is. A
+    peer's death is answered by the fail-stop path anyway; with every node alive nothing else would publish
+    the generation the workers wait for: they waited out their plan timeout, and every pod exited."""
+    if trainer.node in world_nodes(plan):
+        _abandon(trainer, store, plan.generation, trainer.step + 1, exc, switching=True)
+
+
+def _abandon(
+    trainer: Trainer, store: Store, generation: int, step: int, exc: RuntimeError, switching: bool = False
+) -> None:
+    """This node abandons `step` of `generation` (or the switch to it). First the peers waiting for its
+    part learn it (the notice, once the generation's world is this trainer's), then the operator, through
+    the agent: with every node alive, no failure detector would publish the plan it now waits for
+    (`operator/_aborts`)."""
+    if trainer.generation == generation:
         trainer.notice.abandon()
-    store.set(event_key("abort", plan.generation, trainer.node), repr(time.time()))
-    trainer.hooks.on_abort(plan.generation, trainer.step + 1, abort_line(exc), switching=True)
+    store.set(event_key("abort", generation, trainer.node), repr(time.time()))
+    trainer.hooks.on_abort(generation, step, abort_line(exc), switching=switching)
 
 
 def _record_losses(trainer: Trainer, store: Store) -> None:
@@ -401,12 +409,7 @@ def worker_main(
         except ReconfigurationError:
             raise
         except RuntimeError as exc:
-            # First, so that the peers waiting for this rank's part of the step abandon it at once.
-            trainer.notice.abandon()
-            store.set(event_key("abort", trainer.generation, node), repr(time.time()))
-            # The operator learns of it through the agent: with every node alive, no failure detector would
-            # publish the plan this worker now waits for (`operator/_aborts`).
-            trainer.hooks.on_abort(trainer.generation, step + 1, abort_line(exc))
+            _abandon(trainer, store, trainer.generation, step + 1, exc)
             new_plan = wait_for_plan_after(store, trainer.generation, config.plan_timeout_s)
             if not _settle(trainer, store, new_plan, config.plan_timeout_s, checkpointer):
                 break

@@ -248,6 +248,32 @@ def _run_job(
     return collected
 
 
+def _re_formed(
+    plan: Plan, fault: tuple[Any, ...], fired: str, accounted: Callable[[Any], int]
+) -> tuple[Any, dict[int, tuple[Any, ...]]]:
+    """Run NODES workers with `fault`; once the victim's `<fired>/<node>` flag is in the store, publish the
+    same layout as generation 1 (what the operator does with every node alive) with the failure count that
+    `accounted(store)` returns, and collect every worker's row."""
+    store, workers, results = _start_workers(plan, fault)
+    collected: dict[int, tuple[Any, ...]] = {}
+    try:
+        deadline = time.monotonic() + 90.0
+        while not store.check([f"{fired}/{VICTIM}"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.check([f"{fired}/{VICTIM}"]), "the fault never fired"
+        publish_plan(store, plan.model_copy(update={"generation": 1}), accounted(store))
+        while len(collected) < NODES and time.monotonic() < deadline:
+            row = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            collected[row[0]] = row
+    finally:
+        for process in workers.values():
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert sorted(collected) == list(range(NODES))
+    return store, collected
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize(
     ("phase", "committed"),
@@ -301,24 +327,14 @@ def test_a_commit_decided_by_the_vote_ends_the_world_before_its_collectives_pair
     config = job_config(steps=STEPS)
     reference, _, _ = reference_run(config, 8, 2)
     plan = planner.initial()
-    store, workers, results = _start_workers(plan, (VICTIM, FAIL_STEP, str(CommitPhase.VOTED), "break"))
-    collected: dict[int, tuple[Any, ...]] = {}
-    try:
-        deadline = time.monotonic() + 90.0
-        while not store.check([f"broken/{VICTIM}"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert store.check([f"broken/{VICTIM}"]), "the fault never fired"
+
+    def stopped(store: Any) -> int:
         time.sleep(1.0)  # every rank reaches its next step, and stops there
-        publish_plan(store, plan.model_copy(update={"generation": 1}), 0)  # the operator's re-formation
-        while len(collected) < NODES and time.monotonic() < deadline:
-            row = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            collected[row[0]] = row
-    finally:
-        for process in workers.values():
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-    assert sorted(collected) == list(range(NODES))
+        return 0  # nobody died: the operator's re-formation
+
+    store, collected = _re_formed(
+        plan, (VICTIM, FAIL_STEP, str(CommitPhase.VOTED), "break"), "broken", stopped
+    )
     # The broken step committed everywhere; every rank abandoned the next one before any collective of it.
     assert {tuple(row[2]) for row in collected.values()} == {(FAIL_STEP + 1,)}, collected
     for node in range(NODES):
@@ -345,25 +361,10 @@ def test_a_worker_whose_commit_was_lost_applies_it_at_the_rendezvous_and_trains_
     config = job_config(steps=STEPS)
     reference, _, _ = reference_run(config, 8, 2)
     plan = planner.initial()
-    store, workers, results = _start_workers(plan, (VICTIM, FAIL_STEP, str(CommitPhase.REDUCED), "lag"))
-    collected: dict[int, tuple[Any, ...]] = {}
-    try:
-        deadline = time.monotonic() + 90.0
-        while not store.check([f"lagged/{VICTIM}"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert store.check([f"lagged/{VICTIM}"]), "the fault never fired"
-        # What the operator does after a store replacement: the same layout as the next generation. The
-        # peers wait for the lagging worker inside their next step; the announcement ends that wait.
-        publish_plan(store, plan.model_copy(update={"generation": 1}), announce_failures(store, 1))
-        while len(collected) < NODES and time.monotonic() < deadline:
-            row = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            collected[row[0]] = row
-    finally:
-        for process in workers.values():
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-    assert sorted(collected) == list(range(NODES))
+    # What the operator does after a store replacement: the same layout as the next generation. The peers
+    # wait for the lagging worker inside their next step; the announcement ends that wait.
+    fault = (VICTIM, FAIL_STEP, str(CommitPhase.REDUCED), "lag")
+    store, collected = _re_formed(plan, fault, "lagged", lambda store: announce_failures(store, 1))
     _assert_each_sample_once(store)
     for node, (_, step, aborted, losses, _, _, rolled, seen_rolled) in collected.items():
         assert step == STEPS, collected[node]
