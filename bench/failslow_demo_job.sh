@@ -49,7 +49,8 @@ except (OSError, ValueError):
     print("no result")
     raise SystemExit
 keys = ("job_slowed_by", "detection_delay_iterations", "episode_delay_iterations", "mitigation_delay_iterations",
-        "healthy_steps_per_s", "slow_steps_per_s", "mitigated_steps_per_s", "slowdown_removed", "wall_s")
+        "healthy_steps_per_s", "slow_steps_per_s", "mitigated_steps_per_s", "slowdown_removed",
+        "step_time_slowdown_removed", "compute_factor_measured", "wall_s")
 parts = [f"{k}={r[k]:.3g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}" for k in keys if k in r]
 m = r.get("mitigation") or {}
 print(" ".join(parts), f"strategy={m.get('strategy')}", f"layout={r.get('layout')}")
