@@ -73,8 +73,13 @@ class PeerChannels:
     device: torch.device | str = "cpu"
     tagged: bool = True
     """Pass tags (gloo matches by them); False matches in order alone, as NCCL and HCCL do."""
-    isend: Send = dist.isend
-    irecv: Send = dist.irecv
+    isend: Send | None = None
+    """A model of `dist.isend` in tests; None: `dist.isend` looked up at each send. A function taken at
+    import would be the one from before `tracing.install()`: the tracer would never see the pipeline's
+    messages, so their waits (bubbles, a slow neighbour stage) would count as this node's compute and a
+    chaos link order would never delay them."""
+    irecv: Send | None = None
+    """As `isend`, for `dist.irecv`."""
     _queues: dict[int, deque[int]] = field(default_factory=dict)
     _posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = field(default_factory=dict)
 
@@ -101,18 +106,20 @@ class PeerChannels:
     def send(self, tensor: torch.Tensor, receiver: int, tag: int) -> Any:
         """Post the message to `receiver` (a node other than this one); returns its work item."""
         group = self._group(self.node, receiver)
-        return self.isend(tensor, dst=self.rank_of[receiver], group=group, tag=tag if self.tagged else 0)
+        isend = self.isend or dist.isend
+        return isend(tensor, dst=self.rank_of[receiver], group=group, tag=tag if self.tagged else 0)
 
     def recv(self, shape: Sequence[int], sender: int, tag: int) -> tuple[torch.Tensor, Any]:
         """The buffer and work item of the message `tag` from `sender`, with every message that sender
         sends before it posted first (their buffers wait here for the ops that need them)."""
         queue = self._queues.get(sender)
+        irecv = self.irecv or dist.irecv
         while (sender, tag) not in self._posted:
             if not queue:
                 raise RuntimeError(f"p2p: node {sender} sends no message {tag} to node {self.node} this step")
             next_tag = queue.popleft()
             buffer = torch.empty(tuple(shape), dtype=torch.float32, device=self.device)
-            work = self.irecv(
+            work = irecv(
                 buffer,
                 src=self.rank_of[sender],
                 group=self._group(sender, self.node),

@@ -26,9 +26,17 @@ The rule (what `StragglerGate.straggler` decides):
   to the job's median is its planned share.
 - The node is a straggler when `level / w > threshold x median(level_m / w_m)` over the OTHER nodes m with
   at least `min_samples` levels (theirs over the same steps, from the report's onset, where they have
-  enough of them). A machine-wide slowdown raises every node's level, so the median of the
-  others rises with it and nobody is a straggler. With no other node to compare with (a one-node job), the
-  agent's own before/after ratio is all there is, and the report counts as it is.
+  enough of them). The others are those of the node's **share class** when it has at least
+  `MIN_CLASS_PEERS` of them with levels: the nodes whose planned shares are within `SHARE_CLASS_TOLERANCE`
+  of each other do the same work, and compare directly, whatever a step costs beyond the profile's layer
+  times. That cost is what the shares miss: the optimizer, the data and a step's bookkeeping do not scale
+  with the layers' forward and backward, and on the demo's small GPT they are much of a step (its
+  stages' compute measured 0.65-0.9x the whole replicas', planned 0.5x): across classes, the stages looked
+  1.3-2x slow per share (the sweep opened episodes at start-up) and a whole replica slowed 1.5x looked
+  1.14x. Only a node without enough peers of its class is judged against the whole job. A machine-wide
+  slowdown raises every node's level, so the median of the others rises with it and nobody is a
+  straggler. With no other node to compare with (a one-node job), the agent's own before/after ratio is
+  all there is, and the report counts as it is.
 - And the straggler must matter: its excess compute per step, `(level / w - median) x w` in seconds, must
   be at least `threshold - 1` times the job's median step time (wall, all nodes, this generation). A node
   whose compute is a sliver of the step (communication-bound jobs, tiny models: the demo's compute is ~5 ms
@@ -78,6 +86,24 @@ _Z = 2.5
 alone crosses it, and confirmation asks a second, turned-over window to cross it too. Calibrated on
 Gaussian noise of 2-40% at thresholds 1.1-1.5 (no false episode in 2,000 steps of 8 nodes for any), and on
 the local stack's recorded healthy runs (`bench/bench_failslow_replay.py`)."""
+
+
+SHARE_CLASS_TOLERANCE = 1.05
+"""Planned shares within this factor of each other are one class: the same work (`StragglerGate._judge`)."""
+MIN_CLASS_PEERS = 2
+"""Other nodes of its share class, with levels, that a node is compared with instead of the whole job."""
+
+
+def share_classes(shares: Mapping[int, float]) -> dict[int, int]:
+    """node -> its class: nodes sorted by planned share, a new class wherever a share is over
+    `SHARE_CLASS_TOLERANCE` times the smallest of the class being filled."""
+    classes: dict[int, int] = {}
+    label, first = -1, 0.0
+    for node, share in sorted(shares.items(), key=lambda item: item[1]):
+        if label < 0 or share > first * SHARE_CLASS_TOLERANCE:
+            label, first = label + 1, share
+        classes[node] = label
+    return classes
 
 
 def window_for(noise: float, threshold: float) -> int:
@@ -360,14 +386,24 @@ class StragglerGate:
                 if (value := self._level_or_recent(other, since, until)) is not None
             }
             ordered = sorted(everyone.values())
+            classes = share_classes({other: self.share(other) for other in everyone})
+            by_class: dict[int, list[float]] = {}
+            for other, value in everyone.items():
+                by_class.setdefault(classes[other], []).append(value)
+            for values in by_class.values():
+                values.sort()
             step_s = self.step_s
             for node in nodes:
                 own = self.level(node, since, until)
                 if own is None:
                     verdicts[node] = None
                     continue
-                skip = bisect_left(ordered, everyone[node]) if node in everyone else None
-                reference = _median_without(ordered, skip)
+                # Its own class when it has the peers for it (see the module's docstring), else everyone.
+                peers = by_class.get(classes.get(node, -1), [])
+                if len(peers) - (node in everyone) < MIN_CLASS_PEERS:
+                    peers = ordered
+                skip = bisect_left(peers, everyone[node]) if node in everyone else None
+                reference = _median_without(peers, skip)
                 # Nothing to compare with (a one-node job): the agent's own before/after ratio stands.
                 if reference is None:
                     verdicts[node] = (True, own, own)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from resilientjob.agent._runtime_p2p import PeerChannels, send_order
 from resilientjob.agent._runtime_schedule import Op, OpKind, build_ops, world_nodes
@@ -191,6 +192,24 @@ def test_a_receive_no_sender_sends_is_an_error_not_a_hang() -> None:
     channels.start_step()
     with pytest.raises(RuntimeError, match="node 0 sends no message 9 to node 1"):
         channels.recv((1,), 0, 9)
+
+
+def test_messages_go_through_the_torch_distributed_functions_of_the_call_so_the_tracer_sees_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tracer replaces `dist.isend`/`dist.irecv` after the runtime's modules are imported: channels made
+    before or after must call the functions of the moment. (A function taken at import left the pipeline's
+    messages untraced: their waits counted as compute, and a slow link's chaos never delayed them.)"""
+    channels = PeerChannels(0, {0: 0, 1: 1}, {1: [3]}, ("up", "down"))
+    sent: list[dict[str, Any]] = []
+    posted: list[dict[str, Any]] = []
+    monkeypatch.setattr(dist, "isend", lambda *_, **kw: sent.append(kw) or "send-work")
+    monkeypatch.setattr(dist, "irecv", lambda *_, **kw: posted.append(kw) or "recv-work")
+    channels.start_step()
+    assert channels.send(torch.zeros(2), 1, 5) == "send-work"
+    _, work = channels.recv((2,), 1, 3)
+    assert work == "recv-work"
+    assert (sent[0]["dst"], sent[0]["tag"], posted[0]["src"], posted[0]["tag"]) == (1, 5, 1, 3)
 
 
 @pytest.mark.torch

@@ -14,6 +14,7 @@ from resilientjob.operator._straggler import (
     MIN_WINDOW,
     StragglerGate,
     relative_spread,
+    share_classes,
     window_for,
 )
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
@@ -324,3 +325,35 @@ def test_a_report_over_the_threshold_whose_cost_is_still_short_is_not_dismissed(
         assert job.tracker.active and job.step - onset <= 11, (seed, job.step - onset)
         short = [f.message for f in job.tracker.findings if "of the job's" in f.message]
         assert not short, (seed, short)
+
+
+def test_nodes_are_compared_with_the_nodes_of_their_share_class() -> None:
+    """The demo's layout, DP6 PP[2,2,1,1,1,1]: four pipeline stages planned at half a whole replica's work,
+    four whole replicas. What a step costs beyond its layers (the optimizer, the data, the bookkeeping)
+    made the stages' compute 0.8x the replicas' where the shares say 0.5x (measured on 16 cores). Judged
+    against the whole job, the stages looked 1.6x slow per share (the sweep opened an episode on them at
+    start-up) and a replica slowed 1.5x looked faster than the median."""
+    shares = {node: 2 / 3 if node < 4 else 4 / 3 for node in range(8)}
+
+    def run(slowed: float) -> StragglerGate:
+        gate = StragglerGate(1.2)
+        gate.new_generation(0, shares)
+        for step in range(40):
+            for node, share in shares.items():
+                compute = (0.022 if share < 1 else 0.027) * (slowed if node == 7 else 1.0)
+                seconds = 0.031 if slowed == 1.0 else 0.045
+                gate.observe(
+                    IterationRecord(
+                        node=node, generation=0, step=step, seconds=seconds, samples=8, sent_at=0.0,
+                        compute_s=compute, communication_s=seconds - compute,
+                    )
+                )  # fmt: skip
+        return gate
+
+    assert run(1.0).sweep() == {}
+    slowed = run(1.5)
+    assert set(slowed.sweep()) == {7}
+    assert slowed.ratios({7: 0})[7] == pytest.approx(1.5)
+    # A class: the shares within 5% of its smallest (a node without two peers in its own, as the replica
+    # S2 gave a third micro-batch, is judged against the whole job per planned share).
+    assert share_classes({0: 0.5, 1: 0.51, 2: 1.0, 3: 1.04, 4: 1.5}) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
