@@ -229,8 +229,9 @@ class FailSlowSpec(_Api):
         default=1.1,
         gt=1,
         le=100,
-        description="A worker is slow when its compute time exceeds the other workers' median x this "
-        "(each scaled by its planned share of the work), for at least minDurationS.",
+        description="A worker is slow when its compute time exceeds the median of the workers planned "
+        "the same work x this (of all the other workers, each scaled by its planned share of the work, "
+        "where fewer than two others do the same work), for at least minDurationS.",
     )
     min_duration_s: float = Field(
         default=5.0,
