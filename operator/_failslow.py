@@ -37,6 +37,7 @@ state share the same fields; what can be judged apart from them is apart already
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -586,6 +587,9 @@ class FailSlowTracker:
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
+        if not self._undoes_its_slowdown(report):
+            self.changed = True
+            return None
         # A recovery report is a node's own step getting shorter, which a mitigation (S2 moved work off
         # the straggler; the peers that waited for it wait less) or a busy host quietening also cause. A
         # compute straggler of the episode that is still slower than the others stays in it, as its own
@@ -659,6 +663,29 @@ class FailSlowTracker:
         if decision is None:
             return None
         return Mitigation(Action.RESTORE, {report.node: 1.0}, decision.reason, decision.loss_s, 0.0)
+
+    def _undoes_its_slowdown(self, report: SlowReport) -> bool:
+        """Whether a recovery report of a node out of the step (S2 drained it, S4 parked it: no level to
+        judge it by) shows at least half its slowdown undone, in ratio terms: its probe's level fell to at
+        most 1 / sqrt(slowdown) of what it was. A probe of a millisecond drifts by a quarter on a fast host:
+        the demo's drained x4 worker, 4 ms -> 3 ms in 40 s on 16 cores, was restored while its order held,
+        and S2 came back 3 s later. A node with a level is judged by it instead (`_speeds`)."""
+        slowdown = self.slow.get(report.node, 1.0)
+        if self.gate.measures(report.node) or slowdown <= 1.0:
+            return True
+        needed = 1.0 / math.sqrt(slowdown)
+        if report.slowdown <= needed:
+            return True
+        self.findings.append(
+            Finding(
+                FindingKind.DISMISSED,
+                (report.node,),
+                f"node {report.node}: recovery report ignored: out of the step, its probe fell to "
+                f"{report.slowdown:.2f}x of its level, short of the {needed:.2f}x that undoes half of its "
+                f"{slowdown:.2f}x slowdown",
+            )
+        )
+        return False
 
     def _lone_device(self, node: int) -> bool:
         """Whether `node` is a slow device of the episode and no slow link's end: its own compute recovery
