@@ -13,6 +13,7 @@
 #                    bench/offline_bundle.sh packs them, and redis-server: PATH=$PWD/.dev/bin:$PATH WHEELS=.dev/whl)
 #   RUNS="NAME ..."  these runs in this order (names in `run` below)
 #   LIMIT_S=S        each bench run stopped after at most S seconds
+#   DEMO_S=S         the demo's --duration (default 120, its own default)
 #
 # Writes DIR/summary.txt (a line per run), DIR/runs.tgz (each run's JSON, output and operator log) and
 # DIR/demo.png.
@@ -80,12 +81,12 @@ bench() {  # NAME LIMIT_S ARGS...: one bench_failslow_e2e run, stopped (SIGINT: 
 }
 
 demo_job() {  # `rjob demo` itself: the kill, then x4 on a worker, at the demo's threshold (1.5)
-    local left=$((deadline - SECONDS))
-    if ((left < 170)); then
+    local left=$((deadline - SECONDS)) duration=${DEMO_S:-120}
+    if ((left < duration + 50)); then
         log "demo: skipped, ${left}s left"
         return
     fi
-    COLUMNS=400 timeout -s INT -k 20 170 "$py" -m resilientjob.cli demo --no-live --duration 120 \
+    COLUMNS=400 timeout -s INT -k 20 $((duration + 50)) "$py" -m resilientjob.cli demo --no-live --duration "$duration" \
         -f examples/demo.yaml --out "$work/demo" >"$work/demo.out" 2>&1
     # The fail-slow measurement runs over three lines: the detection, the mitigation, the share removed.
     log "demo (rc $?): $(grep -A2 -E '^fail-slow' "$work/demo.out" | tr '\n' ' ') $(grep -E '^(peer-to-peer|loss )' \
