@@ -7,9 +7,9 @@ STAMP := $(VENV)/.bootstrapped
 TORCH_PIN := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: bootstrap demo test check bench results clean
+.PHONY: bootstrap demo test check bench results clean constraints
 
-$(STAMP): pyproject.toml testing/pyproject.toml
+$(STAMP): pyproject.toml testing/pyproject.toml testing/constraints.txt
 	@command -v redis-server >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml testing/pyproject.toml
 	# come with the package's below, from the usual index.
 	$(PY) -m pip install -q --no-index --no-deps $(TORCH_PIN) 2>/dev/null \
 	  || $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple $(TORCH_PIN)
-	# The package with its extras, and the test harness (resilientjob.testing: its own distribution, never shipped).
-	$(PY) -m pip install -q -e '.[dev,local]' -e ./testing
+	# The package with its extras, and the test harness (resilientjob.testing: its own distribution, never shipped),
+	# at the versions the suite last passed with (testing/constraints.txt: a new mypy or redis release once
+	# failed a clean clone's CI on code that had not changed; `make constraints` refreshes them).
+	$(PY) -m pip install -q -c testing/constraints.txt -e '.[dev,local]' -e ./testing
 	@touch $(STAMP)
 
 bootstrap: $(STAMP)
@@ -43,6 +45,11 @@ bench: $(STAMP)
 
 results: $(STAMP)
 	$(VENV)/bin/rjob simulate --suite paper
+
+## Pin the test environment to what is installed now (run it once the suite passes on newer versions).
+constraints: $(STAMP)
+	{ echo '# The versions `make bootstrap` installs: the suite passed with them. Refresh: `make constraints`.'; \
+	  $(PY) -m pip freeze --exclude-editable; } > testing/constraints.txt
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .pytest_cache .ruff_cache

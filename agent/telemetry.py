@@ -503,4 +503,4 @@ class Telemetry:
                     await asyncio.wait_for(stopped.wait(), wait_s)
             finally:
                 with contextlib.suppress(*REDIS_DOWN):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2

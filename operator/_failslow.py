@@ -62,7 +62,7 @@ from resilientjob.protocol.messages import (
 
 from . import _failslow_validation as _validation
 from ._failslow_clock import NodeClocks
-from ._failslow_job import JobStepTrigger
+from ._failslow_job import MARGIN, JobStepTrigger
 from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
     link_plan,
@@ -366,6 +366,22 @@ class FailSlowTracker:
             report = candidate.report
             if report.kind is SlowKind.COMMUNICATION:
                 if candidate.validated is None:
+                    holds = self._holds(report)
+                    if holds is None and clock - candidate.came_at <= ttl:
+                        continue  # waiting for its steps to clear their noise, then validation
+                    if holds is not True:
+                        del self.candidates[node]
+                        self.changed = True
+                        bar = 1 + MARGIN * (self.spec.slowdown_threshold - 1)
+                        self._dismiss(
+                            node,
+                            f"its step time since step {report.onset_step} "
+                            + (
+                                f"is back under {bar:.3g}x its level before"
+                                if holds is False
+                                else f"did not clear its own noise within {ttl:.0f}s"
+                            ),
+                        )
                     continue  # waiting for validation (or its timeout)
                 young = clock - candidate.came_at <= ttl
                 if young and _validation.unjudged(candidate, self.links, self.gate):
@@ -470,8 +486,20 @@ class FailSlowTracker:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
         if self.awaiting is not None:
             return None
-        found = _validation.suspects(self.candidates, self.profiles)
+        ready = [
+            node
+            for node, candidate in self.candidates.items()
+            if candidate.report.kind is SlowKind.COMMUNICATION
+            and candidate.validated is None
+            and self._holds(candidate.report)
+        ]
+        found = _validation.suspects(ready, self.profiles)
         return None if found is None else [node for node in found if node not in self.gone]
+
+    def _holds(self, report: SlowReport) -> bool | None:
+        """`_failslow_validation.communication_holds` on the reporter's kept steps."""
+        walls = self.clocks.walls(report.node)
+        return _validation.communication_holds(report, walls, self.spec.slowdown_threshold)
 
     def validation_sent(self, request_id: int, now: float | None = None) -> None:
         self.awaiting = (request_id, time.time() if now is None else now)

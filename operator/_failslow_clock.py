@@ -47,6 +47,10 @@ class NodeClocks:
     def forget(self, node: int) -> None:
         self._kept.pop(node, None)
 
+    def walls(self, node: int) -> list[tuple[int, float]]:
+        """The node's kept steps as (step, wall seconds), oldest first."""
+        return [(step, seconds) for step, _, _, seconds in self._kept.get(node, ())]
+
     def offset(self, node: int) -> float:
         """Seconds to add to the node's clock to read the operator's: 0 while the smallest delay of its
         records is one a delivery explains (or no record has come)."""

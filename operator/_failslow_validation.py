@@ -1,33 +1,63 @@
 """What a fail-slow episode's validation pass asks and what its answer is worth (Falcon 4.3), pure.
 
 A communication report says that a worker waits, not what it waits for. A validation pass (the agents'
-`validation`) then times each suspect's GEMM and each suspect link. These functions pick the suspects, turn a
-pass's result into findings, and check the devices it names against the job-wide compute rule: one GEMM
-timing on a shared host can name a healthy device. `FailSlowTracker` keeps the episode and applies them.
+`validation`) then times each suspect's GEMM and each suspect link. These functions say when a report is
+worth a pass (`communication_holds`), pick the suspects, turn a pass's result into findings, and check the
+devices it names against the job-wide compute rule: one GEMM timing on a shared host can name a healthy
+device. `FailSlowTracker` keeps the episode and applies them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from statistics import median
 from typing import TypeVar
 
-from resilientjob.protocol.messages import ProfileRecord, SlowKind, ValidationResult
+from resilientjob.protocol.messages import ProfileRecord, SlowKind, SlowReport, ValidationResult
 
+from ._failslow_job import MARGIN, NOISE_Z
 from ._failslow_types import Candidate, Finding, FindingKind, Link
-from ._straggler import StragglerGate, communication_suspects
+from ._straggler import MIN_WINDOW, StragglerGate, beyond_noise, communication_suspects, relative_spread
 
 Key = TypeVar("Key", int, Link)
 
 
-def suspects(candidates: Mapping[int, Candidate], profiles: Mapping[int, ProfileRecord]) -> list[int] | None:
-    """The nodes to test: every communication candidate still waiting for a pass, and the nodes of the
-    groups the agents' profiles flag. None when no candidate waits."""
-    waiting = [
-        node
-        for node, candidate in candidates.items()
-        if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None
-    ]
+def communication_holds(
+    report: SlowReport, walls: Sequence[tuple[int, float]], threshold: float
+) -> bool | None:
+    """Whether a communication report's slowdown stands on the reporter's own steps (`walls`: its kept
+    (step, wall seconds), oldest first), as the job-level trigger's must on the job's: the median wall since
+    the onset at least `MARGIN` of the threshold's excess over the median before it, and beyond what the
+    steps' own noise before the onset takes a median of that many steps to (`NOISE_Z` standard errors).
+    False once the median is under that bar: the slowdown is over, or was the noise of a moment; None while
+    it is over the bar but too few steps are in to clear the noise (or fewer than `MIN_WINDOW`).
+
+    An agent's detector verifies a change on its own steps, but the steps of a shared host rise together
+    for a moment now and then: in 10 minutes of a healthy demo job at threshold 1.2 on a slow two-core host,
+    every agent's step-time reports (1.25-1.3x) asked for 27 passes, each holding training ~0.5 s, and one
+    pass timed a link 4x the median twice and opened an episode on it. With none of the node's steps kept,
+    or too few before the onset to measure their noise, the agent's verification stands (True)."""
+    if not walls:
+        return True  # none of its steps kept (an operator just restarted): the agent's verification stands
+    before = [seconds for step, seconds in walls if step < report.onset_step]
+    after = [seconds for step, seconds in walls if step >= report.onset_step]
+    if len(after) < MIN_WINDOW:
+        return None
+    noise = relative_spread(before)
+    level = median(before) if noise is not None else report.baseline_s
+    if not level > 0:
+        return None
+    ratio = median(after) / level
+    if ratio < 1 + MARGIN * (threshold - 1):
+        return False
+    if noise is None:
+        return True
+    return True if beyond_noise(ratio, noise, len(after), NOISE_Z) else None
+
+
+def suspects(waiting: Sequence[int], profiles: Mapping[int, ProfileRecord]) -> list[int] | None:
+    """The nodes to test: the communication candidates ready for a pass (`waiting`), and the nodes of the
+    groups the agents' profiles flag. None when no candidate is ready."""
     if not waiting:
         return None
     found = set(waiting)

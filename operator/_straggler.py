@@ -18,7 +18,8 @@ The rule (what `StragglerGate.straggler` decides):
   noise is each node's robust spread (1.4826 x the median absolute deviation over the median) of its
   compute relative to the job's median at the same step, pooled as the median over the nodes: what the
   whole host does to every node at once cancels, as it does in the rule; one node's level shift does not
-  widen the pooled value.
+  widen the pooled value. Where a node is held against a share class smaller than the job (below), the
+  median of its few peers is a noisier reference, and the noise is widened by that (`reference_widening`).
 - Its **planned share** `w` is its compute per step in the published plan (forward + backward of its layers
   x its pipeline's micro-batches, rerouted stages split over the peers that run them) divided by the median
   over the plan's nodes; 1.0 for every node of a symmetric layout. Dividing by it makes a node with a
@@ -104,6 +105,24 @@ def share_classes(shares: Mapping[int, float]) -> dict[int, int]:
             label, first = label + 1, share
         classes[node] = label
     return classes
+
+
+def median_variance(count: int) -> float:
+    """The variance of the median of `count` independent Gaussian values, relative to one value's:
+    pi / (2 count + pi - 2), exact for 1, within 0.02 of the exact for 3 and beyond (0.449 for 3, 0.21 for
+    7) and pi / (2 count) asymptotically; 0.61 for 2, where the exact is 0.5 (a little careful)."""
+    return math.pi / (2 * count + math.pi - 2)
+
+
+def reference_widening(peers: int, job_peers: int) -> float:
+    """How much noisier a node's comparison with the median of `peers` other nodes is than one with the
+    median of `job_peers` (the whole job's others), in the standard deviation of the ratio: the
+    node's own level is as noisy either way, the reference's median over fewer nodes more. The window
+    (`window_for`, `_Z`) was calibrated on whole-job references of 8-node jobs, so a class reference
+    widens the noise by this factor, and a whole-job one by none (1.0)."""
+    if peers < 1 or job_peers <= peers:
+        return 1.0
+    return math.sqrt((1 + median_variance(peers)) / (1 + median_variance(job_peers)))
 
 
 def window_for(noise: float, threshold: float) -> int:
@@ -195,10 +214,25 @@ class StragglerGate:
 
     @property
     def noise(self) -> float | None:
-        """The job's step-to-step noise as the rule sees it (`_pooled_noise`), cached until the next step."""
+        """The job's step-to-step noise as the rule sees it: each node's (`_pooled_noise`), widened by the
+        noise of the smallest reference a node is compared with (`reference_widening`): the demo's share
+        classes of 4 nodes hold each node against the median of 3 peers, noisier than the 7 others of the
+        whole job, and the window calibrated on those opened a false episode in 30 healthy minutes at
+        threshold 1.2. Cached until the next step."""
         if self._noise is None:
-            self._noise = (self._pooled_noise(),)
+            own = self._pooled_noise()
+            self._noise = (None if own is None else own * self._widening(),)
         return self._noise[0]
+
+    def _widening(self) -> float:
+        """The largest `reference_widening` of a node measured now: the smallest share class that serves
+        as some node's reference, against the whole job."""
+        counts: dict[int, int] = {}
+        for label in share_classes({node: self.share(node) for node in self._levels}).values():
+            counts[label] = counts.get(label, 0) + 1
+        job_peers = len(self._levels) - 1
+        peers = [count - 1 for count in counts.values() if count - 1 >= MIN_CLASS_PEERS]
+        return max((reference_widening(k, job_peers) for k in peers), default=1.0)
 
     def _pooled_noise(self) -> float | None:
         """The job's step-to-step noise as the rule sees it (None before nodes have enough steps): each

@@ -70,7 +70,9 @@ class Job:
         self.generation = 0
         self.mitigations: list[Mitigation] = []
 
-    def run(self, steps: int, factor: dict[int, float], noise: float, machine: float = 1.0) -> None:
+    def run(
+        self, steps: int, factor: dict[int, float], noise: float, machine: float = 1.0, comm_s: float = 0.02
+    ) -> None:
         for _ in range(steps):
             self.step += 1
             for node in range(NODES):
@@ -79,11 +81,11 @@ class Job:
                     node=node,
                     generation=self.generation,
                     step=self.step,
-                    seconds=compute + 0.02,
+                    seconds=compute + comm_s,
                     samples=4,
                     sent_at=float(self.step),
                     compute_s=compute,
-                    communication_s=0.02,
+                    communication_s=comm_s,
                 )
                 self.tracker.observe(record, now=float(self.step))
                 decision = self.tracker.iteration(record)
@@ -502,6 +504,7 @@ def _after_a_link_episode(links: list[tuple[int, int]], devices: tuple[int, ...]
     )
     job = Job(spec, seed=3)
     job.run(20, {}, noise=0.02)
+    job.run(4, {}, noise=0.02, comm_s=0.1)  # the link slows the steps (the report's onset is 4 steps back)
     job.tracker.report(report(2, job.step, 1.6, SlowKind.COMMUNICATION), now=float(job.step))
     assert job.tracker.validation_wanted() is not None
     job.tracker.validation_sent(1, now=float(job.step))
@@ -734,6 +737,8 @@ def test_devices_that_validation_names_alone_must_be_slow_by_the_job_wide_rule(
     job = SynchronousJob(spec, comm_s=0.08)
     slow = {7: 3.0} if 7 in named else {}
     job.run(20, {})
+    if 7 not in named:
+        job.comm_s = 0.3  # the steps slowed by what the pass does not find (a communication report needs it)
     job.run(6, slow)
     waiting = report(3, job.step, 2.4, SlowKind.COMMUNICATION)
     job.tracker.report(waiting, now=float(job.step))
@@ -946,3 +951,65 @@ def test_a_first_rung_is_judged_on_the_world_that_re_formed_with_its_layout() ->
     job.generation = 2
     job.run(12, {5: 2.0 * 1.6}, noise=0.02)
     assert [m.action for m in job.mitigations] == [Action.MICROBATCH, Action.REVERT]
+
+
+def test_a_communication_report_is_validated_once_its_steps_clear_their_noise_and_dismissed_if_back() -> None:
+    """Every agent of a job on a shared host sees the same step-time blips; their step-time reports
+    (1.25-1.3x) asked for a validation pass every 20 s of a healthy demo job at threshold 1.2 on two
+    cores, and one pass timed a link slow by chance and opened an episode. A communication report now asks
+    for a pass once the reporter's steps since its onset clear their own noise, as the job-level trigger's
+    must; a blip that is over first is dismissed. A slowdown that lasts is validated, a large one at once."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=1.0)
+    )
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    steps = iter(range(1, 1000))
+    healthy = [0.09, 0.10, 0.11, 0.12, 0.13]  # the steps' own noise: 13.5% (1.4826 MAD / median)
+
+    def run(walls: list[float]) -> int:
+        """Eight nodes step together with these walls (their compute steady: only the waits move)."""
+        step = 0
+        for wall in walls:
+            step = next(steps)
+            for node in range(NODES):
+                tracker.observe(
+                    IterationRecord(
+                        node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
+                        compute_s=0.05, communication_s=wall - 0.05,
+                    ),
+                    now=float(step),
+                )  # fmt: skip
+            tracker.tick(now=float(step))
+        return step
+
+    def reported(walls: list[float], slowdown: float) -> None:
+        """The steps of a rise, and the reporter's report with its onset at their first."""
+        last = run(walls)
+        onset = {"onset_step": last - len(walls) + 1, "baseline_s": 0.11}
+        slow = report(3, last, slowdown, SlowKind.COMMUNICATION).model_copy(update=onset)
+        tracker.report(slow, now=float(last))
+
+    run(healthy * 8)
+    reported([0.14] * 4, 1.27)  # 1.27x on four steps: noise of 13.5% takes a median of 4 that far
+    assert tracker.validation_wanted() is None and 3 in tracker.candidates
+    run(healthy + healthy[:3])  # and it was over
+    assert tracker.validation_wanted() is None and 3 not in tracker.candidates
+    dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    assert any("node 3" in m and "is back under 1.18x its level before" in m for m in dismissed), dismissed
+
+    # The same rise, lasting: a pass once enough of its steps are in (a few more at this noise).
+    run(healthy * 8)
+    reported([0.14] * 4, 1.27)
+    waited = 0
+    while tracker.validation_wanted() is None and waited < 20:
+        run([0.14])
+        waited += 1
+    assert tracker.validation_wanted() == [3] and 1 <= waited <= 4, waited
+
+    # A link that makes every step 3x slower clears the noise on the report's own four steps.
+    tracker.validation_sent(1, now=float(next(steps)))
+    tracker.validated(result(1, []))  # found nothing: dismissed
+    run(healthy * 8)
+    reported([0.33] * 4, 3.0)
+    assert tracker.validation_wanted() == [3]

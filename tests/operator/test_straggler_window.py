@@ -13,6 +13,7 @@ from resilientjob.operator._straggler import (
     MAX_WINDOW,
     MIN_WINDOW,
     StragglerGate,
+    reference_widening,
     relative_spread,
     share_classes,
     window_for,
@@ -357,3 +358,46 @@ def test_nodes_are_compared_with_the_nodes_of_their_share_class() -> None:
     # A class: the shares within 5% of its smallest (a node without two peers in its own, as the replica
     # S2 gave a third micro-batch, is judged against the whole job per planned share).
     assert share_classes({0: 0.5, 1: 0.51, 2: 1.0, 3: 1.04, 4: 1.5}) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+
+
+def test_a_share_class_smaller_than_the_job_widens_the_noise_by_its_noisier_reference() -> None:
+    # The median of 3 peers is a noisier reference than the median of the job's 7 others; the whole job's
+    # own reference (the calibration) widens nothing, and a smaller class widens more.
+    assert reference_widening(7, 7) == 1.0 and reference_widening(0, 7) == 1.0
+    assert 1.05 < reference_widening(3, 7) < reference_widening(2, 7) < reference_widening(1, 7) < 1.35
+    assert reference_widening(3, 15) > reference_widening(3, 7)
+
+
+def test_noise_alone_finds_a_node_of_a_small_share_class_slow_no_more_often_than_in_the_whole_job() -> None:
+    """The demo's layout (four pipeline stages at half a replica's work, four whole replicas) holds each node
+    against the median of 3 peers, not of the whole job's 7: at the same noise, judged on the window sized
+    for a whole-job reference, noise alone found nodes slow 1.3-1.5x as often (and the 30-minute healthy
+    run of the demo job opened a false episode at threshold 1.2). With the noise widened for the smaller
+    reference, as often as in a symmetric job, within sampling."""
+    classes = {node: 0.5 if node < 4 else 1.0 for node in range(8)}
+    symmetric = dict.fromkeys(range(8), 1.0)
+
+    def false_verdicts(shares: dict[int, float]) -> tuple[float, int]:
+        found = checks = 0
+        for seed in range(10):
+            rng = random.Random(seed)
+            gate = StragglerGate(1.2)
+            gate.new_generation(0, shares)
+            for step in range(400):
+                for node, share in shares.items():
+                    compute = 0.02 * share * max(0.2, 1 + rng.gauss(0, 0.3))
+                    gate.observe(
+                        IterationRecord(
+                            node=node, generation=0, step=step, seconds=0.01, samples=1, sent_at=0.0,
+                            compute_s=compute,
+                        )
+                    )  # fmt: skip
+                if step >= 40 and step % 2 == 0:
+                    found += len(gate.sweep())
+                    checks += len(shares)
+        return found / checks, gate.window
+
+    (in_classes, class_window), (in_job, job_window) = false_verdicts(classes), false_verdicts(symmetric)
+    assert class_window > job_window  # the widened noise asks for more steps
+    assert in_job > 0  # at threshold 1.2 and 30% noise a single window does cross it now and then
+    assert in_classes <= 1.2 * in_job, (in_classes, in_job)

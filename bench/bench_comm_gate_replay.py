@@ -1,0 +1,90 @@
+"""Replay a recorded run's communication reports through the gate a validation pass now waits for, offline.
+
+A communication report asks for a validation pass once the reporter's steps since its onset clear their
+own noise (`operator._failslow_validation.communication_holds`); before, every one at or over the threshold
+asked for one at once. This script takes the JSON that `bench_failslow_e2e.py --json F` writes (its
+`iterations`: every node's steps with their walls; its `slow_reports`; its `episodes`) and, for every
+communication report at or over the run's threshold, feeds the gate the reporter's steps as the operator
+keeps them (its last `KEPT_STEPS`), one step at a time from the report's own step on, until the gate
+decides: **asked** (a pass), **dismissed** (back under the bar), or **expired** (still undecided after
+`--ttl-steps`, as the candidate's time to live would end it). The episodes the run opened on communication
+reports are matched to their reports (node and onset) and their outcome printed too.
+
+It judges every step where the live operator judges every pass (0.25 s, one or two steps on the demo), so a
+report the live gate would ask for is asked for here as well: the asked counts are a ceiling. Pending
+candidates and one pass at a time are not modelled: every report is judged on its own.
+
+Usage: .venv/bin/python bench/bench_comm_gate_replay.py RUN.json [RUN.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from bisect import bisect_right
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from resilientjob.operator._failslow_clock import KEPT_STEPS
+from resilientjob.operator._failslow_validation import communication_holds
+from resilientjob.protocol.messages import SlowKind, SlowReport
+
+EPISODE = re.compile(r"NodeSlow: node (\d+) is [\d.]+x slower \(communication\).* since step (\d+)")
+
+
+def outcome(report: SlowReport, walls: list[tuple[int, float]], threshold: float, ttl_steps: int) -> str:
+    """asked / dismissed / expired, judging the reporter's kept steps as each of its steps comes."""
+    steps = [step for step, _ in walls]
+    first = bisect_right(steps, report.step)
+    for end in range(first, min(len(walls), first + ttl_steps) + 1):
+        kept = walls[max(0, end - KEPT_STEPS) : end]
+        holds = communication_holds(report, kept, threshold)
+        if holds is not None:
+            return "asked" if holds else "dismissed"
+    return "expired"
+
+
+def replay(path: Path, ttl_steps: int) -> None:
+    run: dict[str, Any] = json.loads(path.read_text())
+    threshold = float(run["threshold"])
+    walls: dict[int, list[tuple[int, float]]] = {}
+    for node, _generation, step, seconds, *_ in run["iterations"]:
+        walls.setdefault(int(node), []).append((int(step), float(seconds)))
+    for kept in walls.values():
+        kept.sort()
+    reports = [SlowReport.model_validate(raw) for raw in run["slow_reports"]]
+    wanted = [
+        r for r in reports if r.kind is SlowKind.COMMUNICATION and not r.recovered and r.slowdown >= threshold
+    ]
+    judged = {(r.node, r.onset_step): outcome(r, walls.get(r.node, []), threshold, ttl_steps) for r in wanted}
+    counts = Counter(judged.values())
+    print(f"{path.name}: threshold {threshold:g}, {run['steps']:,} steps")
+    print(
+        f"  communication reports at or over the threshold: {len(wanted)} (each asked for a pass before); "
+        f"now asked {counts['asked']}, dismissed {counts['dismissed']}, expired {counts['expired']}"
+    )
+    for episode in run.get("episodes", []):
+        found = EPISODE.search(episode["finding"])
+        if found is None:
+            continue
+        key = (int(found.group(1)), int(found.group(2)))
+        slowed = episode.get("job_slowed_by")
+        job = f"the job {slowed:.2f}x at its onset" if isinstance(slowed, float) else "the job not measured"
+        print(f"  episode on node {key[0]}'s report (onset {key[1]}, {job}): {judged.get(key, 'no report')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument(
+        "--ttl-steps", type=int, default=400, help="steps a report may stay undecided (60 s of 0.15 s steps)"
+    )
+    args = parser.parse_args()
+    for path in args.runs:
+        replay(path, args.ttl_steps)
+
+
+if __name__ == "__main__":
+    main()
