@@ -486,13 +486,7 @@ class FailSlowTracker:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
         if self.awaiting is not None:
             return None
-        ready = [
-            node
-            for node, candidate in self.candidates.items()
-            if candidate.report.kind is SlowKind.COMMUNICATION
-            and candidate.validated is None
-            and self._holds(candidate.report)
-        ]
+        ready = [node for node, candidate in self.candidates.items() if self._asked(candidate)]
         found = _validation.suspects(ready, self.profiles)
         return None if found is None else [node for node in found if node not in self.gone]
 
@@ -500,6 +494,17 @@ class FailSlowTracker:
         """`_failslow_validation.communication_holds` on the reporter's kept steps."""
         walls = self.clocks.walls(report.node)
         return _validation.communication_holds(report, walls, self.spec.slowdown_threshold)
+
+    def _asked(self, candidate: Candidate) -> bool:
+        """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not
+        validated yet, and its own steps bear its slowdown out. One still short of that waits for a pass
+        of its own; another reporter's pass neither confirms nor dismisses it."""
+        report = candidate.report
+        return (
+            report.kind is SlowKind.COMMUNICATION
+            and candidate.validated is None
+            and self._holds(report) is True
+        )
 
     def validation_sent(self, request_id: int, now: float | None = None) -> None:
         self.awaiting = (request_id, time.time() if now is None else now)
@@ -517,8 +522,8 @@ class FailSlowTracker:
         self.findings.extend(findings)
         named = tuple(sorted({n for link in links for n in link} | set(devices)))
         for node, candidate in list(self.candidates.items()):
-            if candidate.report.kind is not SlowKind.COMMUNICATION or candidate.validated is not None:
-                continue
+            if not self._asked(candidate):
+                continue  # still waiting for its own steps to clear their noise: a pass of its own
             if named:
                 candidate.validated, candidate.devices = named, tuple(devices)
             else:
@@ -534,7 +539,7 @@ class FailSlowTracker:
         self.awaiting = None
         self.changed = True
         for candidate in self.candidates.values():
-            if candidate.report.kind is SlowKind.COMMUNICATION and candidate.validated is None:
+            if self._asked(candidate):
                 candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone
         return True
 

@@ -547,6 +547,7 @@ def test_s2_balances_a_slow_device_that_is_also_a_slow_links_end(named_by: str) 
     if named_by == "compute report":
         job.report(5, 2.0)
     else:  # a communication report whose pass times node 5's GEMM slow (and, by noise, a link 3->4)
+        job.run(4, {5: 2.0}, noise=0.02, comm_s=0.1)  # node 4 waits (the report's onset is 4 steps back)
         job.tracker.report(report(4, job.step, 1.5, SlowKind.COMMUNICATION), now=float(job.step))
         job.tracker.validation_sent(2, now=float(job.step))
         job.tracker.validated(result(2, [(3, 4)], nodes=(5,)))
@@ -764,12 +765,13 @@ def _link_and_device_named(device_compute_s: float) -> tuple[FailSlowTracker, Mi
     tracker = FailSlowTracker(spec)
     tracker.gate.new_generation(0, {})
     for step in range(20):
+        wall = 0.2 if step < 16 else 0.32  # the link slows every step from the report's onset (16)
         for node in range(4):
             own = device_compute_s if node == 3 else 0.02
             tracker.observe(
                 IterationRecord(
-                    node=node, generation=0, step=step, seconds=0.2, samples=1, sent_at=0,
-                    compute_s=own, communication_s=0.2 - own,
+                    node=node, generation=0, step=step, seconds=wall, samples=1, sent_at=0,
+                    compute_s=own, communication_s=wall - own,
                 )
             )  # fmt: skip
     tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
@@ -807,18 +809,19 @@ def _device_named_then_a_new_generation(device_compute_s: float) -> tuple[FailSl
     tracker = FailSlowTracker(spec)
     tracker.gate.new_generation(0, {})
 
-    def steps(generation: int, first: int, device_s: float) -> None:
+    def steps(generation: int, first: int, device_s: float, slow_from: int = 1000) -> None:
         for step in range(first, first + 20):
+            wall = 0.2 if step < slow_from else 0.32  # node 2's waits, from its report's onset
             for node in (0, 2, 3):
                 own = device_s if node == 3 else 0.02
                 tracker.observe(
                     IterationRecord(
-                        node=node, generation=generation, step=step, seconds=0.2, samples=1, sent_at=0,
-                        compute_s=own, communication_s=0.2 - own,
+                        node=node, generation=generation, step=step, seconds=wall, samples=1, sent_at=0,
+                        compute_s=own, communication_s=wall - own,
                     )
                 )  # fmt: skip
 
-    steps(0, 0, 0.02)
+    steps(0, 0, 0.02, slow_from=16)
     tracker.report(report(2, 20, 1.6, SlowKind.COMMUNICATION), now=0.0)
     tracker.validation_sent(1, now=0.0)
     tracker.validated(result(1, [], nodes=(3,)))
@@ -1013,3 +1016,41 @@ def test_a_communication_report_is_validated_once_its_steps_clear_their_noise_an
     run(healthy * 8)
     reported([0.33] * 4, 3.0)
     assert tracker.validation_wanted() == [3]
+
+
+def test_a_pass_answers_only_the_reports_whose_steps_bore_them_out() -> None:
+    """Node 3's steps bear its report out and a pass is asked for it; node 6's rise is still within its
+    noise when the pass comes back empty. The pass dismisses node 3's report, not node 6's: that one waits
+    for its own steps, and a pass of its own."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=1.0)
+    )
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    healthy = [0.09, 0.10, 0.11, 0.12, 0.13] * 8
+    walls = {3: [*healthy, *[0.33] * 4], 6: [*healthy, *[0.135] * 4]}
+    for index in range(len(healthy) + 4):
+        step = index + 1
+        for node in range(NODES):
+            wall = walls[node][index] if node in walls else healthy[index % len(healthy)]
+            tracker.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
+                    compute_s=0.05, communication_s=wall - 0.05,
+                ),
+                now=float(step),
+            )  # fmt: skip
+    last = len(healthy) + 4
+    onset = {"baseline_s": 0.11, "onset_step": last - 3}
+    for node, slowdown in ((3, 3.0), (6, 1.23)):
+        late = report(node, last, slowdown, SlowKind.COMMUNICATION).model_copy(update=onset)
+        tracker.report(late, now=float(last))
+    assert tracker.validation_wanted() == [3]
+    tracker.validation_sent(1, now=float(last))
+    tracker.validated(result(1, []))
+    assert 3 not in tracker.candidates and tracker.candidates[6].validated is None
+    # The same pass, timed out instead, would have sent node 3 on alone.
+    tracker.report(report(3, last, 3.0, SlowKind.COMMUNICATION).model_copy(update=onset))
+    tracker.validation_sent(2, now=float(last))
+    assert tracker.validation_timeout(now=float(last) + spec.validation_timeout_s)
+    assert tracker.candidates[3].validated == () and tracker.candidates[6].validated is None
