@@ -59,6 +59,9 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     ("bench/bench_straggler_gate.py", "resilientjob.operator._failslow"),  # FailSlowTracker alone
     ("bench/bench_failslow_replay.py", "resilientjob.operator._failslow"),  # FailSlowTracker on recorded runs
     ("bench/bench_failslow_noise.py", "resilientjob.operator._failslow"),  # FailSlowTracker fed by noise
+    # The validation gate on recorded runs, with the steps the operator keeps per node.
+    ("bench/bench_comm_gate_replay.py", "resilientjob.operator._failslow_validation"),
+    ("bench/bench_comm_gate_replay.py", "resilientjob.operator._failslow_clock"),
     ("bench/bench_data.py", "resilientjob.agent._data_files"),  # the data loader's file index
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_commit"),  # the commit vote's cost per step
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
