@@ -62,7 +62,7 @@ from resilientjob.protocol.messages import (
 
 from . import _failslow_validation as _validation
 from ._failslow_clock import NodeClocks
-from ._failslow_job import MARGIN, JobStepTrigger
+from ._failslow_job import JobStepTrigger, slowdown_bar
 from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
     link_plan,
@@ -372,7 +372,7 @@ class FailSlowTracker:
                     if holds is not True:
                         del self.candidates[node]
                         self.changed = True
-                        bar = 1 + MARGIN * (self.spec.slowdown_threshold - 1)
+                        bar = slowdown_bar(self.spec.slowdown_threshold)
                         self._dismiss(
                             node,
                             f"its step time since step {report.onset_step} "

@@ -55,6 +55,11 @@ HISTORY = 256
 """Steps of per-node compute kept for localisation (before and after an onset)."""
 
 
+def slowdown_bar(threshold: float) -> float:
+    """The ratio a slowdown must reach to count for `threshold`: `MARGIN` of its excess over 1."""
+    return 1.0 + MARGIN * (threshold - 1.0)
+
+
 @dataclass(slots=True)
 class JobVerdict:
     """What the trigger concluded: a report to treat as confirmed, or a dismissal (`report` None)."""
@@ -102,7 +107,7 @@ class JobStepTrigger:
 
     @property
     def _bar(self) -> float:
-        return 1.0 + MARGIN * (self.threshold - 1.0)
+        return slowdown_bar(self.threshold)
 
     def reset(self, generation: int) -> None:
         """A new plan (or the end of an episode): the step time has a new normal, learn it afresh."""

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from resilientjob.protocol.messages import ProfileRecord, SlowKind, SlowReport, ValidationResult
 
-from ._failslow_job import MARGIN, NOISE_Z
+from ._failslow_job import NOISE_Z, slowdown_bar
 from ._failslow_types import Candidate, Finding, FindingKind, Link
 from ._straggler import MIN_WINDOW, StragglerGate, beyond_noise, communication_suspects, relative_spread
 
@@ -27,7 +27,7 @@ def communication_holds(
 ) -> bool | None:
     """Whether a communication report's slowdown stands on the reporter's own steps (`walls`: its kept
     (step, wall seconds), oldest first), as the job-level trigger's must on the job's: the median wall since
-    the onset at least `MARGIN` of the threshold's excess over the median before it, and beyond what the
+    the onset at least `slowdown_bar` times the median before it, and beyond what the
     steps' own noise before the onset takes a median of that many steps to (`NOISE_Z` standard errors).
     False once the median is under that bar: the slowdown is over, or was the noise of a moment; None while
     it is over the bar but too few steps are in to clear the noise (or fewer than `MIN_WINDOW`).
@@ -48,7 +48,7 @@ def communication_holds(
     if not level > 0:
         return None
     ratio = median(after) / level
-    if ratio < 1 + MARGIN * (threshold - 1):
+    if ratio < slowdown_bar(threshold):
         return False
     if noise is None:
         return True

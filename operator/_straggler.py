@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
@@ -227,11 +227,9 @@ class StragglerGate:
     def _widening(self) -> float:
         """The largest `reference_widening` of a node measured now: the smallest share class that serves
         as some node's reference, against the whole job."""
-        counts: dict[int, int] = {}
-        for label in share_classes({node: self.share(node) for node in self._levels}).values():
-            counts[label] = counts.get(label, 0) + 1
+        sizes = Counter(share_classes({node: self.share(node) for node in self._levels}).values())
         job_peers = len(self._levels) - 1
-        peers = [count - 1 for count in counts.values() if count - 1 >= MIN_CLASS_PEERS]
+        peers = [size - 1 for size in sizes.values() if size - 1 >= MIN_CLASS_PEERS]
         return max((reference_widening(k, job_peers) for k in peers), default=1.0)
 
     def _pooled_noise(self) -> float | None:

@@ -956,6 +956,17 @@ def test_a_first_rung_is_judged_on_the_world_that_re_formed_with_its_layout() ->
     assert [m.action for m in job.mitigations] == [Action.MICROBATCH, Action.REVERT]
 
 
+def _waited(tracker: FailSlowTracker, node: int, step: int, wall: float) -> None:
+    """A step of `node` with this wall and a steady compute (only its waits move), at `step` seconds."""
+    tracker.observe(
+        IterationRecord(
+            node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step), compute_s=0.05,
+            communication_s=wall - 0.05,
+        ),
+        now=float(step),
+    )  # fmt: skip
+
+
 def test_a_communication_report_is_validated_once_its_steps_clear_their_noise_and_dismissed_if_back() -> None:
     """Every agent of a job on a shared host sees the same step-time blips; their step-time reports
     (1.25-1.3x) asked for a validation pass every 20 s of a healthy demo job at threshold 1.2 on two
@@ -976,13 +987,7 @@ def test_a_communication_report_is_validated_once_its_steps_clear_their_noise_an
         for wall in walls:
             step = next(steps)
             for node in range(NODES):
-                tracker.observe(
-                    IterationRecord(
-                        node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
-                        compute_s=0.05, communication_s=wall - 0.05,
-                    ),
-                    now=float(step),
-                )  # fmt: skip
+                _waited(tracker, node, step, wall)
             tracker.tick(now=float(step))
         return step
 
@@ -1032,14 +1037,9 @@ def test_a_pass_answers_only_the_reports_whose_steps_bore_them_out() -> None:
     for index in range(len(healthy) + 4):
         step = index + 1
         for node in range(NODES):
-            wall = walls[node][index] if node in walls else healthy[index % len(healthy)]
-            tracker.observe(
-                IterationRecord(
-                    node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
-                    compute_s=0.05, communication_s=wall - 0.05,
-                ),
-                now=float(step),
-            )  # fmt: skip
+            _waited(
+                tracker, node, step, walls[node][index] if node in walls else healthy[index % len(healthy)]
+            )
     last = len(healthy) + 4
     onset = {"baseline_s": 0.11, "onset_step": last - 3}
     for node, slowdown in ((3, 3.0), (6, 1.23)):
