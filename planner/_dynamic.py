@@ -291,7 +291,10 @@ class DynamicSearch:
             for dp in degrees:
                 if dp > self.job.num_microbatches:
                     continue  # a pipeline without micro-batches would idle
-                for shape in partitions(self.nodes, dp, self.allowed, spread):
+                # A pipeline takes at most a node per layer: past dp x layers nodes the rest idle whatever
+                # the split, so partition the nodes the pipelines can use (none of `self.nodes` would).
+                used = min(self.nodes, dp * self.profile.num_layers)
+                for shape in partitions(used, dp, self.allowed, spread):
                     if shape not in seen:
                         seen.add(shape)
                         shapes.append(shape)

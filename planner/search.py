@@ -450,8 +450,8 @@ class _Replanner:
             raise _no_layout(self.search, nodes, f"the {nodes} alive nodes")
         fewer = self.search.search_groups([(all_degrees(nodes, self.job, most), INITIAL_SPREAD)], keep=1)
         # A pipeline takes a node of its own at least: with as many pipelines as nodes, nodes are the limit.
-        limit = "a node each" if most >= nodes else "pipelines that each fit in memory"
-        why = f"the {nodes} alive nodes cannot hold f + 1 = {minimum} pipelines of {limit} (at most {most})"
+        limit = "of a node each" if most >= nodes else "that each fit in memory"
+        why = f"the {nodes} alive nodes cannot hold f + 1 = {minimum} pipelines {limit} (at most {most})"
         self._found = (_fastest([*fewer, *self.search.symmetric(minimum=most)]), why)
         return self._found
 

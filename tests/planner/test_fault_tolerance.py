@@ -128,6 +128,26 @@ def test_too_few_nodes_for_f_plus_1_says_why() -> None:
     assert dynamic.feasible and "cannot hold f + 1 = 2 pipelines" in dynamic.reason
 
 
+def test_more_nodes_than_the_pipelines_can_use_keep_f_plus_1_without_a_false_why() -> None:
+    # 2 micro-batches cap DP at 2 and 4 layers cap a pipeline at 4 nodes: of the 9 alive nodes 8 can work.
+    # The search partitioned all 9 (none fits), fell to its "fewer than f + 1 fit" branch and told the user
+    # that the 9 nodes "cannot hold f + 1 = 2 pipelines (at most 2)" (found by the property below).
+    layer = LayerProfile(
+        forward_s=1 / 64, backward_s=1 / 32, param_bytes=2**20, optimizer_bytes=0, activation_bytes=0
+    )
+    profile = ModelProfile(name="short", layers=(layer,) * 4)
+    cluster = ClusterSpec(nodes=10, device_memory_bytes=2 * GiB)
+    job = JobSpec(global_batch=2, microbatch_size=1, fault_tolerance=1)
+    start = initial_plan(profile, cluster, job)
+    plan = replan(start, profile, cluster, job, failed=[0], checkpoint=CheckpointState(configured=True))
+    dynamic = _candidate(plan, Policy.DYNAMIC)
+    assert dynamic.feasible and "cannot hold" not in dynamic.reason, dynamic.reason
+    assert "1 node(s) idle" in dynamic.reason
+    assert replicas(plan, profile.num_layers)[0] >= 2
+    # The exhaustive reference over every layout of 2 pipelines is not empty either.
+    assert DynamicSearch(profile, cluster, job, 9).search(all_degrees(9, job, 2), 9)
+
+
 # ---- properties --------------------------------------------------------------------------------------------
 @st.composite
 def _cases(draw: st.DrawFn) -> tuple[ModelProfile, ClusterSpec, JobSpec, list[int], CheckpointState]:
