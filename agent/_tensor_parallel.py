@@ -18,29 +18,30 @@ shard locally and no communication is needed; the same holds for a layer rebuilt
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan
 
+from ._dtensor import is_dtensor
 from ._hf_models import _Block, _Embedding, _GPT2Embedding, _Head
 from .models import Embedding, GPTBlock, Head, LlamaBlock, SleepLayer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# `torch.distributed.tensor.parallel` is imported where a stage shards (k > 1 devices) or a checkpoint's
+# shards merge, not here: every worker loads this module, and that import is most of a second (`_dtensor`).
 
 _QKV = ("attn.qkv.weight", "attn.qkv.bias")
 """Parameters whose rows are interleaved per shard before column sharding."""
@@ -101,6 +102,8 @@ def stage_mesh(group: ProcessGroup, device: str) -> DeviceMesh:
 
 
 def _block_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     if isinstance(module, GPTBlock):
         return {
             "attn.qkv": ColwiseParallel(),
@@ -117,7 +120,10 @@ def _block_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             "down": RowwiseParallel(),
         }
     if isinstance(module, _Block) and _has_submodules(module, _HF_PROJECTIONS):
-        return {f"block.{name}": style() for name, style in _HF_PROJECTIONS.items()}
+        return {
+            f"block.{name}": ColwiseParallel() if column else RowwiseParallel()
+            for name, column in _HF_PROJECTIONS.items()
+        }
     raise ValueError(
         f"model: layer {_layer_name(module)} has no tensor-parallel plan (the built-in GPT and Llama blocks "
         "and the Llama, Qwen2 and Mistral blocks of transformers); run it with one device per stage "
@@ -125,18 +131,19 @@ def _block_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     )
 
 
-_HF_PROJECTIONS: dict[str, type[ParallelStyle]] = {
-    "self_attn.q_proj": ColwiseParallel,
-    "self_attn.k_proj": ColwiseParallel,
-    "self_attn.v_proj": ColwiseParallel,
-    "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel,
-    "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel,
+_HF_PROJECTIONS: dict[str, bool] = {
+    "self_attn.q_proj": True,
+    "self_attn.k_proj": True,
+    "self_attn.v_proj": True,
+    "self_attn.o_proj": False,
+    "mlp.gate_proj": True,
+    "mlp.up_proj": True,
+    "mlp.down_proj": False,
 }
 """The Megatron split of a transformers Llama-style decoder layer (Llama, Qwen2, Mistral): q, k and v
 column-wise (each rank whole heads of each; their attention reshapes to `(-1, head_dim)`, so it runs on the
-local heads as it is), o row-wise, SwiGLU's gate and up column-wise and down row-wise. GPT-2's block fuses
+local heads as it is), o row-wise, SwiGLU's gate and up column-wise and down row-wise (True: column-wise).
+GPT-2's block fuses
 q, k and v in one transposed `Conv1D`, which these styles cannot split."""
 
 
@@ -170,6 +177,8 @@ def config_heads(config: Any) -> tuple[int, int]:
 
 def _check_divisible(module: nn.Module, plan: dict[str, ParallelStyle], degree: int) -> None:
     """Refuse uneven shards: a row-wise layer rebuilds its input's global shape assuming equal shards."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     for heads in _heads(module):
         if heads % degree:
             raise ValueError(f"heads: {heads} attention heads cannot be split over {degree} devices")
@@ -198,13 +207,17 @@ def _deinterleave(tensor: torch.Tensor, degree: int) -> torch.Tensor:
     return torch.cat([torch.cat([shard[i] for shard in shards]) for i in range(3)])
 
 
-_LOCAL_SLICES = (
-    {"src_data_rank": None} if "src_data_rank" in inspect.signature(parallelize_module).parameters else {}
-)
-"""Each rank slices its own shard, with no communication: a keyword of newer torch (whose default sends rank
-0's). Torch without it (the Ascend image's torch_npu pins 2.5.1) scatters the first rank's shards, one
-collective per layer over the stage's ranks, which every one of them calls in the same order here: the same
-values, since every rank built the layer from the same seed."""
+@functools.cache
+def _local_slices() -> dict[str, Any]:
+    """Each rank slices its own shard, with no communication: a keyword of newer torch (whose default sends
+    rank 0's). Torch without it (the Ascend image's torch_npu pins 2.5.1) scatters the first rank's shards,
+    one collective per layer over the stage's ranks, which every one of them calls in the same order here:
+    the same values, since every rank built the layer from the same seed."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return (
+        {"src_data_rank": None} if "src_data_rank" in inspect.signature(parallelize_module).parameters else {}
+    )
 
 
 def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -212,6 +225,8 @@ def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     sleep layers). Raises ValueError for a layer type it cannot shard."""
     if isinstance(module, _REPLICATED):
         return module
+    from torch.distributed.tensor.parallel import parallelize_module
+
     degree = mesh.size()
     plan = _block_plan(module)
     _check_divisible(module, plan, degree)
@@ -219,12 +234,12 @@ def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for name, param in module.named_parameters():
             if name in _QKV:
                 param.copy_(_interleave(param, degree))
-    return parallelize_module(module, mesh, plan, **_LOCAL_SLICES)
+    return parallelize_module(module, mesh, plan, **_local_slices())
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly distributed) tensor, sharing its storage."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         with torch.no_grad():
             return tensor.to_local()
     return tensor
@@ -237,7 +252,7 @@ def full_parameters(module: nn.Module, degree: int) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
         for name, param in module.named_parameters():
-            value = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            value = param.full_tensor() if is_dtensor(param) else param.detach()
             if degree > 1 and name in _QKV and isinstance(module, GPTBlock | LlamaBlock):
                 value = _deinterleave(value, degree)
             out.append(value.clone())
@@ -253,6 +268,8 @@ def merge_shards(module: nn.Module, shards: list[dict[str, torch.Tensor]]) -> di
     degree = len(shards)
     if degree == 1 or isinstance(module, _REPLICATED):
         return dict(shards[0])
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     plan = _block_plan(module)
     whole = {}
     for name, _ in module.named_parameters():

@@ -29,15 +29,27 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _dcp_compat
 from .p2p import LayerState
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
 
 _STEP = re.compile(r"^step(\d+)$")
 OWNER_FILE = ".resilientjob-owner"
+
+
+def _dcp() -> ModuleType:
+    """`_dcp_compat`, imported on first use: `torch.distributed.checkpoint` is about a second of CPU at every
+    worker's start (`_dtensor`), which a job without checkpoints never repays. A `Checkpointer` imports it
+    as it is made, at the worker's start, so no training step waits for it."""
+    from . import _dcp_compat
+
+    return _dcp_compat
 
 
 class CheckpointTaken(Exception):
@@ -136,6 +148,7 @@ class Checkpointer:
             raise ValueError(f"shards: must be >= 1, got {self.shards}")
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard: must be in [0, {self.shards}), got {self.shard}")
+        _dcp()
 
     def _layer_dirs(self, index: int) -> list[str]:
         """Directory names of every shard of layer `index` (one, `layer<i>`, when layers are whole)."""
@@ -164,14 +177,14 @@ class Checkpointer:
                 for name, tensor in layers[index].named_tensors().items()
             }
             target = self.directory / f"step{step}" / self._layer_dirs(index)[self.shard]
-            if self.asynchronous and _dcp_compat.ASYNC_SAVE_NO_DIST:
-                self._pending.append(_dcp_compat.async_save_local(state, target))
+            if self.asynchronous and _dcp().ASYNC_SAVE_NO_DIST:
+                self._pending.append(_dcp().async_save_local(state, target))
             elif self.asynchronous:
                 if self._writer is None:
                     self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-                self._pending.append(self._writer.submit(_dcp_compat.save_local, state, target))
+                self._pending.append(self._writer.submit(_dcp().save_local, state, target))
             else:
-                _dcp_compat.save_local(state, target)
+                _dcp().save_local(state, target)
 
     def _reap(self) -> None:
         done = [future for future in self._pending if future.done()]
@@ -240,7 +253,7 @@ class Checkpointer:
         state = layer.named_tensors()
         with torch.no_grad():
             source = self.directory / f"step{step}" / self._layer_dirs(layer.index)[self.shard]
-            _dcp_compat.load_local(state, source)
+            _dcp().load_local(state, source)
 
 
 def saved_shards(directory: Path) -> int:
@@ -313,7 +326,7 @@ def read_weights(directory: Path, step: int, index: int, layer: torch.nn.Module,
         }
         with warnings.catch_warnings():  # one process reads it: DCP says so at every load
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            _dcp_compat.load_local(state, source)
+            _dcp().load_local(state, source)
         loaded.append({name: state[f"param.{name}"] for name in params})
     with torch.no_grad():
         for name, value in merge_shards(layer, loaded).items():

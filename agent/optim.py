@@ -18,9 +18,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from resilientjob.protocol.workload import Schedule, TrainingSpec
+
+from ._dtensor import is_dtensor
 
 PLAIN_ADAMW = TrainingSpec(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, grad_clip_norm=0.0)
 """torch's AdamW defaults without decay or clipping: what a bare `LayerState` uses."""
@@ -47,7 +48,7 @@ def fused_on(params: Iterable[torch.Tensor]) -> bool:
     GPU step (bench/bench_gpu.py). The CPU keeps the loop: its updates are the ones the reference runs
     reproduce bit for bit, and a tensor-parallel shard (a DTensor) keeps it too."""
     params = list(params)
-    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+    return bool(params) and all(p.is_cuda and not is_dtensor(p) for p in params)
 
 
 def make_adamw(module: nn.Module, training: TrainingSpec) -> torch.optim.AdamW:

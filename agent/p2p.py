@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from resilientjob.planner.plan import Transfer
 from resilientjob.protocol.workload import TrainingSpec
 
+from ._dtensor import is_dtensor
 from ._runtime_wait import Wait
 from .optim import PLAIN_ADAMW, make_adamw
 
@@ -87,14 +87,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a tensor-parallel (DTensor) tensor, sharing storage; other tensors as they are.
 
     A sharded layer (`_tensor_parallel`) therefore travels, and is checkpointed, shard by shard."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         with torch.no_grad():
             return tensor.to_local()
     return tensor
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+    return is_dtensor(tensor) and any(p.is_shard() for p in tensor.placements)
 
 
 def layer_state_bytes(module: nn.Module) -> tuple[int, int]:
