@@ -15,7 +15,6 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from .errors import PlannerError
 from .plan import PipelinePlan, Plan, StagePlan, Transfer
@@ -47,6 +46,10 @@ def match_slots(
     weighted_want = want * _layer_bytes(profile)
     # cost[i, j] = bytes of slot j's layers that node i does not hold yet.
     cost = weighted_want.sum(axis=1)[None, :] - have @ weighted_want.T
+    # Imported here: `scipy.optimize` is 0.4 s of every import of the planner package (each `rjob` command,
+    # each pod), and only a replan matches; an operator loads it ahead of the first one (`search.warm_up`).
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(cost)
     assignment = [0] * len(slots)
     for row, col in zip(rows, cols, strict=True):

@@ -578,6 +578,8 @@ def warm_up(profile: ModelProfile, cluster: ClusterSpec, job: JobSpec) -> int:
     """Fill the job's per-depth split tables ahead of any failure, so the first replan after an operator
     restart costs what later ones do (Odyssey IV-C: the search can be done in advance). Safe to run in a
     thread beside `replan`: both fill the same cache with the same values. Returns the feasible depths."""
+    import scipy.optimize  # noqa: F401 - the transfers' matching (`restorer`), not left to the first replan
+
     search = DynamicSearch(profile, cluster, job, cluster.nodes)
     feasible = sum(search.allowed(depth) for depth in range(1, min(cluster.nodes, profile.num_layers) + 1))
     prepare_templates(profile, cluster, job)  # the `templates` candidate's set, with its time curves

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from ..balance import balance_linear, makespan
 from ..errors import PlannerError
@@ -197,6 +196,8 @@ def consolidate_stragglers(
             for node in slow
         ]
     )
+    from scipy.optimize import linear_sum_assignment  # at first use, as in `restorer.assign`
+
     rows, cols = linear_sum_assignment(cost)
     placed: dict[int, Position] = {slow[i]: target_slots[j] for i, j in zip(rows, cols, strict=True)}
     taken = set(placed.values())
