@@ -113,6 +113,17 @@ def rjob_ok(state: Path, *args: str) -> str:
     return done.stdout
 
 
+def pod_log(state: Path, pod: str, namespace: str = "default") -> str:
+    """A pod's log as the local stack under `state` serves it (`GET pods/NAME/log`): for polling, where
+    `rjob local logs` would start an interpreter (half a second of CPU) five times a second beside the
+    training it waits for."""
+    api_url = json.loads((state / "state.json").read_text())["api_url"]
+    url = f"{api_url}/api/v1/namespaces/{namespace}/pods/{pod}/log"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text: str = reply.read().decode(errors="replace")
+    return text
+
+
 def job_object(state: Path, name: str, namespace: str = "default") -> dict[str, Any]:
     """The ResilientJob `name` as the local stack under `state` serves it (a plain GET, with its status)."""
     api_url = json.loads((state / "state.json").read_text())["api_url"]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from _rjob_stack import emulator_only
-from _support import job_object, rjob_ok, until
+from _support import job_object, pod_log, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def _recovery(state: Path, trigger: str) -> dict[str, Any] | None:
 
 
 def _steps_after(state: Path, pod: str, generation: int) -> list[int]:
-    log = rjob_ok(state, "logs", pod)
+    log = pod_log(state, pod)
     return [int(m.group(1)) for m in re.finditer(rf"^step (\d+) gen {generation} ", log, re.MULTILINE)]
 
 

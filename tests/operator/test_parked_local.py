@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from _rjob_stack import emulator_only
-from _support import job_object, rjob_ok, until
+from _support import job_object, pod_log, rjob_ok, until
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWED_S = 20
@@ -91,7 +91,7 @@ def test_a_parked_worker_recovers_and_trains_again(local: Path, tmp_path: Path) 
     assert _at(back) >= ordered_at + SLOWED_S - 1, (_at(back) - ordered_at, back)
 
     def trains_again() -> list[int] | None:
-        log = rjob_ok(local, "logs", "demo-gpt-node-3")
+        log = pod_log(local, "demo-gpt-node-3")
         steps = [int(m.group(1)) for m in re.finditer(rf"^step (\d+) gen {generation} ", log, re.MULTILINE)]
         return (
             steps
