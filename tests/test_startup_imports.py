@@ -10,30 +10,36 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HEAVY = ("torch.distributed.tensor", "torch.distributed.checkpoint", "scipy.optimize")
 
 
-def _loaded_after(code: str) -> list[str]:
+def _loaded_after(code: str, lines: int = 1) -> Any:
+    """The heavy modules loaded once `code` ran in a fresh interpreter; with `lines` > 1, a list of the
+    lists `code` printed before that as well."""
     probe = f"import json, sys\n{code}\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
-    loaded: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
-    return loaded
+    printed = [json.loads(line) for line in done.stdout.strip().splitlines()[-lines:]]
+    return printed if lines > 1 else printed[0]
 
 
-def test_an_agent_and_its_workers_start_without_tensor_parallel_or_checkpoint_modules() -> None:
-    assert _loaded_after("from resilientjob.agent import _bridge\n_bridge.preload()") == []
-
-
-def test_a_checkpointer_loads_dcp_as_it_is_made_so_no_step_waits_for_the_import(tmp_path: Path) -> None:
+def test_an_agent_starts_without_tensor_parallel_or_checkpoint_modules_and_a_checkpointer_loads_dcp(
+    tmp_path: Path,
+) -> None:
+    # One interpreter for both: what preload leaves, then what making a Checkpointer adds (at the worker's
+    # start, so that no training step waits for the import).
     code = (
-        "from resilientjob.agent._bridge import preload\npreload()\n"
+        "from resilientjob.agent import _bridge\n_bridge.preload()\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
         "from resilientjob.agent.checkpoint import Checkpointer\n"
         f"Checkpointer({str(tmp_path)!r}, interval=10)"
     )
-    assert _loaded_after(code) == ["torch.distributed.tensor", "torch.distributed.checkpoint"]
+    preloaded, checkpointing = _loaded_after(code, lines=2)
+    assert preloaded == []
+    assert checkpointing == ["torch.distributed.tensor", "torch.distributed.checkpoint"]
 
 
 def test_the_planner_loads_its_matching_solver_at_the_operators_warm_up_not_at_import() -> None:
