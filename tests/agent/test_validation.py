@@ -146,8 +146,25 @@ def test_a_device_named_slow_is_timed_again_and_a_one_off_stall_is_not_named(tmp
         assert result == {"slow": (2,), "ranks": [0, 1, 2, 3]}
 
 
-def _one_stalled_link_round(rank: int, world: int) -> dict[str, Any]:
+def _stall_first_round(link: tuple[int, int], late_s: float = 0.005) -> None:
+    """This rank's next call of `validation.link_tests` sees `link` `late_s` late (a stall of the host
+    during that round), the calls after it as they are."""
     from resilientjob.agent import validation
+
+    real, calls = validation.link_tests, []
+
+    def stalled_once(*args: Any, **kwargs: Any) -> dict[Any, tuple[float, float]]:
+        view = real(*args, **kwargs)
+        calls.append(view)
+        if len(calls) == 1:
+            latency, seconds = view[link]
+            view[link] = (latency, seconds + late_s)
+        return view
+
+    validation.link_tests = stalled_once
+
+
+def _one_stalled_link_round(rank: int, world: int) -> dict[str, Any]:
 
     tracer = tracing.install(capacity=64)
     injector = ChaosInjector()
@@ -157,17 +174,7 @@ def _one_stalled_link_round(rank: int, world: int) -> dict[str, Any]:
     if rank == 3:
         # The host stalled rank 3 in its first round of link tests only: its view of link 2 -> 3 5 ms
         # late, what a healthy run of the demo named once.
-        real, calls = validation.link_tests, []
-
-        def stalled_once(*args: Any, **kwargs: Any) -> dict[Any, tuple[float, float]]:
-            view = real(*args, **kwargs)
-            calls.append(view)
-            if len(calls) == 1:
-                latency, seconds = view[(2, 3)]
-                view[(2, 3)] = (latency, seconds + 0.005)
-            return view
-
-        validation.link_tests = stalled_once
+        _stall_first_round((2, 3))
     report = validate(Topology.RING, link_bytes=1 << 14, repeats=5, gpus=False)
     chaos.activate(None, tracer)
     tracing.uninstall()
@@ -180,7 +187,6 @@ def test_a_link_named_slow_is_timed_again_and_a_one_off_stall_is_not_named(tmp_p
 
 
 def _ring_links_with_one_stalled_round(rank: int, world: int) -> dict[str, Any]:
-    from resilientjob.agent import validation
     from resilientjob.agent._worker_probe import ring_passes, time_ring_links
 
     tracer = tracing.install(capacity=64)
@@ -192,17 +198,7 @@ def _ring_links_with_one_stalled_round(rank: int, world: int) -> dict[str, Any]:
     if rank == 2:
         # The host stalled rank 2 in its first round of the data-parallel rings' tests only: its view of
         # link 0 -> 2 5 ms late, as a healthy run of the demo timed (and named) 0 -> 2 once.
-        real, calls = validation.link_tests, []
-
-        def stalled_once(*args: Any, **kwargs: Any) -> dict[Any, tuple[float, float]]:
-            view = real(*args, **kwargs)
-            calls.append(view)
-            if len(calls) == 1:
-                latency, seconds = view[(0, 2)]
-                view[(0, 2)] = (latency, seconds + 0.005)
-            return view
-
-        validation.link_tests = stalled_once
+        _stall_first_round((0, 2))
     # Two data-parallel rings of two ranks each (as a DP2 x PP2 plan has), none of their links in the world's.
     report = time_ring_links(world_pass, ring_passes([[0, 2], [1, 3]]), nbytes=1 << 14)
     chaos.activate(None, tracer)
