@@ -143,8 +143,7 @@ _HF_PROJECTIONS: dict[str, bool] = {
 """The Megatron split of a transformers Llama-style decoder layer (Llama, Qwen2, Mistral): q, k and v
 column-wise (each rank whole heads of each; their attention reshapes to `(-1, head_dim)`, so it runs on the
 local heads as it is), o row-wise, SwiGLU's gate and up column-wise and down row-wise (True: column-wise).
-GPT-2's block fuses
-q, k and v in one transposed `Conv1D`, which these styles cannot split."""
+GPT-2's block fuses q, k and v in one transposed `Conv1D`, which these styles cannot split."""
 
 
 def _has_submodules(module: nn.Module, names: Iterable[str]) -> bool:
