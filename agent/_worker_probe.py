@@ -21,20 +21,17 @@ peer counts as communication, as in Falcon, and the rest of the step is this nod
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import redis
-import torch.distributed as dist
 
 from resilientjob.planner.errors import PlannerError
-from resilientjob.planner.failslow import Link, ring_schedule, slow_links
+from resilientjob.planner.failslow import Link, ring_schedule
 from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import LinkTiming, ValidationResult, ValidationTopology
@@ -118,54 +115,6 @@ def ring_passes(rings: Sequence[Sequence[int]]) -> list[list[Link]]:
                 passes.append([])
             passes[index].extend((ring[src], ring[dst]) for src, dst in links)
     return passes
-
-
-def with_links(
-    report: validation.ValidationReport,
-    measured: Mapping[Link, tuple[float, float]],
-    nbytes: int,
-    factor: float = validation.SUSPICION_FACTOR,
-    floor_s: float = validation.LINK_FLOOR_S,
-) -> validation.ValidationReport:
-    """`report` with more measured links ({link: (latency, seconds)}) and the slow links named again over
-    all of them (flagged by the planner's rule and at least `floor_s` slower than the median link)."""
-    links = dict(report.links)
-    for link, (latency, seconds) in measured.items():
-        links[link] = validation.LinkResult(link, latency, seconds, nbytes)
-    timed = {link: result.seconds for link, result in links.items()}
-    if not timed:
-        return report
-    median = statistics.median(timed.values())
-    named = [link for link in slow_links(timed, factor) if timed[link] - median >= floor_s]
-    return dataclasses.replace(report, links=links, slow_links=tuple(named))
-
-
-def time_ring_links(
-    report: validation.ValidationReport,
-    passes: Sequence[Sequence[Link]],
-    nbytes: int = 1 << 16,
-    device: str = "cpu",
-) -> validation.ValidationReport:
-    """`report` with the links of `passes` (world ranks, `ring_passes`) timed too and the slow links named
-    over all of them; every rank of the world calls it. As `validation.validate` does for its own links, a
-    round that names one of these is followed by a second with the passes reversed, each link keeping its
-    better view: a stall of a shared host does not come back, a slow link does. Timed once, the demo's data-
-    parallel links 0->2, 2->0 and 7->4 were named in a healthy 30-minute run (2.3x to 8.2x the median, a
-    few milliseconds) and opened communication episodes."""
-
-    def timed(order: Sequence[Sequence[Link]]) -> dict[Link, tuple[float, float]]:
-        own = validation.link_tests(order, nbytes, 5, device=device)
-        views: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(views, own)
-        return validation.merge_views([view or {} for view in views])
-
-    measured = timed(passes)
-    if set(with_links(report, measured, nbytes).slow_links) & set(measured):
-        again = timed(list(passes)[::-1])
-        measured = {
-            link: min(view, again.get(link, view), key=lambda v: v[1]) for link, view in measured.items()
-        }
-    return with_links(report, measured, nbytes)
 
 
 def node_label(label: str, nodes_by_rank: Mapping[int, int]) -> str:
@@ -412,7 +361,7 @@ class WorkerProbe:
         passes = [links for links in passes if links]
         if passes:
             with self.tracer.quiet():
-                report = time_ring_links(report, passes, device=self.device)
+                report = validation.time_more_links(report, passes, device=self.device)
         held = time.perf_counter() - began
         result = result_in_nodes(report, request, self.nodes_by_rank, held)
         if world_rank == 0:

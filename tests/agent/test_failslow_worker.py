@@ -343,7 +343,7 @@ def test_a_validation_request_of_the_next_generation_waits_for_the_switch_to_it(
 
 def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
     from resilientjob.agent import validation
-    from resilientjob.agent._worker_probe import data_parallel_rings, rank_table, ring_passes, with_links
+    from resilientjob.agent._worker_probe import data_parallel_rings, rank_table, ring_passes
 
     # DP3 x PP2: the world ring (ranks pipeline by pipeline) never joins two replicas of one stage.
     plan = Plan(
@@ -370,9 +370,13 @@ def test_validation_adds_the_data_parallel_rings_of_a_pipelined_plan() -> None:
         (r, (r + 1) % 6): validation.LinkResult((r, (r + 1) % 6), 1e-4, 0.010, 1 << 16) for r in range(6)
     }
     report = validation.ValidationReport(links=world)
-    slow = with_links(report, {(0, 2): (1e-4, 0.060), (2, 4): (1e-4, 0.011)}, 1 << 16)
+
+    def timed(link: tuple[int, int], seconds: float) -> validation.LinkResult:
+        return validation.LinkResult(link, 1e-4, seconds, 1 << 16)
+
+    slow = validation.with_links(report, {(0, 2): timed((0, 2), 0.060), (2, 4): timed((2, 4), 0.011)})
     assert slow.slow_links == ((0, 2),) and len(slow.links) == 8
-    assert with_links(report, {(2, 4): (1e-4, 0.0105)}, 1 << 16).slow_links == ()
+    assert validation.with_links(report, {(2, 4): timed((2, 4), 0.0105)}).slow_links == ()
 
 
 def _pipelines(stages: list[list[tuple[int, int, int]]], microbatches: list[int]) -> tuple[PipelinePlan, ...]:

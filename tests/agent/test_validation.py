@@ -187,7 +187,8 @@ def test_a_link_named_slow_is_timed_again_and_a_one_off_stall_is_not_named(tmp_p
 
 
 def _ring_links_with_one_stalled_round(rank: int, world: int) -> dict[str, Any]:
-    from resilientjob.agent._worker_probe import ring_passes, time_ring_links
+    from resilientjob.agent._worker_probe import ring_passes
+    from resilientjob.agent.validation import time_more_links
 
     tracer = tracing.install(capacity=64)
     injector = ChaosInjector()
@@ -200,7 +201,7 @@ def _ring_links_with_one_stalled_round(rank: int, world: int) -> dict[str, Any]:
         # link 0 -> 2 5 ms late, as a healthy run of the demo timed (and named) 0 -> 2 once.
         _stall_first_round((0, 2))
     # Two data-parallel rings of two ranks each (as a DP2 x PP2 plan has), none of their links in the world's.
-    report = time_ring_links(world_pass, ring_passes([[0, 2], [1, 3]]), nbytes=1 << 14)
+    report = time_more_links(world_pass, ring_passes([[0, 2], [1, 3]]), link_bytes=1 << 14)
     chaos.activate(None, tracer)
     tracing.uninstall()
     return {"slow": report.slow_links, "links": sorted(report.links)}
