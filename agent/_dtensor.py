@@ -21,3 +21,12 @@ _MODULE = "torch.distributed.tensor"
 def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     module = sys.modules.get(_MODULE)
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly tensor-parallel) tensor, sharing its storage; other tensors as they
+    are. A sharded layer therefore travels, and is checkpointed, shard by shard."""
+    if is_dtensor(tensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor

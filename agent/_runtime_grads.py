@@ -28,9 +28,9 @@ from torch import nn
 
 from resilientjob.planner.plan import Plan
 
+from ._dtensor import local
 from ._runtime_schedule import SyncGroup, designated_holders, held_layers, sync_groups
 from ._runtime_wait import Wait
-from ._tensor_parallel import local
 from .optim import sq_norm
 from .p2p import LayerState, is_sharded
 

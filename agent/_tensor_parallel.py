@@ -236,14 +236,6 @@ def shard_layer(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return parallelize_module(module, mesh, plan, **_local_slices())
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly distributed) tensor, sharing its storage."""
-    if is_dtensor(tensor):
-        with torch.no_grad():
-            return tensor.to_local()
-    return tensor
-
-
 def full_parameters(module: nn.Module, degree: int) -> list[torch.Tensor]:
     """Every parameter of a (possibly sharded) layer gathered whole, in the unsharded layout.
 

@@ -22,7 +22,7 @@ from torch import nn
 from resilientjob.planner.plan import Transfer
 from resilientjob.protocol.workload import TrainingSpec
 
-from ._dtensor import is_dtensor
+from ._dtensor import is_dtensor, local
 from ._runtime_wait import Wait
 from .optim import PLAIN_ADAMW, make_adamw
 
@@ -54,9 +54,9 @@ class LayerState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Everything that defines this layer's training state, in wire order."""
-        params = [_local(param.detach()) for param in self.module.parameters()]
+        params = [local(param.detach()) for param in self.module.parameters()]
         state = [
-            _local(self.optimizer.state[param][key])
+            local(self.optimizer.state[param][key])
             for param in self.module.parameters()
             for key in ("exp_avg", "exp_avg_sq", "step")
         ]
@@ -70,10 +70,10 @@ class LayerState:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The same tensors keyed by name (checkpoint keys)."""
-        out = {f"param.{name}": _local(param.detach()) for name, param in self.module.named_parameters()}
+        out = {f"param.{name}": local(param.detach()) for name, param in self.module.named_parameters()}
         for name, param in self.module.named_parameters():
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                out[f"optim.{name}.{key}"] = _local(self.optimizer.state[param][key])
+                out[f"optim.{name}.{key}"] = local(self.optimizer.state[param][key])
         return out
 
     def zero_grad(self) -> None:
@@ -81,16 +81,6 @@ class LayerState:
 
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a tensor-parallel (DTensor) tensor, sharing storage; other tensors as they are.
-
-    A sharded layer (`_tensor_parallel`) therefore travels, and is checkpointed, shard by shard."""
-    if is_dtensor(tensor):
-        with torch.no_grad():
-            return tensor.to_local()
-    return tensor
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

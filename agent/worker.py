@@ -39,12 +39,13 @@ from resilientjob.protocol.store_keys import (
     steptime_key,
 )
 
+from ._dtensor import local
 from ._final_export import export_model
 from ._plan_store import read_generation, read_plan
 from ._runtime_commit import ReconfigurationError, RolledStep
 from ._runtime_schedule import designated_holders, held_layers, world_nodes
 from ._runtime_wait import ComputeError
-from ._tensor_parallel import full_parameters, local, tp_degree
+from ._tensor_parallel import full_parameters, tp_degree
 from ._termination import WorkloadError
 from .checkpoint import Checkpointer
 from .config import JobConfig
