@@ -31,9 +31,14 @@ async def main(argv: list[str]) -> int:
     try:
         job, namespace, node = env["RJOB_JOB"], env.get("RJOB_NAMESPACE", "default"), int(env["RJOB_NODE"])
         url = env["RJOB_REDIS_URL"]
+        metrics_port = int(env.get("RJOB_AGENT_METRICS_PORT") or 0)
     except (KeyError, ValueError) as exc:
         print(f"resilientjob.agent: missing or bad environment: {exc}", file=sys.stderr)
         return 2
+    if metrics_port:
+        # Before the workload's imports (torch, seconds on a busy node): a pod reported Running answers
+        # its scrape.
+        start_http_server(metrics_port)
     # Imported only on its path: the synthetic agent must not pay for torch.
     from resilientjob.protocol.workload import WORKLOAD_ENV, load_workload
 
@@ -52,8 +57,6 @@ async def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"resilientjob.agent: {exc}", file=sys.stderr)
         return 2
-    if env.get("RJOB_AGENT_METRICS_PORT"):
-        start_http_server(int(env["RJOB_AGENT_METRICS_PORT"]))
     client = connect(url, env.get("RJOB_REDIS_PASSWORD"))
     telemetry = Telemetry(
         client,

@@ -62,6 +62,17 @@ def pod_rows(table: str) -> list[list[str]]:
     return [row[1:] for row in rows if row[1:2] and row[1].startswith("local-cpu-node-")]
 
 
+def metrics(port: int) -> bytes | None:
+    """An agent's metrics page once it serves one: a pod is Running from its process's start, a moment
+    before the agent listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            page = reply.read()
+    except OSError:
+        return None
+    return page if b"rjob_agent_heartbeats_total" in page else None
+
+
 def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     assert "resilientjob/local-cpu applied" in rjob(stack, "apply", "-f", "examples/local-cpu.yaml").stdout
 
@@ -78,8 +89,7 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     ports = [int((stack / "pods" / f"local-cpu-node-{n}" / "metrics-port").read_text()) for n in range(4)]
     assert len(set(ports)) == 4
     for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            assert b"rjob_agent_heartbeats_total" in reply.read()
+        until(lambda port=port: metrics(port), 20, f"an agent's metrics on port {port}")
     health_url = json.loads((stack / "state.json").read_text())["health_url"]
     with urllib.request.urlopen(health_url, timeout=5) as reply:
         assert reply.status == 200 and isinstance(json.loads(reply.read()), dict)
