@@ -17,6 +17,7 @@ charged the larger of the two, so a delay on either side of the link is charged 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,6 +46,18 @@ LINK_FLOOR_S = 1e-3
 """A link is named only if it is also this much slower than the median link: below it, differences are
 scheduling noise of a shared host (measured: up to ~0.3 ms on a loaded 2-core machine). Size `link_bytes`
 so that a healthy transfer takes well over it on real networks."""
+LINK_TARGET_S = 5e-3
+"""On an accelerator the pass grows its link payload until the median link takes at least this long: 64 KiB
+crosses a 200 Gb/s fabric in a few microseconds, where only a link ~100x slower would clear `LINK_FLOOR_S`.
+At 5 ms a link 1.2x slower than the median clears both the factor and the floor. Not sized on a GPU yet (no
+lease has run it); a CPU host's 64 KiB already takes a good part of a millisecond, so it keeps its size."""
+LINK_MAX_BYTES = 1 << 26
+"""The largest payload the sizing grows to: 64 MiB, small beside a training job's device memory (the pass
+runs between steps, with the model and optimizer resident). A 400 Gb/s link moves it in ~1.3 ms, so a link
+there is named from ~1.8x slower; NVLink links stay well under the target and are named only when several
+times slower."""
+_MAX_SIZINGS = 4
+"""Rounds at most to reach `LINK_TARGET_S` (each scales the payload by the shortfall)."""
 GEMM_FLOOR_S = 5e-5
 """The same for devices; the best of several GEMMs is steadier than a transfer (a few microseconds)."""
 
@@ -253,6 +266,37 @@ def _link_round(
     }
 
 
+def _sized_link_round(
+    passes: Sequence[Sequence[Link]],
+    link_bytes: int,
+    repeats: int,
+    group: dist.ProcessGroup | None,
+    size: int,
+    device: str,
+    target_s: float,
+    max_bytes: int = LINK_MAX_BYTES,
+) -> dict[Link, LinkResult]:
+    """`_link_round`, its payload grown (powers of two, at most `max_bytes`) until the median link takes
+    `target_s`: a transfer of a fast fabric is otherwise lost under the floor. Each round is timed again
+    whole at the new size, and every rank sees the same gathered times, so all of them grow alike."""
+    measured = _link_round(passes, link_bytes, repeats, group, size, device)
+    for _ in range(_MAX_SIZINGS):
+        median = statistics.median(result.seconds for result in measured.values()) if measured else target_s
+        if median >= target_s or link_bytes >= max_bytes:
+            break
+        # Time is latency plus bytes over bandwidth: scaling by the ratio undershoots while latency still
+        # dominates, so the loop may take a second step.
+        wanted = link_bytes * target_s / max(median, 1e-9)
+        link_bytes = min(max_bytes, 1 << max(0, math.ceil(math.log2(wanted))))
+        measured = _link_round(passes, link_bytes, repeats, group, size, device)
+    return measured
+
+
+def _payload(measured: Mapping[Link, LinkResult], default: int) -> int:
+    """The payload the links of `measured` were timed with (one size per round)."""
+    return next((result.nbytes for result in measured.values()), default)
+
+
 Timed = TypeVar("Timed", GemmResult, LinkResult)
 
 
@@ -282,11 +326,15 @@ def validate(
     gemm_floor_s: float = GEMM_FLOOR_S,
     gpus: bool = True,
     links: bool = True,
+    link_target_s: float | None = None,
 ) -> ValidationReport:
     """The whole pass on `group` (default: the world); every member calls it and gets the same report.
 
     On a CPU the ranks of one host share cores, so they take turns at the GEMM; on accelerators they run it
-    in parallel, as Falcon does."""
+    in parallel, as Falcon does. `link_target_s`: grow `link_bytes` until the median link takes this long
+    (default `LINK_TARGET_S` on an accelerator, none on a CPU; 0 keeps `link_bytes`)."""
+    if link_target_s is None:
+        link_target_s = 0.0 if device == "cpu" else LINK_TARGET_S
     began = time.perf_counter()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = dist.get_rank()
@@ -304,7 +352,10 @@ def validate(
                 gemm = _better_round(gemm, _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats))
         if links:
             passes = schedule(topology, len(ranks))
-            measured = _link_round(passes, link_bytes, repeats, group, len(ranks), device)
+            measured = _sized_link_round(
+                passes, link_bytes, repeats, group, len(ranks), device, link_target_s
+            )
+            link_bytes = _payload(measured, link_bytes)
             if _slow_links(measured, factor, link_floor_s):
                 # As for a device: every link timed again, the passes in reverse order, each keeping its
                 # better round. In a healthy 30-minute run of the demo on two cores, one round named link
@@ -338,7 +389,7 @@ def with_links(
 def time_more_links(
     report: ValidationReport,
     passes: Sequence[Sequence[Link]],
-    link_bytes: int = 1 << 16,
+    link_bytes: int | None = None,
     repeats: int = 5,
     device: str = "cpu",
 ) -> ValidationReport:
@@ -348,8 +399,10 @@ def time_more_links(
     second with the passes reversed, each link keeping its better round: a stall of a shared host does not
     come back, a slow link does. Timed once, the demo's data-parallel links 0->2, 2->0 and 7->4 were named
     in a healthy 30-minute run (2.3x to 8.2x the median, a few milliseconds) and opened communication
-    episodes."""
+    episodes. `link_bytes` defaults to the payload the world's links were timed with (sized on an
+    accelerator), so that every link is compared with the same median."""
     size = dist.get_world_size()
+    link_bytes = link_bytes or _payload(report.links, 1 << 16)
     measured = _link_round(passes, link_bytes, repeats, None, size, device)
     if set(with_links(report, measured).slow_links) & set(measured):
         retimed = _link_round(list(passes)[::-1], link_bytes, repeats, None, size, device)
