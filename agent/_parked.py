@@ -26,7 +26,10 @@ from ._redis import REDIS_DOWN
 from .telemetry import PARKED_ROLE, Telemetry
 
 PROBE_SIZE = 512
-"""Side of the probe's square matrices: a few milliseconds on a CPU core, far less on an accelerator."""
+"""Side of the probe's square matrices on a CPU: a few milliseconds on one core."""
+ACCELERATOR_PROBE_SIZE = 2048
+"""The side on an accelerator: a product of 512 is a kernel launch there (~10 us, which a throttled clock
+barely moves); 2048 is compute (~0.35 ms of an H100's float32 products). Not yet run on a GPU."""
 PROBE_REPEATS = 5
 """Products timed per probe step, the fastest kept."""
 PROBE_INTERVAL_S = 0.2
@@ -70,9 +73,10 @@ async def compute_factor(telemetry: Telemetry) -> float:
     return order.factor if order is not None and order.link is None and order.active() else 1.0
 
 
-def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
-    """Seconds of the fastest of `repeats` `size` x `size` matrix products on `device` (the validation pass's
-    GEMM): on an accelerator its wall time; on the CPU the thread's own CPU time, on one thread. A probe
+def measure(device: str, cpu_size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
+    """Seconds of the fastest of `repeats` square matrix products on `device` (the validation pass's GEMM):
+    on an accelerator `ACCELERATOR_PROBE_SIZE` wide, its wall time; on the CPU `cpu_size` wide, the thread's
+    own CPU time, on one thread. A probe
     measures its device, not what else shares the device's cores: on the local stack the other nodes'
     workers run on the same cores, and wall time there followed their load, not the node's speed (a CPU
     that a throttle slows still takes longer in CPU time). A chaos order's stretch is the caller's (a
@@ -85,12 +89,12 @@ def measure(device: str, size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -
 
         kind, _, index = device.partition(":")
         worker_device(kind, int(index or 0))  # in the probing child: torch_npu loaded, the device current
-        return gemm_benchmark(size=size, repeats=repeats, device=device, stretched=False).seconds
+        return gemm_benchmark(ACCELERATOR_PROBE_SIZE, repeats, device, stretched=False).seconds
     import torch
 
     torch.set_num_threads(1)  # the agent trains nothing itself; a worker computes on one thread anyway
     clock = time.thread_time
-    return gemm_benchmark(size=size, repeats=repeats, device=device, clock=clock, stretched=False).seconds
+    return gemm_benchmark(cpu_size, repeats, device, clock=clock, stretched=False).seconds
 
 
 async def probe(telemetry: Telemetry, device: str, work: DeviceWork) -> ProbeStep:

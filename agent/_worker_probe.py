@@ -45,10 +45,10 @@ PROFILE_EVERY = 10
 """Steps between two per-group profiles (`ProfileRecord`)."""
 DRAINED_PROBE_SIZE = 384
 DRAINED_PROBE_REPEATS = 3
-"""A drained node probes once per training step, between steps, while its peers compute: products of 384,
-the best of 3 (about a millisecond each on one CPU core, far less on an accelerator), stay hidden there and
-take little from peers that share the node's cores. Products of 256 timed too noisily (a cold cache after
-the step's wait moved the best of 3 by up to 20%)."""
+"""A drained node probes once per training step, between steps, while its peers compute: on a CPU products
+of 384, the best of 3 (about a millisecond each on one core), stay hidden there and take little from peers
+that share the node's cores; products of 256 timed too noisily (a cold cache after the step's wait moved the
+best of 3 by up to 20%). An accelerator's products are `_parked.ACCELERATOR_PROBE_SIZE` wide."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,13 @@ _MAX_SIZINGS = 4
 """Rounds at most to reach `LINK_TARGET_S` (each scales the payload by the shortfall)."""
 GEMM_FLOOR_S = 5e-5
 """The same for devices; the best of several GEMMs is steadier than a transfer (a few microseconds)."""
+GEMM_TARGET_S = 1e-3
+"""On an accelerator the pass grows its GEMM until the median device takes at least this long: a 256 x 256
+product is a kernel launch there (~10 us whatever the clock), so a throttled device timed the same as a
+healthy one and no device cleared `GEMM_FLOOR_S`. Not sized on a GPU yet (no lease has run it)."""
+GEMM_MAX_SIZE = 4096
+"""The largest GEMM the sizing grows to: three 64 MiB float32 matrices beside the resident model, ~2.7 ms
+of an H100's float32 products."""
 
 TINY_BYTES = 4
 
@@ -242,6 +249,32 @@ def _gemm_round(
     return {result.rank: result for result in gathered if result is not None}
 
 
+def _sized_gemm_round(
+    ranks: Sequence[int],
+    me: int,
+    group: dist.ProcessGroup | None,
+    device: str,
+    gemm_size: int,
+    repeats: int,
+    target_s: float,
+    max_size: int = GEMM_MAX_SIZE,
+) -> tuple[dict[int, GemmResult], int]:
+    """`_gemm_round`, its size grown (powers of two, at most `max_size`) until the median device takes
+    `target_s`; the round and the size it ran at. Every rank sees the same gathered times, so all of them
+    grow alike."""
+    gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+    for _ in range(_MAX_SIZINGS):
+        median = statistics.median(result.seconds for result in gemm.values()) if gemm else target_s
+        if median >= target_s or gemm_size >= max_size:
+            break
+        # A product's work grows with the cube of its size; while the launch dominates, the cube root of the
+        # shortfall undershoots and the loop takes another step.
+        wanted = gemm_size * (target_s / max(median, 1e-9)) ** (1 / 3)
+        gemm_size = min(max_size, 1 << max(0, math.ceil(math.log2(wanted))))
+        gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+    return gemm, gemm_size
+
+
 def _slow_devices(gemm: Mapping[int, GemmResult], factor: float, floor_s: float) -> list[int]:
     """The ranks whose GEMM is `factor` x the median and at least `floor_s` slower than it."""
     seconds = {rank: result.seconds for rank, result in gemm.items()}
@@ -327,14 +360,19 @@ def validate(
     gpus: bool = True,
     links: bool = True,
     link_target_s: float | None = None,
+    gemm_target_s: float | None = None,
 ) -> ValidationReport:
     """The whole pass on `group` (default: the world); every member calls it and gets the same report.
 
     On a CPU the ranks of one host share cores, so they take turns at the GEMM; on accelerators they run it
     in parallel, as Falcon does. `link_target_s`: grow `link_bytes` until the median link takes this long
-    (default `LINK_TARGET_S` on an accelerator, none on a CPU; 0 keeps `link_bytes`)."""
+    (default `LINK_TARGET_S` on an accelerator, none on a CPU; 0 keeps `link_bytes`); `gemm_target_s` the
+    same for `gemm_size` (`GEMM_TARGET_S`)."""
+    accelerator = device != "cpu"
     if link_target_s is None:
-        link_target_s = 0.0 if device == "cpu" else LINK_TARGET_S
+        link_target_s = LINK_TARGET_S if accelerator else 0.0
+    if gemm_target_s is None:
+        gemm_target_s = GEMM_TARGET_S if accelerator else 0.0
     began = time.perf_counter()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = dist.get_rank()
@@ -342,7 +380,7 @@ def validate(
     measured: dict[Link, LinkResult] = {}
     with _untraced():
         if gpus:
-            gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
+            gemm, gemm_size = _sized_gemm_round(ranks, me, group, device, gemm_size, repeats, gemm_target_s)
             if _slow_devices(gemm, factor, gemm_floor_s):
                 # A device named slow is timed again, with every other (the median must stay comparable),
                 # turns in reverse order (interference tied to a moment of the pass hits another rank), and

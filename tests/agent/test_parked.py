@@ -117,3 +117,29 @@ async def test_only_a_live_compute_order_stretches_the_probe(client: aioredis.Re
     assert await _parked.compute_factor(telemetry) == 2.5
     await client.set(keys.chaos(1), b"not an order")
     assert await _parked.compute_factor(telemetry) == 1.0
+
+
+@pytest.mark.torch
+def test_an_accelerator_probe_is_a_product_wide_enough_to_be_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a CPU-sized product is a kernel launch, which a throttled clock barely moves: the
+    probe there is `ACCELERATOR_PROBE_SIZE` wide, whatever CPU size its caller (a drained worker) asks."""
+    import torch
+
+    from resilientjob.agent import validation, worker
+    from resilientjob.agent.validation import GemmResult
+
+    asked: list[tuple[int, str]] = []
+
+    def timed(size: int, repeats: int, device: str, **_: object) -> GemmResult:
+        asked.append((size, device))
+        return GemmResult(rank=0, seconds=1e-3, flops_per_s=2 * size**3 / 1e-3)
+
+    monkeypatch.setattr(validation, "gemm_benchmark", timed)
+    monkeypatch.setattr(worker, "worker_device", lambda kind, index: None)  # no device to make current here
+    assert _parked.measure("cuda:1", 384, 3) == 1e-3
+    threads = torch.get_num_threads()
+    try:
+        assert _parked.measure("cpu", 384, 3) == 1e-3
+    finally:
+        torch.set_num_threads(threads)  # the CPU probe runs on one thread; this test process goes on
+    assert asked == [(_parked.ACCELERATOR_PROBE_SIZE, "cuda:1"), (384, "cpu")]
