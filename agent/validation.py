@@ -57,7 +57,7 @@ runs between steps, with the model and optimizer resident). A 400 Gb/s link move
 there is named from ~1.8x slower; NVLink links stay well under the target and are named only when several
 times slower."""
 _MAX_SIZINGS = 4
-"""Rounds at most to reach `LINK_TARGET_S` (each scales the payload by the shortfall)."""
+"""Rounds at most that grow a payload or a GEMM towards its target (each scales it by the shortfall)."""
 GEMM_FLOOR_S = 5e-5
 """The same for devices; the best of several GEMMs is steadier than a transfer (a few microseconds)."""
 GEMM_TARGET_S = 1e-3
@@ -249,32 +249,6 @@ def _gemm_round(
     return {result.rank: result for result in gathered if result is not None}
 
 
-def _sized_gemm_round(
-    ranks: Sequence[int],
-    me: int,
-    group: dist.ProcessGroup | None,
-    device: str,
-    gemm_size: int,
-    repeats: int,
-    target_s: float,
-    max_size: int = GEMM_MAX_SIZE,
-) -> tuple[dict[int, GemmResult], int]:
-    """`_gemm_round`, its size grown (powers of two, at most `max_size`) until the median device takes
-    `target_s`; the round and the size it ran at. Every rank sees the same gathered times, so all of them
-    grow alike."""
-    gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
-    for _ in range(_MAX_SIZINGS):
-        median = statistics.median(result.seconds for result in gemm.values()) if gemm else target_s
-        if median >= target_s or gemm_size >= max_size:
-            break
-        # A product's work grows with the cube of its size; while the launch dominates, the cube root of the
-        # shortfall undershoots and the loop takes another step.
-        wanted = gemm_size * (target_s / max(median, 1e-9)) ** (1 / 3)
-        gemm_size = min(max_size, 1 << max(0, math.ceil(math.log2(wanted))))
-        gemm = _gemm_round(ranks, me, group, device, gemm_size, repeats)
-    return gemm, gemm_size
-
-
 def _slow_devices(gemm: Mapping[int, GemmResult], factor: float, floor_s: float) -> list[int]:
     """The ranks whose GEMM is `factor` x the median and at least `floor_s` slower than it."""
     seconds = {rank: result.seconds for rank, result in gemm.items()}
@@ -299,38 +273,32 @@ def _link_round(
     }
 
 
-def _sized_link_round(
-    passes: Sequence[Sequence[Link]],
-    link_bytes: int,
-    repeats: int,
-    group: dist.ProcessGroup | None,
-    size: int,
-    device: str,
-    target_s: float,
-    max_bytes: int = LINK_MAX_BYTES,
-) -> dict[Link, LinkResult]:
-    """`_link_round`, its payload grown (powers of two, at most `max_bytes`) until the median link takes
-    `target_s`: a transfer of a fast fabric is otherwise lost under the floor. Each round is timed again
-    whole at the new size, and every rank sees the same gathered times, so all of them grow alike."""
-    measured = _link_round(passes, link_bytes, repeats, group, size, device)
+Timed = TypeVar("Timed", GemmResult, LinkResult)
+
+
+def _grown(
+    timed_at: Callable[[int], dict[Key, Timed]], size: int, target_s: float, max_size: int, power: int
+) -> tuple[dict[Key, Timed], int]:
+    """`timed_at(size)`, then again with `size` grown (powers of two, at most `max_size`) until the median
+    time reaches `target_s`: a fast device's or fabric's differences are otherwise lost under the floors. The
+    last round and the size it ran at. `power`: how the work grows with the size (1 for a payload, 3 for a
+    GEMM's side); while a fixed cost (a launch, a message's latency) dominates, the root of the shortfall
+    undershoots and the loop takes another step. Every rank sees the same gathered times, so all of them
+    grow alike."""
+    timed = timed_at(size)
     for _ in range(_MAX_SIZINGS):
-        median = statistics.median(result.seconds for result in measured.values()) if measured else target_s
-        if median >= target_s or link_bytes >= max_bytes:
+        median = statistics.median(result.seconds for result in timed.values()) if timed else target_s
+        if median >= target_s or size >= max_size:
             break
-        # Time is latency plus bytes over bandwidth: scaling by the ratio undershoots while latency still
-        # dominates, so the loop may take a second step.
-        wanted = link_bytes * target_s / max(median, 1e-9)
-        link_bytes = min(max_bytes, 1 << max(0, math.ceil(math.log2(wanted))))
-        measured = _link_round(passes, link_bytes, repeats, group, size, device)
-    return measured
+        wanted = size * (target_s / max(median, 1e-9)) ** (1 / power)
+        size = min(max_size, 1 << max(0, math.ceil(math.log2(wanted))))
+        timed = timed_at(size)
+    return timed, size
 
 
 def _payload(measured: Mapping[Link, LinkResult], default: int) -> int:
     """The payload the links of `measured` were timed with (one size per round)."""
     return next((result.nbytes for result in measured.values()), default)
-
-
-Timed = TypeVar("Timed", GemmResult, LinkResult)
 
 
 def _better_round(first: Mapping[Key, Timed], second: Mapping[Key, Timed]) -> dict[Key, Timed]:
@@ -380,7 +348,13 @@ def validate(
     measured: dict[Link, LinkResult] = {}
     with _untraced():
         if gpus:
-            gemm, gemm_size = _sized_gemm_round(ranks, me, group, device, gemm_size, repeats, gemm_target_s)
+            gemm, gemm_size = _grown(
+                lambda size: _gemm_round(ranks, me, group, device, size, repeats),
+                gemm_size,
+                gemm_target_s,
+                GEMM_MAX_SIZE,
+                power=3,
+            )
             if _slow_devices(gemm, factor, gemm_floor_s):
                 # A device named slow is timed again, with every other (the median must stay comparable),
                 # turns in reverse order (interference tied to a moment of the pass hits another rank), and
@@ -390,10 +364,13 @@ def validate(
                 gemm = _better_round(gemm, _gemm_round(ranks[::-1], me, group, device, gemm_size, repeats))
         if links:
             passes = schedule(topology, len(ranks))
-            measured = _sized_link_round(
-                passes, link_bytes, repeats, group, len(ranks), device, link_target_s
+            measured, link_bytes = _grown(
+                lambda nbytes: _link_round(passes, nbytes, repeats, group, len(ranks), device),
+                link_bytes,
+                link_target_s,
+                LINK_MAX_BYTES,
+                power=1,
             )
-            link_bytes = _payload(measured, link_bytes)
             if _slow_links(measured, factor, link_floor_s):
                 # As for a device: every link timed again, the passes in reverse order, each keeping its
                 # better round. In a healthy 30-minute run of the demo on two cores, one round named link

@@ -141,31 +141,27 @@ def test_the_link_payload_grows_until_a_link_slower_than_the_floor_can_show_is_n
         assert grown > 1 << 14
 
 
-def test_the_payload_grows_in_powers_of_two_until_the_median_link_takes_the_target(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_payload_grows_in_powers_of_two_until_the_median_link_takes_the_target() -> None:
     """The sizing's arithmetic on a modelled fabric (0.1 ms a message, 10 GB/s): each round scales the
     payload by the shortfall, a latency-bound round undershoots and takes another, the cap holds."""
     sizes: list[int] = []
 
-    def modelled_round(passes: Any, link_bytes: int, *_: Any) -> dict[tuple[int, int], LinkResult]:
-        sizes.append(link_bytes)
-        seconds = 1e-4 + link_bytes / 1e10
-        return {link: LinkResult(link, 1e-4, seconds, link_bytes) for link in [(0, 1), (1, 2), (2, 0)]}
+    def modelled_round(nbytes: int) -> dict[tuple[int, int], LinkResult]:
+        sizes.append(nbytes)
+        seconds = 1e-4 + nbytes / 1e10
+        return {link: LinkResult(link, 1e-4, seconds, nbytes) for link in [(0, 1), (1, 2), (2, 0)]}
 
-    monkeypatch.setattr(validation, "_link_round", modelled_round)
-    ring = schedule(Topology.RING, 3)
-    measured = validation._sized_link_round(ring, 1 << 16, 3, None, 3, "cuda", target_s=5e-3)
+    measured, nbytes = validation._grown(modelled_round, 1 << 16, 5e-3, validation.LINK_MAX_BYTES, power=1)
     # 64 KiB takes 0.11 ms: the shortfall asks for 2.9 MB, rounded up to 4 MiB (0.52 ms: the latency had
     # hidden the bandwidth), then 64 MiB (6.8 ms).
-    assert sizes == [1 << 16, 1 << 22, 1 << 26]
+    assert sizes == [1 << 16, 1 << 22, 1 << 26] and nbytes == 1 << 26
     assert {result.nbytes for result in measured.values()} == {1 << 26}
     sizes.clear()
-    validation._sized_link_round(ring, 1 << 16, 3, None, 3, "cuda", target_s=5e-3, max_bytes=1 << 24)
+    assert validation._grown(modelled_round, 1 << 16, 5e-3, 1 << 24, power=1)[1] == 1 << 24
     assert sizes == [1 << 16, 1 << 22, 1 << 24]  # the cap, short of the target
     sizes.clear()
-    validation._sized_link_round(ring, 1 << 16, 3, None, 3, "cpu", target_s=0.0)
-    assert sizes == [1 << 16]  # no target: the size asked
+    validation._grown(modelled_round, 1 << 16, 0.0, validation.LINK_MAX_BYTES, power=1)
+    assert sizes == [1 << 16]  # no target (a CPU's): the size asked
 
 
 def _device_slower_than_a_small_gemm_shows(rank: int, world: int) -> dict[str, Any]:
@@ -191,29 +187,23 @@ def test_a_grown_gemm_names_the_slow_device_in_real_processes(tmp_path: Path) ->
         assert len(sizes) == 1 and sizes.pop() > 8
 
 
-def test_the_gemm_grows_in_powers_of_two_until_the_median_device_takes_the_target(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_gemm_grows_in_powers_of_two_until_the_median_device_takes_the_target() -> None:
     """On a modelled accelerator (10 us a launch, 50 TFLOP/s): the cube root of the shortfall, rounded up to
     a power of two, a launch-bound round undershooting, the cap."""
     sizes: list[int] = []
 
-    def modelled_round(ranks: Any, me: int, group: Any, device: str, size: int, *_: Any) -> dict[int, Any]:
+    def modelled_round(size: int) -> dict[int, GemmResult]:
         sizes.append(size)
         seconds = 1e-5 + 2 * size**3 / 5e13
-        return {rank: GemmResult(rank, seconds, 2 * size**3 / seconds) for rank in ranks}
+        return {rank: GemmResult(rank, seconds, 2 * size**3 / seconds) for rank in range(3)}
 
-    monkeypatch.setattr(validation, "_gemm_round", modelled_round)
-    gemm, size = validation._sized_gemm_round([0, 1, 2], 0, None, "cuda", 256, 3, target_s=1e-3)
+    gemm, size = validation._grown(modelled_round, 256, 1e-3, validation.GEMM_MAX_SIZE, power=3)
     # 256 takes 11 us: x4.5 in size asks for 1,162, rounded up to 2,048 (0.35 ms), then 4,096 (2.8 ms).
     assert sizes == [256, 2048, 4096] and size == 4096
     assert {round((r.flops_per_s * r.seconds / 2) ** (1 / 3)) for r in gemm.values()} == {4096}
     sizes.clear()
-    assert validation._sized_gemm_round([0, 1], 0, None, "cuda", 256, 3, 1e-3, max_size=1024)[1] == 1024
+    assert validation._grown(modelled_round, 256, 1e-3, 1024, power=3)[1] == 1024
     assert sizes == [256, 1024]
-    sizes.clear()
-    validation._sized_gemm_round([0, 1], 0, None, "cpu", 256, 3, target_s=0.0)
-    assert sizes == [256]
 
 
 def _not_in_group(rank: int, world: int) -> list[int]:
