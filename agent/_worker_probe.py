@@ -15,7 +15,7 @@ all tested at once since the rings are disjoint: 2 or 3 more passes), so that a 
 replicas of one stage, which the world ring (numbered pipeline by pipeline) never crosses, is named too.
 
 Communication time of a step is the time the worker was *held* by communication: inside a synchronous call,
-or from the first `wait()` on an asynchronous one to its end (`tracing.blocked_s`); waiting for a slower
+or from the first `wait()` on an asynchronous one to its end (`trace_reader.blocked_s`); waiting for a slower
 peer counts as communication, as in Falcon, and the rest of the step is this node's compute.
 """
 
@@ -37,7 +37,7 @@ from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import LinkTiming, ValidationResult, ValidationTopology
 from resilientjob.protocol.store_keys import VALIDATION_REQUEST_KEY, validation_result_key
 
-from . import _parked, chaos, tracing, validation
+from . import _parked, chaos, trace_reader, tracing, validation
 from ._runtime_schedule import lane_ranks, world_nodes
 from ._tensor_parallel import tp_degree
 
@@ -257,7 +257,7 @@ class WorkerProbe:
         ended = time.perf_counter()
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
-        communication = min(wall, tracing.blocked_s(records, self._step_began, ended))
+        communication = min(wall, trace_reader.blocked_s(records, self._step_began, ended))
         injector = self.watcher.injector if self.watcher is not None else None
         compute = max(1e-6, wall - communication)
         stretch = 0.0
@@ -298,7 +298,7 @@ class WorkerProbe:
         self._window_cursor = self.tracer.ring.head
         self._window_steps = 0
         try:
-            found = tracing.profile(records)
+            found = trace_reader.profile(records)
         except PlannerError:
             return  # no recurring period in this window (a reconfiguration inside it): skip one profile
         nodes_by_rank = self.nodes_by_rank

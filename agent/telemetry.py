@@ -400,7 +400,7 @@ class Telemetry:
         communication_s: float,
         groups: dict[str, float],
     ) -> ProfileRecord:
-        """Send one per-group profile of the recent window (`tracing.profile`, group labels in node ids)."""
+        """Send one per-group profile of the recent window (`trace_reader.profile`, groups in node ids)."""
         record = ProfileRecord(
             node=self.node,
             generation=generation,

@@ -1,5 +1,5 @@
-"""Non-intrusive tracing of `torch.distributed` in a worker process (Falcon 4.2, "Monitor"), and the reader
-that turns the trace into iteration times and per-group profiles (Falcon 4.3, "Profiling").
+"""Non-intrusive tracing of `torch.distributed` in a worker process (Falcon 4.2, "Monitor"); `trace_reader`
+turns the trace into iteration times and per-group profiles (Falcon 4.3, "Profiling").
 
 `install()` replaces the collective and point-to-point functions (`all_reduce`, `all_gather`, `broadcast`,
 `barrier`, `send`, `isend`, `batch_isend_irecv`, ...) in both `torch.distributed` and
@@ -14,11 +14,10 @@ Each call is recorded as (operation, group ranks, peer, bytes, start, end) into 
 of preallocated slots written round-robin, so an append is O(1) and memory never grows. A call made from
 inside a traced call (`send` is `isend` + `wait` in torch) is not recorded twice. Asynchronous calls return a
 `TracedWork` (a real `dist.Work` subclass, so `isinstance` checks and every `Work` method keep working) that
-stamps the end time when `wait()` first returns: the moment the caller saw the operation complete.
-
-The reader: `IterationFeed` turns the ring into iteration times (the planner's ACF period), each reported
-once, for the change-point detector; `profile` splits iterations into per-group communication and compute
-time, and `group_profiles` combines the workers' profiles into the planner's `GroupProfile`s.
+stamps the end time when `wait()` first returns: the moment the caller saw the operation complete. On an
+accelerator the host runs ahead of the device, so a call on device tensors also records an event on the
+caller's stream, and its wait counts as communication only once the device has run what was issued before
+it (`TracedWork`; tested against a modelled device, not yet run on a GPU).
 
 A hook (`Tracer.hook`, used by `agent.chaos`) runs before each call with the operation, peer, bytes, the
 time since the process's previous traced call ended (the compute interval before it; 0 while `quiet`) and the
@@ -32,25 +31,16 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from resilientjob.planner.errors import PlannerError
-from resilientjob.planner.failslow import (
-    CollectiveCall,
-    GroupProfile,
-    IterationTimes,
-    encode,
-    iteration_times,
-    recurring_period,
-)
+from ._device_sync import ComputeMark, compute_mark
 
 DEFAULT_CAPACITY = 1 << 16
 """Ring slots: at ~100 calls per iteration, the last ~650 iterations; ~10 MB of small tuples."""
@@ -219,36 +209,57 @@ class TracedWork(dist.Work):
     the host first sees it complete: when `wait()` returns on gloo, whose wait blocks until the data is in;
     on NCCL and HCCL, whose `wait()` only orders the current stream after the operation and returns at once,
     at the first `is_completed()` that is true (the runtime's waits poll it, `_runtime_wait`). Stamped at
-    `wait()`'s return there, every receive read as instant: no communication, every step all compute."""
+    `wait()`'s return there, every receive read as instant: no communication, every step all compute.
 
-    def __init__(self, inner: dist.Work, tracer: Tracer, seq: int) -> None:
+    On those devices the host also runs ahead of the device: the operation starts only after the compute
+    issued before it (the backend orders its stream after the caller's), so part of a wait is the device
+    still computing. `ready` marks that compute's end on the caller's stream (`compute_mark`); the wait counts
+    as communication only from when the host first sees the mark passed, else a slow device's compute read
+    as its own communication, and its peers' (Falcon's split would blame nobody's compute)."""
+
+    def __init__(self, inner: dist.Work, tracer: Tracer, seq: int, ready: ComputeMark | None = None) -> None:
         super().__init__()
         self._inner = inner
         self._tracer = tracer
         self._seq = seq
         self._waited = False
         self._wait_from = math.nan
+        self._ready = ready
+        self._ready_at = math.nan
+        """When the host first saw the compute before the operation done, once it waited (NaN before)."""
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         began = time.perf_counter()
         if not self._wait_from <= began:
             self._wait_from = began  # the caller waits from the first wait() on
+        self._look_at_compute(began)
         done: bool = self._inner.wait(*args, **kwargs)
         if not self._waited and self._inner.is_completed():
             self._stamp()
         return done
 
     def is_completed(self) -> bool:
+        waiting = not self._waited and not math.isnan(self._wait_from)
+        if waiting:
+            self._look_at_compute(time.perf_counter())
         done: bool = self._inner.is_completed()
-        if done and not self._waited and not math.isnan(self._wait_from):  # waited on, now done
+        if done and waiting:  # waited on, now done
             self._stamp()
         return done
+
+    def _look_at_compute(self, now: float) -> None:
+        if self._ready is not None and math.isnan(self._ready_at) and self._ready.query():
+            self._ready_at = now
 
     def _stamp(self) -> None:
         """Once: a later wait() on finished work says nothing about the operation."""
         self._waited = True
         end = time.perf_counter()
-        self._tracer.ring.finish(self._seq, end, self._wait_from)
+        held_from = self._wait_from
+        if self._ready is not None:
+            # Seen done only with the operation: the device computed until about now (within one poll).
+            held_from = max(held_from, end if math.isnan(self._ready_at) else self._ready_at)
+        self._tracer.ring.finish(self._seq, end, held_from)
         # Compute resumes when the wait returns (often on a helper thread that waits for the caller).
         self._tracer.last_end = max(self._tracer.last_end, end)
 
@@ -278,6 +289,17 @@ def _nbytes(data: object) -> int:
     if isinstance(data, dist.P2POp):
         return _nbytes(data.tensor)
     return 0
+
+
+def _device(data: object) -> torch.device | None:
+    """The device of the call's first tensor (None without one)."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    if isinstance(data, list | tuple):
+        return next((device for item in data if (device := _device(item)) is not None), None)
+    if isinstance(data, dist.P2POp):
+        return data.tensor.device
+    return None
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str | None, position: int) -> Any:
@@ -369,23 +391,25 @@ class Tracer:
         positions: Mapping[str, int],
         args: tuple[Any, ...],
         kw: dict[str, Any],
-    ) -> tuple[tuple[int, ...], int, int]:
-        """(group ranks, global peer, bytes) of one call; never raises (the real call reports bad input)."""
+    ) -> tuple[tuple[int, ...], int, int, torch.device | None]:
+        """(group ranks, global peer, bytes, device of the data) of one call; never raises (the real call
+        reports bad input)."""
         try:
             if name == "batch_isend_irecv":
                 ops = _argument(args, kw, "p2p_op_list", 0) or []
                 peers = {op.peer for op in ops}
                 group = ops[0].group if ops else None
-                return self._group_ranks(group), peers.pop() if len(peers) == 1 else NO_PEER, _nbytes(ops)
+                peer = peers.pop() if len(peers) == 1 else NO_PEER
+                return self._group_ranks(group), peer, _nbytes(ops), _device(ops)
             group = _argument(args, kw, "group", positions.get("group", -1))
             ranks = self._group_ranks(group)
             peer = _argument(args, kw, spec.peer, positions.get(spec.peer or "", -1))
             if peer is None and spec.group_peer is not None and kw.get(spec.group_peer) is not None:
                 peer = c10d.get_global_rank(group or c10d.GroupMember.WORLD, kw[spec.group_peer])  # type: ignore[arg-type]
             data = _argument(args, kw, spec.data, positions.get(spec.data or "", -1))
-            return ranks, NO_PEER if peer is None else int(peer), _nbytes(data)
+            return ranks, NO_PEER if peer is None else int(peer), _nbytes(data), _device(data)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError):
-            return (), NO_PEER, 0
+            return (), NO_PEER, 0, None
 
     def _wrap(self, name: str, original: Callable[..., Any], spec: CallSpec) -> Callable[..., Any]:
         parameters = list(inspect.signature(original).parameters)
@@ -397,7 +421,7 @@ class Tracer:
         def traced(*args: Any, **kwargs: Any) -> Any:
             if getattr(local, "inside", False):  # torch calling itself (send -> isend): the outer call counts
                 return original(*args, **kwargs)
-            group, peer, nbytes = self._describe(name, spec, positions, args, kwargs)
+            group, peer, nbytes, device = self._describe(name, spec, positions, args, kwargs)
             hook = self.hook
             delay = 0.0
             if hook is not None:
@@ -413,6 +437,7 @@ class Tracer:
                     # A congested link: the data leaves this end that much later, so the peers wait for it
                     # too (a collective's members inside the call, a receiver in its recv/wait).
                     time.sleep(delay)
+                ready = compute_mark(device) if self.recording else None
                 result = original(*args, **kwargs)
                 end = clock()
             finally:
@@ -424,11 +449,11 @@ class Tracer:
             held_from = start if delay > 0 else math.nan
             if isinstance(result, dist.Work):
                 seq = ring.append(name, group, peer, nbytes, start, math.nan, held_from)
-                return TracedWork(result, self, seq)
+                return TracedWork(result, self, seq, ready)
             if isinstance(result, list) and result and isinstance(result[0], dist.Work):
                 # batch_isend_irecv: one record, ended by the last of its requests to be waited on
                 seq = ring.append(name, group, peer, nbytes, start, math.nan, held_from)
-                return [TracedWork(work, self, seq) for work in result]
+                return [TracedWork(work, self, seq, ready) for work in result]
             ring.append(name, group, peer, nbytes, start, end)
             return result
 
@@ -463,160 +488,3 @@ def uninstall() -> None:
 def current() -> Tracer | None:
     """The process's installed tracer, if any."""
     return _Process.tracer
-
-
-# ---- the reader ---------------------------------------------------------------------------------------
-def collective_calls(records: Sequence[TraceRecord]) -> list[CollectiveCall]:
-    """The planner's view of the trace: (operation, group label, start), ordered by start time."""
-    ordered = sorted(records, key=lambda record: (record.start_s, record.seq))
-    return [CollectiveCall(op=r.op, group=r.label, timestamp_s=r.start_s) for r in ordered]
-
-
-def trace_iteration_times(records: Sequence[TraceRecord], max_lag: int | None = None) -> IterationTimes:
-    """Iteration times found by the planner's ACF method in the call stream alone."""
-    return iteration_times(collective_calls(records), max_lag)
-
-
-class IterationFeed:
-    """Turns the ring into a stream of iteration times, each reported once, for the change-point detector.
-
-    `poll()` reads the records added since the last poll into a sliding window, finds the period by ACF and
-    returns the times of the iterations that completed since the last poll. The window is trimmed by whole
-    periods, so iteration boundaries stay where they were and no iteration is reported twice."""
-
-    def __init__(self, ring: TraceRing, window: int = 4096, max_lag: int | None = None) -> None:
-        if window < 4:
-            raise ValueError(f"window: must be >= 4 calls, got {window}")
-        self.ring = ring
-        self.window = window
-        self.max_lag = max_lag
-        self._cursor = 0
-        self._records: list[TraceRecord] = []
-        self._reported_until = -math.inf
-        self.period: int | None = None
-        """Calls per iteration found at the last successful poll."""
-
-    def poll(self) -> list[float]:
-        fresh = self.ring.records(since=self._cursor)
-        if fresh:
-            self._cursor = fresh[-1].seq + 1
-            self._records.extend(fresh)
-        if len(self._records) < 4:
-            return []
-        stamps = np.array([record.start_s for record in self._records])
-        codes = encode([(record.op, record.label) for record in self._records])
-        try:
-            period = recurring_period(codes, self.max_lag)
-        except PlannerError:
-            return []  # no period yet (too few iterations recorded, or the pattern just changed)
-        self.period = period
-        rows = len(stamps) // period
-        if rows < 2:
-            return []
-        grid = stamps[: rows * period].reshape(rows, period)
-        times = np.median(np.diff(grid, axis=0), axis=1)
-        ends = grid[1:, 0]  # iteration i ends where row i + 1 begins
-        new = times[ends > self._reported_until]
-        self._reported_until = float(ends[-1])
-        excess = len(self._records) - self.window
-        if excess > 0:
-            del self._records[: -(-excess // period) * period]
-        return [float(value) for value in new]
-
-
-@dataclass(frozen=True, slots=True)
-class TraceProfile:
-    """One worker's time per iteration, split into traced communication and the compute between calls."""
-
-    period: int
-    """Calls per iteration (the ACF period)."""
-    iterations: int
-    iteration_s: float
-    """Mean iteration time (over the same windows as the communication time, so the two subtract)."""
-    communication_s: float
-    """Mean time per iteration inside at least one traced call (overlapping calls count once)."""
-    group_s: Mapping[str, float]
-    """Mean time per iteration inside each communication group's calls (by `TraceRecord.label`)."""
-
-    @property
-    def compute_s(self) -> float:
-        return max(0.0, self.iteration_s - self.communication_s)
-
-
-def blocked_s(records: Sequence[TraceRecord], begin_s: float, end_s: float) -> float:
-    """Time within [begin_s, end_s] the caller was held by communication (`TraceRecord.blocked`, overlaps
-    counted once): a step's communication time, waiting for slower peers included; the rest is compute."""
-    spans = []
-    for record in records:
-        span = record.blocked
-        if span is not None and span[1] > begin_s and span[0] < end_s:
-            spans.append((max(span[0], begin_s), min(span[1], end_s)))
-    return _covered(spans)
-
-
-def _covered(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of intervals."""
-    total, reach = 0.0, -math.inf
-    for start, end in sorted(intervals):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
-
-
-def profile(records: Sequence[TraceRecord], max_lag: int | None = None) -> TraceProfile:
-    """Split each complete iteration of the trace into communication (per group) and compute time.
-
-    Iterations are the ACF periods: window i runs from the start of call i*period to that of call
-    (i+1)*period; calls are clipped to their window so that an operation still pending at a boundary is not
-    counted twice. Communication time includes waiting for slower peers: `group_profiles` removes it."""
-    ordered = sorted(records, key=lambda record: (record.start_s, record.seq))
-    times = iteration_times(collective_calls(ordered), max_lag)
-    period = times.period
-    windows = len(times.times_s)
-    communication = np.zeros(windows)
-    lengths = np.zeros(windows)
-    per_group: dict[str, float] = {}
-    for window in range(windows):
-        begin = ordered[window * period].start_s
-        finish = ordered[(window + 1) * period].start_s
-        lengths[window] = finish - begin
-        intervals = []
-        for record in ordered[window * period : (window + 1) * period]:
-            span = record.blocked  # the time the caller was held, not an isend in flight behind compute
-            if span is None:
-                continue
-            start, end = max(span[0], begin), min(span[1], finish)
-            intervals.append((start, end))
-            per_group[record.label] = per_group.get(record.label, 0.0) + max(0.0, end - start)
-        communication[window] = _covered([(s, e) for s, e in intervals if e > s])
-    return TraceProfile(
-        period=period,
-        iterations=windows,
-        iteration_s=float(lengths.mean()),
-        communication_s=float(communication.mean()),
-        group_s={label: total / windows for label, total in sorted(per_group.items())},
-    )
-
-
-def group_profiles(profiles: Sequence[TraceProfile]) -> dict[str, GroupProfile]:
-    """Per communication group, the planner's `GroupProfile` from the profiles of all workers.
-
-    A member of a collective that arrives early waits for the others inside the call, so the group's data
-    transfer time is the smallest time any member spent in its calls (the last to arrive hardly waits);
-    its compute time is the largest compute time among its members (the slowest sets the group's pace).
-    Groups are numbered in label order; `GroupProfile.group` indexes the returned mapping's keys."""
-    members: dict[str, list[TraceProfile]] = {}
-    for worker in profiles:
-        for label in worker.group_s:
-            members.setdefault(label, []).append(worker)
-    result = {}
-    for index, label in enumerate(sorted(members)):
-        workers = members[label]
-        result[label] = GroupProfile(
-            group=index,
-            compute_s=max(worker.compute_s for worker in workers),
-            transfer_s=min(worker.group_s[label] for worker in workers),
-        )
-    return result

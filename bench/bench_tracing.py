@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resilientjob.agent import chaos, tracing
+from resilientjob.agent import chaos, trace_reader, tracing
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, rank: int) -> None:
@@ -76,12 +76,12 @@ def _wrapper_cost_s(tracer: tracing.Tracer, calls: int) -> float:
 
 def _split_cost_s(tracer: tracing.Tracer, calls_per_step: int, repeats: int = 2000) -> float:
     """What the worker probe does once per step: read the step's records back and sum the time the
-    caller was held by communication (`tracing.blocked_s`)."""
+    caller was held by communication (`trace_reader.blocked_s`)."""
     since = max(0, tracer.ring.head - calls_per_step)
     began = time.perf_counter()
     for _ in range(repeats):
         records = tracer.ring.records(since=since)
-        tracing.blocked_s(records, records[0].start_s, records[-1].end_s)
+        trace_reader.blocked_s(records, records[0].start_s, records[-1].end_s)
     return (time.perf_counter() - began) / repeats
 
 
@@ -121,7 +121,7 @@ def _worker(rank: int, store: str, out: str, options: dict[str, int]) -> None:
     wrapper_s = _wrapper_cost_s(tracer, options["calls"])
     split_s = _split_cost_s(tracer, calls_per_step)
     tracing.uninstall()
-    times = tracing.trace_iteration_times(recent)
+    times = trace_reader.trace_iteration_times(recent)
     dist.destroy_process_group()
     result = {
         "plain_s": plain,

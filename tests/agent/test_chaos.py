@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _support import redis_server
 from test_tracing import run_gloo
 
-from resilientjob.agent import chaos, tracing
+from resilientjob.agent import chaos, trace_reader, tracing
 from resilientjob.agent.chaos import (
     ALLOW_ENV,
     BrokenOnOrder,
@@ -315,7 +315,7 @@ def _two_groups_loop(rank: int, world: int) -> dict[str, Any]:
                     work.wait()
                 held[name] += time.perf_counter() - start
     ended = time.perf_counter()
-    communication = tracing.blocked_s(tracer.ring.records(since=cursor), began, ended)
+    communication = trace_reader.blocked_s(tracer.ring.records(since=cursor), began, ended)
     chaos.activate(None, tracer)
     tracing.uninstall()
     return {"delays": delays, "held": held, "compute": ended - began - communication}

@@ -17,19 +17,16 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
-from resilientjob.agent import tracing
-from resilientjob.agent.tracing import (
-    NO_PEER,
-    TRACED,
+from resilientjob.agent import trace_reader, tracing
+from resilientjob.agent._device_sync import compute_mark
+from resilientjob.agent.trace_reader import (
     IterationFeed,
     TraceProfile,
-    Tracer,
-    TraceRecord,
-    TraceRing,
     group_profiles,
     profile,
     trace_iteration_times,
 )
+from resilientjob.agent.tracing import NO_PEER, TRACED, Tracer, TraceRecord, TraceRing
 
 
 def _entry(rank: int, world: int, store: str, out: str, body: Callable[[int, int], Any]) -> None:
@@ -126,8 +123,8 @@ def test_blocked_spans_count_waits_not_sends_in_flight_behind_compute() -> None:
     assert records[isend].blocked == (5.0, 5.5) and records[irecv].blocked == (5.2, 6.0)
     assert records[pending].blocked is None
     # Held 1 s in the all-reduce and 1 s in the waits (overlap counted once); the rest of [0, 7] is compute.
-    assert tracing.blocked_s(list(records.values()), 0.0, 7.0) == pytest.approx(2.0)
-    assert tracing.blocked_s(list(records.values()), 1.5, 5.6) == pytest.approx(0.5 + 0.6)
+    assert trace_reader.blocked_s(list(records.values()), 0.0, 7.0) == pytest.approx(2.0)
+    assert trace_reader.blocked_s(list(records.values()), 1.5, 5.6) == pytest.approx(0.5 + 0.6)
 
 
 def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
@@ -187,6 +184,71 @@ def test_an_nccl_wait_that_returns_at_once_is_timed_to_the_completion_the_host_s
     _until_complete(work)
     (record,) = tracer.ring.records()
     assert record.blocked is not None and 0.19 <= record.blocked[1] - record.blocked[0] < 0.5, record
+
+
+class _DeviceTimeline:
+    """An accelerator's view of one call, modelled (no device runs here): the compute issued before the
+    call ends `computed_s` after the call, the transfer `done_s` after it."""
+
+    def __init__(self, computed_s: float, done_s: float) -> None:
+        self.issued = time.perf_counter()
+        self.computed_s, self.done_s = computed_s, done_s
+
+    def query(self) -> bool:  # the event on the caller's stream (`_device_sync.compute_mark`)
+        return time.perf_counter() >= self.issued + self.computed_s
+
+    def work(self) -> dist.Work:
+        timeline = self
+
+        class StreamWork(dist.Work):
+            def wait(self, *args: Any, **kwargs: Any) -> bool:
+                return True  # NCCL: the host goes on at once
+
+            def is_completed(self) -> bool:
+                return time.perf_counter() >= timeline.issued + timeline.done_s
+
+        return StreamWork()
+
+
+@pytest.mark.parametrize(
+    ("computed_s", "done_s", "held_s"), [(0.15, 0.25, 0.1), (0.2, 0.2, 0.0), (0.0, 0.2, 0.2)]
+)
+def test_an_accelerator_wait_is_communication_only_after_the_compute_issued_before_it(
+    monkeypatch: pytest.MonkeyPatch, computed_s: float, done_s: float, held_s: float
+) -> None:
+    """The host runs ahead of the device: a wait that begins while the device still computes what was
+    issued before the call holds the caller for that compute first (the backend starts the transfer after
+    it). Counted as communication, a slow device's own compute read as its communication, and its peers'
+    too. The transfer alone is: 0.1 of 0.25 s; nothing when both end together; all of it when the device
+    was idle."""
+    from resilientjob.agent._runtime_wait import _until_complete
+
+    timelines: list[_DeviceTimeline] = []
+
+    def mark(device: torch.device | None) -> _DeviceTimeline:
+        timelines.append(_DeviceTimeline(computed_s, done_s))
+        return timelines[-1]
+
+    monkeypatch.setattr(tracing, "compute_mark", mark)
+    tracer = Tracer(capacity=8)
+
+    def irecv(tensor: torch.Tensor, src: int | None = None, group: object = None, tag: int = 0) -> dist.Work:
+        return timelines[-1].work()
+
+    _until_complete(tracer._wrap("irecv", irecv, TRACED["irecv"])(torch.ones(1), 1))
+    (record,) = tracer.ring.records()
+    assert record.blocked is not None
+    held = record.blocked[1] - record.blocked[0]
+    assert held_s - 0.01 <= held < held_s + 0.05, (held, record)
+    assert record.end_s - timelines[0].issued >= done_s  # the transfer's end is still the completion
+
+
+def test_only_a_call_on_an_accelerator_gets_a_compute_mark() -> None:
+    assert tracing._device([torch.ones(1), torch.ones(2)]) == torch.device("cpu")
+    assert tracing._device((None, [torch.ones(1, device="meta")])) == torch.device("meta")
+    assert tracing._device(None) is None
+    assert compute_mark(torch.device("cpu")) is None and compute_mark(None) is None
+    assert compute_mark(torch.device("meta")) is None
 
 
 def test_the_hook_gets_the_global_ranks_of_the_call_group() -> None:
