@@ -291,14 +291,15 @@ def _nbytes(data: object) -> int:
     return 0
 
 
-def _device(data: object) -> torch.device | None:
-    """The device of the call's first tensor (None without one)."""
+def _accelerator(data: object) -> torch.device | None:
+    """The accelerator holding the call's first tensor (None on the CPU or without a tensor). Per call, so
+    cheap: `is_cpu` is a flag, `device` builds an object."""
     if isinstance(data, torch.Tensor):
-        return data.device
+        return None if data.is_cpu or data.is_meta else data.device
     if isinstance(data, list | tuple):
-        return next((device for item in data if (device := _device(item)) is not None), None)
+        return _accelerator(data[0]) if data else None
     if isinstance(data, dist.P2POp):
-        return data.tensor.device
+        return _accelerator(data.tensor)
     return None
 
 
@@ -392,22 +393,22 @@ class Tracer:
         args: tuple[Any, ...],
         kw: dict[str, Any],
     ) -> tuple[tuple[int, ...], int, int, torch.device | None]:
-        """(group ranks, global peer, bytes, device of the data) of one call; never raises (the real call
-        reports bad input)."""
+        """(group ranks, global peer, bytes, accelerator of the data) of one call; never raises (the real
+        call reports bad input)."""
         try:
             if name == "batch_isend_irecv":
                 ops = _argument(args, kw, "p2p_op_list", 0) or []
                 peers = {op.peer for op in ops}
                 group = ops[0].group if ops else None
                 peer = peers.pop() if len(peers) == 1 else NO_PEER
-                return self._group_ranks(group), peer, _nbytes(ops), _device(ops)
+                return self._group_ranks(group), peer, _nbytes(ops), _accelerator(ops)
             group = _argument(args, kw, "group", positions.get("group", -1))
             ranks = self._group_ranks(group)
             peer = _argument(args, kw, spec.peer, positions.get(spec.peer or "", -1))
             if peer is None and spec.group_peer is not None and kw.get(spec.group_peer) is not None:
                 peer = c10d.get_global_rank(group or c10d.GroupMember.WORLD, kw[spec.group_peer])  # type: ignore[arg-type]
             data = _argument(args, kw, spec.data, positions.get(spec.data or "", -1))
-            return ranks, NO_PEER if peer is None else int(peer), _nbytes(data), _device(data)
+            return ranks, NO_PEER if peer is None else int(peer), _nbytes(data), _accelerator(data)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError):
             return (), NO_PEER, 0, None
 
@@ -437,7 +438,7 @@ class Tracer:
                     # A congested link: the data leaves this end that much later, so the peers wait for it
                     # too (a collective's members inside the call, a receiver in its recv/wait).
                     time.sleep(delay)
-                ready = compute_mark(device) if self.recording else None
+                ready = compute_mark(device) if device is not None and self.recording else None
                 result = original(*args, **kwargs)
                 end = clock()
             finally:

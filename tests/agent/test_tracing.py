@@ -229,6 +229,7 @@ def test_an_accelerator_wait_is_communication_only_after_the_compute_issued_befo
         timelines.append(_DeviceTimeline(computed_s, done_s))
         return timelines[-1]
 
+    monkeypatch.setattr(tracing, "_accelerator", lambda data: torch.device("cuda", 0))  # none here
     monkeypatch.setattr(tracing, "compute_mark", mark)
     tracer = Tracer(capacity=8)
 
@@ -244,9 +245,9 @@ def test_an_accelerator_wait_is_communication_only_after_the_compute_issued_befo
 
 
 def test_only_a_call_on_an_accelerator_gets_a_compute_mark() -> None:
-    assert tracing._device([torch.ones(1), torch.ones(2)]) == torch.device("cpu")
-    assert tracing._device((None, [torch.ones(1, device="meta")])) == torch.device("meta")
-    assert tracing._device(None) is None
+    assert tracing._accelerator([torch.ones(1), torch.ones(2)]) is None
+    assert tracing._accelerator(([torch.ones(1, device="meta")], None)) is None
+    assert tracing._accelerator(None) is None and tracing._accelerator([]) is None
     assert compute_mark(torch.device("cpu")) is None and compute_mark(None) is None
     assert compute_mark(torch.device("meta")) is None
 
