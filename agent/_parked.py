@@ -76,12 +76,12 @@ async def compute_factor(telemetry: Telemetry) -> float:
 def measure(device: str, cpu_size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> float:
     """Seconds of the fastest of `repeats` square matrix products on `device` (the validation pass's GEMM):
     on an accelerator `ACCELERATOR_PROBE_SIZE` wide, its wall time; on the CPU `cpu_size` wide, the thread's
-    own CPU time, on one thread. A probe
-    measures its device, not what else shares the device's cores: on the local stack the other nodes'
-    workers run on the same cores, and wall time there followed their load, not the node's speed (a CPU
-    that a throttle slows still takes longer in CPU time). A chaos order's stretch is the caller's (a
-    parked node's agent sleeps it, a drained node's worker multiplies it in): sleeping it between the
-    products also slowed the products themselves by 20-30% in CPU time, cold caches after each."""
+    own CPU time, on one thread. A probe measures its device, not what else shares the device's cores: on
+    the local stack the other nodes' workers run on the same cores, and wall time there followed their
+    load, not the node's speed (a CPU that a throttle slows still takes longer in CPU time). A chaos order's
+    stretch is the caller's (a parked node's agent sleeps it, a drained node's worker multiplies it in):
+    sleeping it between the products also slowed the products themselves by 20-30% in CPU time, cold
+    caches after each."""
     from .validation import gemm_benchmark
 
     if device != "cpu":
