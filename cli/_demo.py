@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -335,6 +335,22 @@ def _after_fault(seen: Observed, generation: int, trigger: str) -> str:
     return f"{at - fault:.1f}"
 
 
+LABEL_WIDTH_PT = 9
+"""Width of one rotated event label (7-point text) on the picture."""
+
+
+def _label_columns(times: Sequence[float], span: float) -> list[int]:
+    """For each event line (in time order), the column its label takes to the right of it: 0, or one more
+    than the label before when the lines are closer than a label's width (the slowdown, its detection and
+    the mitigation come within a few seconds and their labels were written over each other)."""
+    crowded = span / 60  # a label's width in seconds on the ~9-inch axis
+    columns: list[int] = []
+    for index, at in enumerate(times):
+        near = index > 0 and at - times[index - 1] < crowded * (columns[-1] + 1)
+        columns.append(columns[-1] + 1 if near else 0)
+    return columns
+
+
 def _plot(seen: Observed, path: Path) -> None:
     import matplotlib
 
@@ -350,23 +366,23 @@ def _plot(seen: Observed, path: Path) -> None:
     bottom.set_ylabel("active workers")
     bottom.set_xlabel("seconds since start")
     bottom.set_ylim(bottom=0)
-    for at, text in seen.events:
-        if text.startswith(("kill", "slow", "generation", "fail-slow")) and not text.startswith(
-            "generation 0"
-        ):
-            for axis in (top, bottom):
-                axis.axvline(
-                    at, color="tab:red" if text.startswith(("kill", "slow")) else "grey", ls="--", lw=0.8
-                )
-            mitigation = re.search(r"\((\w+) mitigation", text)
-            top.annotate(
-                text.split(":")[0] + (f" ({mitigation[1]})" if mitigation else ""),
-                (at, 0),
-                xytext=(3, 3),
-                textcoords="offset points",
-                fontsize=7,
-                rotation=90,
-            )
+    shown = ("kill", "slow", "generation", "fail-slow")
+    first = "generation 0"
+    marked = [(at, text) for at, text in seen.events if text.startswith(shown) and not text.startswith(first)]
+    span = max(times, default=1.0) - min(times, default=0.0)
+    for (at, text), column in zip(marked, _label_columns([at for at, _ in marked], span), strict=True):
+        for axis in (top, bottom):
+            fault = text.startswith(("kill", "slow"))
+            axis.axvline(at, color="tab:red" if fault else "grey", ls="--", lw=0.8)
+        mitigation = re.search(r"\((\w+) mitigation", text)
+        top.annotate(
+            text.split(":")[0] + (f" ({mitigation[1]})" if mitigation else ""),
+            (at, 0),
+            xytext=(3 + LABEL_WIDTH_PT * column, 3),
+            textcoords="offset points",
+            fontsize=7,
+            rotation=90,
+        )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

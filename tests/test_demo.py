@@ -216,3 +216,13 @@ def test_the_demo_job_leaves_s2_micro_batches_to_move_off_the_slowed_worker() ->
     slow = slowed_step_time(after_kill, inputs.profile, inputs.cluster, factors)
     fixed = slowed_step_time(s2, inputs.profile, inputs.cluster, factors)
     assert (slow - fixed) / (slow - healthy) >= 0.5  # the estimate: at least half of the slowdown removed
+
+
+def test_labels_of_event_lines_a_few_seconds_apart_stand_side_by_side() -> None:
+    from resilientjob.cli._demo import _label_columns
+
+    # The kill alone; then the slowdown, its detection 3 s later and S2 1 s after that (a 180 s run: a label
+    # is 3 s wide); then a restore far off.
+    assert _label_columns([41.0, 42.0, 56.5, 59.5, 60.5, 120.0], 180.0) == [0, 1, 0, 0, 1, 0]
+    assert _label_columns([10.0, 10.5, 11.0, 11.5], 180.0) == [0, 1, 2, 3]
+    assert _label_columns([], 180.0) == []
