@@ -371,9 +371,9 @@ def _plot(seen: Observed, path: Path) -> None:
     marked = [(at, text) for at, text in seen.events if text.startswith(shown) and not text.startswith(first)]
     span = max(times, default=1.0) - min(times, default=0.0)
     for (at, text), column in zip(marked, _label_columns([at for at, _ in marked], span), strict=True):
+        colour = "tab:red" if text.startswith(("kill", "slow")) else "grey"
         for axis in (top, bottom):
-            fault = text.startswith(("kill", "slow"))
-            axis.axvline(at, color="tab:red" if fault else "grey", ls="--", lw=0.8)
+            axis.axvline(at, color=colour, ls="--", lw=0.8)
         mitigation = re.search(r"\((\w+) mitigation", text)
         top.annotate(
             text.split(":")[0] + (f" ({mitigation[1]})" if mitigation else ""),
