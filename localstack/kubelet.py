@@ -19,8 +19,12 @@ Pods share this host's file system too, so an emptyDir volume, which on a node i
 one directory for every pod (a job's checkpoints at `/checkpoints` mixed every job's and every node's). A
 pod's emptyDir volumes are directories of the pod here (`volumes/<pod uid>/<volume>`, new for each pod, as
 emptyDir is), and the paths under their mounts that a worker writes, which all come in its workload (the
-checkpoint and output paths of `RJOB_WORKLOAD`), are moved there. `/tmp` stays the host's: the pods' caches
-and the files a test hands a job live there. Other volumes (claims) are the host's paths as they are.
+checkpoint and output paths of `RJOB_WORKLOAD`), are moved there. A pod's `/tmp` (the operator's scratch
+emptyDir) is its own directory too, as `TMPDIR`: what a pod makes with `tempfile` (the agent's working
+directory, torch elastic's error files) goes with the pod instead of piling up in the host's `/tmp` from
+every killed agent. A path the pod names under `/tmp` stays the host's: the caches the operator points there
+(shared by the pods of this host, as a node's would be) and the files a test hands a job. Other volumes
+(claims) are the host's paths as they are.
 
 Pods run in every namespace, as a node's kubelet runs whatever is scheduled to it. A pod's files (its output
 `log`, `pid`, `podinfo/`) are under `pods/<name>/` for a pod in `default` and `pods/<namespace>_<name>/` for
@@ -225,7 +229,10 @@ class ProcessKubelet:
         command = list(body["spec"]["containers"][0].get("command") or ["python", "-m", "resilientjob.agent"])
         if command[0] in ("python", "python3"):
             command[0] = sys.executable  # the image's python is this environment's python
-        env = await self._env(body, podinfo, _empty_dirs(body, directory))
+        volumes = _empty_dirs(body, directory)
+        env = await self._env(body, podinfo, volumes)
+        if HOST_TMP in volumes and env.get("TMPDIR", HOST_TMP).rstrip("/") == HOST_TMP:
+            env["TMPDIR"] = str(volumes[HOST_TMP])
         metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
         if metrics_port is not None:
             (directory / "metrics-port").write_text(str(metrics_port))
@@ -356,8 +363,8 @@ def _ends_a_line(path: Path) -> bool:
 
 
 def _empty_dirs(body: Mapping[str, Any], directory: Path) -> dict[str, Path]:
-    """The pod's emptyDir mounts (but `/tmp`) as mount path -> its own directory, made empty: the pod's uid
-    names it (a pod of the same name before had its own), and those of earlier pods of the name go."""
+    """The pod's emptyDir mounts as mount path -> its own directory, made empty: the pod's uid names it (a
+    pod of the same name before had its own), and those of earlier pods of the name go."""
     spec = body.get("spec") or {}
     empty = {v["name"] for v in spec.get("volumes") or [] if isinstance(v, dict) and "emptyDir" in v}
     mounts = (spec.get("containers") or [{}])[0].get("volumeMounts") or []
@@ -370,7 +377,7 @@ def _empty_dirs(body: Mapping[str, Any], directory: Path) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for mount in mounts:
         path = str(mount.get("mountPath") or "").rstrip("/")
-        if mount.get("name") in empty and path and path != HOST_TMP:
+        if mount.get("name") in empty and path:
             found[path] = root / uid / str(mount["name"])
             found[path].mkdir(parents=True, exist_ok=True)
     return found
@@ -378,7 +385,8 @@ def _empty_dirs(body: Mapping[str, Any], directory: Path) -> dict[str, Path]:
 
 def _workload_in_volumes(raw: str, mounts: Mapping[str, Path]) -> str:
     """The workload JSON with its checkpoint and output paths moved into the pod's own volumes when they
-    lie under an emptyDir mount (`_empty_dirs`); as it was otherwise, or when it is not a JSON object."""
+    lie under an emptyDir mount (`_empty_dirs`) but `/tmp`'s (a path there is the host's: the module's
+    docstring says why); as it was otherwise, or when it is not a JSON object."""
     try:
         workload = json.loads(raw)
     except json.JSONDecodeError:
@@ -390,6 +398,8 @@ def _workload_in_volumes(raw: str, mounts: Mapping[str, Path]) -> str:
         if not isinstance(path, str):
             return path
         for mount, host in mounts.items():
+            if mount == HOST_TMP:
+                continue
             if path.rstrip("/") == mount or path.startswith(mount + "/"):
                 return str(host) + path.rstrip("/")[len(mount) :]
         return path

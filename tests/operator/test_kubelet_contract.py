@@ -33,13 +33,14 @@ def _pod(uid: str, checkpoint_volume: dict[str, object]) -> dict[str, object]:
 
 
 def test_an_empty_dir_is_the_pods_own_and_its_workload_paths_move_into_it(tmp_path: Path) -> None:
-    """Two pods (two jobs, or two nodes of one) never share an emptyDir's files, as on a cluster; /tmp and
-    claims stay the host's paths."""
+    """Two pods (two jobs, or two nodes of one) never share an emptyDir's files, as on a cluster; a path
+    under /tmp (the pod's own only as its TMPDIR) and claims stay the host's paths."""
     raw = json.dumps(
         {"model": "gpt", "checkpoint": {"path": "/checkpoints"}, "output": {"path": "/checkpoints/final"}}
     )
     first = kubelet._empty_dirs(_pod("u1", {"emptyDir": {}}), tmp_path / "a")
-    assert list(first) == ["/checkpoints"] and first["/checkpoints"].is_dir()
+    assert sorted(first) == ["/checkpoints", "/tmp"] and first["/checkpoints"].is_dir()
+    assert first["/tmp"].is_dir() and first["/tmp"] != first["/checkpoints"]
     moved = json.loads(kubelet._workload_in_volumes(raw, first))
     assert moved["checkpoint"]["path"] == str(first["/checkpoints"])
     assert moved["output"]["path"] == str(first["/checkpoints"] / "final")
@@ -51,14 +52,15 @@ def test_an_empty_dir_is_the_pods_own_and_its_workload_paths_move_into_it(tmp_pa
     assert not first["/checkpoints"].exists() and not any(again["/checkpoints"].iterdir())
     # A claim is the host's path; so is anything under /tmp.
     claimed = kubelet._empty_dirs(_pod("u4", {"persistentVolumeClaim": {"claimName": "c"}}), tmp_path / "c")
-    assert claimed == {} and kubelet._workload_in_volumes(raw, claimed) == raw
+    assert list(claimed) == ["/tmp"] and kubelet._workload_in_volumes(raw, claimed) == raw
     in_tmp = json.dumps({"model": "gpt", "checkpoint": {"path": "/tmp/ckpt"}})
     assert json.loads(kubelet._workload_in_volumes(in_tmp, first))["checkpoint"]["path"] == "/tmp/ckpt"
 
 
 async def test_a_deleted_pods_empty_dirs_go_with_it(tmp_path: Path) -> None:
     """Replacement pods get new names, so a dead pod's emptyDir (its checkpoints, on the local stack) was
-    never removed; a kubelet removes it with the pod."""
+    never removed; a kubelet removes it with the pod. Its /tmp scratch volume is its TMPDIR: what it made
+    with `tempfile` (a killed agent's working directory) goes with it too."""
     import asyncio
     import sys
 
@@ -71,17 +73,22 @@ async def test_a_deleted_pods_empty_dirs_go_with_it(tmp_path: Path) -> None:
         kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
         stopped = asyncio.Event()
         runner = asyncio.create_task(kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        made_and_slept = "import tempfile, time; print(tempfile.mkdtemp(), flush=True); time.sleep(60)"
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": "holder", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
             "spec": {
-                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumes": [{"name": "data", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}}],
                 "containers": [
                     {
                         "name": "c",
-                        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
-                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        "command": [sys.executable, "-c", made_and_slept],
+                        "env": [{"name": "TMPDIR", "value": "/tmp"}],  # as the operator's pods say
+                        "volumeMounts": [
+                            {"name": "data", "mountPath": "/data"},
+                            {"name": "scratch", "mountPath": "/tmp"},
+                        ],
                     }
                 ],
             },
@@ -95,8 +102,17 @@ async def test_a_deleted_pods_empty_dirs_go_with_it(tmp_path: Path) -> None:
                 return found == present
 
             await eventually(lambda: volumes(True), 20, "the pod's emptyDir")
+            log = kubelet.pod_directory(root, NAMESPACE, "holder") / "log"
+
+            async def made() -> bool:
+                return log.exists() and log.read_text().endswith("\n")
+
+            await eventually(made, 20, "the pod's temporary directory")
+            temporary = Path(log.read_text().strip())
+            assert temporary.is_dir() and temporary.is_relative_to(root), temporary
             await kube.delete("pods", "holder")
             await eventually(lambda: volumes(False), 20, "the emptyDir gone with the pod")
+            assert not temporary.exists()
         finally:
             stopped.set()
             await asyncio.wait({runner}, timeout=15)

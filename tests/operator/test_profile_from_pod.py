@@ -56,6 +56,13 @@ def tiny_gpt2(directory: Path) -> Path:
     return directory
 
 
+@pytest.fixture(autouse=True)
+def _temporary_files_of_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0's agent runs in this process: what it and `_pod_workload` make with `tempfile` lives in the
+    test's directory (a pod's /tmp is its own), not in the host's /tmp for good."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 async def _status_where(stack: Stack, name: str, check: Any) -> dict[str, Any] | None:
     status = await stack.kube.job_status(name)
     return status if check(status) else None
