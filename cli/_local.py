@@ -6,11 +6,11 @@ operator, a process kubelet). `up`, `apply -f FILE`, `get`, `kubeconfig`, `logs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -157,6 +157,12 @@ def _pod_directory(namespace: str, pod: str) -> Path:
     return _state_dir() / "pods" / (pod if namespace == "default" else f"{namespace}_{pod}")
 
 
+UP_TIMEOUT_S = 30.0
+"""How long `up` waits for the stack to say where it serves (its state file) before it stops it."""
+DOWN_TIMEOUT_S = 15.0
+"""How long `down` waits for the stack to stop its pods, operator and Redis before it kills them."""
+
+
 def _up() -> int:
     _check_local_extra()
     directory = _state_dir()
@@ -164,17 +170,23 @@ def _up() -> int:
         print(f"already up ({directory})")
         return 0
     directory.mkdir(parents=True, exist_ok=True)
-    with (directory / "stack.log").open("ab") as log:
-        subprocess.Popen(
-            [sys.executable, "-m", "resilientjob.localstack", str(directory)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 20
+    log = directory / "stack.log"
+    with log.open("ab") as output:
+        # Spawned, not a Popen: the stack outlives this command (and `rjob demo`, which calls this here).
+        command = [sys.executable, "-m", "resilientjob.localstack", str(directory)]
+        actions = [(os.POSIX_SPAWN_DUP2, output.fileno(), 1), (os.POSIX_SPAWN_DUP2, output.fileno(), 2)]
+        stack = os.posix_spawn(sys.executable, command, os.environ, file_actions=actions, setsid=True)
+    deadline = time.monotonic() + UP_TIMEOUT_S
     while not (directory / "state.json").exists():
+        ended, status = os.waitpid(stack, os.WNOHANG)
+        if ended:
+            code = os.waitstatus_to_exitcode(status)
+            raise CliError(f"local stack exited with code {code} as it started; see {log}")
         if time.monotonic() > deadline:
-            raise CliError(f"local stack did not start; see {directory / 'stack.log'}")
+            # Left running, it would come up later behind a command that said it failed, and live on.
+            _kill_stack(stack)
+            os.waitpid(stack, 0)
+            raise CliError(f"local stack did not start within {UP_TIMEOUT_S:g} s (stopped it); see {log}")
         time.sleep(0.1)
     state = _state()
     print(f"API server {state['api_url']}\nRedis      {state['redis_url']}\nstate      {directory}")
@@ -193,14 +205,46 @@ def _down() -> int:
     except ProcessLookupError:
         path.unlink()
         return 0
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     if path.exists():
-        print(f"still stopping after 15 s (pid {pid}); see {_state_dir() / 'stack.log'}", file=sys.stderr)
-        return 1
+        _kill_stack(pid)
+        path.unlink(missing_ok=True)
+        print(
+            f"killed: the stack (pid {pid}) had not stopped after {DOWN_TIMEOUT_S:g} s; see "
+            f"{_state_dir() / 'stack.log'}",
+            file=sys.stderr,
+        )
+        return 0
     print("stopped")
     return 0
+
+
+def _kill_stack(pid: int) -> None:
+    """SIGKILL the stack's process `pid` and its pods' process groups. Its other children (Redis, the
+    operator, each pod's main process) are tied to its life (`localstack._tether`) and die with it, but a
+    pod's own children would outlive the pod that the kubelet no longer stops: so each pod's group first, a
+    group only while its leader is the stack's child (a pid its pods no longer hold may be another's)."""
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            if os.getpgid(child) == child:
+                os.killpg(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` now (Linux's /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(entry.name))
+    return found
 
 
 # The kinds `rjob local apply` creates, by kind: the served apiVersion and the plural.

@@ -140,3 +140,86 @@ def test_a_crashed_operator_or_redis_is_started_again(tmp_path: Path) -> None:
         finally:
             if supervisor.poll() is None:
                 os.killpg(supervisor.pid, signal.SIGKILL)
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in command and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def test_down_kills_a_stack_that_does_not_stop_and_every_process_of_its_pods(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stack that does not stop when told (here: stopped with SIGSTOP, so its SIGTERM waits) is killed
+    by `rjob local down` after its wait, with everything it ran: Redis, the operator, each pod and what the
+    pod started itself. Before, `down` said "still stopping" and the stack ran on for good, taking CPU from
+    whatever ran next."""
+    from resilientjob.cli import _local
+
+    monkeypatch.setenv("RJOB_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(_local, "DOWN_TIMEOUT_S", 1.0)
+    assert _local._up() == 0
+    state = json.loads((tmp_path / "state.json").read_text())
+    supervisor = int(state["pid"])
+    everything: set[int] = set()
+    try:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "forker", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+            # The shell is the pod's main process; the sleep it starts is the pod's own child.
+            "spec": {"containers": [{"name": "main", "command": ["sh", "-c", "sleep 600 & wait"]}]},
+        }
+        request = urllib.request.Request(
+            f"{state['api_url']}/api/v1/namespaces/default/pods",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 201
+        pid_file = tmp_path / "pods" / "forker" / "pid"
+        _until(pid_file.exists, 30, "the kubelet to start the pod")
+        pod = int(pid_file.read_text())
+        _until(lambda: bool(_children(pod)), 10, "the pod's own child")
+        everything = {supervisor, pod, *_children(pod), *_children(supervisor)}
+        assert {int(state["operator_pid"]), int(state["redis_pid"])} <= everything
+
+        os.kill(supervisor, signal.SIGSTOP)
+        assert _local._down() == 0
+        said = capsys.readouterr().err
+        assert f"killed: the stack (pid {supervisor}) had not stopped after 1 s" in said, said
+        assert not (tmp_path / "state.json").exists()
+        _until(lambda: not any(_alive(pid) for pid in everything), 10, f"{everything} to end")
+    finally:
+        for pid in everything:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_that_does_not_start_in_time_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rjob local up` that gives up on a stack stops it: left running, the stack came up later behind a
+    command that had said it failed, and nothing ever stopped it."""
+    from resilientjob.cli import _local
+    from resilientjob.cli._common import CliError
+
+    monkeypatch.setenv("RJOB_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(_local, "UP_TIMEOUT_S", 0.0)
+    with pytest.raises(CliError, match=r"did not start within 0 s \(stopped it\); see .*stack\.log"):
+        _local._up()
+    try:
+        _until(lambda: not _processes_naming(str(tmp_path)), 10, "the stack's processes to end")
+        assert not (tmp_path / "state.json").exists()
+    finally:
+        for pid in _processes_naming(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
