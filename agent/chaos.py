@@ -200,16 +200,20 @@ class ChaosInjector:
         rank_of: Callable[[int], int | None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         node: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.order: ChaosOrder | None = None
         """Replaced as a whole by the watcher (an atomic attribute store), read on every call."""
         self.rank_of = rank_of or (lambda node: node)
         """Maps the order's peer node to its current global rank (a new plan may renumber the ranks)."""
         self._sleep = sleep
+        self._clock = clock
+        self._late_s = 0.0
+        """How much longer than asked the last compute delay slept: owed back by the next (`_delay`)."""
         self.node = node
         """This worker's node (its rank via `rank_of`); None: the process's rank in the default group."""
         self.injected_s = 0.0
-        """Total delay injected so far (for tests and logs)."""
+        """Total delay injected so far, as slept (for the step's stretch, tests and logs)."""
         self._broken: set[float] = set()
         """The `break` orders (by their `until`) already carried out: each breaks one call."""
         self.switching = False
@@ -224,10 +228,24 @@ class ChaosInjector:
             return self.rank_of(self.node)
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
-    def _delay(self, seconds: float) -> None:
-        if seconds > 0:
-            self.injected_s += seconds
-            self._sleep(seconds)
+    def _delay(self, seconds: float) -> float:
+        """Sleep `seconds` of compute delay; returns the time slept. A sleep wakes late (60-130 us on a busy
+        host), and the lateness is compute time like the delay: one late wake-up per traced call, over a
+        step of many short compute intervals, slowed a worker ordered x1.3 about 10% more than ordered. So
+        each delay owes the last one's lateness back, and many short delays sum to what was asked, to one
+        late wake-up."""
+        if seconds <= 0:
+            return 0.0
+        wanted = seconds - self._late_s
+        if wanted <= 0:
+            self._late_s = -wanted
+            return 0.0
+        began = self._clock()
+        self._sleep(wanted)
+        slept = max(self._clock() - began, wanted)  # a sleep that came back early owes nothing
+        self._late_s = slept - wanted
+        self.injected_s += slept
+        return slept
 
     def __call__(self, op: str, peer: int, nbytes: int, gap_s: float, group: tuple[int, ...] = ()) -> float:
         """The tracer hook: runs before each traced call with the compute interval that preceded it and the
@@ -287,16 +305,17 @@ class ChaosInjector:
 
     def stretch_step(self, compute_s: float, injected_s: float = 0.0) -> float:
         """End of a committed step whose compute (wall less communication, from the trace) was `compute_s`,
-        `injected_s` of it delays this injector already slept in the step: under a compute order, sleep what
-        is missing for the step's compute to be F x (compute_s - injected_s). Returns the seconds slept.
+        `injected_s` of it delays this injector already slept in the step (`injected_s` as it grew over the
+        step): under a compute order, sleep what is missing for the step's compute to be F x (compute_s -
+        injected_s). Returns the seconds slept.
         At most `MAX_GAP_S` of compute per step is stretched."""
         order = self._current()
         if order is None or order.link is not None:
             return 0.0
         own = min(max(compute_s - injected_s, 0.0), MAX_GAP_S)
-        seconds = max(0.0, (order.factor - 1.0) * own - injected_s)
-        self._delay(seconds)
-        return seconds
+        # Measured, not asked: the lateness of the step's delays is in `injected_s` already.
+        self._late_s = 0.0
+        return self._delay((order.factor - 1.0) * own - injected_s)
 
 
 class ChaosWatcher:

@@ -107,6 +107,32 @@ def test_injector_stretches_compute_or_delays_traffic_with_one_peer() -> None:
     assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002 + 0.002)
 
 
+@pytest.mark.parametrize("factor", [1.2, 1.3, 1.5, 2.0])
+def test_late_wake_ups_do_not_add_to_the_ordered_factor(factor: float) -> None:
+    """A step of six 5 ms compute intervals, each followed by a traced call, on a host whose sleeps wake
+    1 ms late: the step's compute is F times its own (to one late wake-up per step), not F times its own plus
+    every delay's lateness. Before, the lateness counted as the worker's own compute and was stretched too:
+    x1.3 measured 1.59x here."""
+    now = 0.0
+
+    def late_sleep(seconds: float) -> None:
+        nonlocal now
+        now += seconds + 0.001
+
+    injector = ChaosInjector(sleep=late_sleep, clock=lambda: now)
+    injector.order = ChaosOrder(factor=factor, until=time.time() + 60)
+    own_s, ratios = 6 * 0.005, []
+    for _ in range(5):
+        began, injected_before = now, injector.injected_s
+        for _ in range(6):
+            now += 0.005  # the worker's own compute
+            injector("all_reduce", -1, 8, 0.005)
+        injector.stretch_step(now - began, injector.injected_s - injected_before)
+        ratios.append((now - began) / own_s)
+        assert injector.injected_s - injected_before == pytest.approx(now - began - own_s)
+    assert all(factor <= ratio <= factor + 0.001 / own_s + 1e-9 for ratio in ratios), ratios
+
+
 def test_a_break_order_fails_one_call_and_a_hang_order_blocks_until_cleared() -> None:
     slept: list[float] = []
     injector = ChaosInjector(sleep=slept.append)
