@@ -231,8 +231,8 @@ class ChaosInjector:
     def _delay(self, seconds: float) -> float:
         """Sleep `seconds` of compute delay; returns the time slept. A sleep wakes late (60-130 us on a busy
         host), and the lateness is compute time like the delay: one late wake-up per traced call, over a
-        step of many short compute intervals, slowed a worker ordered x1.3 about 10% more than ordered. So
-        each delay owes the last one's lateness back, and many short delays sum to what was asked, to one
+        step of many short compute intervals, slowed a worker 5-9% more than ordered (bench_chaos_factor.py).
+        So each delay owes the last one's lateness back, and many short delays sum to what was asked, to one
         late wake-up."""
         if seconds <= 0:
             return 0.0

@@ -46,12 +46,12 @@ def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _create_pod(api_url: str, name: str) -> None:
+def _create_pod(api_url: str, name: str, command: tuple[str, ...] = ("sleep", "600")) -> None:
     body = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
-        "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["sleep", "600"]}]},
+        "spec": {"containers": [{"name": "main", "image": "busybox", "command": list(command)}]},
     }
     request = urllib.request.Request(
         f"{api_url}/api/v1/namespaces/default/pods",
@@ -171,21 +171,8 @@ def test_down_kills_a_stack_that_does_not_stop_and_every_process_of_its_pods(
     supervisor = int(state["pid"])
     everything: set[int] = set()
     try:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "forker", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
-            # The shell is the pod's main process; the sleep it starts is the pod's own child.
-            "spec": {"containers": [{"name": "main", "command": ["sh", "-c", "sleep 600 & wait"]}]},
-        }
-        request = urllib.request.Request(
-            f"{state['api_url']}/api/v1/namespaces/default/pods",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 201
+        # The shell is the pod's main process; the sleep it starts is the pod's own child.
+        _create_pod(state["api_url"], "forker", ("sh", "-c", "sleep 600 & wait"))
         pid_file = tmp_path / "pods" / "forker" / "pid"
         _until(pid_file.exists, 30, "the kubelet to start the pod")
         pod = int(pid_file.read_text())
