@@ -50,9 +50,31 @@ def stamp(kind: Kind, obj: dict[str, Any], namespace: str | None) -> dict[str, A
     meta["resourceVersion"] = "0"
     if kind.kind == "Secret":
         obj.setdefault("type", "Opaque")
+    if kind.kind == "Pod":
+        # A pod is Pending from the moment it exists, before any kubelet has seen it; what a client sent as
+        # status is not kept (clients that list pods right after creating them read `status.phase`).
+        obj["status"] = {"phase": "Pending", "qosClass": qos_class(obj.get("spec") or {})}
     for server_only in ("deletionTimestamp", "deletionGracePeriodSeconds"):
         meta.pop(server_only, None)
     return obj
+
+
+def qos_class(spec: Mapping[str, Any]) -> str:
+    """A pod's quality-of-service class, from its containers' cpu and memory requests and limits: Guaranteed
+    when every container limits both and requests what it limits (a request left out is its limit),
+    BestEffort when none sets either, Burstable otherwise."""
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    guaranteed, best_effort = True, True
+    for container in containers:
+        resources = container.get("resources") or {}
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        for resource in ("cpu", "memory"):
+            limit, request = limits.get(resource), requests.get(resource, limits.get(resource))
+            best_effort = best_effort and limit is None and request is None
+            guaranteed = guaranteed and limit is not None and str(request) == str(limit)
+    if best_effort:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed and containers else "Burstable"
 
 
 def invalid(kind: Kind, name: str, errors: list[str]) -> KubernetesError:

@@ -292,6 +292,38 @@ async def test_built_in_kinds_are_decoded_and_namespaces_must_exist(server: Any)
     assert worker["metadata"]["generation"] == 1
 
 
+async def test_a_new_pod_is_pending_with_its_qos_class_before_any_kubelet_sees_it(server: Any) -> None:
+    """kube-apiserver sets a pod's status on create (phase Pending, the QoS class of its resources) and drops
+    what the client sent: a client listing pods right after creating them reads `status.phase` (an operator
+    test once read a pod the kubelet had not yet reached and found no status at all)."""
+    _, client, _ = server
+
+    def sized(name: str, *resources: dict[str, Any]) -> dict[str, Any]:
+        body = pod(name)
+        body["spec"]["containers"] = [
+            {"name": f"c{i}", "image": "i", "resources": r} for i, r in enumerate(resources)
+        ]
+        body["status"] = {"phase": "Running"}
+        return body
+
+    exact = {"limits": {"cpu": "2", "memory": "1Gi"}}
+    cases = {
+        "best-effort": (sized("best-effort", {}), "BestEffort"),
+        "guaranteed": (sized("guaranteed", exact, {**exact, "requests": {"cpu": "2"}}), "Guaranteed"),
+        "less-asked": (sized("less-asked", {**exact, "requests": {"cpu": "1"}}), "Burstable"),
+        "one-limited": (sized("one-limited", exact, {}), "Burstable"),
+        "gpu-only": (sized("gpu-only", {"limits": {"nvidia.com/gpu": 1}}), "BestEffort"),
+    }
+    for name, (body, qos) in cases.items():
+        status, made = await call(client, "POST", PODS, body)
+        assert status == 201 and made["status"] == {"phase": "Pending", "qosClass": qos}, (
+            name,
+            made["status"],
+        )
+        _, read = await call(client, "GET", f"{PODS}/{name}")
+        assert read["status"] == made["status"]
+
+
 async def test_a_secrets_string_data_is_stored_in_its_data_and_tables_count_keys(server: Any) -> None:
     """`stringData` is write-only: a real server stores it base64 in `data`, where the operator reads the
     Redis password; `kubectl get secrets,configmaps,services` prints what kube-apiserver computes."""
