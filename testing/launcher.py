@@ -22,6 +22,7 @@ seen, the launcher bumps the store's failure counter, so survivors abandon the s
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from resilientjob.protocol.store_keys import (
 
 from .faults import CrashAt, CrashAtExport
 from .plans import RuntimePlanner
+
+_WORKER_PRELOAD = ["torch", "resilientjob.agent.worker"]
 
 
 @dataclass(slots=True)
@@ -99,6 +102,10 @@ class NodeAgent:
         """Start `workers` processes (one per device of the node's stage; local rank j gets `j` last)."""
         if workers < 1:
             raise ValueError(f"workers: must be >= 1, got {workers}")
+        if self.start_method == "forkserver":
+            # Workers fork from multiprocessing's forkserver with torch and the runtime already imported (3-4
+            # CPU-s each otherwise). Only the first start of the forkserver reads this.
+            multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
         self.context = start_processes(
             name=f"rjob-node{self.node}",
             entrypoint=worker_main,
