@@ -223,13 +223,16 @@ def _down() -> int:
 
 def _kill_stack(pid: int) -> None:
     """SIGKILL the stack's process `pid` and its pods' process groups. Its other children (Redis, the
-    operator, each pod's main process) are tied to its life (`localstack._tether`) and die with it, but a
-    pod's own children would outlive the pod that the kubelet no longer stops: so each pod's group first, a
-    group only while its leader is the stack's child (a pid its pods no longer hold may be another's)."""
-    for child in _children(pid):
+    operator, the warm interpreter, each pod's main process) are tied to its life (`localstack._tether`) and
+    die with it, but a pod's own children would outlive the pod that the kubelet no longer stops: so each
+    pod's group first, a group only while its leader is the stack's child or a child of one (a warm-started
+    pod is the warm interpreter's), as a pid its pods no longer hold may be another's."""
+    children = _children(pid)
+    grandchildren = [grandchild for child in children for grandchild in _children(child)]
+    for leader in children + grandchildren:
         with contextlib.suppress(OSError):
-            if os.getpgid(child) == child:
-                os.killpg(child, signal.SIGKILL)
+            if os.getpgid(leader) == leader:
+                os.killpg(leader, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
 

@@ -52,6 +52,7 @@ from typing import IO, Any
 from resilientjob.operator.kube import KubeApi, core_path
 
 from ._tether import tethered
+from ._warm_start import WarmProcess, WarmStart, WarmStarter
 from .ports import free_port
 
 # What the operator writes into its pods and the agent reads (operator/_manifests.py, agent/store_host.py):
@@ -63,6 +64,11 @@ AGENT_METRICS_ENV = "RJOB_AGENT_METRICS_PORT"
 STORE_PORT_ENV = "RJOB_STORE_PORT"
 WORKLOAD_ENV = "RJOB_WORKLOAD"
 HOST_TMP = "/tmp"
+
+
+def _host_env() -> dict[str, str]:
+    """What a pod's environment starts from: this host's, less the stack's own settings."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("RJOB_")}
 
 
 def pod_directory(pods: Path, namespace: str, name: str) -> Path:
@@ -80,7 +86,7 @@ class RunningPod:
     name: str
     namespace: str
     uid: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | WarmProcess
     podinfo: Path
     annotations: dict[str, str]
     reported: str = ""
@@ -102,17 +108,27 @@ class ProcessKubelet:
     only that namespace's pods run; without one, every namespace's."""
 
     def __init__(
-        self, kube: KubeApi, state_dir: Path, namespace: str | None = None, interval_s: float = 0.1
+        self,
+        kube: KubeApi,
+        state_dir: Path,
+        namespace: str | None = None,
+        interval_s: float = 0.1,
+        warm_start: WarmStart | None = None,
     ) -> None:
+        """`warm_start`: which pods' programs start from the warm interpreter (`_warm_start`); None: every
+        pod's process starts cold."""
         self.kube = kube
         self.state_dir = state_dir
         self.namespace = namespace
         self.interval_s = interval_s
         self.pods: dict[str, RunningPod] = {}
+        self.warm_starter = WarmStarter(warm_start, state_dir / "warm-start.log") if warm_start else None
 
     async def run(self, stopped: asyncio.Event, before_stop: Callable[[], None] | None = None) -> None:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every
         pod's process, all at once so that shutting down takes one grace period, not one per pod."""
+        if self.warm_starter is not None:
+            self.warm_starter.prestart(_host_env())
         try:
             while not stopped.is_set():
                 await self.sync_once()
@@ -126,6 +142,8 @@ class ProcessKubelet:
                 _signal_group(pod, signal.SIGTERM)
             for pod in running:
                 self._stop(pod)
+            if self.warm_starter is not None:
+                self.warm_starter.close()
 
     async def sync_once(self) -> None:
         listed = await self.kube.list(core_path(self.namespace, "pods") if self.namespace else "/api/v1/pods")
@@ -172,7 +190,7 @@ class ProcessKubelet:
             os.replace(temporary, directory / name)
 
     async def _env(self, body: dict[str, Any], podinfo: Path, volumes: Mapping[str, Path]) -> dict[str, str]:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("RJOB_")}
+        env = _host_env()
         container = body["spec"]["containers"][0]
         fields = {
             "metadata.name": body["metadata"]["name"],
@@ -212,6 +230,22 @@ class ProcessKubelet:
             env[WORKLOAD_ENV] = _workload_in_volumes(env[WORKLOAD_ENV], volumes)
         return env
 
+    async def _warm(
+        self, command: list[str], env: dict[str, str]
+    ) -> tuple[WarmProcess | None, IO[bytes] | None]:
+        """The pod's process forked by the warm interpreter and its output, or (None, None): start it cold."""
+        if self.warm_starter is None or not self.warm_starter.settings.runs(command):
+            return None, None
+        output, into = os.pipe()
+        try:
+            process = await asyncio.to_thread(self.warm_starter.start, command, env, into)
+        finally:
+            os.close(into)
+        if process is None:
+            os.close(output)
+            return None, None
+        return process, open(output, "rb")  # the log thread closes it
+
     async def _start(self, body: dict[str, Any]) -> RunningPod:
         name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
         directory = pod_directory(self.state_dir / "pods", namespace, name)
@@ -236,17 +270,21 @@ class ProcessKubelet:
         metrics_port = int(env[AGENT_METRICS_ENV]) if env.get(AGENT_METRICS_ENV) else None
         if metrics_port is not None:
             (directory / "metrics-port").write_text(str(metrics_port))
-        process = subprocess.Popen(
-            tethered(command),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert process.stdout is not None
+        process: subprocess.Popen[bytes] | WarmProcess | None
+        process, output = await self._warm(command, env)
+        if process is None or output is None:
+            cold = subprocess.Popen(
+                tethered(command),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            process, output = cold, cold.stdout
+        assert output is not None
         threading.Thread(
             target=capture_log,
-            args=(process.stdout, directory / "log", directory / LOG_TIMES),
+            args=(output, directory / "log", directory / LOG_TIMES),
             name=f"log {namespace}/{name}",
             daemon=True,
         ).start()

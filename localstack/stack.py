@@ -32,6 +32,7 @@ import kopf
 from resilientjob.operator.kube import KubeApi
 
 from ._tether import tethered
+from ._warm_start import AGENT_WARM_START
 from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet
 from .ports import free_port
@@ -40,6 +41,8 @@ __all__ = ["free_port", "serve"]
 
 logger = logging.getLogger(__name__)
 
+COLD_START_ENV = "RJOB_LOCAL_COLD_START"
+"""Set to 1: every pod's interpreter starts afresh (no warm start: `_warm_start`)."""
 RESTART_DELAY_S = 5.0
 """The wait before a crashed component is started again: longer than a heartbeat's TTL, so a Redis restart
 comes back with every key expired, as a rescheduled Redis pod does."""
@@ -147,7 +150,10 @@ async def serve(state_dir: Path) -> None:
 
             operator = supervised = _Supervised("operator", start_operator, start_operator())
             kube = KubeApi(kopf.ConnectionInfo(server=api_url, insecure=True))
-            kubelet = ProcessKubelet(kube, state_dir)
+            # Pods' programs fork from one interpreter that imported torch and the agent once (`_warm_start`);
+            # RJOB_LOCAL_COLD_START=1 starts each pod's interpreter afresh, as a node does.
+            cold = os.environ.get(COLD_START_ENV, "") not in ("", "0")
+            kubelet = ProcessKubelet(kube, state_dir, warm_start=None if cold else AGENT_WARM_START)
             base = {
                 "api_url": api_url,
                 "redis_url": redis_url,

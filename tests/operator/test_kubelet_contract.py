@@ -8,6 +8,7 @@ from pathlib import Path
 
 from resilientjob.agent import store_host
 from resilientjob.localstack import kubelet
+from resilientjob.localstack._warm_start import AGENT_WARM_START
 from resilientjob.operator import _manifests
 from resilientjob.protocol import workload
 
@@ -19,6 +20,8 @@ def test_the_kubelet_uses_the_operators_labels_and_env_names() -> None:
     assert kubelet.STORE_PORT_ENV == store_host.STORE_PORT_ENV
     assert kubelet.WORKLOAD_ENV == workload.WORKLOAD_ENV
     assert kubelet.HOST_TMP == _manifests.SCRATCH_DIR
+    # The warm interpreter imports under the scratch variables every pod gets (TMPDIR differs per pod).
+    assert dict(AGENT_WARM_START.env) == {k: v for k, v in _manifests.SCRATCH_ENV.items() if k != "TMPDIR"}
 
 
 def test_the_downward_api_file_is_one_quoted_line_per_key_sorted() -> None:

@@ -210,3 +210,43 @@ def test_up_that_does_not_start_in_time_leaves_nothing_running(
     finally:
         for pid in _processes_naming(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_killing_a_stack_kills_the_groups_of_warm_started_pods_too() -> None:
+    """A warm-started pod is the child of the stack's warm interpreter, not of the stack: killing the stack
+    kills its group (and so what the pod started itself) as it does a cold-started pod's. A tree shaped so:
+    the stack -> the warm interpreter (in the stack's group; tethered to it in the product) -> a pod (its
+    own session) -> the pod's child."""
+    from resilientjob.cli import _local
+
+    pod = "sleep 600 & wait"
+    warm = f"import subprocess, time; subprocess.Popen(['sh', '-c', {pod!r}], start_new_session=True); "
+    warm += "time.sleep(600)"
+    stack = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {warm!r}]); "
+            "time.sleep(600)",
+        ],
+        start_new_session=True,
+    )
+    interpreters: set[int] = set()
+    pods: set[int] = set()
+    try:
+        _until(lambda: bool(_children(stack.pid)), 20, "the warm interpreter")
+        interpreters = _children(stack.pid)
+        _until(lambda: any(_children(pid) for pid in interpreters), 20, "the pod")
+        pods = {pid for interpreter in interpreters for pid in _children(interpreter)}
+        _until(lambda: all(_children(pid) for pid in pods), 20, "the pod's own child")
+        pods |= {child for pid in pods for child in _children(pid)}
+        _local._kill_stack(stack.pid)
+        stack.wait(10)
+        _until(lambda: not any(_alive(pid) for pid in pods), 10, f"the pod's processes {pods} to end")
+    finally:
+        for pid in pods | interpreters:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()

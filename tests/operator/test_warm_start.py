@@ -1,0 +1,191 @@
+"""The process kubelet's warm starts (`localstack._warm_start`): a pod forked from the warm interpreter sees
+what a cold start gives it (its arguments, environment, working directory, TMPDIR, own session, output, exit
+code), a pod whose environment the imports may have read differently starts cold, a deleted pod's process
+stops, and the warm interpreter's death takes its pods with it, as a tethered process's parent's does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+from _rjob_stack import NAMESPACE, Kube, api_server, emulator_only, eventually
+
+from resilientjob.localstack import kubelet
+from resilientjob.localstack._warm_start import WarmStart
+from resilientjob.operator.kube import core_path
+
+pytestmark = emulator_only("these run the process kubelet itself")
+
+PROBE = """\
+import json, os, sys, tempfile, time
+print(json.dumps({
+    "argv": sys.argv[1:], "name": __name__, "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
+    "said": os.environ.get("SAID"), "pod": os.environ.get("POD_NAME"), "parent": os.getppid(),
+    "leader": os.getsid(0) == os.getpgid(0) == os.getpid(), "preloaded": "colorsys" in sys.modules,
+}), flush=True)
+code = int(sys.argv[1])
+if code < 0:
+    time.sleep(120)
+sys.exit(code)
+"""
+
+
+def _pod(name: str, code: int, said: str = "hello") -> dict[str, Any]:
+    env = [
+        {"name": "SAID", "value": said},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "TMPDIR", "value": "/tmp"},
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+        "spec": {
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "c",
+                    "command": ["python", "-m", "podprobe", str(code)],
+                    "env": env,
+                    "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+                }
+            ],
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def _running(tmp_path: Path, warm: WarmStart | None, pods: list[dict[str, Any]]) -> AsyncIterator[Ran]:
+    """A kubelet running `pods` until each has ended (or spoken, for the sleepers): what each said, its phase
+    and its container's state."""
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        stopped = asyncio.Event()
+        node = kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet", warm_start=warm)
+        runner = asyncio.create_task(node.run(stopped))
+        root = tmp_path / "kubelet" / "pods"
+        names = [pod["metadata"]["name"] for pod in pods]
+
+        async def settled() -> bool:
+            for name in names:
+                body = await kube.get("pods", name)
+                phase = ((body or {}).get("status") or {}).get("phase")
+                log = kubelet.pod_directory(root, NAMESPACE, name) / "log"
+                spoke = log.exists() and log.read_text().endswith("\n")
+                sleeps = name.startswith("sleeper")
+                if not (phase in ("Succeeded", "Failed") or (sleeps and phase == "Running" and spoke)):
+                    return False
+            return True
+
+        try:
+            for pod in pods:
+                await kube.api.create(core_path(NAMESPACE, "pods"), pod)
+            await eventually(settled, 60, "every pod to end or speak")
+            outcome = Ran(kube, node, root)
+            for name in names:
+                body = await kube.get("pods", name) or {}
+                said = json.loads((kubelet.pod_directory(root, NAMESPACE, name) / "log").read_text())
+                outcome.pods[name] = {
+                    "said": said,
+                    "phase": body["status"]["phase"],
+                    "state": body["status"]["containerStatuses"][0]["state"],
+                }
+            yield outcome
+        finally:
+            stopped.set()
+            await asyncio.wait({runner}, timeout=15)
+            await kube.close()
+
+
+@dataclass
+class Ran:
+    kube: Kube
+    node: kubelet.ProcessKubelet
+    root: Path
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def warm_pid(self) -> int:
+        assert self.node.warm_starter is not None and self.node.warm_starter._interpreter is not None
+        return self.node.warm_starter._interpreter.process.pid
+
+
+@pytest.fixture
+def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # `python -m podprobe` finds it in the working directory, warm (the warm interpreter's sys.path[0]) or
+    # cold.
+    (tmp_path / "podprobe.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+async def test_a_warm_started_pod_sees_what_a_cold_start_gives_it(probe: Path) -> None:
+    warm = WarmStart(preload=("colorsys",), programs=("podprobe",), env={"SAID": "hello"})
+    pods = [_pod("ok", 0), _pod("fails", 3), _pod("other-env", 0, said="something else")]
+    async with _running(probe / "warm", warm, pods) as ran:
+        for name, code in (("ok", 0), ("fails", 3)):
+            said = ran.pods[name]["said"]
+            # Forked by the warm interpreter (the prologue exec'd into it: the same pid), with its modules.
+            assert said["parent"] == ran.warm_pid() and said["preloaded"], said
+            assert said["argv"] == [str(code)] and said["name"] == "__main__" and said["leader"]
+            assert said["said"] == "hello" and said["pod"] == name and said["cwd"] == str(probe)
+            tmp = Path(said["tmp"])  # the pod's own /tmp volume, as a cold start's TMPDIR
+            assert tmp.is_relative_to(ran.root / name / "volumes"), tmp
+            assert ran.pods[name]["state"]["terminated"]["exitCode"] == code
+        assert ran.pods["ok"]["phase"] == "Succeeded" and ran.pods["fails"]["phase"] == "Failed"
+        # The warm interpreter imported under SAID=hello (the value its settings name for every pod): a pod
+        # that says otherwise starts cold, as imports might have read it.
+        assert ran.pods["other-env"]["said"]["parent"] == os.getpid()
+        assert ran.pods["other-env"]["said"]["said"] == "something else"
+        warm_pods = ran.pods
+
+    async with _running(probe / "cold", None, [_pod("ok", 0), _pod("fails", 3)]) as cold:
+        for name in ("ok", "fails"):
+            cold_said, warm_said = dict(cold.pods[name]["said"]), dict(warm_pods[name]["said"])
+            assert cold_said.pop("parent") == os.getpid() and cold_said.pop("preloaded") is False
+            assert Path(cold_said.pop("tmp")).name == Path(warm_said.pop("tmp")).name == "scratch"
+            warm_said.pop("parent"), warm_said.pop("preloaded")
+            assert cold_said == warm_said
+            assert cold.pods[name]["state"] == warm_pods[name]["state"]
+
+
+async def test_a_deleted_warm_pod_stops_and_the_warm_interpreters_death_takes_its_pods(probe: Path) -> None:
+    warm = WarmStart(preload=("colorsys",), programs=("podprobe",), env={"SAID": "hello"})
+    async with _running(probe, warm, [_pod("sleeper-a", -1), _pod("sleeper-b", -1)]) as ran:
+        pids = {pod.name: pod.process.pid for pod in ran.node.pods.values()}
+        warm_pid = ran.warm_pid()
+        assert all(ran.pods[name]["said"]["parent"] == warm_pid for name in pids)
+
+        async def gone(pid: int) -> bool:
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        await ran.kube.delete("pods", "sleeper-a")
+        await eventually(lambda: gone(pids["sleeper-a"]), 20, "the deleted pod's process to end")
+        os.kill(warm_pid, signal.SIGKILL)
+        await eventually(lambda: gone(pids["sleeper-b"]), 20, "the warm interpreter's pod to die with it")
+
+        async def failed() -> bool:
+            body = await ran.kube.get("pods", "sleeper-b") or {}
+            return bool((body.get("status") or {}).get("phase") == "Failed")
+
+        await eventually(failed, 20, "the pod reported Failed")
+        # Later pods start cold, with nothing lost.
+        await ran.kube.api.create(core_path(NAMESPACE, "pods"), _pod("after", 0))
+        log = kubelet.pod_directory(ran.root, NAMESPACE, "after") / "log"
+
+        async def spoke() -> bool:
+            return log.exists() and log.read_text().endswith("\n")
+
+        await eventually(spoke, 20, "the later pod's output")
+        assert json.loads(log.read_text())["parent"] == os.getpid()
