@@ -30,7 +30,10 @@ pytestmark = pytest.mark.torch
 def test_a_new_node_joins_gets_its_layers_and_the_samples_stay_exactly_once(
     tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
 ) -> None:
-    steps = 7
+    # The join is due once step 4 has committed and node 4 is ready, and the harness's control loop must see
+    # both before the survivors train past the end: twelve steps of margin, not three (a loaded CI host
+    # once finished steps 5-7 before the loop saw step 4, and node 4 never joined).
+    steps = 16
     planner = RuntimePlanner.for_job(
         gpt_profile, nodes=4, global_batch=16, microbatch_size=2, dp_range=(2, 2)
     )

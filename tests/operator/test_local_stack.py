@@ -93,6 +93,11 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     health_url = json.loads((stack / "state.json").read_text())["health_url"]
     with urllib.request.urlopen(health_url, timeout=5) as reply:
         assert reply.status == 200 and isinstance(json.loads(reply.read()), dict)
+    # Forked from the stack's warm interpreter, which imported torch and the agent once for all of them.
+    for n in range(4):
+        pid = int((stack / "pods" / f"local-cpu-node-{n}" / "pid").read_text())
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert b"resilientjob.localstack._warm_start" in Path(f"/proc/{parent}/cmdline").read_bytes()
     missing = rjob(stack, "logs", "local-cpu-node-9", check=False)
     assert missing.returncode == 2 and "local-cpu-node-9" in missing.stderr
     state = json.loads((stack / "state.json").read_text())
