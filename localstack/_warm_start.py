@@ -166,7 +166,8 @@ class _WarmInterpreter:
             except (OSError, queue.Empty) as exc:
                 self.failure = self.failure or f"no reply to a start: {exc!r}"
                 return None
-        return self.running.get(int(reply["started"])) if "started" in reply else None
+        process = reply.get("process")
+        return process if isinstance(process, WarmProcess) else None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -195,7 +196,9 @@ class _WarmInterpreter:
                 self.running.pop(int(said["exited"]), WarmProcess(0)).ended(int(said["code"]))
             else:
                 if "started" in said:
-                    self.running[int(said["started"])] = WarmProcess(int(said["started"]))
+                    # The reply carries the process: its exit may be read (and it leave `running`) before
+                    # the caller wakes.
+                    said["process"] = self.running[int(said["started"])] = WarmProcess(int(said["started"]))
                 elif not self.ready.is_set():
                     self.failure = str(said.get("failed"))
                     self.ready.set()
@@ -224,10 +227,7 @@ class WarmStarter:
         """Start the warm interpreter now, under `host_env` and the settings' `env` (what a pod of this host
         whose spec sets nothing else has), so that it imports while the stack and its operator start: the
         first pods then wait less, or not at all."""
-        with self._lock:
-            if self._interpreter is None:
-                env = import_env({**host_env, **self.settings.env})
-                self._interpreter = _WarmInterpreter(self.settings.preload, env, self.log_path)
+        self._interpreter_under(import_env({**host_env, **self.settings.env}))
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], stdout_fd: int) -> WarmProcess | None:
         """Fork `argv` with `env` and its output on `stdout_fd` (the caller closes its own copy), or None.
@@ -235,13 +235,17 @@ class WarmStarter:
         if not self.settings.runs(argv):
             return None
         wanted = import_env(env)
-        with self._lock:
-            if self._interpreter is None:
-                self._interpreter = _WarmInterpreter(self.settings.preload, wanted, self.log_path)
-            interpreter = self._interpreter
+        interpreter = self._interpreter_under(wanted)
         if interpreter.env != wanted or not interpreter.usable():
             return None
         return interpreter.fork(argv[1:], env, stdout_fd)
+
+    def _interpreter_under(self, env: dict[str, str]) -> _WarmInterpreter:
+        """The warm interpreter, started under `env` if there is none yet."""
+        with self._lock:
+            if self._interpreter is None:
+                self._interpreter = _WarmInterpreter(self.settings.preload, env, self.log_path)
+            return self._interpreter
 
     def close(self) -> None:
         with self._lock:
