@@ -107,6 +107,29 @@ def test_injector_stretches_compute_or_delays_traffic_with_one_peer() -> None:
     assert injector.injected_s == pytest.approx(0.2 + 2 * chaos.MAX_GAP_S + 0.4 + 0.002 + 0.002)
 
 
+def test_an_explicit_compute_span_is_stretched_whatever_earlier_sleeps_owe() -> None:
+    """The validation's GEMM keeps the best of its products: each one must be stretched by the factor, even
+    right after a delay that woke late (its lateness is owed back by the traced calls' next delays, not by
+    a benchmark's product, which would then come back unslowed and be the best)."""
+    now, slept = 0.0, []
+
+    def late_sleep(seconds: float) -> None:
+        nonlocal now
+        slept.append(seconds)
+        now += seconds + 0.002  # 2 ms late: more than a product's whole delay below
+
+    injector = ChaosInjector(sleep=late_sleep, clock=lambda: now)
+    injector.order = ChaosOrder(factor=1.5, until=time.time() + 60)
+    injector("all_reduce", -1, 8, 0.010)  # a traced call's delay (5 ms) that woke 2 ms late
+    slept.clear()
+    for _ in range(5):
+        injector.after_compute(0.0005)
+    assert slept == pytest.approx([0.00025] * 5)
+    slept.clear()
+    injector("all_reduce", -1, 8, 0.010)  # the traced calls still owe their 2 ms back
+    assert slept == pytest.approx([0.005 - 0.002])
+
+
 @pytest.mark.parametrize("factor", [1.2, 1.3, 1.5, 2.0])
 def test_late_wake_ups_do_not_add_to_the_ordered_factor(factor: float) -> None:
     """A step of six 5 ms compute intervals, each followed by a traced call, on a host whose sleeps wake
