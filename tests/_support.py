@@ -5,22 +5,60 @@ Importable from every test folder because `tests/conftest.py` puts this folder o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from resilientjob.localstack._warm_start import WarmStart, WarmStarter
+
 # Every test takes its ports from here (why: that module's docstring).
 from resilientjob.localstack.ports import free_port
 
 T = TypeVar("T")
+
+
+OPERATOR_WARM_START = WarmStart(
+    preload=("kopf", "resilientjob.cli", "resilientjob.cli._operator", "resilientjob.operator.handlers"),
+    programs=("resilientjob.cli",),
+)
+"""The suite starts an operator for most of its tests, and each spent two CPU seconds importing kopf and the
+operator: they fork from one interpreter that imported them once (`localstack._warm_start`, as the local
+stack's pods do), where the suite's environment allows (else they start cold)."""
+
+
+_SESSION_STARTERS: list[WarmStarter] = []
+"""Warm starters made once for the whole session (their interpreters serve until it ends)."""
+
+
+def operator_starter() -> WarmStarter:
+    """The session's warm starts for operators (`_rjob_stack.Operator`)."""
+    if not _SESSION_STARTERS:
+        log = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-operators.log"
+        starter = WarmStarter(OPERATOR_WARM_START, log)
+        _SESSION_STARTERS.append(starter)
+
+        def close() -> None:
+            starter.close()
+            if log.exists() and not log.stat().st_size:
+                log.unlink()  # kept where it says why operators started cold
+
+        atexit.register(close)
+    return _SESSION_STARTERS[0]
+
+
+def session_servers() -> set[int]:
+    """Processes started once to serve the rest of the session (not a test's leftovers)."""
+    return {starter.pid for starter in _SESSION_STARTERS if starter.pid is not None}
 
 
 class RedisProcess:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _support import session_servers
 
 from resilientjob.planner import ClusterSpec, JobSpec, ModelProfile, uniform_profile
 
@@ -81,7 +82,7 @@ def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         left = {
             key: command
             for key, (_, command) in now.items()
-            if key not in before and _from_the_tests(key[0], parents)
+            if key not in before and _from_the_tests(key[0], parents) and key[0] not in session_servers()
         }
         if not left or time.monotonic() >= deadline:
             break

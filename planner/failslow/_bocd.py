@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.special import gammaln
 
 from ..errors import PlannerError
 from ._events import ChangeEvent, ChangeKind, check_time
@@ -113,7 +112,10 @@ class _Constants:
         alpha = config.prior_alpha + counts / 2
         # log t-pdf = c - log(beta)/2 - (alpha + 1/2) log1p(q (y - mu)^2 / beta), and the Normal-Gamma update
         # is beta' = beta + q (y - mu)^2, mu' = mu + (y - mu) / (kappa + 1).
-        const = gammaln(alpha + 0.5) - gammaln(alpha) - 0.5 * np.log(2 * np.pi * (kappa + 1) / kappa)
+        # math.lgamma, not scipy.special.gammaln: once per detector, and scipy.special takes a third of a
+        # second to import in every process that can detect (the operator, the CLI).
+        log_gamma_ratio = np.array([math.lgamma(a + 0.5) - math.lgamma(a) for a in alpha])
+        const = log_gamma_ratio - 0.5 * np.log(2 * np.pi * (kappa + 1) / kappa)
         self.log_c: FloatArray = const[1:]
         self.q: FloatArray = kappa[1:] / (2 * (kappa[1:] + 1))
         self.power: FloatArray = alpha[1:] + 0.5

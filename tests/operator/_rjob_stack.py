@@ -29,7 +29,9 @@ import kopf
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from _support import operator_starter
 
+from resilientjob.localstack._warm_start import WarmProcess
 from resilientjob.localstack.emulator import LocalApiServer
 from resilientjob.operator import api
 from resilientjob.operator.crd import CRD_FILE
@@ -178,7 +180,8 @@ def kubeconfig_for(url: str, path: Path) -> Path:
 
 class Operator:
     """The operator as a child process: against `api_url` (the emulator), or with `kubeconfig` (a cluster,
-    then watching only `namespace`)."""
+    then watching only `namespace`). It forks from the suite's warm interpreter for operators, which runs it
+    as `python -m` would (`_support.operator_starter`), or else is a fresh interpreter."""
 
     def __init__(
         self,
@@ -194,7 +197,7 @@ class Operator:
             raise ValueError("give exactly one of api_url and kubeconfig")
         self.api_url, self.redis_url, self.log = api_url, redis_url, log
         self.kubeconfig, self.namespace, self.verbose = kubeconfig, namespace, verbose
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | WarmProcess | None = None
 
     def start(self) -> None:
         env = {**os.environ, "RJOB_REDIS_URL": self.redis_url, "RJOB_STANDALONE": "1"}
@@ -206,23 +209,22 @@ class Operator:
             env["RJOB_KUBECONFIG"] = self.kubeconfig
         if self.namespace:
             env["RJOB_NAMESPACE"] = self.namespace
+        command = [sys.executable, "-m", "resilientjob.cli", "operator", *(["--verbose"] * self.verbose)]
         with self.log.open("ab") as sink:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "resilientjob.cli", "operator", *(["--verbose"] * self.verbose)],
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
+            self.process = operator_starter().start(command, env, sink.fileno(), cwd=str(ROOT))
+            if self.process is None:
+                self.process = subprocess.Popen(
+                    command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT
+                )
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
+            os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait(5)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            os.kill(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
 from _support import RedisProcess, free_port
 
+from resilientjob.localstack._warm_start import AGENT_WARM_START
 from resilientjob.localstack.kubelet import ProcessKubelet
 from resilientjob.operator import _decide, _durable
 from resilientjob.operator._redis_state import RedisPlan, announcement
@@ -135,7 +136,9 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         operator = Operator(url, server.url, log)
         operator.start()
         stopped = asyncio.Event()
-        kubelet = asyncio.create_task(ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        # The agents fork from one interpreter that imported torch once, as on `rjob local` (`_warm_start`).
+        node = ProcessKubelet(kube.api, tmp_path / "kubelet", warm_start=AGENT_WARM_START)
+        kubelet = asyncio.create_task(node.run(stopped))
         stack = Faults(kube, server, operator, metrics_port, log)
         stop_watching = asyncio.Event()
         watcher = asyncio.create_task(stack.watch_plans(stop_watching))

@@ -26,11 +26,12 @@ from resilientjob.operator.kube import core_path
 pytestmark = emulator_only("these run the process kubelet itself")
 
 PROBE = """\
-import json, os, sys, tempfile, time
+import gc, json, os, sys, tempfile, time
 print(json.dumps({
     "argv": sys.argv[1:], "name": __name__, "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
     "said": os.environ.get("SAID"), "pod": os.environ.get("POD_NAME"), "parent": os.getppid(),
     "leader": os.getsid(0) == os.getpgid(0) == os.getpid(), "preloaded": "colorsys" in sys.modules,
+    "frozen": gc.get_freeze_count() > 0,
 }), flush=True)
 code = int(sys.argv[1])
 if code < 0:
@@ -114,8 +115,8 @@ class Ran:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def warm_pid(self) -> int:
-        assert self.node.warm_starter is not None and self.node.warm_starter._interpreter is not None
-        return self.node.warm_starter._interpreter.process.pid
+        assert self.node.warm_starter is not None and self.node.warm_starter.pid is not None
+        return self.node.warm_starter.pid
 
 
 @pytest.fixture
@@ -135,6 +136,7 @@ async def test_a_warm_started_pod_sees_what_a_cold_start_gives_it(probe: Path) -
             said = ran.pods[name]["said"]
             # Forked by the warm interpreter (the prologue exec'd into it: the same pid), with its modules.
             assert said["parent"] == ran.warm_pid() and said["preloaded"], said
+            assert said["frozen"]  # what the warm interpreter imported is not walked by this pod's collector
             assert said["argv"] == [str(code)] and said["name"] == "__main__" and said["leader"]
             assert said["said"] == "hello" and said["pod"] == name and said["cwd"] == str(probe)
             tmp = Path(said["tmp"])  # the pod's own /tmp volume, as a cold start's TMPDIR
@@ -151,8 +153,9 @@ async def test_a_warm_started_pod_sees_what_a_cold_start_gives_it(probe: Path) -
         for name in ("ok", "fails"):
             cold_said, warm_said = dict(cold.pods[name]["said"]), dict(warm_pods[name]["said"])
             assert cold_said.pop("parent") == os.getpid() and cold_said.pop("preloaded") is False
+            assert cold_said.pop("frozen") is False
             assert Path(cold_said.pop("tmp")).name == Path(warm_said.pop("tmp")).name == "scratch"
-            warm_said.pop("parent"), warm_said.pop("preloaded")
+            warm_said.pop("parent"), warm_said.pop("preloaded"), warm_said.pop("frozen")
             assert cold_said == warm_said
             assert cold.pods[name]["state"] == warm_pods[name]["state"]
 
