@@ -31,18 +31,8 @@ import torch
 import torch.distributed as dist
 
 from resilientjob.agent import tracing, validation
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize(device)
-
-
-def until_complete(work: dist.Work) -> None:
-    """As the runtime waits (`_runtime_wait`): NCCL's wait() only orders the stream; poll is_completed."""
-    work.wait()
-    while not work.is_completed():
-        time.sleep(0.0002)
+from resilientjob.agent._device_sync import synchronize
+from resilientjob.agent._runtime_wait import _until_complete as until_complete
 
 
 def gemm_sizing(device: str, repeats: int) -> dict[str, Any]:

@@ -67,6 +67,9 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
     ("bench/bench_runtime_estimator.py", "resilientjob.agent._runtime_commit"),
     ("bench/bench_templates.py", "resilientjob.planner._stage_mapping"),  # StageMapper against the paper's DP
+    # The runtime's own device sync and wait on a collective, timed on an accelerator.
+    ("bench/bench_gpu_failslow.py", "resilientjob.agent._device_sync"),
+    ("bench/bench_gpu_failslow.py", "resilientjob.agent._runtime_wait"),
     # The harness stands in for the pod agents and the store pod, which know when a plan is fully applied.
     ("testing/launcher.py", "resilientjob.agent._runtime_schedule"),
 }
