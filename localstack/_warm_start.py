@@ -17,10 +17,15 @@ first such pod's environment less the variables that differ per pod (`PER_POD_EN
 environment differs from that in anything else starts cold. The warm interpreter runs no Python thread but its
 main one when it forks (it checks), so no lock of one is held in a child.
 
-Protocol (one `SOCK_SEQPACKET` pair, a JSON object per message): the kubelet sends {"argv", "env", "cwd"}
-with the write end of the pod's log pipe as the message's file descriptor; the warm interpreter answers
-{"started": pid} or {"failed": why}, and {"exited": pid, "code": c} when a pod's process ends (`code` as
-`Popen.returncode`: -N for signal N).
+A warm interpreter may also serve several kubelets (`WarmServer`, listening on a Unix socket): the test
+suite starts dozens of local stacks, and each would import torch again while its first pods waited. A
+kubelet that closes its socket, or dies, takes its pods (their process groups) with it there too.
+
+Protocol (a `SOCK_SEQPACKET` connection, a JSON object per message): the warm interpreter says {"ready",
+"pid", "executable", "env"} once it has imported (or {"failed": why}); the kubelet sends {"argv", "env",
+"cwd"} with the write end of the pod's log pipe as the message's file descriptor; the warm interpreter
+answers {"started": pid} or {"failed": why}, and {"exited": pid, "code": c} when a pod's process ends
+(`code` as `Popen.returncode`: -N for signal N).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,9 +57,14 @@ PER_POD_ENV_PREFIXES = ("RJOB_",)
 PER_POD_ENV = frozenset({"POD_NAME", "POD_IP", "TMPDIR"})
 """Variables that differ from pod to pod and that no preloaded module reads as it is imported (the agent reads
 its `RJOB_*` identity at run time; `tempfile` is told to look at TMPDIR again after the fork)."""
+WARM_SERVER_ENV = "RJOB_LOCAL_WARM_SERVER"
+"""The stack's setting: the socket of a warm interpreter that serves several stacks (`WarmServer`: the test
+suite's), used instead of one of the stack's own where it answers."""
 READY_TIMEOUT_S = 120.0
 """How long a pod waits for the warm interpreter's imports before it starts cold instead."""
 REPLY_TIMEOUT_S = 30.0
+LISTEN_TIMEOUT_S = 10.0
+"""How long a `WarmServer` is given to listen on its socket."""
 _MESSAGE_LIMIT = 1 << 22
 _PR_SET_PDEATHSIG = 1
 
@@ -132,19 +143,31 @@ class WarmProcess:
 
 
 class _WarmInterpreter:
-    """The kubelet's side of one warm interpreter: its process, its socket, and a thread reading it."""
+    """The kubelet's side of one warm interpreter: its socket, a thread reading it, and its process when this
+    kubelet started it (`spawn`) rather than joined one that serves several kubelets (`connect`)."""
 
-    def __init__(self, preload: Sequence[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, sock: socket.socket, process: subprocess.Popen[bytes] | None, env: dict[str, str] | None
+    ) -> None:
+        self.sock = sock
+        self.process = process
         self.env = env
+        """What it imported under (its ready message tells, where this kubelet did not start it)."""
+        self.pid = process.pid if process is not None else None
         self.ready = threading.Event()
         self.failure = ""
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.running: dict[int, WarmProcess] = {}
         self.lock = threading.Lock()
+        threading.Thread(target=self._read, name="warm interpreter", daemon=True).start()
+
+    @classmethod
+    def spawn(cls, preload: Sequence[str], env: dict[str, str], log_path: Path) -> _WarmInterpreter:
+        """Start a warm interpreter of this kubelet's own, importing `preload` under `env`."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, log_path.open("ab") as log:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 tethered([sys.executable, "-m", __name__, str(theirs.fileno()), *preload]),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -152,8 +175,18 @@ class _WarmInterpreter:
                 stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),),
             )
-        self.sock = ours
-        threading.Thread(target=self._read, name="warm interpreter", daemon=True).start()
+        return cls(ours, process, env)
+
+    @classmethod
+    def connect(cls, path: str) -> _WarmInterpreter | None:
+        """Join the warm server listening at `path` (`WarmServer`), or None where none answers there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            return None
+        return cls(sock, None, None)
 
     def usable(self) -> bool:
         return self.ready.wait(READY_TIMEOUT_S) and not self.failure
@@ -173,13 +206,15 @@ class _WarmInterpreter:
         return process if isinstance(process, WarmProcess) else None
 
     def close(self) -> None:
+        """Leave it: its server kills the pods it forked for us. One of our own then exits too."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
         self.sock.close()
 
     def _read(self) -> None:
@@ -194,7 +229,7 @@ class _WarmInterpreter:
                 break
             said = json.loads(message)
             if "ready" in said:
-                self.ready.set()
+                self._ready(said)
             elif "exited" in said:
                 self.running.pop(int(said["exited"]), WarmProcess(0)).ended(int(said["code"]))
             else:
@@ -213,16 +248,28 @@ class _WarmInterpreter:
         self.running.clear()
         self.replies.put({"failed": self.failure})
 
+    def _ready(self, said: Mapping[str, Any]) -> None:
+        """Its imports are done. One that serves several kubelets is usable only if it runs this Python (its
+        modules are this installation's) and says what environment it imported under."""
+        self.pid = int(said["pid"])
+        if self.process is None:
+            if said.get("executable") != sys.executable:
+                self.failure = f"the warm server runs {said.get('executable')}, not {sys.executable}"
+            self.env = dict(said.get("env") or {})
+        self.ready.set()
+
 
 class WarmStarter:
     """Starts pods' processes warm where `settings` and their environment allow; `start` answers None where
-    they do not, and the caller starts that pod cold. The warm interpreter is started by `prestart`, or else
-    by the first pod that can use it (under that pod's `import_env`), and lives until `close`, or until this
-    process dies."""
+    they do not, and the caller starts that pod cold. The warm interpreter is the one `server` names (a
+    `WarmServer`'s socket, shared with other kubelets) when one answers there, else one of this kubelet's
+    own, started by `prestart`, or else by the first pod that can use it (under that pod's `import_env`); it
+    serves until `close`, or until this process dies."""
 
-    def __init__(self, settings: WarmStart, log_path: Path) -> None:
+    def __init__(self, settings: WarmStart, log_path: Path, server: str | None = None) -> None:
         self.settings = settings
         self.log_path = log_path
+        self.server = server
         self._interpreter: _WarmInterpreter | None = None
         self._lock = threading.Lock()
 
@@ -242,21 +289,27 @@ class WarmStarter:
             return None
         wanted = import_env(env)
         interpreter = self._interpreter_under(wanted)
-        if interpreter.env != wanted or not interpreter.usable():
+        if interpreter.env is not None and interpreter.env != wanted:
+            return None
+        if not interpreter.usable() or interpreter.env != wanted:
             return None
         return interpreter.fork(argv[1:], env, stdout_fd, cwd or os.getcwd())
 
     @property
     def pid(self) -> int | None:
-        """The warm interpreter's process id, once started (until `close`)."""
+        """The warm interpreter's process id, once it is known (until `close`)."""
         interpreter = self._interpreter
-        return interpreter.process.pid if interpreter is not None else None
+        return interpreter.pid if interpreter is not None else None
 
     def _interpreter_under(self, env: dict[str, str]) -> _WarmInterpreter:
-        """The warm interpreter, started under `env` if there is none yet."""
+        """The warm interpreter: the server's, or else one of our own started under `env` if there is none."""
         with self._lock:
+            if self._interpreter is None and self.server:
+                self._interpreter = _WarmInterpreter.connect(self.server)
+                if self._interpreter is None:
+                    print(f"warm start: no warm server at {self.server}; starting our own", flush=True)
             if self._interpreter is None:
-                self._interpreter = _WarmInterpreter(self.settings.preload, env, self.log_path)
+                self._interpreter = _WarmInterpreter.spawn(self.settings.preload, env, self.log_path)
             return self._interpreter
 
     def close(self) -> None:
@@ -266,62 +319,149 @@ class WarmStarter:
             interpreter.close()
 
 
-# The warm interpreter itself: `python -m resilientjob.localstack._warm_start FD MODULE...`.
+class WarmServer:
+    """A warm interpreter that serves every kubelet that connects to its socket (`WarmStarter(server=...)`):
+    the test suite runs one for the many local stacks it starts, so that each does not import torch again.
+    A kubelet's pods die when it disconnects (or dies), as with its own warm interpreter; the server dies
+    with the process that started it."""
+
+    def __init__(self, settings: WarmStart, path: Path, log_path: Path, host_env: Mapping[str, str]) -> None:
+        self.path = path
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                tethered([sys.executable, "-m", __name__, "--listen", str(path), *settings.preload]),
+                env=import_env({**host_env, **settings.env}),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + LISTEN_TIMEOUT_S
+        while not path.exists() and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # it listens before it imports: a kubelet that connects then waits for ready
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.path.unlink(missing_ok=True)
 
 
-def _serve(sock: socket.socket, preload: Sequence[str]) -> tuple[dict[str, Any], int] | None:
-    """Import `preload`, then fork a child per request until the kubelet closes the socket. Returns only in
-    a child: its request and the descriptor of its output."""
+# The warm interpreter itself: `python -m resilientjob.localstack._warm_start FD MODULE...` serves the kubelet
+# at the other end of socket FD; `... --listen PATH MODULE...` serves every kubelet that connects to PATH.
+
+
+def _imported(preload: Sequence[str]) -> dict[str, Any]:
+    """Import `preload`; the ready message (or why not)."""
     try:
         for module in preload:
             importlib.import_module(module)
     except Exception as exc:  # the kubelet starts its pods cold, and says why in the log
         print(f"warm start: importing the preload failed: {exc!r}", flush=True)
-        sock.send(json.dumps({"failed": f"import: {exc!r}"}).encode())
-        return None
+        return {"failed": f"import: {exc!r}"}
     if threading.active_count() != 1:
         # A fork copies only the forking thread: a lock another Python thread held stays held in every child.
         # (Native threads the libraries start as they are imported, torch's, are theirs to mend at a fork:
         # torch resets its pools in a forked child, as its DataLoader workers rely on.)
         names = [thread.name for thread in threading.enumerate()]
         print(f"warm start: threads after the imports: {names}", flush=True)
-        sock.send(json.dumps({"failed": f"threads after the imports: {names}; a fork needs one"}).encode())
-        return None
+        return {"failed": f"threads after the imports: {names}; a fork needs one"}
     # What the imports made lives as long as the pods do: frozen, no pod's collector walks it. A collection
     # writes to every object it visits, so each pod would copy the pages it shares with this interpreter,
-    # and its exit would walk them all (1.8 CPU-s of a forked pod's exit with torch imported, 0.5 frozen).
+    # and its exit would walk them all (bench/bench_warm_exit.py).
     gc.collect()
     gc.freeze()
-    sock.send(b'{"ready": true}')
+    return {"ready": True, "pid": os.getpid(), "executable": sys.executable, "env": import_env(os.environ)}
+
+
+@dataclass(eq=False)
+class _Client:
+    """A kubelet this interpreter serves, and the pods it forked for it."""
+
+    sock: socket.socket
+    pods: set[int] = field(default_factory=set)
+
+
+def _serve(
+    preload: Sequence[str], client: socket.socket | None, listener: socket.socket | None
+) -> tuple[dict[str, Any], int] | None:
+    """Import `preload`, then fork a child per request of `client` or of any kubelet that connects to
+    `listener`, until `client` closes its socket (the listener's server serves until it is killed). A
+    kubelet that leaves takes its pods with it. Returns only in a child: its request and the descriptor of
+    its output."""
+    ready = _imported(preload)
+    if client is not None:
+        _tell(client, ready)
+    if "failed" in ready:
+        return None
     selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ)
+    if client is not None:
+        selector.register(client, selectors.EVENT_READ, _Client(client))
+    if listener is not None:
+        selector.register(listener, selectors.EVENT_READ)
     while True:
         for key, _ in selector.select():
-            if key.fileobj is sock:
-                message, fds, _, _ = socket.recv_fds(sock, _MESSAGE_LIMIT, 1)
+            if key.fileobj is listener:
+                joined, _ = listener.accept()
+                _tell(joined, ready)
+                selector.register(joined, selectors.EVENT_READ, _Client(joined))
+            elif isinstance(key.data, _Client):
+                try:
+                    message, fds, _, _ = socket.recv_fds(key.data.sock, _MESSAGE_LIMIT, 1)
+                except OSError:
+                    message, fds = b"", []
                 if not message:
-                    return None  # the kubelet is gone (or closed us): so are we, and our pods with us
-                request = json.loads(message)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
+                    _leave(selector, key.data)
+                    if listener is None:
+                        return None  # our one kubelet is gone: so are we
+                    continue
+                pid = _fork(selector)
                 if pid == 0:
-                    for other in list(selector.get_map().values()):
-                        if other.fileobj is not sock:
-                            os.close(other.fd)  # the other pods' pidfds
-                    selector.close()
-                    return request, fds[0]
+                    return json.loads(message), fds[0]
                 os.close(fds[0])
-                pidfd = os.pidfd_open(pid)
-                selector.register(pidfd, selectors.EVENT_READ, pid)
-                sock.send(json.dumps({"started": pid}).encode())
+                selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, key.data))
+                key.data.pods.add(pid)
+                _tell(key.data.sock, {"started": pid})
             else:
-                _, status = os.waitpid(key.data, 0)
+                pid, owner = key.data
+                _, status = os.waitpid(pid, 0)
                 selector.unregister(key.fd)
                 os.close(key.fd)
-                sock.send(
-                    json.dumps({"exited": key.data, "code": os.waitstatus_to_exitcode(status)}).encode()
-                )
+                owner.pods.discard(pid)
+                _tell(owner.sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _tell(sock: socket.socket, message: Mapping[str, Any]) -> None:
+    """Send `message` to a kubelet, which may have gone meanwhile (its leaving is read from its socket)."""
+    with contextlib.suppress(OSError):
+        sock.send(json.dumps(message).encode())
+
+
+def _fork(selector: selectors.BaseSelector) -> int:
+    """Fork; the child closes what serves the others (the sockets, the pods' pidfds)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for key in list(selector.get_map().values()):
+            if isinstance(key.fileobj, socket.socket):
+                key.fileobj.close()  # the object's own close: its descriptor's number is the pod's to reuse
+            else:
+                os.close(key.fd)
+        selector.close()
+    return pid
+
+
+def _leave(selector: selectors.BaseSelector, client: _Client) -> None:
+    """A kubelet closed its socket, or died: kill its pods' groups, as its death would have (they were
+    tethered to it through us). Their exits are still reaped."""
+    selector.unregister(client.sock)
+    client.sock.close()
+    for pid in client.pods:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)  # each pod leads its own session, and so its group
 
 
 def _become(request: Mapping[str, Any], output: int, warm_pid: int) -> None:
@@ -345,12 +485,19 @@ def _become(request: Mapping[str, Any], output: int, warm_pid: int) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    sock = socket.socket(fileno=int(argv[0]))
     warm_pid = os.getpid()
-    child = _serve(sock, argv[1:])
+    if argv[0] == "--listen":
+        path, preload = argv[1], argv[2:]
+        client, listener = None, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener.bind(path)  # before the imports: kubelets may connect meanwhile, and wait for ready
+        listener.listen()
+    else:
+        client, listener, preload = socket.socket(fileno=int(argv[0])), None, argv[1:]
+    child = _serve(preload, client, listener)
     if child is None:
         return
-    sock.close()
     _become(*child, warm_pid)
 
 

@@ -114,15 +114,19 @@ class ProcessKubelet:
         namespace: str | None = None,
         interval_s: float = 0.1,
         warm_start: WarmStart | None = None,
+        warm_server: str | None = None,
     ) -> None:
         """`warm_start`: which pods' programs start from the warm interpreter (`_warm_start`); None: every
-        pod's process starts cold."""
+        pod's process starts cold. `warm_server`: the socket of a warm interpreter that serves several
+        kubelets (`_warm_start.WarmServer`), used where it answers instead of one of this kubelet's own."""
         self.kube = kube
         self.state_dir = state_dir
         self.namespace = namespace
         self.interval_s = interval_s
         self.pods: dict[str, RunningPod] = {}
-        self.warm_starter = WarmStarter(warm_start, state_dir / "warm-start.log") if warm_start else None
+        self.warm_starter = (
+            WarmStarter(warm_start, state_dir / "warm-start.log", warm_server) if warm_start else None
+        )
 
     async def run(self, stopped: asyncio.Event, before_stop: Callable[[], None] | None = None) -> None:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every

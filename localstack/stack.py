@@ -32,7 +32,7 @@ import kopf
 from resilientjob.operator.kube import KubeApi
 
 from ._tether import tethered
-from ._warm_start import AGENT_WARM_START
+from ._warm_start import AGENT_WARM_START, WARM_SERVER_ENV
 from .emulator import LocalApiServer
 from .kubelet import ProcessKubelet
 from .ports import free_port
@@ -153,7 +153,12 @@ async def serve(state_dir: Path) -> None:
             # Pods' programs fork from one interpreter that imported torch and the agent once (`_warm_start`);
             # RJOB_LOCAL_COLD_START=1 starts each pod's interpreter afresh, as a node does.
             cold = os.environ.get(COLD_START_ENV, "") not in ("", "0")
-            kubelet = ProcessKubelet(kube, state_dir, warm_start=None if cold else AGENT_WARM_START)
+            kubelet = ProcessKubelet(
+                kube,
+                state_dir,
+                warm_start=None if cold else AGENT_WARM_START,
+                warm_server=os.environ.get(WARM_SERVER_ENV) or None,
+            )
             base = {
                 "api_url": api_url,
                 "redis_url": redis_url,

@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from resilientjob.localstack._warm_start import WarmStart, WarmStarter
+from resilientjob.localstack._warm_start import (
+    AGENT_WARM_START,
+    WARM_SERVER_ENV,
+    WarmServer,
+    WarmStart,
+    WarmStarter,
+)
 
 # Every test takes its ports from here (why: that module's docstring).
 from resilientjob.localstack.ports import free_port
@@ -38,27 +44,46 @@ stack's pods do), where the suite's environment allows (else they start cold).""
 
 _SESSION_STARTERS: list[WarmStarter] = []
 """Warm starters made once for the whole session (their interpreters serve until it ends)."""
+_SESSION_SERVERS: list[WarmServer] = []
+
+
+def _session_log(name: str) -> Path:
+    """A session-wide server's log, removed at exit when it stayed empty (it says why pods started cold)."""
+    log = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-{name}.log"
+
+    def remove_if_empty() -> None:
+        if log.exists() and not log.stat().st_size:
+            log.unlink()
+
+    atexit.register(remove_if_empty)  # registered first: runs after the server is closed
+    return log
 
 
 def operator_starter() -> WarmStarter:
     """The session's warm starts for operators (`_rjob_stack.Operator`)."""
     if not _SESSION_STARTERS:
-        log = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-operators.log"
-        starter = WarmStarter(OPERATOR_WARM_START, log)
+        starter = WarmStarter(OPERATOR_WARM_START, _session_log("operators"))
         _SESSION_STARTERS.append(starter)
-
-        def close() -> None:
-            starter.close()
-            if log.exists() and not log.stat().st_size:
-                log.unlink()  # kept where it says why operators started cold
-
-        atexit.register(close)
+        atexit.register(starter.close)
     return _SESSION_STARTERS[0]
+
+
+def pods_warm_server() -> str:
+    """The socket of the session's warm interpreter for the local stacks' pods (`rjob local up` tells its
+    stack through WARM_SERVER_ENV): each stack's pods fork from it, and the stacks do not import torch and
+    the agent again, each while its first pods wait."""
+    if not _SESSION_SERVERS:
+        path = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-pods.sock"
+        server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), os.environ)
+        _SESSION_SERVERS.append(server)
+        atexit.register(server.close)
+    return str(_SESSION_SERVERS[0].path)
 
 
 def session_servers() -> set[int]:
     """Processes started once to serve the rest of the session (not a test's leftovers)."""
-    return {starter.pid for starter in _SESSION_STARTERS if starter.pid is not None}
+    pids = {starter.pid for starter in _SESSION_STARTERS if starter.pid is not None}
+    return pids | {server.process.pid for server in _SESSION_SERVERS}
 
 
 class RedisProcess:
@@ -133,9 +158,11 @@ def rjob_local(
 ) -> subprocess.CompletedProcess[str]:
     """`rjob local ARGS` in a subprocess with its state under `state` (RJOB_LOCAL_DIR); never raises on a
     failed command: the caller asserts or raises with the output."""
+    # The stack `up` starts forks its pods from the session's warm interpreter (`pods_warm_server`).
+    warm = {WARM_SERVER_ENV: pods_warm_server()} if args[:1] == ("up",) else {}
     return subprocess.run(
         [sys.executable, "-m", "resilientjob.cli", "local", *args],
-        env={**os.environ, **(env or {}), "RJOB_LOCAL_DIR": str(state)},
+        env={**os.environ, **warm, **(env or {}), "RJOB_LOCAL_DIR": str(state)},
         cwd=ROOT,
         capture_output=True,
         text=True,

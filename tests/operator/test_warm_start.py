@@ -20,20 +20,21 @@ import pytest
 from _rjob_stack import NAMESPACE, Kube, api_server, emulator_only, eventually
 
 from resilientjob.localstack import kubelet
-from resilientjob.localstack._warm_start import WarmStart
+from resilientjob.localstack._warm_start import WarmServer, WarmStart
 from resilientjob.operator.kube import core_path
 
 pytestmark = emulator_only("these run the process kubelet itself")
 
 PROBE = """\
-import gc, json, os, sys, tempfile, time
+import gc, json, os, subprocess, sys, tempfile, time
+code = int(sys.argv[1])
+child = subprocess.Popen(["sleep", "120"]).pid if code < 0 else None  # a sleeper's, in its group
 print(json.dumps({
     "argv": sys.argv[1:], "name": __name__, "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
     "said": os.environ.get("SAID"), "pod": os.environ.get("POD_NAME"), "parent": os.getppid(),
     "leader": os.getsid(0) == os.getpgid(0) == os.getpid(), "preloaded": "colorsys" in sys.modules,
-    "frozen": gc.get_freeze_count() > 0,
+    "frozen": gc.get_freeze_count() > 0, "child": child,
 }), flush=True)
-code = int(sys.argv[1])
 if code < 0:
     time.sleep(120)
 sys.exit(code)
@@ -65,13 +66,16 @@ def _pod(name: str, code: int, said: str = "hello") -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _running(tmp_path: Path, warm: WarmStart | None, pods: list[dict[str, Any]]) -> AsyncIterator[Ran]:
+async def _running(
+    tmp_path: Path, warm: WarmStart | None, pods: list[dict[str, Any]], server: WarmServer | None = None
+) -> AsyncIterator[Ran]:
     """A kubelet running `pods` until each has ended (or spoken, for the sleepers): what each said, its phase
-    and its container's state."""
+    and its container's state. With `server`, the kubelet uses that shared warm interpreter."""
     async with api_server() as (_, url):
         kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
         stopped = asyncio.Event()
-        node = kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet", warm_start=warm)
+        shared = str(server.path) if server is not None else None
+        node = kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet", warm_start=warm, warm_server=shared)
         runner = asyncio.create_task(node.run(stopped))
         root = tmp_path / "kubelet" / "pods"
         names = [pod["metadata"]["name"] for pod in pods]
@@ -166,6 +170,7 @@ async def test_a_deleted_warm_pod_stops_and_the_warm_interpreters_death_takes_it
         pids = {pod.name: pod.process.pid for pod in ran.node.pods.values()}
         warm_pid = ran.warm_pid()
         assert all(ran.pods[name]["said"]["parent"] == warm_pid for name in pids)
+        pids["sleeper-b's child"] = ran.pods["sleeper-b"]["said"]["child"]
 
         async def gone(pid: int) -> bool:
             try:
@@ -177,6 +182,7 @@ async def test_a_deleted_warm_pod_stops_and_the_warm_interpreters_death_takes_it
         await eventually(lambda: gone(pids["sleeper-a"]), 20, "the deleted pod's process to end")
         os.kill(warm_pid, signal.SIGKILL)
         await eventually(lambda: gone(pids["sleeper-b"]), 20, "the warm interpreter's pod to die with it")
+        await eventually(lambda: gone(pids["sleeper-b's child"]), 20, "and the pod's child")
 
         async def failed() -> bool:
             body = await ran.kube.get("pods", "sleeper-b") or {}
@@ -192,3 +198,44 @@ async def test_a_deleted_warm_pod_stops_and_the_warm_interpreters_death_takes_it
 
         await eventually(spoke, 20, "the later pod's output")
         assert json.loads(log.read_text())["parent"] == os.getpid()
+
+
+async def test_kubelets_sharing_a_warm_server_each_take_only_their_own_pods_when_they_go(probe: Path) -> None:
+    """One warm server serves several kubelets (the suite's local stacks, `WarmServer`): the pods of each
+    fork from it, and a kubelet that goes (stopped, or killed: its socket closes either way) takes its own
+    pods and their groups with it, as its own warm interpreter's death would; the other kubelet's pods go
+    on, and later pods still start warm."""
+    warm = WarmStart(preload=("colorsys",), programs=("podprobe",), env={"SAID": "hello"})
+    server = WarmServer(warm, probe / "warm.sock", probe / "warm.log", os.environ)
+    try:
+        async with (
+            _running(probe / "a", warm, [_pod("sleeper-a", -1)], server) as a,
+            _running(probe / "b", warm, [_pod("sleeper-b", -1)], server) as b,
+        ):
+            said_a, said_b = a.pods["sleeper-a"]["said"], b.pods["sleeper-b"]["said"]
+            assert said_a["parent"] == said_b["parent"] == server.process.pid == a.warm_pid() == b.warm_pid()
+            assert said_a["preloaded"] and said_a["frozen"]
+            assert a.node.warm_starter is not None
+            a.node.warm_starter.close()  # kubelet a goes
+
+            async def gone(pid: int) -> bool:
+                try:
+                    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                except FileNotFoundError:
+                    return True
+
+            (pod_a,), (pod_b,) = a.node.pods.values(), b.node.pods.values()
+            for pid in (pod_a.process.pid, said_a["child"]):
+                await eventually(lambda pid=pid: gone(pid), 20, f"kubelet a's pod process {pid} to end")
+            assert not await gone(pod_b.process.pid) and not await gone(said_b["child"])
+            await b.kube.api.create(core_path(NAMESPACE, "pods"), _pod("after", 0))
+            log = kubelet.pod_directory(b.root, NAMESPACE, "after") / "log"
+
+            async def spoke() -> bool:
+                return log.exists() and log.read_text().endswith("\n")
+
+            await eventually(spoke, 20, "a later pod of kubelet b")
+            assert json.loads(log.read_text())["parent"] == server.process.pid
+    finally:
+        server.close()
+    assert not (probe / "warm.sock").exists()
