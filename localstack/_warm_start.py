@@ -491,7 +491,12 @@ def main(argv: Sequence[str]) -> None:
         client, listener = None, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        listener.bind(path)  # before the imports: kubelets may connect meanwhile, and wait for ready
+        # Whoever can connect can have any program run as us: the socket is its owner's alone.
+        umask = os.umask(0o177)
+        try:
+            listener.bind(path)  # before the imports: kubelets may connect meanwhile, and wait for ready
+        finally:
+            os.umask(umask)
         listener.listen()
     else:
         client, listener, preload = socket.socket(fileno=int(argv[0])), None, argv[1:]

@@ -207,6 +207,7 @@ async def test_kubelets_sharing_a_warm_server_each_take_only_their_own_pods_when
     on, and later pods still start warm."""
     warm = WarmStart(preload=("colorsys",), programs=("podprobe",), env={"SAID": "hello"})
     server = WarmServer(warm, probe / "warm.sock", probe / "warm.log", os.environ)
+    assert (probe / "warm.sock").stat().st_mode & 0o777 == 0o600  # who connects runs programs as us
     try:
         async with (
             _running(probe / "a", warm, [_pod("sleeper-a", -1)], server) as a,
