@@ -126,7 +126,7 @@ class Waiter:
         if work is None:  # this rank is not part of the group: nothing to wait for
             return
         deadline = time.monotonic() + self.timeout_s
-        future: Future[bool] = self._pool.submit(_until_complete, work, deadline)
+        future: Future[bool] = self._pool.submit(until_complete, work, deadline)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -154,7 +154,7 @@ def _use_device(device: str) -> None:
         getattr(torch, kind).set_device(int(index or 0))
 
 
-def _until_complete(work: dist.Work, give_up_at: float = math.inf) -> bool:
+def until_complete(work: dist.Work, give_up_at: float = math.inf) -> bool:
     """Block this helper thread until `work` has finished on the host's view (False: `give_up_at` on the
     monotonic clock passed first). An NCCL or HCCL `wait()` only orders the current stream after the
     operation and returns at once; were the trainer to learn of a dead peer only at its next host

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from resilientjob.agent import tracing, validation
 from resilientjob.agent._device_sync import synchronize
-from resilientjob.agent._runtime_wait import _until_complete as until_complete
+from resilientjob.agent._runtime_wait import until_complete
 
 
 def gemm_sizing(device: str, repeats: int) -> dict[str, Any]:

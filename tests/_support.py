@@ -42,6 +42,13 @@ operator: they fork from one interpreter that imported them once (`localstack._w
 stack's pods do), where the suite's environment allows (else they start cold)."""
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for the programs the tests start, less PYTEST_CURRENT_TEST: pytest sets it
+    afresh for each test and phase, and a child whose environment differs from the session's warm
+    interpreters' (started by an earlier test) starts cold. No program of ours reads it."""
+    return {key: value for key, value in os.environ.items() if key != "PYTEST_CURRENT_TEST"}
+
+
 _SESSION_STARTERS: list[WarmStarter] = []
 """Warm starters made once for the whole session (their interpreters serve until it ends)."""
 _SESSION_SERVERS: list[WarmServer] = []
@@ -74,7 +81,7 @@ def pods_warm_server() -> str:
     the agent again, each while its first pods wait."""
     if not _SESSION_SERVERS:
         path = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-pods.sock"
-        server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), os.environ)
+        server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), child_env())
         _SESSION_SERVERS.append(server)
         atexit.register(server.close)
     return str(_SESSION_SERVERS[0].path)
@@ -162,7 +169,7 @@ def rjob_local(
     warm = {WARM_SERVER_ENV: pods_warm_server()} if args[:1] == ("up",) else {}
     return subprocess.run(
         [sys.executable, "-m", "resilientjob.cli", "local", *args],
-        env={**os.environ, **warm, **(env or {}), "RJOB_LOCAL_DIR": str(state)},
+        env={**child_env(), **warm, **(env or {}), "RJOB_LOCAL_DIR": str(state)},
         cwd=ROOT,
         capture_output=True,
         text=True,

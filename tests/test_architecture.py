@@ -67,6 +67,7 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
     ("bench/bench_runtime_estimator.py", "resilientjob.agent._runtime_commit"),
     ("bench/bench_templates.py", "resilientjob.planner._stage_mapping"),  # StageMapper against the paper's DP
+    ("bench/bench_warm_exit.py", "resilientjob.localstack._warm_start"),  # the warm interpreter's preload
     # The runtime's own device sync and wait on a collective, timed on an accelerator.
     ("bench/bench_gpu_failslow.py", "resilientjob.agent._device_sync"),
     ("bench/bench_gpu_failslow.py", "resilientjob.agent._runtime_wait"),

@@ -114,7 +114,7 @@ def test_a_poll_on_an_operation_that_never_completes_frees_its_thread_at_the_dea
     one of the waiter's threads for good (sixteen such waits and every later one timed out)."""
     import time as clock
 
-    from resilientjob.agent._runtime_wait import _until_complete
+    from resilientjob.agent._runtime_wait import until_complete
 
     class Stuck:
         def wait(self) -> bool:
@@ -124,7 +124,7 @@ def test_a_poll_on_an_operation_that_never_completes_frees_its_thread_at_the_dea
             return False
 
     began = clock.monotonic()
-    assert _until_complete(Stuck(), give_up_at=began + 0.1) is False  # type: ignore[arg-type]
+    assert until_complete(Stuck(), give_up_at=began + 0.1) is False  # type: ignore[arg-type]
     assert clock.monotonic() - began < 1.0
 
 

@@ -162,8 +162,8 @@ def test_the_hook_sees_compute_since_a_wait_ended_on_a_helper_thread() -> None:
 
 def test_an_nccl_wait_that_returns_at_once_is_timed_to_the_completion_the_host_sees() -> None:
     """NCCL's and HCCL's wait() only orders the stream and returns; the transfer ends when is_completed()
-    turns true, which the runtime's waits poll (`_runtime_wait._until_complete`)."""
-    from resilientjob.agent._runtime_wait import _until_complete
+    turns true, which the runtime's waits poll (`_runtime_wait.until_complete`)."""
+    from resilientjob.agent._runtime_wait import until_complete
 
     class StreamWork(dist.Work):
         def __init__(self) -> None:
@@ -181,7 +181,7 @@ def test_an_nccl_wait_that_returns_at_once_is_timed_to_the_completion_the_host_s
 
     tracer = Tracer(capacity=8)
     work = tracer._wrap("irecv", irecv, TRACED["irecv"])(torch.ones(1), 1)
-    _until_complete(work)
+    until_complete(work)
     (record,) = tracer.ring.records()
     assert record.blocked is not None and 0.19 <= record.blocked[1] - record.blocked[0] < 0.5, record
 
@@ -221,7 +221,7 @@ def test_an_accelerator_wait_is_communication_only_after_the_compute_issued_befo
     it). Counted as communication, a slow device's own compute read as its communication, and its peers'
     too. The transfer alone is: 0.1 of 0.25 s; nothing when both end together; all of it when the device
     was idle."""
-    from resilientjob.agent._runtime_wait import _until_complete
+    from resilientjob.agent._runtime_wait import until_complete
 
     timelines: list[_DeviceTimeline] = []
 
@@ -236,7 +236,7 @@ def test_an_accelerator_wait_is_communication_only_after_the_compute_issued_befo
     def irecv(tensor: torch.Tensor, src: int | None = None, group: object = None, tag: int = 0) -> dist.Work:
         return timelines[-1].work()
 
-    _until_complete(tracer._wrap("irecv", irecv, TRACED["irecv"])(torch.ones(1), 1))
+    until_complete(tracer._wrap("irecv", irecv, TRACED["irecv"])(torch.ones(1), 1))
     (record,) = tracer.ring.records()
     assert record.blocked is not None
     held = record.blocked[1] - record.blocked[0]

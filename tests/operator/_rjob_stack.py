@@ -29,7 +29,7 @@ import kopf
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from _support import operator_starter
+from _support import child_env, operator_starter
 
 from resilientjob.localstack._warm_start import WarmProcess
 from resilientjob.localstack.emulator import LocalApiServer
@@ -200,7 +200,7 @@ class Operator:
         self.process: subprocess.Popen[bytes] | WarmProcess | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "RJOB_REDIS_URL": self.redis_url, "RJOB_STANDALONE": "1"}
+        env = {**child_env(), "RJOB_REDIS_URL": self.redis_url, "RJOB_STANDALONE": "1"}
         for variable in ("RJOB_API_URL", "RJOB_KUBECONFIG", "RJOB_NAMESPACE"):
             env.pop(variable, None)
         if self.api_url is not None:

@@ -17,10 +17,11 @@ from typing import Any
 
 import kopf
 import pytest
-from _rjob_stack import NAMESPACE, Kube, api_server, emulator_only, eventually
+from _rjob_stack import NAMESPACE, Kube, Operator, Stack, api_server, emulator_only, eventually
+from _support import operator_starter
 
 from resilientjob.localstack import kubelet
-from resilientjob.localstack._warm_start import WarmServer, WarmStart
+from resilientjob.localstack._warm_start import WarmProcess, WarmServer, WarmStart
 from resilientjob.operator.kube import core_path
 
 pytestmark = emulator_only("these run the process kubelet itself")
@@ -240,3 +241,19 @@ async def test_kubelets_sharing_a_warm_server_each_take_only_their_own_pods_when
     finally:
         server.close()
     assert not (probe / "warm.sock").exists()
+
+
+async def test_the_suites_operators_fork_warm_in_every_test_and_phase(stack: Stack, tmp_path: Path) -> None:
+    """The suite's operators fork from its warm interpreter for them (`_support.operator_starter`): the
+    `stack` fixture's, started in the setup phase, and one started in the test's body alike. An environment
+    that changed from test to test and phase to phase (pytest's PYTEST_CURRENT_TEST) once started every
+    operator of the suite but the first cold, and nothing said so."""
+    another = Operator("http://127.0.0.1:9", stack.redis_url, tmp_path / "another.log")
+    another.start()
+    try:
+        for process in (stack.operator.process, another.process):
+            assert isinstance(process, WarmProcess), process
+            parent = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            assert parent == operator_starter().pid
+    finally:
+        another.stop()
