@@ -66,9 +66,10 @@ WORKLOAD_ENV = "RJOB_WORKLOAD"
 HOST_TMP = "/tmp"
 
 
-def _host_env() -> dict[str, str]:
-    """What a pod's environment starts from: this host's, less the stack's own settings."""
-    return {key: value for key, value in os.environ.items() if not key.startswith("RJOB_")}
+def _host_env(host: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a pod's environment starts from: the host's (this process's now, by default), less the stack's
+    own settings."""
+    return {key: value for key, value in (host or os.environ).items() if not key.startswith("RJOB_")}
 
 
 def pod_directory(pods: Path, namespace: str, name: str) -> Path:
@@ -115,10 +116,14 @@ class ProcessKubelet:
         interval_s: float = 0.1,
         warm_start: WarmStart | None = None,
         warm_server: str | None = None,
+        host_env: Mapping[str, str] | None = None,
     ) -> None:
         """`warm_start`: which pods' programs start from the warm interpreter (`_warm_start`); None: every
         pod's process starts cold. `warm_server`: the socket of a warm interpreter that serves several
-        kubelets (`_warm_start.WarmServer`), used where it answers instead of one of this kubelet's own."""
+        kubelets (`_warm_start.WarmServer`), used where it answers instead of one of this kubelet's own.
+        `host_env`: the environment pods start from (default: this process's when each starts; a test's
+        in-process kubelet gives one without pytest's per-test variables, or they would not start warm)."""
+        self.host_env = dict(host_env) if host_env is not None else None
         self.kube = kube
         self.state_dir = state_dir
         self.namespace = namespace
@@ -132,7 +137,7 @@ class ProcessKubelet:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every
         pod's process, all at once so that shutting down takes one grace period, not one per pod."""
         if self.warm_starter is not None:
-            self.warm_starter.prestart(_host_env())
+            self.warm_starter.prestart(_host_env(self.host_env))
         try:
             while not stopped.is_set():
                 await self.sync_once()
@@ -194,7 +199,7 @@ class ProcessKubelet:
             os.replace(temporary, directory / name)
 
     async def _env(self, body: dict[str, Any], podinfo: Path, volumes: Mapping[str, Path]) -> dict[str, str]:
-        env = _host_env()
+        env = _host_env(self.host_env)
         container = body["spec"]["containers"][0]
         fields = {
             "metadata.name": body["metadata"]["name"],

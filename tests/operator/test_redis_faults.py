@@ -22,7 +22,7 @@ import kopf
 import pytest
 import redis.asyncio as aioredis
 from _rjob_stack import NAMESPACE, Kube, Operator, api_server, emulator_only, eventually, job_manifest
-from _support import RedisProcess, free_port
+from _support import RedisProcess, child_env, free_port
 
 from resilientjob.localstack._warm_start import AGENT_WARM_START
 from resilientjob.localstack.kubelet import ProcessKubelet
@@ -137,7 +137,9 @@ async def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         operator.start()
         stopped = asyncio.Event()
         # The agents fork from one interpreter that imported torch once, as on `rjob local` (`_warm_start`).
-        node = ProcessKubelet(kube.api, tmp_path / "kubelet", warm_start=AGENT_WARM_START)
+        node = ProcessKubelet(
+            kube.api, tmp_path / "kubelet", warm_start=AGENT_WARM_START, host_env=child_env()
+        )
         kubelet = asyncio.create_task(node.run(stopped))
         stack = Faults(kube, server, operator, metrics_port, log)
         stop_watching = asyncio.Event()
