@@ -6,8 +6,10 @@ from __future__ import annotations
 import inspect
 import math
 import pickle
+import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +31,12 @@ from resilientjob.agent.trace_reader import (
 from resilientjob.agent.tracing import NO_PEER, TRACED, Tracer, TraceRecord, TraceRing
 
 
-def _entry(rank: int, world: int, store: str, out: str, body: Callable[[int, int], Any]) -> None:
+def _entry(rank: int, world: int, port: int, out: str, body: Callable[[int, int], Any]) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank stuck in gloo's connect goes when the others fail
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    Path(out, f"{rank}.joined").touch()
     try:
         result = body(rank, world)
     finally:
@@ -40,15 +45,34 @@ def _entry(rank: int, world: int, store: str, out: str, body: Callable[[int, int
 
 
 def run_gloo(tmp_path: Path, world: int, body: Callable[[int, int], Any]) -> list[Any]:
-    """Run `body(rank, world)` in `world` forked gloo processes; return each rank's (picklable) result."""
-    mp.start_processes(
-        _entry,
-        args=(world, str(tmp_path / "store"), str(tmp_path), body),
-        nprocs=world,
-        join=True,
-        start_method="fork",
-    )
-    return [pickle.loads((tmp_path / f"{rank}.pkl").read_bytes()) for rank in range(world)]
+    """Run `body(rank, world)` in `world` forked gloo processes; return each rank's (picklable) result.
+
+    The ranks meet at a TCP store this process hosts, as the runtime's workers meet at the launcher's: over
+    a `file://` store, gloo's full-mesh connect failed about 1 world in 100 here ("Connection closed by
+    peer" with every process alive), over TCP none in 600. Forming the world is still tried twice (the same
+    error is known upstream over TCP too, pytorch#53270): a test of what runs after it would fail far from
+    its subject. A world that formed and then failed is the test's failure, never run again."""
+    for attempt in (1, 2):
+        out = tmp_path / f"gloo{attempt}"
+        out.mkdir()
+        store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world, store.port, str(out), body),
+                nprocs=world,
+                join=True,
+                start_method="fork",
+            )
+        except mp.ProcessRaisedException as exc:
+            formed = all((out / f"{rank}.joined").exists() for rank in range(world))
+            if formed or attempt == 2 or "connectFullMesh" not in str(exc):
+                raise
+            continue
+        finally:
+            del store
+        return [pickle.loads((out / f"{rank}.pkl").read_bytes()) for rank in range(world)]
+    raise AssertionError("unreachable")
 
 
 # ---- install / uninstall ------------------------------------------------------------------------------
@@ -332,6 +356,41 @@ def test_group_profiles_take_transfer_from_the_member_that_waited_least() -> Non
 
 
 # ---- real gloo processes ------------------------------------------------------------------------------
+def _rank(rank: int, world: int) -> int:
+    return rank
+
+
+def _fails_once_formed(rank: int, world: int) -> int:
+    raise RuntimeError("connectFullMesh in the test's own body")
+
+
+def _flaky_first_world(real: Callable[..., Any], flaked: Path) -> Callable[..., Any]:
+    """`init_process_group` as gloo's flake makes it: rank 1 of the first world is closed by its peer."""
+
+    def init(*args: Any, rank: int, **kwargs: Any) -> Any:
+        if rank == 1 and not flaked.exists():
+            flaked.touch()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+        return real(*args, rank=rank, **kwargs)
+
+    return init
+
+
+@pytest.mark.torch
+def test_a_world_that_failed_to_form_is_formed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flaked = tmp_path / "flaked"
+    monkeypatch.setattr(dist, "init_process_group", _flaky_first_world(dist.init_process_group, flaked))
+    assert run_gloo(tmp_path, 3, _rank) == [0, 1, 2]
+    assert flaked.exists()
+
+
+@pytest.mark.torch
+def test_a_world_that_formed_and_failed_is_not_run_again(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException, match="the test's own body"):
+        run_gloo(tmp_path, 2, _fails_once_formed)
+    assert not (tmp_path / "gloo2").exists()
+
+
 STEPS, COMPUTE_S = 10, 0.02
 
 
