@@ -18,9 +18,9 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+from resilientjob.protocol.chaos import ChaosOrder, parse_order
 from resilientjob.protocol.messages import PlanAnnouncement
 
-from . import chaos
 from ._device_work import DeviceWork
 from ._redis import REDIS_DOWN
 from .telemetry import PARKED_ROLE, Telemetry
@@ -54,7 +54,7 @@ def taken_back(announcement: PlanAnnouncement | None, node: int) -> bool:
     return announcement is not None and node in announcement.plan.nodes
 
 
-async def current_order(telemetry: Telemetry) -> chaos.ChaosOrder | None:
+async def current_order(telemetry: Telemetry) -> ChaosOrder | None:
     """This node's chaos order as stored (validated), None when none, malformed or Redis is away (the
     telemetry's outage: the heartbeat loop finds out when it is back)."""
     if telemetry.outage.down:
@@ -64,7 +64,7 @@ async def current_order(telemetry: Telemetry) -> chaos.ChaosOrder | None:
     except REDIS_DOWN as exc:
         telemetry.outage.failed(exc)
         return None
-    return chaos.parse_order(raw)
+    return parse_order(raw)
 
 
 async def compute_factor(telemetry: Telemetry) -> float:

@@ -2,7 +2,8 @@
 one peer) for a while, ordered through a Redis control key. A user feature (`rjob chaos slow`,
 `rjob local chaos slow`), also what the tests and the demo use to create fail-slows on purpose.
 
-The order lives at `JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`) as JSON: `{"factor": F,
+The order (`protocol.chaos.ChaosOrder`: the commands that write it import no torch) lives at
+`JobKeys.chaos(node)` (`rjob:{namespace}:{job}:chaos:{node}`) as JSON: `{"factor": F,
 "until": <unix time>, "link": PEER?, "latency_s": ..., "bandwidth_bps": ...}`; `factor` and `until` are the
 format the synthetic loop of the local stack already reads. Without `link` the worker's compute slows down:
 after every compute interval (the time between two traced `torch.distributed` calls, or a span the runtime
@@ -48,18 +49,16 @@ operator sets it only for jobs whose spec allows chaos), so a stray key cannot s
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Literal
 
 import redis
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.exceptions import RedisError
 
+from resilientjob.protocol.chaos import ALLOW_ENV, ChaosOrder, parse_order
 from resilientjob.protocol.keys import JobKeys
 
 from .tracing import Tracer
@@ -73,10 +72,6 @@ RING_REDUCE_SCATTER = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
 RING = RING_ALL_REDUCE | RING_ALL_GATHER | RING_REDUCE_SCATTER
 """Collectives gloo runs as a ring in group-rank order: only neighbours exchange bytes."""
 
-ALLOW_ENV = "RJOB_ALLOW_CHAOS"
-"""Environment variable that must be "1" for a worker to obey chaos orders."""
-
-MAX_FACTOR = 100.0
 MAX_GAP_S = 10.0
 """Longest compute interval stretched: a worker idle between phases (waiting for a plan) is not compute."""
 
@@ -89,48 +84,6 @@ class ChaosNotAllowed(PermissionError):
 
 class BrokenOnOrder(RuntimeError):
     """A `break` order's fault: a communication error, as the worker takes any RuntimeError of a step."""
-
-
-class ChaosOrder(BaseModel):
-    """One slowdown order for one node."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    factor: float = Field(ge=1.0, le=MAX_FACTOR)
-    """Compute (or the link's transfers) take this many times as long."""
-    until: float
-    """Unix time at which the order expires."""
-    link: int | None = Field(default=None, ge=0)
-    """Slow the link to this peer node (traffic with it both ways, collectives whose bytes cross it)
-    instead of compute."""
-    latency_s: float = Field(default=0.001, ge=0.0, le=10.0)
-    """Nominal per-message time of the slowed link."""
-    bandwidth_bps: float = Field(default=1e9, gt=0.0)
-    """Nominal bytes per second of the slowed link."""
-    fault: Literal["break", "hang"] | None = None
-    """Instead of a slowdown: `break` the worker's next call once, or `hang` it until `until` (module doc).
-    `factor` is 1 with a fault."""
-    switch: Literal[True] | None = None
-    """A `break` that waits for the worker's next switch to a new generation and breaks its first call
-    there, as a reset during a reconfiguration would (written only when set, as the other optional
-    fields)."""
-
-    @model_validator(mode="after")
-    def _finite(self) -> ChaosOrder:
-        if not math.isfinite(self.until):
-            raise ValueError("until: must be a finite unix time")
-        if self.fault is not None and (self.factor != 1.0 or self.link is not None):
-            raise ValueError("fault: an order is a slowdown (factor, link) or a fault, not both")
-        if self.switch and self.fault != "break":
-            raise ValueError("switch: only a break waits for the next switch")
-        return self
-
-    def active(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) < self.until
-
-    def link_delay_s(self, nbytes: float, messages: int = 1) -> float:
-        """The extra time of `messages` messages carrying `nbytes` in all over the slowed link."""
-        return (self.factor - 1.0) * (messages * self.latency_s + nbytes / self.bandwidth_bps)
 
 
 def crossing(
@@ -165,27 +118,6 @@ def ring_neighbours(group: tuple[int, ...], me: int | None, peer: int) -> bool:
         return me is None
     distance = abs(group.index(me) - group.index(peer))
     return distance == 1 or (distance == len(group) - 1 and distance > 0)
-
-
-def parse_order(raw: bytes | str | None) -> ChaosOrder | None:
-    """The order stored in the control key, or None when absent or malformed (never raises)."""
-    if raw is None:
-        return None
-    try:
-        return ChaosOrder.model_validate_json(raw)
-    except (ValidationError, ValueError):
-        return None
-
-
-def write_order(client: redis.Redis, keys: JobKeys, node: int, order: ChaosOrder) -> None:
-    """Publish an order; the key expires with it (plus a margin) so nothing stale is left behind."""
-    ttl_ms = max(1, int((order.until - time.time() + 60.0) * 1000))
-    client.set(keys.chaos(node), order.model_dump_json(exclude_none=True), px=ttl_ms)
-
-
-def clear_order(client: redis.Redis, keys: JobKeys, node: int) -> bool:
-    """Withdraw a node's order; True if there was one."""
-    return bool(client.delete(keys.chaos(node)))
 
 
 def allowed(environ: Mapping[str, str] | None = None) -> bool:

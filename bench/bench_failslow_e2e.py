@@ -58,6 +58,7 @@ from resilientjob.agent import chaos
 from resilientjob.operator.api import FailSlowSpec
 from resilientjob.planner.failslow import slowdown_removed
 from resilientjob.planner.restorer import allreduce_rounds
+from resilientjob.protocol.chaos import ChaosOrder
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, PlanAnnouncement, SlowReport, ValidationResult
 
@@ -293,7 +294,7 @@ class Stack:
         raw = self.client.get(self.keys.chaos(node))
         if raw is None:
             raise RuntimeError(f"no chaos order on node {node} after `rjob local chaos slow`")
-        return chaos.ChaosOrder.model_validate_json(raw).until - ORDER_S
+        return ChaosOrder.model_validate_json(raw).until - ORDER_S
 
     def down(self) -> None:
         self._stop.set()

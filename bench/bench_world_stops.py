@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_failslow_e2e import Stack, wait  # noqa: E402
 
-from resilientjob.agent.chaos import ChaosOrder  # noqa: E402
+from resilientjob.protocol.chaos import ChaosOrder  # noqa: E402
 from resilientjob.protocol.messages import PlanAnnouncement  # noqa: E402
 
 JOB = "demo-gpt"

@@ -26,13 +26,13 @@ import os
 import time
 from typing import Any
 
+from resilientjob.protocol.chaos import ALLOW_ENV
 from resilientjob.protocol.models import SYNTHETIC_PREFIX
 
 from ._common import CliError, guarded
 
 LABEL_JOB = "resilientjob.io/job"
 LABEL_NODE = "resilientjob.io/node"
-ALLOW_ENV = "RJOB_ALLOW_CHAOS"  # agent.chaos.ALLOW_ENV, repeated so that `rjob chaos kill` needs no torch
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -234,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from redis.exceptions import RedisError
 
-    from resilientjob.agent.chaos import ChaosOrder, clear_order, write_order
+    from resilientjob.protocol.chaos import ChaosOrder, clear_order, write_order
     from resilientjob.protocol.keys import JobKeys
 
     keys = JobKeys(cluster.namespace, job)

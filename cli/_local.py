@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._chaos import ALLOW_ENV, SWITCH_HELP, break_said, break_window_s, check_fault_applies, parse_duration
+from resilientjob.protocol.chaos import ALLOW_ENV
+
+from ._chaos import SWITCH_HELP, break_said, break_window_s, check_fault_applies, parse_duration
 from ._common import CliError, guarded
 from ._manifest_files import Document, load_documents
 
@@ -395,10 +397,10 @@ def _worker(pod: str, field: str, namespace: str) -> tuple[dict[str, str], dict[
 
 
 def _clear(pod: str, namespace: str = "default") -> int:
-    """Withdraw the pod's chaos order (`agent.chaos.clear_order`): its worker runs at its own speed again."""
+    """Withdraw the pod's chaos order (`protocol.chaos`): its worker runs at its own speed again."""
     import redis
 
-    from resilientjob.agent.chaos import clear_order
+    from resilientjob.protocol.chaos import clear_order
     from resilientjob.protocol.keys import JobKeys
 
     labels, _ = _worker(pod, "pod", namespace)
@@ -430,7 +432,7 @@ def _slow(
     import redis
     from pydantic import ValidationError
 
-    from resilientjob.agent.chaos import ChaosOrder, write_order
+    from resilientjob.protocol.chaos import ChaosOrder, write_order
     from resilientjob.protocol.keys import JobKeys
 
     seconds = parse_duration(duration)  # bad input is refused before anything is read or written

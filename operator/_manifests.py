@@ -252,7 +252,7 @@ def pod_manifest(
         *({"name": name, "value": value} for name, value in SCRATCH_ENV.items()),
     ]
     if spec.chaos.enabled:
-        env.append({"name": "RJOB_ALLOW_CHAOS", "value": "1"})  # agent.chaos.ALLOW_ENV
+        env.append({"name": "RJOB_ALLOW_CHAOS", "value": "1"})  # protocol.chaos.ALLOW_ENV
     env.extend(_password_env(spec))
     container: dict[str, Any] = {
         "name": "worker",

@@ -52,3 +52,26 @@ def test_the_planner_loads_its_matching_solver_at_the_operators_warm_up_not_at_i
         "warm_up(ModelProfile.load('bert-large'), ClusterSpec(nodes=4), job)"
     )
     assert _loaded_after(warm) == ["scipy.optimize"]
+
+
+def test_the_chaos_commands_write_and_clear_an_order_without_torch() -> None:
+    # `rjob chaos slow|clear` and `rjob local chaos slow|clear` import what they run inside the command: the
+    # order's writers must not pull in the agent's injector (torch.distributed, ~2 s of CPU per command).
+    probe = (
+        "import sys, time\n"
+        "import resilientjob.cli._chaos, resilientjob.cli._local\n"
+        "from resilientjob.protocol.chaos import ChaosOrder, clear_order, write_order\n"
+        "from resilientjob.protocol.keys import JobKeys\n"
+        "class Store:\n"
+        "    def set(self, name, value, *, px): self.kept = (name, value, px)\n"
+        "    def delete(self, *names): return len(names)\n"
+        "store, keys = Store(), JobKeys('default', 'job')\n"
+        "write_order(store, keys, 3, ChaosOrder(factor=2.0, until=time.time() + 30))\n"
+        "assert store.kept[0] == keys.chaos(3) and 30_000 < store.kept[2] <= 90_000, store.kept\n"
+        "assert clear_order(store, keys, 3)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('resilientjob.agent')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]"

@@ -21,21 +21,12 @@ from _support import redis_server
 from test_tracing import run_gloo
 
 from resilientjob.agent import chaos, trace_reader, tracing
-from resilientjob.agent.chaos import (
-    ALLOW_ENV,
-    BrokenOnOrder,
-    ChaosInjector,
-    ChaosNotAllowed,
-    ChaosOrder,
-    ChaosWatcher,
-    clear_order,
-    parse_order,
-    write_order,
-)
+from resilientjob.agent.chaos import BrokenOnOrder, ChaosInjector, ChaosNotAllowed, ChaosWatcher
 from resilientjob.cli import main
 from resilientjob.cli._chaos import parse_duration
 from resilientjob.cli._common import CliError
 from resilientjob.localstack.emulator import LocalApiServer
+from resilientjob.protocol.chaos import ALLOW_ENV, ChaosOrder, clear_order, parse_order, write_order
 from resilientjob.protocol.keys import JobKeys
 
 PASSWORD = "chaos-test-secret"

@@ -28,8 +28,8 @@ import redis
 import redis.asyncio as aioredis
 from _support import redis_server, until
 
-from resilientjob.agent.chaos import ChaosOrder, write_order
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan, Transfer
+from resilientjob.protocol.chaos import ChaosOrder, write_order
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import SlowKind, ValidationRequest, ValidationResult, encode
 

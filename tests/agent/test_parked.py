@@ -14,10 +14,10 @@ from _support import redis_server
 
 from resilientjob.agent import _parked
 from resilientjob.agent._redis import connect
-from resilientjob.agent.chaos import ChaosOrder
 from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._redis_state import JobRedis, announcement
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
+from resilientjob.protocol.chaos import ChaosOrder
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import IterationRecord, SlowReport
 

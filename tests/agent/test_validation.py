@@ -12,7 +12,7 @@ import torch.distributed as dist
 from test_tracing import run_gloo
 
 from resilientjob.agent import chaos, tracing, validation
-from resilientjob.agent.chaos import ChaosInjector, ChaosOrder
+from resilientjob.agent.chaos import ChaosInjector
 from resilientjob.agent.validation import (
     GemmResult,
     LinkResult,
@@ -22,6 +22,7 @@ from resilientjob.agent.validation import (
     schedule,
     validate,
 )
+from resilientjob.protocol.chaos import ChaosOrder
 
 pytestmark = pytest.mark.torch
 
