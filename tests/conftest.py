@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _support import session_servers
@@ -27,6 +28,21 @@ def cluster9() -> ClusterSpec:
 @pytest.fixture
 def job() -> JobSpec:
     return JobSpec(global_batch=48, microbatch_size=1, fault_tolerance=1)
+
+
+PART_ENV = "RJOB_TEST_PART"
+"""`parallel` or `serial`: run only the tests without, or only those with, the `serial` mark (scripts/check
+runs the suite in these two parts); unset, all of them."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    part = os.environ.get(PART_ENV)
+    if part not in ("parallel", "serial"):
+        return
+    keep = [item for item in items if (item.get_closest_marker("serial") is not None) == (part == "serial")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 # Processes a test module left running. A leftover worker or server keeps taking CPU from every later test,
@@ -54,11 +70,17 @@ def _processes() -> dict[tuple[int, int], tuple[int, str]]:
     return found
 
 
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""This process's name among the suite's parallel processes (scripts/check runs two), None when alone."""
+
+
 def _from_the_tests(pid: int, parents: dict[int, int]) -> bool:
-    """Whether a process is pytest's descendant, or an orphan (its parent is init: a test's daemon, or a
-    child whose parent exited). Processes that other programs on the machine start meanwhile are neither."""
+    """Whether a process is this pytest process's descendant, or an orphan of its (its parent is init: a
+    test's daemon, or a child whose parent exited). Processes that other programs on the machine start
+    meanwhile are neither; nor are the other parallel pytest process's orphans (each process of the suite
+    inherits its pytest's PYTEST_XDIST_WORKER)."""
     if parents.get(pid) == 1:
-        return True
+        return _WORKER is None or _started_by(pid) == _WORKER
     seen: set[int] = set()
     while pid in parents and pid not in seen:
         if pid == os.getpid():
@@ -66,6 +88,18 @@ def _from_the_tests(pid: int, parents: dict[int, int]) -> bool:
         seen.add(pid)
         pid = parents[pid]
     return False
+
+
+def _started_by(pid: int) -> str | None:
+    """The PYTEST_XDIST_WORKER a process started with (None when unreadable or unset)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"PYTEST_XDIST_WORKER="):
+            return entry.split(b"=", 1)[1].decode(errors="replace")
+    return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,6 +123,18 @@ def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         time.sleep(0.2)
     for (pid, _), command in sorted(left.items()):
         _LEFTOVERS.append(f"{request.module.__name__}: pid {pid}: {command[:160]}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a parallel process: its controller prints the summary
+        workeroutput["leftovers"] = list(_LEFTOVERS)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when the suite runs in one process
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """A parallel process ended: keep what its modules left running, for the summary."""
+    _LEFTOVERS.extend(getattr(node, "workeroutput", {}).get("leftovers", []))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

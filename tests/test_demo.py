@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # the detection delay in iterations, the share of the slowdown removed
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -29,6 +29,8 @@ from resilientjob.localstack.emulator import LocalApiServer
 from resilientjob.protocol.chaos import ALLOW_ENV, ChaosOrder, clear_order, parse_order, write_order
 from resilientjob.protocol.keys import JobKeys
 
+pytestmark = pytest.mark.serial  # measures the slowdown a chaos order makes
+
 PASSWORD = "chaos-test-secret"
 KEYS = JobKeys("default", "demo")
 ALLOW = {ALLOW_ENV: "1"}

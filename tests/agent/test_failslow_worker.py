@@ -33,7 +33,8 @@ from resilientjob.protocol.chaos import ChaosOrder, write_order
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import SlowKind, ValidationRequest, ValidationResult, encode
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+# serial: detection and validation on real workers' step times
+pytestmark = [pytest.mark.serial, pytest.mark.torch, pytest.mark.slow]
 
 NODES = 4
 LAYERS = 4

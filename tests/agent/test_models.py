@@ -23,6 +23,8 @@ from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
 from resilientjob.testing.plans import RuntimePlanner
 
+pytestmark = pytest.mark.serial  # the profiler times sleep layers within bounds
+
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_builtin_models_chain_layers_and_build_identically(kind: str) -> None:

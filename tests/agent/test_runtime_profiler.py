@@ -6,6 +6,8 @@ import pytest
 
 from resilientjob.agent.profiler import measure_message_latency
 
+pytestmark = pytest.mark.serial  # measures the per-message latency between two processes
+
 
 @pytest.mark.torch
 def test_message_latency_is_measured_between_two_processes() -> None:

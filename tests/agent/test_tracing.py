@@ -30,6 +30,8 @@ from resilientjob.agent.trace_reader import (
 )
 from resilientjob.agent.tracing import NO_PEER, TRACED, Tracer, TraceRecord, TraceRing
 
+pytestmark = pytest.mark.serial  # the trace's period and iteration time against the loop's timing
+
 
 def _entry(rank: int, world: int, port: int, out: str, body: Callable[[int, int], Any]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank stuck in gloo's connect goes when the others fail

@@ -24,7 +24,8 @@ from resilientjob.agent.validation import (
 )
 from resilientjob.protocol.chaos import ChaosOrder
 
-pytestmark = pytest.mark.torch
+# serial: the validation pass compares ranks' GEMM and link timings
+pytestmark = [pytest.mark.serial, pytest.mark.torch]
 
 ALLOW = {"RJOB_ALLOW_CHAOS": "1"}
 

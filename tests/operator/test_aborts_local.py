@@ -27,6 +27,7 @@ from _support import job_object, pod_log, rjob_ok, until
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
+    pytest.mark.serial,  # a world is re-formed within a bound
     pytest.mark.cluster,
     pytest.mark.slow,
     emulator_only("`rjob local` is the embedded stack: it starts its own emulator, Redis and kubelet"),

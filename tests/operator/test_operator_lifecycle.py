@@ -14,7 +14,8 @@ from _rjob_stack import Stack, eventually, heartbeats, job_manifest, redis_clien
 from resilientjob.operator.api import PLURAL
 from resilientjob.planner.profile import uniform_profile
 
-pytestmark = pytest.mark.cluster
+# serial: a failure is detected within 2 s
+pytestmark = [pytest.mark.serial, pytest.mark.cluster]
 
 
 async def test_create_job_makes_pods_service_configmap_and_status(stack: Stack) -> None:
