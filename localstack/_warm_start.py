@@ -120,6 +120,13 @@ def import_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in PER_POD_ENV and not k.startswith(PER_POD_ENV_PREFIXES)}
 
 
+def _differ(had: Mapping[str, str] | None, wanted: Mapping[str, str]) -> str:
+    """The names (never the values: they may be secrets) of the variables two environments differ in."""
+    had = had or {}
+    names = sorted(name for name in had.keys() | wanted.keys() if had.get(name) != wanted.get(name))
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
 class WarmProcess:
     """A pod's process forked by the warm interpreter: the part of `subprocess.Popen` the kubelet uses."""
 
@@ -272,6 +279,8 @@ class WarmStarter:
         self.server = server
         self._interpreter: _WarmInterpreter | None = None
         self._lock = threading.Lock()
+        self.cold_reason = ""
+        """Why the last process that could have started warm started cold ("" while none has)."""
 
     def prestart(self, host_env: Mapping[str, str]) -> None:
         """Start the warm interpreter now, under `host_env` and the settings' `env` (what a pod of this host
@@ -289,11 +298,25 @@ class WarmStarter:
             return None
         wanted = import_env(env)
         interpreter = self._interpreter_under(wanted)
-        if interpreter.env is not None and interpreter.env != wanted:
+        # One of our own knows its environment at once: a process that differs need not wait for its imports.
+        if interpreter.env in (None, wanted) and not interpreter.usable():
+            self._cold(interpreter.failure or f"its imports took over {READY_TIMEOUT_S:g} s")
             return None
-        if not interpreter.usable() or interpreter.env != wanted:
+        if interpreter.env != wanted:
+            self._cold(f"the environment it imported under differs in {_differ(interpreter.env, wanted)}")
             return None
-        return interpreter.fork(argv[1:], env, stdout_fd, cwd or os.getcwd())
+        process = interpreter.fork(argv[1:], env, stdout_fd, cwd or os.getcwd())
+        if process is None:
+            self._cold(interpreter.failure or "it refused the start")
+        return process
+
+    def _cold(self, reason: str) -> None:
+        """Say in the log why a process starts cold (once per reason in a row): a silent cold start only
+        costs time, and nothing else would tell."""
+        if reason != self.cold_reason:
+            self.cold_reason = reason
+            with contextlib.suppress(OSError), self.log_path.open("a") as log:
+                log.write(f"warm start: starting cold: {reason}\n")
 
     @property
     def pid(self) -> int | None:

@@ -152,6 +152,11 @@ async def test_a_warm_started_pod_sees_what_a_cold_start_gives_it(probe: Path) -
         # that says otherwise starts cold, as imports might have read it.
         assert ran.pods["other-env"]["said"]["parent"] == os.getpid()
         assert ran.pods["other-env"]["said"]["said"] == "something else"
+        assert ran.node.warm_starter is not None
+        assert ran.node.warm_starter.cold_reason == "the environment it imported under differs in SAID"
+        assert "warm start: starting cold: the environment it imported under differs in SAID\n" in (
+            ran.node.warm_starter.log_path.read_text()
+        )
         warm_pods = ran.pods
 
     async with _running(probe / "cold", None, [_pod("ok", 0), _pod("fails", 3)]) as cold:
@@ -252,7 +257,7 @@ async def test_the_suites_operators_fork_warm_in_every_test_and_phase(stack: Sta
     another.start()
     try:
         for process in (stack.operator.process, another.process):
-            assert isinstance(process, WarmProcess), process
+            assert isinstance(process, WarmProcess), (process, operator_starter().cold_reason)
             parent = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             assert parent == operator_starter().pid
     finally:
