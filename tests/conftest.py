@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,18 @@ def cluster9() -> ClusterSpec:
 @pytest.fixture
 def job() -> JobSpec:
     return JobSpec(global_batch=48, microbatch_size=1, fault_tolerance=1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Torch writes TORCHINDUCTOR_CACHE_DIR into this process's environment the first time anything here
+    asks for its compile cache (a test that reaches dynamo): every process the suite started after that had
+    another environment than the session's warm interpreters, which imported under the first one they saw,
+    and started cold (`WarmStarter.cold_reason` said so). So it is set before the first test, to the value
+    torch would write, wherever the tests collected import torch (the others never reach it)."""
+    if "torch" in sys.modules:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 
 PART_ENV = "RJOB_TEST_PART"
