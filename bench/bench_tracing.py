@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from resilientjob.agent import chaos, trace_reader, tracing
+from resilientjob.localstack.ports import free_port
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, rank: int) -> None:
@@ -88,9 +89,9 @@ def _split_cost_s(tracer: tracing.Tracer, calls_per_step: int, repeats: int = 20
 def _worker(rank: int, port: int, out: str, options: dict[str, int]) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    # A TCP store, as the runtime's: over a `file://` one gloo's connect failed about 1 world in 100 here.
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    # A TCP store rank 0 hosts, as the runtime's launcher does: over a `file://` one gloo's connect failed
+    # now and then here (tests/agent/test_tracing.run_gloo).
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     hidden = options["hidden"]
     model = torch.nn.Sequential(
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU()
@@ -147,10 +148,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
     options = vars(args)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as directory:
         mp.start_processes(
-            _worker, args=(store.port, directory, options), nprocs=2, join=True, start_method="fork"
+            _worker, args=(free_port(), directory, options), nprocs=2, join=True, start_method="fork"
         )
         results = [json.loads(Path(directory, f"{rank}.json").read_text()) for rank in range(2)]
     print(f"2 gloo processes, MLP hidden {args.hidden}, batch {args.batch}; {args.steps} steps per side")
