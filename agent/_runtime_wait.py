@@ -132,11 +132,16 @@ class Waiter:
             if remaining <= 0:
                 raise PeerFailure(f"{what}: no progress within {self.timeout_s} s")
             try:
-                future.result(timeout=min(notice.check_every_s, remaining))
-                return
+                completed = future.result(timeout=min(notice.check_every_s, remaining))
             except FutureTimeout:
                 if notice.tripped():
                     raise PeerFailure(f"{what}: abandoned, a peer failed") from None
+                continue
+            # The helper gives up at the same deadline: its False can come back within the last slice,
+            # before this loop sees the deadline pass, and is not a completion.
+            if completed:
+                return
+            raise PeerFailure(f"{what}: no progress within {self.timeout_s} s")
 
     def wait_all(self, works: list[dist.Work], notice: FailureNotice, what: str) -> None:
         for work in works:

@@ -73,6 +73,16 @@ def make_adamw(module: nn.Module, training: TrainingSpec) -> torch.optim.AdamW:
     )
 
 
+def warm_up(device: torch.device | str, training: TrainingSpec) -> None:
+    """Build one throwaway AdamW on `device`, so that the next one costs what it should. torch's first
+    optimizer imports torch._dynamo (2-3 s of a core, more on a loaded host; `Optimizer.__init__` is wrapped
+    to stay out of compilation), and on an accelerator the first tensor makes the device's context. A node
+    joining a running job built its first layers in the middle of the switch that takes it in, with its
+    senders waiting on each receive against their collective timeout: on a loaded two-core host the switch
+    ran past it and was abandoned."""
+    make_adamw(nn.Linear(1, 1, device=device), training)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

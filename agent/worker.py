@@ -50,6 +50,7 @@ from ._termination import WorkloadError
 from .checkpoint import Checkpointer
 from .config import JobConfig
 from .hooks import StepHooks
+from .optim import warm_up
 from .p2p import LayerState
 from .runtime import Trainer
 
@@ -344,6 +345,7 @@ def worker_main(
     # join, not a start. The node holds nothing; the plan that takes it in copies its layers to it.
     joining = not restore and (node not in world_nodes(plan) or int(store.add(COMMITTED_KEY, 0)) > 0)
     if joining:
+        warm_up(device, workload.training)  # before it says it is ready: the switch waits on its receives
         store.set(joining_key(node), "1")
         try:
             found = wait_for_plan_with(store, node, plan, config.plan_timeout_s, config.steps)

@@ -1,5 +1,5 @@
 """Fault injection for the test harness: a worker that crashes at the start of a given step, or as it starts
-writing the trained model out.
+writing the trained model out, or stalls at a step with every process alive.
 
 torchft's `fail_at(rank, step)` style: the worker leaves through `os._exit` (no clean-up, no flushed
 sockets), exactly as a killed process, so its peers find out from their collectives and the store. The
@@ -47,3 +47,18 @@ class CrashAtExport(StepHooks):
     def before_export(self, store: Store, items: list[int]) -> None:
         store.set(fail_event_key(self.node), repr(time.time()))
         os._exit(FAILURE_EXIT_CODE)
+
+
+@dataclass(frozen=True, slots=True)
+class StallAt(StepHooks):
+    """Trainer hooks that hold node `node`'s worker for `seconds` when step `step` begins (a stuck kernel
+    that comes back): its peers' waits on it run past their collective timeout, with every process
+    alive."""
+
+    node: int
+    step: int
+    seconds: float
+
+    def before_step(self, store: Store | None, generation: int, step: int, world_rank: int | None) -> None:
+        if step == self.step:
+            time.sleep(self.seconds)

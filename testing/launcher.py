@@ -56,7 +56,9 @@ from resilientjob.protocol.store_keys import (
 from .faults import CrashAt, CrashAtExport
 from .plans import RuntimePlanner
 
-_WORKER_PRELOAD = ["torch", "resilientjob.agent.worker"]
+_WORKER_PRELOAD = ["torch", "torch._dynamo", "resilientjob.agent.worker"]
+"""What the forkserver imports once for every worker it forks: torch's first optimizer imports torch._dynamo
+(2-3 CPU-s), which each worker otherwise paid before its first step."""
 
 
 @dataclass(slots=True)
@@ -87,6 +89,15 @@ class JobResult:
     return_values: dict[int, Any] = field(default_factory=dict)
     step_times: dict[int, list[float]] = field(default_factory=dict)
     """Seconds of each committed step, by plan generation, measured by the world's rank 0."""
+
+
+WORLD_STOPPED_GRACE_S = 3.0
+"""Beyond twice the collective timeout: how long a world's aborts stand, with no failure seen, before the
+run ends with `WorldStopped` (the operator's `ABORT_GRACE_S` is of the same kind)."""
+
+
+class WorldStopped(RuntimeError):
+    """The job's world stopped with every node alive; the harness does not re-form worlds."""
 
 
 class NodeAgent:
@@ -148,6 +159,7 @@ class Launcher:
         joins: Mapping[int, int] | None = None,
         publish_at: Mapping[int, Plan] | None = None,
         crash_at_export: frozenset[int] = frozenset(),
+        hooks: Mapping[int, StepHooks] | None = None,
     ) -> None:
         """`policy` is passed to every replan; `upgrade_after`: once a rerouted plan has committed this many
         steps, publish a dynamic layout over the live nodes (None: stay rerouted until the next change).
@@ -156,7 +168,13 @@ class Launcher:
         taken in (`store_keys.joining_key`), as a replacement pod that is running before its plan does.
         `publish_at`: committed step -> a plan of the same nodes to publish then as the next generation (what
         the operator publishes for a fail-slow mitigation). `crash_at_export`: nodes whose worker dies as it
-        starts writing the trained model out."""
+        starts writing the trained model out. `hooks`: trainer hooks of the first start of these nodes (a
+        stall, `faults.StallAt`), for nodes that neither crash nor crash at export.
+
+        A world that stops with every node alive (its ranks abandoned a step or a switch: a wait ran past
+        the collective timeout) is re-formed by the operator (`operator/_aborts`), not by this harness:
+        `run` raises `WorldStopped` naming it, rather than leaving the workers to wait out their plan
+        timeout and die of it."""
         self.degree = check_supported(plan)
         if plan.global_batch != planner.job.global_batch:
             raise PlannerError(
@@ -180,6 +198,7 @@ class Launcher:
         self.joins = dict(joins or {})
         self.publish_at = dict(publish_at or {})
         self.crash_at_export = crash_at_export
+        self.hooks = dict(hooks or {})
         # live=False sends every failure down the checkpoint-restart path: the benchmark's baseline.
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -191,6 +210,8 @@ class Launcher:
         self.returns: dict[int, Any] = {}
         self._upgrade_at: int | None = None
         self._announced = 0
+        self._stopped_since: tuple[int, float] | None = None  # (generation, when its first abort was seen)
+        self._next_abort_look = 0.0
 
     # ---- plans -------------------------------------------------------------------------------------------
     def publish(self, plan: Plan) -> None:
@@ -221,7 +242,7 @@ class Launcher:
         if node in self.crash_at_export:
             return CrashAtExport(node)
         step = self.fail_at.get(node)
-        return None if step is None else CrashAt(node, step)
+        return self.hooks.get(node) if step is None else CrashAt(node, step)
 
     def _start(self, nodes: list[int], restore: bool) -> None:
         host, port = "127.0.0.1", self.store.port
@@ -260,6 +281,9 @@ class Launcher:
                 for node in joined:
                     del self.joins[node]
                 self.publish(self.planner.grow(self.plan, joined, self.policy))
+            elif stopped := self._world_stopped():
+                self.shutdown()
+                raise stopped
             time.sleep(0.02)
         return self._result(time.time() - started)
 
@@ -273,6 +297,32 @@ class Launcher:
             node
             for node, step in self.joins.items()
             if committed >= step and self.store.check([joining_key(node)])
+        )
+
+    def _world_stopped(self) -> WorldStopped | None:
+        """The error to end the run with once the current world's ranks abandoned its step or switch with
+        every node alive, and no failure explained it within the operator's own wait for that (twice the
+        collective timeout plus a grace: `operator/_aborts`). Looked at twice a second."""
+        now = time.monotonic()
+        if now < self._next_abort_look:
+            return None
+        self._next_abort_look = now + 0.5
+        generation = self.plan.generation
+        aborted = [n for n in world_nodes(self.plan) if self.store.check([event_key("abort", generation, n)])]
+        if not aborted:
+            self._stopped_since = None
+            return None
+        if self._stopped_since is None or self._stopped_since[0] != generation:
+            self._stopped_since = (generation, now)
+            return None
+        waited = now - self._stopped_since[1]
+        if waited < 2 * self.config.collective_timeout_s + WORLD_STOPPED_GRACE_S:
+            return None
+        return WorldStopped(
+            f"generation {generation}: node(s) {aborted} abandoned its step or switch with every node alive "
+            f"(seen {waited:.1f} s ago; a wait ran past the collective timeout of "
+            f"{self.config.collective_timeout_s} s, or a connection broke). The operator re-forms such a "
+            f"world; this harness does not. The workers' logs: {self.log_dir}"
         )
 
     def _poll(self, running: set[int]) -> set[int]:

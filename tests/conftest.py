@@ -52,9 +52,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     part = os.environ.get(PART_ENV)
     if part not in ("parallel", "serial"):
         return
-    keep = [item for item in items if (item.get_closest_marker("serial") is not None) == (part == "serial")]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        serial = item.get_closest_marker("serial") is not None
+        (keep if serial == (part == "serial") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 

@@ -28,7 +28,11 @@ def _job_config(**overrides: object) -> JobConfig:
         "model_options": dict(GPT8),
         "num_samples": 128,
         "steps": 8,
-        "collective_timeout_s": 3.0,
+        # A bound on stalls only: a peer's death ends every wait through the failure notice at once. At 3 s a
+        # switch to a joining node on a loaded two-core CI host kept its peers waiting past it (the joiner
+        # imported torch._dynamo with its first AdamW then, now done before it joins: `optim.warm_up`), and
+        # the harness does not re-form a world stopped so (`launcher.WorldStopped`).
+        "collective_timeout_s": 10.0,
     }
     options.update(overrides)
     return JobConfig.plain(**options)  # type: ignore[arg-type]

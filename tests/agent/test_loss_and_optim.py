@@ -7,6 +7,10 @@ measured by bench/bench_gpu.py; here the CPU keeps the unfused loop the referenc
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,3 +63,37 @@ def test_adamw_stays_unfused_on_the_cpu_with_its_step_counts_there() -> None:
     state = LayerState(0, layer)
     steps = [state.optimizer.state[p]["step"] for p in layer.parameters()]
     assert all(step.device.type == "cpu" and step.dtype == torch.float32 for step in steps)
+
+
+_FIRST_LAYER_PROBE = """
+import json, sys
+import torch
+from resilientjob.agent.models import load_model
+from resilientjob.agent.optim import PLAIN_ADAMW, warm_up
+from resilientjob.agent.p2p import LayerState
+model = load_model("gpt", layers=3, hidden=8, heads=2, vocab=16, seq_len=4)
+if sys.argv[1] == "warm":
+    warm_up("cpu", PLAIN_ADAMW)
+before = set(sys.modules)
+LayerState(1, model.allocate(1))
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_after_the_warm_up_a_received_layer_loads_nothing_more() -> None:
+    """What a joining node does before it says it is ready (`worker_main`): its first received layer then
+    loads no module in the middle of the switch. Without it, that layer's AdamW imported torch._dynamo there
+    (2-3 s of a core, while the senders' waits ran against their collective timeout)."""
+
+    def loaded(mode: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", _FIRST_LAYER_PROBE, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    assert "torch._dynamo" in loaded("cold")
+    assert loaded("warm") == []

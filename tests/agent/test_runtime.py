@@ -7,6 +7,7 @@ the failure-free single-process run of the same seed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from resilientjob.agent.data import SampleOrder
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
-from resilientjob.testing.launcher import JobResult, Launcher
+from resilientjob.testing.faults import StallAt
+from resilientjob.testing.launcher import JobResult, Launcher, WorldStopped
 from resilientjob.testing.plans import RuntimePlanner
 from resilientjob.testing.reference import reference_run
 
@@ -217,3 +219,21 @@ def test_failure_beyond_f_restarts_from_checkpoint(
     assert sorted(result.plans[-1].nodes) == [0, 2]
     _assert_matches_reference(result, reference, steps)
     _assert_each_sample_once(result, plan, steps)
+
+
+def test_a_world_stopped_with_every_node_alive_ends_the_run_naming_it(
+    tmp_path: Path, gpt_profile: ModelProfile, job_config: Callable[..., JobConfig]
+) -> None:
+    """A worker held past its peer's collective timeout, every process alive: the peer abandons the step and
+    no failure explains it. The operator re-forms such a world; the harness ends the run soon, naming it,
+    where every worker waited out its plan timeout (60 s) and the run failed on the planner's error."""
+    planner = RuntimePlanner.for_job(gpt_profile, nodes=2, global_batch=8, microbatch_size=2, dp_range=(2, 2))
+    config = job_config(steps=6, collective_timeout_s=1.0)
+    launcher = Launcher(
+        config, planner.initial(), planner, tmp_path, hooks={1: StallAt(1, step=2, seconds=6.0)}
+    )
+    began = time.monotonic()
+    with pytest.raises(WorldStopped, match=r"generation 0: node\(s\) \[0.*abandoned its step or switch"):
+        launcher.run(timeout_s=60)
+    assert time.monotonic() - began < 30
+    assert len(launcher.plans) == 1  # nothing was re-planned: nobody failed

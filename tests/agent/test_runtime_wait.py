@@ -128,6 +128,31 @@ def test_a_poll_on_an_operation_that_never_completes_frees_its_thread_at_the_dea
     assert clock.monotonic() - began < 1.0
 
 
+def test_an_operation_that_never_completes_is_never_taken_for_completed(store: TCPStore) -> None:
+    """The helper gives up at the waiter's own deadline and says so (False). That answer can come back in
+    the waiter's last slice, before the waiter sees its deadline pass: it returned then, as if the
+    operation (an NCCL receive from a dead peer, say) had completed, and the step went on."""
+
+    class Stuck:
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return False
+
+    waiter = Waiter(timeout_s=0.05)
+    notice = FailureNotice(store, check_every_s=1.0)  # one slice: the whole wait
+    outcomes = []
+    for _ in range(20):
+        try:
+            waiter.wait(Stuck(), notice, "receive")  # type: ignore[arg-type]
+            outcomes.append("returned")
+        except PeerFailure as exc:
+            outcomes.append(str(exc))
+    waiter.close()
+    assert outcomes == ["receive: no progress within 0.05 s"] * 20
+
+
 def test_helper_threads_wait_on_the_workers_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU here: torch.cuda.set_device is recorded, not run; what matters is that each helper thread
     makes the worker's device current before it waits (the current device is per thread)."""
