@@ -129,7 +129,10 @@ class _ProbeHooks(StepHooks):
         self.abort_sink = abort_sink or sink_path
         """Lane 0's sink, which the agent reads: every lane's abort goes there (`TrainingAgent._forward`)."""
         self.collective_timeout_s = collective_timeout_s
-        """Sent with an abort: how long this worker's peers wait behind a hung one before they abort too."""
+        """The job's collective timeout; an abort sends its plan's wait bound (`runtime.wait_bound_s`): how
+        long this worker's peers wait behind a hung one before they abort too."""
+        self.wait_bounds: dict[int, float] = {}
+        """Generation -> its plan's wait bound, from `on_plan`."""
         self.plan_timeout_s = plan_timeout_s
         """Sent with an abort: how long this worker then waits for the next generation."""
         self.device = device
@@ -141,6 +144,9 @@ class _ProbeHooks(StepHooks):
             self.probe.start_chaos(keys, chaos_client())
 
     def on_plan(self, plan: Plan) -> None:
+        from .runtime import wait_bound_s
+
+        self.wait_bounds[plan.generation] = wait_bound_s(plan, self.collective_timeout_s)
         self.probe.on_plan(plan)
 
     def on_applied(self, generation: int, rendezvous_s: float, copy_s: float, copied_bytes: int) -> None:
@@ -154,7 +160,7 @@ class _ProbeHooks(StepHooks):
             "step": step,
             "error": error,
             "switching": switching,
-            "collective_timeout_s": self.collective_timeout_s,
+            "collective_timeout_s": self.wait_bounds.get(generation, self.collective_timeout_s),
             "plan_timeout_s": self.plan_timeout_s,
         }
         # One short line appended at once (O_APPEND): the lanes' lines do not interleave.

@@ -16,8 +16,9 @@ Reconfiguration re-initialises the default process group in place: `destroy_proc
 `init_process_group(store=PrefixStore(f"gen{g}/", store))` over the same TCPStore the launcher hosts, with
 this plan's ranks; the per-generation prefix keeps the new rendezvous from reading the old one's keys. Every
 wait goes through `_runtime_wait.Waiter`: a wait blocked behind a dead peer is abandoned as soon as the
-launcher announces the failure in the store (`FailureNotice`), and at the latest after `collective_timeout_s`
-(the gloo timeout), never after the 30-minute default. Groups left with operations pending behind a dead
+launcher announces the failure in the store (`FailureNotice`), and at the latest after the plan's wait bound
+(`wait_bound_s`: `collective_timeout_s`, or three of the plan's estimated steps when longer; on gloo also the
+groups' own timeout), never after the 30-minute default. Groups left with operations pending behind a dead
 peer are retired, not destroyed (`_runtime_commit.Retirement`), because destroying them hangs.
 
 A stage may span k devices of its node (`StagePlan.gpus`): the node then runs k workers, one per local rank
@@ -129,6 +130,22 @@ def group_timeout_s(device: torch.device | str, timeout_s: float) -> float:
     """A process group's own timeout: the runtime's on gloo, whose operations fail by it; far longer on an
     accelerator, whose watchdog must not act before the runtime has (`join_world`)."""
     return timeout_s if backend_for(device) == "gloo" else max(timeout_s, ACCELERATOR_GROUP_TIMEOUT_S)
+
+
+WAIT_BOUND_STEPS = 3.0
+"""A plan's waits may make no progress for this many of its estimated steps (`wait_bound_s`)."""
+
+
+def wait_bound_s(plan: Plan, collective_timeout_s: float) -> float:
+    """How long one wait of `plan`'s world may make no progress before the step (or the switch) is
+    abandoned: the collective timeout, or `WAIT_BOUND_STEPS` of the plan's estimated steps when that is
+    longer. A healthy rank waits up to about a step: a 1F1B stage's first backward comes only after the
+    pipeline's forwards and the later stages' backwards, a replica's gradient all-reduce waits for the
+    slowest replica (one slowed on purpose, as fail-slow leaves it until mitigated), and the switch's last
+    all-reduce for the longest layer copy, which grows with the model as its steps do. A bound of a fixed
+    5 s abandoned every step of a model whose steps are longer, and the operator re-formed its world
+    forever; the worker reports the bound with its abort, so the operator's hang window grows with it."""
+    return max(collective_timeout_s, WAIT_BOUND_STEPS * plan.step_time_s)
 
 
 ACCELERATOR_GROUP_TIMEOUT_S = 1800.0
@@ -342,6 +359,13 @@ class Trainer:
         return self._rank_of.get(self.node)
 
     @property
+    def wait_bound_s(self) -> float:
+        """How long a wait of the current plan's world may make no progress (`wait_bound_s`)."""
+        if self.plan is None:
+            return self.collective_timeout_s
+        return wait_bound_s(self.plan, self.collective_timeout_s)
+
+    @property
     def active(self) -> bool:
         return self.plan is not None and self.node in self._rank_of
 
@@ -363,6 +387,7 @@ class Trainer:
         nodes = world_nodes(plan)
         self._leave()
         self.plan, self.generation, self.store = plan, plan.generation, store
+        self._waiter.timeout_s = self.wait_bound_s
         self.notice = FailureNotice.for_generation(store, plan.generation)
         if self.node not in nodes:
             self._rank_of = {}
@@ -381,12 +406,7 @@ class Trainer:
         self._world_size = len(nodes) * k
         arrive(store, plan.generation, self._world_size, self.joining)
         join_world(
-            store,
-            plan.generation,
-            self._rank_of[self.node],
-            self._world_size,
-            self.collective_timeout_s,
-            self.device,
+            store, plan.generation, self._rank_of[self.node], self._world_size, self.wait_bound_s, self.device
         )
         # Everyone resumes at the same committed step, or nobody resumes live. A joining node has no step of
         # its own: it votes neither bound and takes the one the others agree on (the data order and the
@@ -411,7 +431,7 @@ class Trainer:
         if self.joining:
             self.step, self.joining = agreed, False
         if k > 1:
-            groups = stage_groups(len(nodes), k, group_timeout_s(self.device, self.collective_timeout_s))
+            groups = stage_groups(len(nodes), k, group_timeout_s(self.device, self.wait_bound_s))
             for node, group in zip(nodes, groups, strict=True):
                 if node == self.node:
                     self._tp_groups.append(group)
@@ -445,7 +465,7 @@ class Trainer:
             self.node,
             self._rank_of,
             send_order(schedule, self.node),
-            directional_groups(self._world_size, group_timeout_s(self.device, self.collective_timeout_s)),
+            directional_groups(self._world_size, group_timeout_s(self.device, self.wait_bound_s)),
             device=self.device,
             tagged=backend_for(self.device) == "gloo" and not self.p2p_in_order,
         )

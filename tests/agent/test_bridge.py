@@ -253,3 +253,22 @@ def _group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             found.append(int(entry))
     return found
+
+
+def test_an_abort_reports_its_plans_wait_bound_for_the_operators_hang_window(tmp_path: Path) -> None:
+    """The operator judges a node hung after twice the timeout its peers' aborts report (`operator/_aborts`).
+    A plan of 4 s steps has its waits bounded by three steps, not the job's 5 s collective timeout: that is
+    what the abort must say, or the operator fences healthy nodes that still wait within their bound."""
+    from resilientjob.agent._bridge import _ProbeHooks
+
+    sink = tmp_path / "sink"
+    hooks = _ProbeHooks(0, str(sink), None, collective_timeout_s=5.0, plan_timeout_s=60.0)
+    hooks.on_plan(_plan([0, 1], generation=3).model_copy(update={"step_time_s": 4.0}))
+    hooks.on_abort(3, 7, "PeerFailure: gradient all-reduce: no progress within 12.0 s")
+    hooks.on_abort(2, 5, "PeerFailure: an older generation, whose plan this worker never applied")
+    hooks.on_plan(_plan([0, 1], generation=4))  # 1 s steps: the timeout is the longer
+    hooks.on_abort(4, 9, "PeerFailure: commit: no progress within 5.0 s")
+    hooks.probe.sink.close()
+    with sink.open() as lines:
+        reported = {line["generation"]: line["collective_timeout_s"] for line in map(json.loads, lines)}
+    assert reported == {3: 12.0, 2: 5.0, 4: 5.0}

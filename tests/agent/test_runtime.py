@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from resilientjob.agent.data import SampleOrder
+from resilientjob.agent.models import load_model
+from resilientjob.agent.profiler import measure_profile
+from resilientjob.agent.runtime import wait_bound_s
 from resilientjob.agent.worker import JobConfig
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import ModelProfile, uniform_profile
@@ -237,3 +240,31 @@ def test_a_world_stopped_with_every_node_alive_ends_the_run_naming_it(
         launcher.run(timeout_s=60)
     assert time.monotonic() - began < 30
     assert len(launcher.plans) == 1  # nothing was re-planned: nobody failed
+
+
+def test_a_pipeline_whose_waits_outlast_the_collective_timeout_trains_through(
+    tmp_path: Path, job_config: Callable[..., JobConfig]
+) -> None:
+    """A model whose steps are long beside the collective timeout: a 1F1B stage waits for its first
+    backward about a micro-batch's forward and backward of the stage after it (here 0.4 s, with a timeout
+    of 0.25 s). The plan's waits are bounded by three of its estimated steps instead, so the job trains
+    through; a bound of the bare timeout abandoned the first step, every node alive (`WorldStopped`), and
+    the operator would have re-formed the world forever."""
+    sleep_s = 0.1
+    options = {"layers": 4, "hidden": 8, "forward_sleep_s": sleep_s}
+    measured = measure_profile(load_model("sleep", **options), timed=False)  # its bytes; times: the sleeps
+    layers = tuple(
+        layer.model_copy(update={"forward_s": sleep_s, "backward_s": 2 * sleep_s})
+        for layer in measured.layers
+    )
+    profile = measured.model_copy(update={"layers": layers})
+    planner = RuntimePlanner.for_job(
+        profile, nodes=2, global_batch=4, microbatch_size=2, fault_tolerance=0, dp_range=(1, 1)
+    )
+    plan = planner.initial()
+    assert plan.layout == "DP1 PP[2]"
+    config = job_config(model="sleep", model_options=options, steps=2, collective_timeout_s=0.25)
+    assert wait_bound_s(plan, 0.25) == pytest.approx(3 * plan.step_time_s) and plan.step_time_s > 0.5
+    result = Launcher(config, plan, planner, tmp_path).run(timeout_s=60)
+    assert [value["step"] for value in result.return_values.values()] == [2, 2]
+    assert not [key for key in result.events if key.startswith("abort/")]
