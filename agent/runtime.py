@@ -149,8 +149,8 @@ def wait_bound_s(plan: Plan, collective_timeout_s: float) -> float:
 
 
 ACCELERATOR_GROUP_TIMEOUT_S = 1800.0
-"""The NCCL/HCCL groups' own timeout: the runtime's `Waiter` abandons an operation long before (its
-`collective_timeout_s`); this only bounds what a group left behind could hold."""
+"""The NCCL/HCCL groups' own timeout: the runtime's `Waiter` abandons an operation long before (at the
+plan's `wait_bound_s`); this only bounds what a group left behind could hold."""
 
 JOIN_WAIT_S = 300.0
 """How long a joining node waits for its peers to reach the rendezvous of the plan that takes it in."""

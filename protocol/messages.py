@@ -194,8 +194,9 @@ class WorkerAbort(_Message):
         gt=0,
         le=86400,
         allow_inf_nan=False,
-        description="The worker's collective timeout: how long a peer blocked behind a hung one waits before "
-        "it aborts too.",
+        description="The worker's wait bound in the generation it abandoned (its collective timeout, or "
+        "three of the plan's estimated steps when longer): how long a peer blocked behind a hung one waits "
+        "before it aborts too.",
     )
     plan_timeout_s: float = Field(
         gt=0,
