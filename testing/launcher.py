@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 from resilientjob.agent._runtime_schedule import world_nodes
 from resilientjob.agent.config import JobConfig
 from resilientjob.agent.hooks import StepHooks
-from resilientjob.agent.runtime import check_supported
+from resilientjob.agent.runtime import check_supported, wait_bound_s
 from resilientjob.agent.worker import announce_failures, publish_plan, worker_main
 from resilientjob.planner.errors import PlannerError
 from resilientjob.planner.plan import Plan, Policy
@@ -92,7 +92,7 @@ class JobResult:
 
 
 WORLD_STOPPED_GRACE_S = 3.0
-"""Beyond twice the collective timeout: how long a world's aborts stand, with no failure seen, before the
+"""Beyond twice the plan's wait bound: how long a world's aborts stand, with no failure seen, before the
 run ends with `WorldStopped` (the operator's `ABORT_GRACE_S` is of the same kind)."""
 
 
@@ -172,7 +172,7 @@ class Launcher:
         stall, `faults.StallAt`), for nodes that neither crash nor crash at export.
 
         A world that stops with every node alive (its ranks abandoned a step or a switch: a wait ran past
-        the collective timeout) is re-formed by the operator (`operator/_aborts`), not by this harness:
+        its wait bound) is re-formed by the operator (`operator/_aborts`), not by this harness:
         `run` raises `WorldStopped` naming it, rather than leaving the workers to wait out their plan
         timeout and die of it."""
         self.degree = check_supported(plan)
@@ -302,7 +302,8 @@ class Launcher:
     def _world_stopped(self) -> WorldStopped | None:
         """The error to end the run with once the current world's ranks abandoned its step or switch with
         every node alive, and no failure explained it within the operator's own wait for that (twice the
-        collective timeout plus a grace: `operator/_aborts`). Looked at twice a second."""
+        plan's wait bound, `runtime.wait_bound_s`, plus a grace: `operator/_aborts`). Looked at twice a
+        second."""
         now = time.monotonic()
         if now < self._next_abort_look:
             return None
@@ -316,13 +317,13 @@ class Launcher:
             self._stopped_since = (generation, now)
             return None
         waited = now - self._stopped_since[1]
-        if waited < 2 * self.config.collective_timeout_s + WORLD_STOPPED_GRACE_S:
+        bound = wait_bound_s(self.plan, self.config.collective_timeout_s)  # what the workers waited
+        if waited < 2 * bound + WORLD_STOPPED_GRACE_S:
             return None
         return WorldStopped(
             f"generation {generation}: node(s) {aborted} abandoned its step or switch with every node alive "
-            f"(seen {waited:.1f} s ago; a wait ran past the collective timeout of "
-            f"{self.config.collective_timeout_s} s, or a connection broke). The operator re-forms such a "
-            f"world; this harness does not. The workers' logs: {self.log_dir}"
+            f"(seen {waited:.1f} s ago; a wait ran past its bound of {bound:g} s, or a connection broke). "
+            f"The operator re-forms such a world; this harness does not. The workers' logs: {self.log_dir}"
         )
 
     def _poll(self, running: set[int]) -> set[int]:
