@@ -33,8 +33,16 @@ DRAINED_ROLE = "drained"
 """The role of a step on a node whose replica fail-slow S2 drained (`_worker_probe`): the plan runs no
 micro-batch there, and the step's compute is a probe product on the node's device."""
 PROBE_ROLES = frozenset({PARKED_ROLE, DRAINED_ROLE})
-"""Roles whose compute is a probe product on a node out of the step: a recovery counts only against the
-probe's first level in the role (`StepWatch._probe_recovery`)."""
+"""Roles whose compute is a probe product on a node out of the step: their recovery is the probe's level
+falling under its first level in the role (`StepWatch._probe_recovery`), not a change-point."""
+PROBE_WARMUP_STEPS = 1
+"""Steps of a probe role not fed to the detectors: the probe is a product timed on its own, with none of a
+training step's start-up costs; the first one after a switch may still meet a cold cache."""
+PROBE_FIRST = 3
+"""Probes whose median is a probe role's first level, the node's level when it was taken out of the step.
+A change-point needs `DetectorConfig.min_before` samples of the old level: a node that recovered within
+that many probes of its drain (13 with the warm-up; the CI run of ec2a640 drained a x4 worker 11 s into its
+15 s order) had a first level already recovered, reported nothing, and stayed out of the step for good."""
 WALL_BLIND_ROLES = frozenset({DRAINED_ROLE})
 """Roles whose step wall says nothing of the node: a drained node waits out its peers' step, so only its
 compute (the probe) is watched. (A change in the job's step would read as the node's recovery, and the
@@ -89,8 +97,10 @@ class StepWatch:
         self._computes: deque[float] = deque(maxlen=2 * self.config.history)
         self._walls: deque[tuple[int, float]] = deque(maxlen=2 * self.config.history)  # (step, seconds)
         self._fed = 0  # compute samples fed to the current detector
-        self._first_step = step + self.warmup  # the step fed first to the current detectors
+        self._skip = min(self.warmup, PROBE_WARMUP_STEPS) if role in PROBE_ROLES else self.warmup
+        self._first_step = step + self._skip  # the step fed first to the current detectors
         self._skipped = 0
+        self._probe_reference: float | None = None  # a probe role's level a recovery must fall under
         self.role = role
 
     def feed(
@@ -106,7 +116,7 @@ class StepWatch:
         if role != self.role:
             self._restart(step, role)
         self._walls.append((step, seconds))
-        if self._skipped < self.warmup:
+        if self._skipped < self._skip:
             self._skipped += 1
             return None
         compute_event = None
@@ -116,7 +126,7 @@ class StepWatch:
             self._computes.append(compute_s)
             self._fed += 1
             compute_event = self.compute.feed(compute_s)
-            if compute_event is not None and role in PROBE_ROLES:
+            if role in PROBE_ROLES:
                 compute_event = self._probe_recovery(compute_event)
         wall_event = None if role in WALL_BLIND_ROLES else self.wall.feed(seconds)
         if compute_event is not None:
@@ -135,16 +145,37 @@ class StepWatch:
         lasted = math.fsum(seconds for step, seconds in self._walls if step >= onset)
         return StepChange(event, kind, onset, lasted)
 
-    def _probe_recovery(self, event: ChangeEvent) -> ChangeEvent | None:
-        """A probe's change as it counts: a recovery only when the level falls under the probe's first level
-        in this role by the detector's margin. The detector judges against its last level, so a passing
-        bump (cache contention from the workers sharing the host's cores) read as a recovery when it ended:
-        the demo's drained x4 worker was restored at its slowed level while its order held. A slowdown of a
-        node already out of the step changes nothing and goes as it is."""
-        if event.kind is not ChangeKind.RECOVERY:
+    def _probe_recovery(self, event: ChangeEvent | None) -> ChangeEvent | None:
+        """A probe role's change as it counts. A slowdown of a node already out of the step changes nothing
+        and goes as it is. A recovery is the probe's level (the median of the latest `min_after` probes)
+        falling under its first level in the role (`PROBE_FIRST`) by the detector's margin, whenever it
+        falls: a change-point missed the recoveries that came before it had `min_before` probes of the old
+        level, and judged against its last level, so a passing bump (cache contention from the workers
+        sharing the host's cores) read as a recovery when it ended (the demo's drained x4 worker was
+        restored at its slowed level while its order held). Reported once per level: a further fall by the
+        margin (the operator wants half a slowdown undone) is reported again."""
+        if event is not None and event.kind is not ChangeKind.RECOVERY:
             return event
-        first = statistics.median(self._first_computes)
-        return event if event.after_s * (1 + self.config.min_change) <= first else None
+        if self._fed < max(PROBE_FIRST, self.config.min_after):
+            return None
+        probes = list(self._computes)
+        if self._probe_reference is None:
+            self._probe_reference = statistics.median(self._first_computes[:PROBE_FIRST])
+        bar = self._probe_reference / (1 + self.config.min_change)
+        latest = probes[-self.config.min_after :]
+        level = statistics.median(latest)
+        if level > bar:
+            return None
+        fell = next(offset for offset, probe in enumerate(latest) if probe <= bar)
+        recovered = ChangeEvent(
+            index=self._fed - len(latest) + fell,
+            kind=ChangeKind.RECOVERY,
+            before_s=self._probe_reference,
+            after_s=level,
+            detected_at=self._fed - 1,
+        )
+        self._probe_reference = level
+        return recovered
 
     def _compute_moved(self, onset: int) -> bool:
         """Whether compute time shifted at `onset` (an index into the fed samples) as much as a change."""

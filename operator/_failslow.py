@@ -20,8 +20,9 @@ Agents run the planner's BOCD + verification on their own iteration times and se
 2. When the time lost pays for the next strategy, the tracker answers with a `Mitigation`, which the
    reconciler turns into a plan (`_failslow_plans`) and publishes through the same generation path as a
    fail-stop: S2 `microbatch`, S3 `topology` (links first, then stragglers), S4 `replace` (slow nodes out,
-   their pods parked), and `restore` when the last slow node's recovery report ends the episode; `revert`
-   when the episode's first rung measurably made the job slower (`_failslow_rungs`).
+   their pods parked), and `restore` when the last slow node's recovery report ends the episode (or, for a
+   drained node whose report does not come, a validation pass that times it healthy: `_failslow_revalidate`);
+   `revert` when the episode's first rung measurably made the job slower (`_failslow_rungs`).
 
 Restart safety: `state()` is everything the episode needs (the controller's level, accumulated loss, causes
 and slow nodes; the tracker's slow nodes, links, candidates and the outstanding validation); the reconciler
@@ -72,6 +73,7 @@ from ._failslow_plans import (
     sync_time,
     topology_plan,
 )
+from ._failslow_revalidate import DrainedRevalidation
 from ._failslow_rungs import FirstRungCheck
 from ._failslow_types import Action, Candidate, Finding, FindingKind, Link, Mitigation
 from ._straggler import StragglerGate, beyond_noise
@@ -139,6 +141,8 @@ class FailSlowTracker:
     candidates: dict[int, Candidate] = field(default_factory=dict)
     awaiting: tuple[int, float] | None = None
     """The outstanding validation request: (id, when it was sent)."""
+    revalidation: DrainedRevalidation = field(init=False)
+    """When drained slow nodes that sent no recovery are timed again (`_failslow_revalidate`)."""
     profiles: dict[int, ProfileRecord] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
     """Nodes that failed (`forget`): never suspects again (node ids are not reused); others' profiles of an
@@ -170,6 +174,7 @@ class FailSlowTracker:
         self.job = JobStepTrigger(self.spec.slowdown_threshold, self.spec.min_duration_s)
         self.rung_check = FirstRungCheck(self.spec.slowdown_threshold)
         self.controller = self._fresh_controller()
+        self.revalidation = DrainedRevalidation(self.spec.drained_recheck_s)
 
     def _fresh_controller(self) -> MitigationController:
         overheads = self.spec.overheads
@@ -506,17 +511,35 @@ class FailSlowTracker:
             and self._holds(report) is True
         )
 
-    def validation_sent(self, request_id: int, now: float | None = None) -> None:
-        self.awaiting = (request_id, time.time() if now is None else now)
+    def validation_sent(
+        self, request_id: int, now: float | None = None, revalidating: Iterable[int] = ()
+    ) -> None:
+        """A pass went out: for the waiting candidates, or for the drained nodes of `revalidating`
+        (`revalidation_wanted`)."""
+        clock = time.time() if now is None else now
+        self.awaiting = (request_id, clock)
+        self.revalidation.sent(revalidating, clock)
         self.changed = True
 
-    def validated(self, result: ValidationResult) -> None:
+    def revalidation_wanted(self, now: float | None = None) -> list[int] | None:
+        """Drained slow nodes due a pass of their own (`_failslow_revalidate`), when no pass is out."""
+        clock = time.time() if now is None else now
+        drained = [node for node in self.slow if node in self.idle and node not in self.gone]
+        if not (self.controller.active and self.spec.enabled):
+            drained = []
+        due = self.revalidation.due(drained, clock)  # also forgets nodes taken back, and a closed episode's
+        return due if due and self.awaiting is None else None
+
+    def validated(self, result: ValidationResult, now: float | None = None) -> Mitigation | None:
         """A validation pass's result: slow links and devices join the waiting communication candidates
-        (their episode opens once `min_duration_s` old); a pass that finds nothing dismisses them."""
+        (their episode opens once `min_duration_s` old); a pass that finds nothing dismisses them. A pass
+        for drained nodes (`revalidation_wanted`) may end the episode: the restore is returned."""
         if self.awaiting is None or result.id != self.awaiting[0]:
-            return
+            return None
         self.awaiting = None
         self.changed = True
+        if self.revalidation.asked:
+            return self._revalidated(result, time.time() if now is None else now)
         links, devices, findings = _validation.named_by(result)
         self.links.update(links)
         self.findings.extend(findings)
@@ -529,6 +552,45 @@ class FailSlowTracker:
             else:
                 del self.candidates[node]
                 self._dismiss(node, "validation found no slow link or device")
+        return None
+
+    def _revalidated(self, result: ValidationResult, clock: float) -> Mitigation | None:
+        """Drained nodes' devices timed again: one within the recovered bar of the others' median is back
+        on this measurement, as on its agent's recovery report; one still slow waits for its next pass."""
+        decision = None
+        held = f"validation at step {result.step} (training held {result.held_s:.2f}s)"
+        for node, ratio in self.revalidation.judge(result.gemm_s).items():
+            slowdown = self.slow.get(node)
+            if slowdown is None:
+                continue  # back meanwhile (its report came), or gone
+            if ratio is None or ratio > self._recovered_bar:
+                after = self.revalidation.next_in(node, clock)
+                timed = "did not time it" if ratio is None else f"timed its device at {ratio:.2f}x the median"
+                self.findings.append(
+                    Finding(
+                        FindingKind.SLOW_DEVICE,
+                        (node,),
+                        f"node {node}, drained with no recovery report: {held} {timed}; timed again in "
+                        f"{after or 0:.0f}s",
+                    )
+                )
+                continue
+            gemm = result.gemm_s[node]
+            report = SlowReport(
+                node=node,
+                generation=result.generation,
+                step=result.step,
+                onset_step=result.step,
+                slowdown=min(1.0, ratio / slowdown),  # its speed now over its slowed one, as a probe's is
+                baseline_s=gemm * slowdown / ratio,
+                level_s=gemm,
+                kind=SlowKind.COMPUTE,
+                recovered=True,
+                detected_at=clock,
+            )
+            measured = f"{held} timed its device at {ratio:.2f}x the median, with no recovery report since S2"
+            decision = self._recovered(report, clock, clock, measured=measured) or decision
+        return decision
 
     def validation_timeout(self, now: float | None = None) -> bool:
         """True (once) when the outstanding pass is older than the spec's timeout: the waiting
@@ -613,14 +675,17 @@ class FailSlowTracker:
             decision = self._recovered(recovery.report, recovery.came_at, clock) or decision
         return decision
 
-    def _recovered(self, report: SlowReport, came_at: float, clock: float) -> Mitigation | None:
+    def _recovered(
+        self, report: SlowReport, came_at: float, clock: float, measured: str | None = None
+    ) -> Mitigation | None:
+        """A node's recovery: its agent's report, or (`measured`: what said so) a revalidation's timing."""
         dropped = self.candidates.pop(report.node, None)
         device = report.kind is SlowKind.COMPUTE and self._lone_device(report.node)
         nodes = self._sources.get(report.node) or ((report.node,) if device else None)
         if nodes is None:
             self.changed = self.changed or dropped is not None
             return None
-        if not self._undoes_its_slowdown(report):
+        if measured is None and not self._undoes_its_slowdown(report):
             self.changed = True
             return None
         # A recovery report is a node's own step getting shorter, which a mitigation (S2 moved work off
@@ -682,7 +747,8 @@ class FailSlowTracker:
                 Finding(
                     FindingKind.RECOVERED,
                     back,
-                    f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}"
+                    (measured and f"node {report.node} is back: {measured}")
+                    or f"node {report.node} is back to {report.level_s:.3g}s/step at step {report.step}"
                     + (f" (level vs the other nodes' per planned share: {speeds})" if speeds else ""),
                 )
             )

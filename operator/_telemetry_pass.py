@@ -162,7 +162,7 @@ class TelemetryPass:
         for profile in await redis.new_profiles():
             if profile.node in watched and profile.generation == published.generation:
                 tracker.profile(profile)
-        await self._validation(ctl, published)
+        mitigation = await self._validation(ctl, published) or mitigation
         tracker.tick()
         for finding in tracker.drain_findings():
             self._report_finding(ctl, finding)
@@ -184,10 +184,13 @@ class TelemetryPass:
         for old in sorted(self.switches)[:-SWITCHES_KEPT]:
             del self.switches[old]
 
-    async def _validation(self, ctl: PassContext, published: PlanAnnouncement) -> None:
+    async def _validation(self, ctl: PassContext, published: PlanAnnouncement) -> _failslow.Mitigation | None:
+        """Results in (a drained node's revalidation may return the restore), the pass the tracker wants
+        out."""
         redis, tracker = ctl.redis, ctl.tracker
+        restore = None
         for result in await redis.new_validation_results():
-            tracker.validated(result)
+            restore = tracker.validated(result) or restore
         if tracker.validation_timeout():
             timeout = ctl.validation_timeout_s
             log.warning(
@@ -202,16 +205,22 @@ class TelemetryPass:
                 f"no validation result within {timeout:.0f}s; the slow report stands unvalidated",
             )
         suspects = tracker.validation_wanted()
-        if suspects is None:
-            return
-        reason = f"communication slowdown reported; suspects {suspects}"
+        drained = None if suspects is not None else tracker.revalidation_wanted()
+        if suspects is not None:
+            reason = f"communication slowdown reported; suspects {suspects}"
+        elif drained is not None:
+            suspects = drained
+            reason = f"drained nodes {drained} sent no recovery report; their devices timed again"
+        else:
+            return restore
         request = await redis.request_validation(published.generation, suspects, reason)
-        tracker.validation_sent(request.id)
+        tracker.validation_sent(request.id, revalidating=drained or ())
         message = f"validation {request.id} at generation {published.generation}: {reason}"
         log.info("job %s/%s: %s", ctl.namespace, ctl.name, message)
         admitted = self.validations.admit(message, time.monotonic())
         if admitted is not None:
             ctl.event("Normal", api.Reason.VALIDATION_REQUESTED, admitted)
+        return restore
 
     def _report_finding(self, ctl: PassContext, finding: _failslow.Finding) -> None:
         kind, reason = _EVENTS[finding.kind]

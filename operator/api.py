@@ -246,6 +246,16 @@ class FailSlowSpec(_Api):
         le=3600,
         description="How long to wait for a validation pass's result before the episode goes on without it.",
     )
+    drained_recheck_s: float = Field(
+        default=60.0,
+        ge=1,
+        le=86400,
+        description="A node that S2 drained of its micro-batches returns on its agent's recovery report; "
+        "when none has come this long after the drain (the node recovered right as it was drained, or "
+        "Redis lost the report), a validation pass times its device again, then at doubling intervals up "
+        "to 16x this, and brings it back once it times within half the threshold's excess of the other "
+        "devices' median.",
+    )
     micro_batch_split: int = Field(
         default=1,
         ge=1,

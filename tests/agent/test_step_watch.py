@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from resilientjob.agent._step_watch import WARMUP_STEPS, StepWatch
+from resilientjob.agent._step_watch import (
+    DRAINED_ROLE,
+    PROBE_FIRST,
+    PROBE_ROLES,
+    PROBE_WARMUP_STEPS,
+    WARMUP_STEPS,
+    StepWatch,
+)
+from resilientjob.planner.failslow import ChangeKind
 from resilientjob.protocol.messages import SlowKind
 
 ROLE = ("stage", 0, 12)
@@ -63,3 +71,48 @@ def test_a_new_role_starts_over_after_its_warm_up() -> None:
     steps = np.r_[rng.normal(0.10, 0.002, 100), rng.normal(0.20, 0.004, 40)]
     (step, change), *_ = _run(watch, steps, steps / 2)
     assert change.kind is SlowKind.COMPUTE and change.onset_step == 100 and step > WARMUP_STEPS
+
+
+@pytest.mark.parametrize("role", sorted(PROBE_ROLES))
+def test_a_probe_role_reports_a_recovery_that_comes_a_few_probes_after_the_drain(role: str) -> None:
+    """A node drained (or parked) a few probes before its slowdown ends: a change-point would need
+    `min_before` probes of the slowed level first and report nothing, leaving the node out of the step."""
+    rng = np.random.default_rng(9)
+    watch = StepWatch()
+    for step in range(100):  # training, slowed x4 from step 80
+        compute = 0.2 if step < 80 else 0.8
+        watch.feed(step, ("stage", 0, 12), compute + 0.05, compute * (1 + 0.01 * rng.normal()))
+    drained_at = 100
+    slowed_probes = PROBE_WARMUP_STEPS + PROBE_FIRST
+    probes = [0.004] * slowed_probes + [0.001] * 30
+    changes = []
+    for offset, probe in enumerate(probes):
+        step = drained_at + offset
+        change = watch.feed(step, role, 0.25, probe * (1 + 0.02 * rng.normal()))
+        if change is not None:
+            changes.append((step, change))
+    assert len(changes) == 1, changes
+    step, change = changes[0]
+    assert change.event.kind is ChangeKind.RECOVERY and change.kind is SlowKind.COMPUTE
+    assert change.onset_step == drained_at + slowed_probes  # the first recovered probe
+    assert step - change.onset_step < 5
+    # Against the probe's first level, the slowed one: the operator wants half of a x4 undone (<= 0.5).
+    assert change.event.ratio == pytest.approx(0.25, rel=0.1)
+
+
+def test_a_probes_partial_fall_then_its_full_recovery_are_two_reports() -> None:
+    """The operator dismisses a fall that undoes less than half of a slowdown; the rest of the fall, later,
+    must be reported too, against the level reported before."""
+    watch = StepWatch()
+    probes = [0.004] * 10 + [0.0028] * 20 + [0.001] * 20
+    reports = [
+        (step, change)
+        for step, probe in enumerate(probes)
+        if (change := watch.feed(step, DRAINED_ROLE, 0.25, probe)) is not None
+    ]
+    assert [change.event.kind for _, change in reports] == [ChangeKind.RECOVERY] * 2, reports
+    (_, partial), (_, full) = reports
+    assert partial.onset_step == 10 and partial.event.ratio == pytest.approx(0.7)
+    assert full.onset_step == 30 and full.event.ratio == pytest.approx(0.001 / 0.0028)
+    # A level that holds is reported once.
+    assert all(watch.feed(step, DRAINED_ROLE, 0.25, 0.001) is None for step in range(50, 200))

@@ -18,11 +18,12 @@ from resilientjob.operator._failslow import (
     topology_plan,
 )
 from resilientjob.operator._failslow_plans import DRAIN_MARGIN, drain_floors
+from resilientjob.operator._failslow_revalidate import LONGEST
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import uniform_profile
 from resilientjob.planner.spec import ClusterSpec
-from resilientjob.protocol.messages import IterationRecord, SlowReport
+from resilientjob.protocol.messages import IterationRecord, SlowReport, ValidationResult
 
 PROFILE = uniform_profile(6)
 CLUSTER = ClusterSpec(nodes=6)
@@ -189,6 +190,76 @@ def test_a_drained_slow_node_is_charged_nothing_and_its_own_recovery_report_rest
     assert "short of the 0.50x that undoes half of its 4.00x slowdown" in dismissed.message
     restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=2.0)  # 0.25x
     assert restore is not None and restore.action is Action.RESTORE and not tracker.active
+
+
+def _drained_episode() -> FailSlowTracker:
+    """Node 1 x4, drained by S2 in generation 1 (its steps are probes, out of the levels)."""
+    overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
+    tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
+    tracker.gate.new_generation(0, {})
+    feed(tracker, range(15), {0: 0.1, 1: 0.1, 2: 0.1})
+    feed(tracker, range(15, 21), {0: 0.1, 1: 0.4, 2: 0.1})
+    tracker.report(slow_report(1, step=20, slowdown=4.0), now=0.0)
+    tracker.tick(now=0.0)
+    decision = tracker.iteration(record(1, 21, 0.4))
+    assert decision is not None and decision.action is Action.MICROBATCH
+    tracker.published(decision, 1)
+    tracker.gate.new_generation(1, {0: 1.0, 2: 1.0})
+    tracker.idle = frozenset({1})
+    return tracker
+
+
+def _timed(request_id: int, gemm_s: dict[int, float]) -> ValidationResult:
+    return ValidationResult(id=request_id, generation=1, step=90, gemm_s=gemm_s, held_s=0.3, finished_at=1.0)
+
+
+def test_a_drained_node_whose_recovery_report_never_comes_is_timed_again_and_taken_back() -> None:
+    """The agent's word can miss (the node recovered before its probe had a first level; Redis lost the
+    report): validation times the drained device beside the others, at doubling intervals."""
+    tracker = _drained_episode()
+    first = tracker.spec.drained_recheck_s
+    longest = LONGEST * first
+    assert tracker.revalidation_wanted(now=100.0) is None  # drained at 100 s: the agent's report may come
+    assert tracker.revalidation_wanted(now=100.0 + first - 1) is None
+    assert tracker.revalidation_wanted(now=100.0 + first) == [1]
+    tracker.validation_sent(7, now=100.0 + first, revalidating=[1])
+    assert tracker.revalidation_wanted(now=100.0 + first + 1) is None  # one pass out at a time
+    # Still slow: no decision, a finding, and the next pass twice as far.
+    assert tracker.validated(_timed(7, {0: 1e-3, 1: 3.9e-3, 2: 1.1e-3}), now=100.0 + first) is None
+    (still,) = [f for f in tracker.drain_findings() if f.kind is FindingKind.SLOW_DEVICE]
+    assert still.nodes == (1,) and "3.71x the median; timed again in 120s" in still.message, still.message
+    assert tracker.active and tracker.slow == {1: 4.0}
+    at = 100.0 + first
+    intervals = []
+    for request_id in range(8, 14):
+        due = next(t for t in range(int(at) + 1, int(at) + 2000) if tracker.revalidation_wanted(now=t))
+        intervals.append(due - at)
+        at = float(due)
+        tracker.validation_sent(request_id, now=at, revalidating=[1])
+        assert tracker.validated(_timed(request_id, {0: 1e-3, 1: 4e-3, 2: 1e-3}), now=at) is None
+    assert intervals == [2 * first, 4 * first, 8 * first, longest, longest, longest]
+    # Back within the recovered bar of the median: the episode ends and the healthy plan is restored.
+    due = at + longest
+    assert tracker.revalidation_wanted(now=due) == [1]
+    tracker.validation_sent(20, now=due, revalidating=[1])
+    restore = tracker.validated(_timed(20, {0: 1e-3, 1: 1.02e-3, 2: 0.98e-3}), now=due)
+    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
+    (back,) = [f for f in tracker.drain_findings() if f.kind is FindingKind.RECOVERED]
+    assert "node 1 is back: validation at step 90" in back.message and "1.03x the median" in back.message
+    # A closed episode schedules nothing, and a new drain starts over.
+    assert tracker.revalidation_wanted(now=due + 10 * longest) is None
+
+
+def test_a_pass_for_the_candidates_is_no_revalidation_and_a_taken_back_node_is_forgotten() -> None:
+    tracker = _drained_episode()
+    assert tracker.revalidation_wanted(now=0.0) is None
+    tracker.validation_sent(3, now=10.0)  # a communication candidate's pass: not for node 1
+    assert tracker.validated(_timed(3, {0: 1e-3, 1: 1e-3, 2: 1e-3}), now=11.0) is None
+    assert tracker.active and tracker.slow == {1: 4.0}  # its GEMM said nothing of node 1 here
+    # Its agent's own recovery report comes: nothing more is scheduled for it.
+    restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=20.0)
+    assert restore is not None and restore.action is Action.RESTORE
+    assert tracker.revalidation_wanted(now=20.0 + 10 * tracker.spec.drained_recheck_s) is None
 
 
 def test_min_duration_and_threshold_gate_the_episode() -> None:

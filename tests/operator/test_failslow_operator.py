@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from _rjob_stack import Stack, eventually, job_manifest
 
 from resilientjob.agent.telemetry import Telemetry
+from resilientjob.planner.plan import Plan
 from resilientjob.protocol.keys import JobKeys
 from resilientjob.protocol.messages import ValidationRequest, ValidationResult, encode
 
@@ -198,3 +199,83 @@ async def test_an_operator_killed_mid_episode_continues_at_the_same_rung(stack: 
     messages = [e.get("message", "") for e in events]
     assert sum(1 for e in events if e.get("reason") == "NodeSlow" and "slower" in e.get("message", "")) == 1
     assert not any("microbatch not applied" in m for m in messages)
+
+
+async def test_a_drained_node_whose_recovery_report_never_comes_is_timed_again_and_taken_back(
+    stack: Stack,
+) -> None:
+    """S2 drains node 1 (x8: none of its micro-batches are worth keeping); its probe never reports a recovery
+    (it recovered before the probe had a first level, or Redis lost the report). The operator times its
+    device with a validation pass `drainedRecheckS` after the drain, again twice as late while the pass
+    finds it slow, and restores the healthy plan once a pass finds it healthy."""
+    kube = stack.kube
+    overheads = {"microbatchS": 0.1, "topologyS": 100.0, "restartS": 100.0}
+    failslow = {"minDurationS": 0, "drainedRecheckS": 2, "overheads": overheads}
+    await kube.create_job(job_manifest("recheck", failSlow=failslow))
+    await _generation(kube, "recheck", 0, 20)
+    client = aioredis.Redis.from_url(stack.redis_url)
+    keys = stack.keys("recheck")
+    agents = [Telemetry(client, keys, node, f"pod-{node}") for node in range(4)]
+    rng = random.Random(9)
+    slowed = {"on": False}
+    stop = asyncio.Event()
+
+    async def steps() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            announced = json.loads(await client.get(keys.plan))
+            generation, drained = announced["generation"], Plan.model_validate(announced["plan"]).idle_nodes
+            for agent in agents:
+                jitter = 1 + 0.01 * rng.gauss(0, 1)
+                if agent.node in drained:  # a flat probe: its level never falls, no recovery is reported
+                    await agent.record_iteration(
+                        generation, step, 0.1 * jitter, 0, "drained", compute_s=0.004 * jitter
+                    )
+                    continue
+                compute = 0.08 * (8 if slowed["on"] and agent.node == 1 else 1) * jitter
+                await agent.record_iteration(generation, step, compute + 0.02, 4, compute_s=compute)
+            await asyncio.sleep(0.01)
+
+    async def request_after(last: int) -> ValidationRequest | None:
+        raw = await client.get(keys.validation_request)
+        request = ValidationRequest.model_validate_json(raw) if raw else None
+        return request if request is not None and request.id > last else None
+
+    async def answer(request: ValidationRequest, node_1_s: float) -> None:
+        gemm = {0: 0.010, 1: node_1_s, 2: 0.0101, 3: 0.0099}
+        result = ValidationResult(
+            id=request.id, generation=request.generation, step=500, gemm_s=gemm, held_s=0.2, finished_at=0.0
+        )
+        await client.xadd(keys.validation_results, {"m": encode(result)})
+
+    try:
+        async with _running(steps(), stop):
+            await asyncio.sleep(0.8)
+            slowed["on"] = True
+            status = await _generation(kube, "recheck", 1, 15)
+            assert status["lastDecision"]["strategy"] == "microbatch", status["lastDecision"]
+            drained_at = asyncio.get_running_loop().time()
+            slow = await eventually(lambda: request_after(0), 10, "the drained node's first recheck")
+            first_after = asyncio.get_running_loop().time() - drained_at
+            assert slow.suspects == [1] and slow.generation == 1, slow
+            await answer(slow, 0.08)  # still 8x
+            healthy = await eventually(lambda: request_after(slow.id), 15, "its second recheck")
+            second_after = asyncio.get_running_loop().time() - drained_at - first_after
+            assert healthy.suspects == [1], healthy
+            await answer(healthy, 0.0102)
+            status = await _generation(kube, "recheck", 2, 15)
+    finally:
+        await client.aclose()
+    # The first pass `drainedRecheckS` after the drain, the next twice that after it.
+    assert 1.5 <= first_after <= 6 and 3 <= second_after <= 9, (first_after, second_after)
+    assert status["lastDecision"]["strategy"] == "restore" and not status.get("slowNodes"), status
+    assert [r["strategy"] for r in status["recoveries"]] == ["microbatch", "restore"]
+
+    async def events() -> list[str] | None:
+        messages = [e.get("message", "") for e in await kube.events_of("recheck")]
+        still = any("drained with no recovery report" in m and "8.00x the median" in m for m in messages)
+        back = any(m.startswith("node 1 is back: validation at step 500") and "1.02x" in m for m in messages)
+        return messages if still and back else None
+
+    await eventually(events, 5, "the rechecks' events")
