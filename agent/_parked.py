@@ -6,7 +6,8 @@ node its place back only on the node's own recovery report, so a parked node mus
 as Falcon keeps profiling a replaced node. Until a generation takes the node back, the agent times one
 matrix product on the node's device every `PROBE_INTERVAL_S`, stretched by the node's compute chaos order
 as the worker's compute would be, and reports it as a probe step: zero samples, and a new role, so its
-change-point detector starts over on the probe's level and reports the recovery when that level falls.
+watch (`_step_watch`) starts over on the probe's first level and reports the recovery when the level falls
+under it.
 When a generation takes the node back, the caller starts a new worker, which joins as a replacement node
 does: the plan copies its layers to it from its peers.
 """

@@ -600,6 +600,10 @@ class FailSlowTracker:
             return False
         self.awaiting = None
         self.changed = True
+        if self.revalidation.asked:
+            # A drained node's pass: no candidate waited for it, and the node's next pass is due already.
+            self.revalidation.asked = ()
+            return False
         for candidate in self.candidates.values():
             if self._asked(candidate):
                 candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone

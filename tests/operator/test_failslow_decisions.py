@@ -253,6 +253,12 @@ def test_a_drained_node_whose_recovery_report_never_comes_is_timed_again_and_tak
 def test_a_pass_for_the_candidates_is_no_revalidation_and_a_taken_back_node_is_forgotten() -> None:
     tracker = _drained_episode()
     assert tracker.revalidation_wanted(now=0.0) is None
+    # A drained node's pass that never answers: the next pass (the candidates') is not taken for its.
+    first = tracker.spec.drained_recheck_s
+    assert tracker.revalidation_wanted(now=first) == [1]
+    tracker.validation_sent(2, now=first, revalidating=[1])
+    assert not tracker.validation_timeout(now=first + tracker.spec.validation_timeout_s)
+    assert tracker.awaiting is None and tracker.revalidation.asked == ()
     tracker.validation_sent(3, now=10.0)  # a communication candidate's pass: not for node 1
     assert tracker.validated(_timed(3, {0: 1e-3, 1: 1e-3, 2: 1e-3}), now=11.0) is None
     assert tracker.active and tracker.slow == {1: 4.0}  # its GEMM said nothing of node 1 here
