@@ -100,7 +100,8 @@ class StepWatch:
         self._skip = min(self.warmup, PROBE_WARMUP_STEPS) if role in PROBE_ROLES else self.warmup
         self._first_step = step + self._skip  # the step fed first to the current detectors
         self._skipped = 0
-        self._probe_reference: float | None = None  # a probe role's level a recovery must fall under
+        self._probe_first: float | None = None  # a probe role's first level: what a recovery is measured by
+        self._probe_bar: float | None = None  # the level a (further) recovery must fall under
         self.role = role
 
     def feed(
@@ -152,30 +153,30 @@ class StepWatch:
         falls: a change-point missed the recoveries that came before it had `min_before` probes of the old
         level, and judged against its last level, so a passing bump (cache contention from the workers
         sharing the host's cores) read as a recovery when it ended (the demo's drained x4 worker was
-        restored at its slowed level while its order held). Reported once per level: a further fall by the
-        margin (the operator wants half a slowdown undone) is reported again."""
+        restored at its slowed level while its order held). Reported once per level, always against the
+        first level: a further fall by the margin is reported again (the operator wants half the slowdown
+        undone, which a recovery in steps reaches only counted from where it began)."""
         if event is not None and event.kind is not ChangeKind.RECOVERY:
             return event
         if self._fed < max(PROBE_FIRST, self.config.min_after):
             return None
-        probes = list(self._computes)
-        if self._probe_reference is None:
-            self._probe_reference = statistics.median(self._first_computes[:PROBE_FIRST])
-        bar = self._probe_reference / (1 + self.config.min_change)
-        latest = probes[-self.config.min_after :]
+        if self._probe_first is None:
+            self._probe_first = statistics.median(self._first_computes[:PROBE_FIRST])
+            self._probe_bar = self._probe_first / (1 + self.config.min_change)
+        bar = self._probe_bar or self._probe_first
+        latest = list(self._computes)[-self.config.min_after :]
         level = statistics.median(latest)
         if level > bar:
             return None
         fell = next(offset for offset, probe in enumerate(latest) if probe <= bar)
-        recovered = ChangeEvent(
+        self._probe_bar = level / (1 + self.config.min_change)
+        return ChangeEvent(
             index=self._fed - len(latest) + fell,
             kind=ChangeKind.RECOVERY,
-            before_s=self._probe_reference,
+            before_s=self._probe_first,
             after_s=level,
             detected_at=self._fed - 1,
         )
-        self._probe_reference = level
-        return recovered
 
     def _compute_moved(self, onset: int) -> bool:
         """Whether compute time shifted at `onset` (an index into the fed samples) as much as a change."""

@@ -524,7 +524,9 @@ class FailSlowTracker:
     def revalidation_wanted(self, now: float | None = None) -> list[int] | None:
         """Drained slow nodes due a pass of their own (`_failslow_revalidate`), when no pass is out."""
         clock = time.time() if now is None else now
-        drained = [node for node in self.slow if node in self.idle and node not in self.gone]
+        # Only a slow device's recovery is what a GEMM measures: a drained link's end or an unvalidated
+        # communication straggler would be timed healthy and restored straight into its slowdown.
+        drained = [n for n in self.slow if n in self.idle and n not in self.gone and self._lone_device(n)]
         if not (self.controller.active and self.spec.enabled):
             drained = []
         due = self.revalidation.due(drained, clock)  # also forgets nodes taken back, and a closed episode's
@@ -559,19 +561,19 @@ class FailSlowTracker:
         on this measurement, as on its agent's recovery report; one still slow waits for its next pass."""
         decision = None
         held = f"validation at step {result.step} (training held {result.held_s:.2f}s)"
-        for node, ratio in self.revalidation.judge(result.gemm_s).items():
+        for node, ratio in self.revalidation.judge(result.gemm_s, slow=set(self.slow)).items():
             slowdown = self.slow.get(node)
             if slowdown is None:
                 continue  # back meanwhile (its report came), or gone
             if ratio is None or ratio > self._recovered_bar:
                 after = self.revalidation.next_in(node, clock)
                 timed = "did not time it" if ratio is None else f"timed its device at {ratio:.2f}x the median"
+                again = "" if after is None else f"; timed again in {after:.0f}s"
                 self.findings.append(
                     Finding(
                         FindingKind.SLOW_DEVICE,
                         (node,),
-                        f"node {node}, drained with no recovery report: {held} {timed}; timed again in "
-                        f"{after or 0:.0f}s",
+                        f"node {node}, drained with no recovery report: {held} {timed}{again}",
                     )
                 )
                 continue
@@ -601,8 +603,16 @@ class FailSlowTracker:
         self.awaiting = None
         self.changed = True
         if self.revalidation.asked:
-            # A drained node's pass: no candidate waited for it, and the node's next pass is due already.
-            self.revalidation.asked = ()
+            # A drained node's pass: no candidate waited for it, and the node's next pass is scheduled.
+            nodes, self.revalidation.asked = self.revalidation.asked, ()
+            self.findings.append(
+                Finding(
+                    FindingKind.SLOW_DEVICE,
+                    nodes,
+                    f"drained nodes {list(nodes)}: no result of the pass that was to time them within "
+                    f"{self.spec.validation_timeout_s:.0f}s; they are timed again later",
+                )
+            )
             return False
         for candidate in self.candidates.values():
             if self._asked(candidate):
@@ -701,7 +711,7 @@ class FailSlowTracker:
         # (parked by S4: its probe steps are other work) has only its agent's word, which stands.
         ratios = self._speeds(nodes, report.onset_step)
         waiting = [n for n, ratio in ratios.items() if ratio is None and self.gate.measures(n)]
-        if waiting and clock - came_at < CANDIDATE_TTL_S:
+        if waiting and measured is None and clock - came_at < CANDIDATE_TTL_S:
             self._recovering[report.node] = Candidate(report, came_at)
             self.changed = True
             return None
@@ -861,6 +871,7 @@ class FailSlowTracker:
             "candidates": {str(n): c.state() for n, c in self.candidates.items()},
             "recovering": {str(n): c.state() for n, c in self._recovering.items()},
             "awaiting": None if self.awaiting is None else list(self.awaiting),
+            "revalidating": list(self.revalidation.asked),
             "detect_s": self._detect_s,
             "steps": None if self._steps is None else list(self._steps),
             "fed": {str(n): s for n, s in self._fed.items()},
@@ -884,6 +895,8 @@ class FailSlowTracker:
         self.candidates = candidates
         self._recovering = {int(n): Candidate.of(c) for n, c in state.get("recovering", {}).items()}
         self.awaiting = None if awaiting is None else (int(awaiting[0]), float(awaiting[1]))
+        # Whose the outstanding pass is: a drained node's result must not be read as the candidates'.
+        self.revalidation.asked = tuple(int(n) for n in state.get("revalidating", ()))
         self._detect_s = float(state.get("detect_s", 0.0))
         steps = state.get("steps")
         self._steps = None if steps is None else (int(steps[0]), int(steps[1]))

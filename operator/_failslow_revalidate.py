@@ -13,7 +13,7 @@ Pure: the tracker (`_failslow`) holds one and the telemetry pass sends the reque
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -65,14 +65,17 @@ class DrainedRevalidation:
         found = self._due.get(node)
         return None if found is None else max(0.0, found[0] - now)
 
-    def judge(self, gemm_s: Mapping[int, float]) -> dict[int, float | None]:
-        """The asked nodes' GEMM time over the median of the other devices' in a pass's result (None: the
-        pass did not time it, or timed no other device). Clears `asked`."""
+    def judge(self, gemm_s: Mapping[int, float], slow: Collection[int] = ()) -> dict[int, float | None]:
+        """The asked nodes' GEMM time over the median of the other devices' in a pass's result, leaving out
+        the `slow` ones where healthy ones remain (in a small world another slow device would drag the
+        median up: a 2x device read 0.8x beside a 4x and a healthy one); None: the pass did not time it, or
+        timed no other device. Clears `asked`."""
         nodes, self.asked = self.asked, ()
         ratios: dict[int, float | None] = {}
         for node in nodes:
             own = gemm_s.get(node)
             others = [seconds for other, seconds in gemm_s.items() if other != node]
-            middle = median(others) if others else 0.0
-            ratios[node] = own / middle if own is not None and middle > 0 else None
+            healthy = [seconds for other, seconds in gemm_s.items() if other != node and other not in slow]
+            middle = median(healthy or others) if others else 0.0
+            ratios[node] = own / middle if own is not None and own > 0 and middle > 0 else None
         return ratios

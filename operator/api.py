@@ -250,11 +250,11 @@ class FailSlowSpec(_Api):
         default=60.0,
         ge=1,
         le=86400,
-        description="A node that S2 drained of its micro-batches returns on its agent's recovery report; "
-        "when none has come this long after the drain (the node recovered right as it was drained, or "
-        "Redis lost the report), a validation pass times its device again, then at doubling intervals up "
-        "to 16x this, and brings it back once it times within half the threshold's excess of the other "
-        "devices' median.",
+        description="A slow device that S2 drained of its micro-batches returns on its agent's recovery "
+        "report; when none has come this long after the drain (the node recovered right as it was drained, "
+        "or Redis lost the report), a validation pass times the device again, then at doubling intervals up "
+        "to 16x this, and brings it back once it times within half the threshold's excess of the median of "
+        "the other healthy devices.",
     )
     micro_batch_split: int = Field(
         default=1,

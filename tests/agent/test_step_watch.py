@@ -102,7 +102,8 @@ def test_a_probe_role_reports_a_recovery_that_comes_a_few_probes_after_the_drain
 
 def test_a_probes_partial_fall_then_its_full_recovery_are_two_reports() -> None:
     """The operator dismisses a fall that undoes less than half of a slowdown; the rest of the fall, later,
-    must be reported too, against the level reported before."""
+    must be reported too, counted from the first level (from the level reported before, no step of a
+    recovery in steps undid half of it: 4 -> 3 -> 1.9 -> 1 ms read 0.75, 0.63, 0.53)."""
     watch = StepWatch()
     probes = [0.004] * 10 + [0.0028] * 20 + [0.001] * 20
     reports = [
@@ -113,6 +114,6 @@ def test_a_probes_partial_fall_then_its_full_recovery_are_two_reports() -> None:
     assert [change.event.kind for _, change in reports] == [ChangeKind.RECOVERY] * 2, reports
     (_, partial), (_, full) = reports
     assert partial.onset_step == 10 and partial.event.ratio == pytest.approx(0.7)
-    assert full.onset_step == 30 and full.event.ratio == pytest.approx(0.001 / 0.0028)
+    assert full.onset_step == 30 and full.event.ratio == pytest.approx(0.25)
     # A level that holds is reported once.
     assert all(watch.feed(step, DRAINED_ROLE, 0.25, 0.001) is None for step in range(50, 200))

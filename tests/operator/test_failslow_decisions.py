@@ -18,7 +18,7 @@ from resilientjob.operator._failslow import (
     topology_plan,
 )
 from resilientjob.operator._failslow_plans import DRAIN_MARGIN, drain_floors
-from resilientjob.operator._failslow_revalidate import LONGEST
+from resilientjob.operator._failslow_revalidate import LONGEST, DrainedRevalidation
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.planner.plan import PipelinePlan, Plan, Policy, StagePlan
 from resilientjob.planner.profile import uniform_profile
@@ -259,13 +259,38 @@ def test_a_pass_for_the_candidates_is_no_revalidation_and_a_taken_back_node_is_f
     tracker.validation_sent(2, now=first, revalidating=[1])
     assert not tracker.validation_timeout(now=first + tracker.spec.validation_timeout_s)
     assert tracker.awaiting is None and tracker.revalidation.asked == ()
-    tracker.validation_sent(3, now=10.0)  # a communication candidate's pass: not for node 1
-    assert tracker.validated(_timed(3, {0: 1e-3, 1: 1e-3, 2: 1e-3}), now=11.0) is None
+    (timed_out,) = [f for f in tracker.drain_findings() if f.kind is FindingKind.SLOW_DEVICE]
+    assert "drained nodes [1]: no result of the pass" in timed_out.message
+    now = first + tracker.spec.validation_timeout_s + 1
+    tracker.validation_sent(3, now=now)  # a communication candidate's pass: not for node 1
+    assert tracker.validated(_timed(3, {0: 1e-3, 1: 1e-3, 2: 1e-3}), now=now + 1) is None
     assert tracker.active and tracker.slow == {1: 4.0}  # its GEMM said nothing of node 1 here
     # Its agent's own recovery report comes: nothing more is scheduled for it.
-    restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=20.0)
+    restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=now + 2)
     assert restore is not None and restore.action is Action.RESTORE
-    assert tracker.revalidation_wanted(now=20.0 + 10 * tracker.spec.drained_recheck_s) is None
+    assert tracker.revalidation_wanted(now=now + 10 * first) is None
+
+
+def test_a_recheck_outlives_an_operator_restart_and_times_only_what_a_gemm_can_tell() -> None:
+    tracker = _drained_episode()
+    first = tracker.spec.drained_recheck_s
+    assert tracker.revalidation_wanted(now=0.0) is None
+    assert tracker.revalidation_wanted(now=first) == [1]
+    tracker.validation_sent(4, now=first, revalidating=[1])
+    # A restarted operator reads the outstanding pass's result as node 1's, not as the candidates'.
+    restarted = FailSlowTracker(tracker.spec)
+    restarted.restore(json.loads(json.dumps(tracker.state())))
+    restarted.idle = frozenset({1})
+    restore = restarted.validated(_timed(4, {0: 1e-3, 1: 1.01e-3, 2: 1e-3}), now=first + 1)
+    assert restore is not None and restore.action is Action.RESTORE
+    # The reference is the healthy devices': beside a 4x device, a 2x one is not "0.8x the median".
+    assert DrainedRevalidation(first, asked=(1,)).judge({0: 1.0, 1: 2.0, 2: 4.0}, slow={1, 2}) == {1: 2.0}
+    assert DrainedRevalidation(first, asked=(1,)).judge({0: 1.0, 1: 0.0, 2: 1.0}) == {1: None}
+    # A drained end of a slow link: a GEMM says nothing of the link, so no pass is asked for it.
+    linked = _drained_episode()
+    linked.links.add((1, 0))
+    assert linked.revalidation_wanted(now=first) is None
+    assert linked.revalidation_wanted(now=100 * first) is None
 
 
 def test_min_duration_and_threshold_gate_the_episode() -> None:
