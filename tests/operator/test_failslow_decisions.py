@@ -161,37 +161,6 @@ def test_a_rung_weighs_a_slow_node_by_its_level_now_not_its_reports_first_readin
     assert decision.action is Action.MICROBATCH and decision.factors == {1: pytest.approx(4.0)}
 
 
-def test_a_drained_slow_node_is_charged_nothing_and_its_own_recovery_report_restores() -> None:
-    overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
-    tracker = FailSlowTracker(FailSlowSpec(overheads=overheads, min_duration_s=0))
-    tracker.gate.new_generation(0, {})
-    feed(tracker, range(15), {0: 0.1, 1: 0.1, 2: 0.1})
-    feed(tracker, range(15, 21), {0: 0.1, 1: 0.4, 2: 0.1})
-    tracker.report(slow_report(1, step=20, slowdown=4.0), now=0.0)
-    tracker.tick(now=0.0)
-    assert tracker.active and tracker.slow == {1: 4.0}
-    decision = tracker.iteration(record(1, 21, 0.4))
-    assert decision is not None and decision.action is Action.MICROBATCH
-    # S2 drained node 1's replica (generation 1): its steps are probe products, out of the levels. However
-    # long they run, the episode is charged nothing more, so no costlier rung follows...
-    tracker.published(decision, 1)
-    tracker.gate.new_generation(1, {0: 1.0, 2: 1.0})
-    tracker.idle = frozenset({1})
-    loss = tracker.controller.loss_s
-    for step in range(22, 400):
-        assert tracker.iteration(record(1, step, 0.4)) is None
-    assert tracker.controller.loss_s == loss
-    # ...and, with no level of its own to judge it by, its agent's recovery report ends the episode, once it
-    # undoes half the slowdown: the probe of a drained node drifts (the demo's x4 worker's, 4 ms -> 3 ms on
-    # 16 cores, was taken for its recovery while its order held, and S2 came back 3 s later).
-    assert tracker.report(slow_report(1, step=400, slowdown=4 / 3, recovered=True), now=1.0) is None  # 0.75x
-    assert tracker.active and tracker.slow == {1: 4.0}
-    (dismissed,) = [f for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
-    assert "short of the 0.50x that undoes half of its 4.00x slowdown" in dismissed.message
-    restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=2.0)  # 0.25x
-    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
-
-
 def _drained_episode() -> FailSlowTracker:
     """Node 1 x4, drained by S2 in generation 1 (its steps are probes, out of the levels)."""
     overheads = StrategyOverheads(microbatch_s=0.5, topology_s=2.0, restart_s=5.0)
@@ -207,6 +176,26 @@ def _drained_episode() -> FailSlowTracker:
     tracker.gate.new_generation(1, {0: 1.0, 2: 1.0})
     tracker.idle = frozenset({1})
     return tracker
+
+
+def test_a_drained_slow_node_is_charged_nothing_and_its_own_recovery_report_restores() -> None:
+    # S2 drained node 1's replica (generation 1): its steps are probe products, out of the levels. However
+    # long they run, the episode is charged nothing more, so no costlier rung follows...
+    tracker = _drained_episode()
+    assert tracker.active and tracker.slow == {1: 4.0}
+    loss = tracker.controller.loss_s
+    for step in range(22, 400):
+        assert tracker.iteration(record(1, step, 0.4)) is None
+    assert tracker.controller.loss_s == loss
+    # ...and, with no level of its own to judge it by, its agent's recovery report ends the episode, once it
+    # undoes half the slowdown: the probe of a drained node drifts (the demo's x4 worker's, 4 ms -> 3 ms on
+    # 16 cores, was taken for its recovery while its order held, and S2 came back 3 s later).
+    assert tracker.report(slow_report(1, step=400, slowdown=4 / 3, recovered=True), now=1.0) is None  # 0.75x
+    assert tracker.active and tracker.slow == {1: 4.0}
+    (dismissed,) = [f for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    assert "short of the 0.50x that undoes half of its 4.00x slowdown" in dismissed.message
+    restore = tracker.report(slow_report(1, step=420, slowdown=4.0, recovered=True), now=2.0)  # 0.25x
+    assert restore is not None and restore.action is Action.RESTORE and not tracker.active
 
 
 def _timed(request_id: int, gemm_s: dict[int, float]) -> ValidationResult:
