@@ -64,6 +64,19 @@ def _recovery_after(state: Path, generation: int) -> dict[str, Any] | None:
     return back[0] if back and whole else None
 
 
+def _until_back(state: Path, generation: int, timeout: float, what: str) -> dict[str, Any]:
+    """`_recovery_after`, polled; a timeout says where the episode stood (a CI run's only trace of it)."""
+    try:
+        return until(lambda: _recovery_after(state, generation), timeout, what)
+    except AssertionError as timed_out:
+        status = _status(state)
+        keys = ("layout", "workers", "slowNodes", "parkedNodes", "lastDecision", "recoveries")
+        log = (state / "operator.log").read_text(errors="replace").splitlines()
+        said = [line for line in log if "job default/demo-gpt:" in line][-12:]
+        shown = "\n".join([f"{key}: {status.get(key)}" for key in keys] + said)
+        raise AssertionError(f"{timed_out}\n{shown}") from None
+
+
 def _at(recovery: dict[str, Any]) -> float:
     return datetime.strptime(recovery["at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
@@ -81,10 +94,8 @@ def test_a_parked_worker_recovers_and_trains_again(local: Path, tmp_path: Path) 
     rjob_ok(local, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", f"{SLOWED_S}s")
     parked = until(lambda: (s := _status(local)).get("parkedNodes") == [3] and s, SLOWED_S, "node 3 parked")
     assert parked["workers"] == "3/3"  # DP3, or DP4 with node 3's stage rerouted: the planner's choice
-    back = until(
-        lambda: _recovery_after(local, parked["planGeneration"]),
-        SLOWED_S + 60,
-        "node 3's recovery and the four-worker plan back",
+    back = _until_back(
+        local, parked["planGeneration"], SLOWED_S + 60, "node 3's recovery and the four-worker plan back"
     )
     generation = back["generation"]
     # Back once the order has ended, not before: the probe measures the device, not the host's load.
@@ -115,10 +126,8 @@ def test_a_drained_worker_recovers_and_gets_its_micro_batches_back(local: Path, 
     decision = until(drained, DRAINED_S, "S2 for node 3")
     assert decision["nodes"] == [3] and "nodes [3] drained" in decision["reason"], decision
     assert "-> [16, 16, 16, 0]" in decision["reason"], decision
-    back = until(
-        lambda: _recovery_after(local, decision["generation"]),
-        DRAINED_S + 60,
-        "node 3's recovery and its micro-batches back",
+    back = _until_back(
+        local, decision["generation"], DRAINED_S + 60, "node 3's recovery and its micro-batches back"
     )
     # Back once the order has ended, not before: the probe measures the device, not the host's load.
     assert _at(back) >= ordered_at + DRAINED_S - 1, (_at(back) - ordered_at, back)
