@@ -100,8 +100,9 @@ class StepWatch:
         self._skip = min(self.warmup, PROBE_WARMUP_STEPS) if role in PROBE_ROLES else self.warmup
         self._first_step = step + self._skip  # the step fed first to the current detectors
         self._skipped = 0
-        self._probe_first: float | None = None  # a probe role's first level: what a recovery is measured by
-        self._probe_bar: float | None = None  # the level a (further) recovery must fall under
+        # A probe role's first level (what a recovery is measured by) and the level a (further) recovery
+        # must fall under; None until the role's first probes are in.
+        self._probe: tuple[float, float] | None = None
         self.role = role
 
     def feed(
@@ -160,20 +161,20 @@ class StepWatch:
             return event
         if self._fed < max(PROBE_FIRST, self.config.min_after):
             return None
-        if self._probe_first is None:
-            self._probe_first = statistics.median(self._first_computes[:PROBE_FIRST])
-            self._probe_bar = self._probe_first / (1 + self.config.min_change)
-        bar = self._probe_bar or self._probe_first
+        if self._probe is None:
+            first = statistics.median(self._first_computes[:PROBE_FIRST])
+            self._probe = (first, first / (1 + self.config.min_change))
+        first, bar = self._probe
         latest = list(self._computes)[-self.config.min_after :]
         level = statistics.median(latest)
         if level > bar:
             return None
         fell = next(offset for offset, probe in enumerate(latest) if probe <= bar)
-        self._probe_bar = level / (1 + self.config.min_change)
+        self._probe = (first, level / (1 + self.config.min_change))
         return ChangeEvent(
             index=self._fed - len(latest) + fell,
             kind=ChangeKind.RECOVERY,
-            before_s=self._probe_first,
+            before_s=first,
             after_s=level,
             detected_at=self._fed - 1,
         )

@@ -526,9 +526,10 @@ class FailSlowTracker:
         clock = time.time() if now is None else now
         # Only a slow device's recovery is what a GEMM measures: a drained link's end or an unvalidated
         # communication straggler would be timed healthy and restored straight into its slowdown.
-        drained = [n for n in self.slow if n in self.idle and n not in self.gone and self._lone_device(n)]
-        if not (self.controller.active and self.spec.enabled):
-            drained = []
+        active = self.controller.active and self.spec.enabled
+        drained = [
+            n for n in self.slow if active and n in self.idle and n not in self.gone and self._lone_device(n)
+        ]
         due = self.revalidation.due(drained, clock)  # also forgets nodes taken back, and a closed episode's
         return due if due and self.awaiting is None else None
 

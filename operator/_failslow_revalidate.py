@@ -32,8 +32,9 @@ class DrainedRevalidation:
     agent's own recovery report (a few probe steps after the probe's level falls), so a pass holds training
     only when that word is overdue."""
     asked: tuple[int, ...] = ()
-    """The nodes of the pass sent and not answered yet (not kept across an operator restart: a restarted
-    operator's first pass for them comes `first_s` after it starts)."""
+    """The nodes of the pass sent and not answered yet (stored with the episode, `FailSlowTracker.state`, so
+    a restarted operator reads that pass's result as theirs; the schedule is not stored: a restarted
+    operator's next pass for them comes `first_s` after it starts)."""
     _due: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Node -> (when its next pass is due, the interval that led there)."""
 
