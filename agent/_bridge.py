@@ -287,7 +287,8 @@ class TrainingAgent:
             print(
                 f"step {event['step']} gen {event['generation']} loss {event['loss']:.4f} "
                 f"wall {event['wall_s']:.3f}s compute {event['compute_s']:.3f}s"
-                + (f" (chaos {chaos:.3f}s)" if chaos > 0 else ""),
+                + (f" (chaos {chaos:.3f}s)" if chaos > 0 else "")
+                + (f" probe {event['probe_s'] * 1e3:.2f}ms" if event.get("probe_s") else ""),
                 flush=True,
             )
             # The switch to this generation goes out with its first step's record (`IterationRecord`).
@@ -305,6 +306,7 @@ class TrainingAgent:
                 loss=event["loss"],
                 chaos_s=chaos,
                 switch=switch,
+                probe_s=event.get("probe_s"),
             )
         elif kind == "applied":
             self.switches[event["generation"]] = (event["rendezvous_s"], event["copy_s"], event["bytes"])

@@ -93,9 +93,14 @@ def measure(device: str, cpu_size: int = PROBE_SIZE, repeats: int = PROBE_REPEAT
         return gemm_benchmark(ACCELERATOR_PROBE_SIZE, repeats, device, stretched=False).seconds
     import torch
 
-    torch.set_num_threads(1)  # the agent trains nothing itself; a worker computes on one thread anyway
-    clock = time.thread_time
-    return gemm_benchmark(cpu_size, repeats, device, clock=clock, stretched=False).seconds
+    # One thread: the thread's CPU time is the product's only then. Put back after: a worker that times a
+    # probe between its steps trains on the threads it had.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return gemm_benchmark(cpu_size, repeats, device, clock=time.thread_time, stretched=False).seconds
+    finally:
+        torch.set_num_threads(threads)
 
 
 async def probe(telemetry: Telemetry, device: str, work: DeviceWork) -> ProbeStep:

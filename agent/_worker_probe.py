@@ -49,6 +49,16 @@ DRAINED_PROBE_REPEATS = 3
 of 384, the best of 3 (about a millisecond each on one core), stay hidden there and take little from peers
 that share the node's cores; products of 256 timed too noisily (a cold cache after the step's wait moved the
 best of 3 by up to 20%). An accelerator's products are `_parked.ACCELERATOR_PROBE_SIZE` wide."""
+REFERENCE_FIRST_STEP = 5
+"""The worker's step after which it times its first reference: its start-up behind it, under the job's load
+(timed after the first step, while the other workers were still starting, the local stack's references
+read ~20% under a parked node's probe in the training that followed)."""
+REFERENCE_EVERY_S = 30.0
+"""Seconds between two reference probes of a node that trains: the parked node's own probe product, timed
+after a step (after step `REFERENCE_FIRST_STEP`, then every this often; a few milliseconds, under 0.1% of
+the node's time).
+The operator judges a parked node's probe against the other nodes' latest (`operator._failslow_parked`): a
+parked node whose slowdown ended before its own probe had a level of it sends no recovery report."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +196,12 @@ class WorkerProbe:
         profile_every: int = PROFILE_EVERY,
         lane: int = 0,
         device: str = "cpu",
+        reference_every_s: float = REFERENCE_EVERY_S,
     ) -> None:
         if profile_every < 2:
             raise ValueError(f"profile_every: must be >= 2, got {profile_every}")
+        if not reference_every_s > 0:
+            raise ValueError(f"reference_every_s: must be > 0, got {reference_every_s}")
         self.node = node
         self.lane = lane
         """This worker's local rank among its node's k: the ranks its chaos links and labels address."""
@@ -210,6 +223,10 @@ class WorkerProbe:
         self._step_injected = 0.0
         self._window_cursor = 0
         self._window_steps = 0
+        self.reference_every_s = reference_every_s
+        self._reference_at: float | None = None
+        """When the last reference probe was timed (None: none yet)."""
+        self._steps_ended = 0
 
     def start_chaos(self, keys: JobKeys, client: redis.Redis | None) -> None:
         """Obey this node's chaos orders if the job allows chaos (`chaos.allowed`)."""
@@ -253,7 +270,8 @@ class WorkerProbe:
         `drained_on`: the device of a node the plan runs no micro-batch on (S2 drained its replica). Its
         step is all waiting, which says nothing of its device, so its compute is a probe product timed
         there, stretched by the node's compute chaos order as its training would be: the node's agent
-        reports the recovery from these steps, as a parked node's does from its own probes."""
+        reports the recovery from these steps, as a parked node's does from its own probes. Lane 0 of a
+        node that trains times the parked node's probe every `reference_every_s` (`probe_s`)."""
         ended = time.perf_counter()
         wall = max(1e-6, ended - self._step_began)
         records = self.tracer.ring.records(since=self._step_cursor)
@@ -287,11 +305,24 @@ class WorkerProbe:
             "loss": loss,
             "role": role,
         }
+        if drained_on is None and self.lane == 0 and self._reference_due():
+            factor = injector.compute_factor() if injector is not None else 1.0
+            line["probe_s"] = _parked.measure(self.device) * factor
         self._write(line)
         self._window_steps += 1
         if self._window_steps >= self.profile_every:
             self._profile(generation, step)
         return line
+
+    def _reference_due(self) -> bool:
+        self._steps_ended += 1
+        if self._steps_ended < REFERENCE_FIRST_STEP:
+            return False
+        now = time.monotonic()
+        if self._reference_at is not None and now - self._reference_at < self.reference_every_s:
+            return False
+        self._reference_at = now
+        return True
 
     def _profile(self, generation: int, step: int) -> None:
         records = self.tracer.ring.records(since=self._window_cursor)

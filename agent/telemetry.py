@@ -336,6 +336,7 @@ class Telemetry:
         loss: float | None = None,
         chaos_s: float | None = None,
         switch: tuple[float, float, int] | None = None,
+        probe_s: float | None = None,
     ) -> SlowReport | None:
         """Append one step to the job's iteration stream; report a change point when a detector sees one
         (`StepWatch.feed`: `compute_s` is the step's time outside communication, from the trace).
@@ -349,7 +350,8 @@ class Telemetry:
         `chaos_s` (the delay a chaos order added to the step) travels in the record for whoever measures a
         slowdown ordered on purpose (`rjob demo`, the benches); the detectors never read it. `switch`: the
         (rendezvous s, copy s, bytes received) of this node's switch to `generation`, sent with its first
-        step there."""
+        step there. `probe_s`: the node's reference probe, when this step timed one
+        (`_worker_probe.REFERENCE_EVERY_S`)."""
         key = role if role is not None else generation
         if self.waiting is not None and generation > self.waiting.generation:
             self.waiting = None  # the workers got the generation they waited for
@@ -378,6 +380,7 @@ class Telemetry:
             rendezvous_s=None if switch is None else max(0.0, switch[0]),
             copy_s=None if switch is None else max(0.0, switch[1]),
             copied_bytes=None if switch is None else max(0, int(switch[2])),
+            probe_s=probe_s if probe_s is not None and 0 < probe_s <= 3600 else None,  # nan: none
         )
         await self._send(self.keys.iterations, encode(record), keep=False)
         change = self.watch.feed(step, key, seconds, compute_s)

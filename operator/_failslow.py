@@ -21,7 +21,8 @@ Agents run the planner's BOCD + verification on their own iteration times and se
    reconciler turns into a plan (`_failslow_plans`) and publishes through the same generation path as a
    fail-stop: S2 `microbatch`, S3 `topology` (links first, then stragglers), S4 `replace` (slow nodes out,
    their pods parked), and `restore` when the last slow node's recovery report ends the episode (or, for a
-   drained node whose report does not come, a validation pass that times it healthy: `_failslow_revalidate`);
+   drained node whose report does not come, a validation pass that times it healthy: `_failslow_revalidate`;
+   for a parked one, its probe read against the training nodes' own timings of it: `_failslow_parked`);
    `revert` when the episode's first rung measurably made the job slower (`_failslow_rungs`).
 
 Restart safety: `state()` is everything the episode needs (the controller's level, accumulated loss, causes
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -64,6 +65,7 @@ from resilientjob.protocol.messages import (
 from . import _failslow_validation as _validation
 from ._failslow_clock import NodeClocks
 from ._failslow_job import JobStepTrigger, slowdown_bar
+from ._failslow_parked import ParkedRecheck
 from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
     link_plan,
@@ -143,6 +145,8 @@ class FailSlowTracker:
     """The outstanding validation request: (id, when it was sent)."""
     revalidation: DrainedRevalidation = field(init=False)
     """When drained slow nodes that sent no recovery are timed again (`_failslow_revalidate`)."""
+    parked: ParkedRecheck = field(init=False)
+    """Parked slow nodes' probes against the training nodes' (`_failslow_parked`)."""
     profiles: dict[int, ProfileRecord] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
     """Nodes that failed (`forget`): never suspects again (node ids are not reused); others' profiles of an
@@ -165,6 +169,8 @@ class FailSlowTracker:
     """Each node's latest step when the sweep last made it a candidate (once per level window)."""
     idle: frozenset[int] = frozenset()
     """Nodes of the current plan that compute nothing (S2 drained their replica; set per generation)."""
+    _parked_said: set[int] = field(default_factory=set)
+    """Parked nodes whose probe was judged still slow in this park (said once, as an Event)."""
     _recovering: dict[int, Candidate] = field(default_factory=dict)
     """Recovery reports of the episode's sources that the job-wide rule could not judge yet (too few of the
     node's steps since the report's onset had come): judged again by `recheck`."""
@@ -175,6 +181,7 @@ class FailSlowTracker:
         self.rung_check = FirstRungCheck(self.spec.slowdown_threshold)
         self.controller = self._fresh_controller()
         self.revalidation = DrainedRevalidation(self.spec.drained_recheck_s)
+        self.parked = ParkedRecheck(self.spec.parked_recheck_s)
 
     def _fresh_controller(self) -> MitigationController:
         overheads = self.spec.overheads
@@ -595,6 +602,70 @@ class FailSlowTracker:
             decision = self._recovered(report, clock, clock, measured=measured) or decision
         return decision
 
+    def probe_step(self, record: IterationRecord, in_plan: bool) -> None:
+        """A record's probe: a parked node's probe step (`in_plan` False: its compute is the product's
+        time), or a training node's reference timing of it (`probe_s`)."""
+        if not in_plan:
+            if record.compute_s is not None and record.compute_s > 0:
+                self.parked.probe(record.node, record.compute_s)
+        elif record.probe_s is not None and record.node not in self.gone:
+            self.parked.reference(record.node, record.probe_s)
+
+    def parked_recheck(self, plan_nodes: Collection[int], now: float | None = None) -> Mitigation | None:
+        """Parked slow devices (out of `plan_nodes`) that sent no recovery report `parkedRecheckS` after
+        their park, judged by their probe against the training nodes' (`_failslow_parked`): one within the
+        recovered bar is back, on this measurement, as on its agent's report; the restore is returned when
+        it was the episode's last slow node."""
+        clock = time.time() if now is None else now
+        active = self.controller.active and self.spec.enabled
+        # Only a slow device's recovery is what the probe measures (as for a drained node's recheck).
+        parked = [
+            n
+            for n in self.slow
+            if active and n not in plan_nodes and n not in self.gone and self._lone_device(n)
+        ]
+        decision = None
+        for node in self.parked.due(parked, clock):
+            reading = self.parked.judge(node, slow=set(self.slow))
+            if reading is None:
+                continue
+            slowdown = self.slow[node]
+            waited = self.parked.parked_for(node, clock)
+            read = (
+                f"its probe reads {reading.ratio:.2f}x the median of {reading.references} training nodes' "
+                f"timings of it ({reading.level_s:.3g}s vs {reading.reference_s:.3g}s)"
+            )
+            if reading.ratio > self._recovered_bar:
+                if node not in self._parked_said:
+                    self._parked_said.add(node)
+                    self.findings.append(
+                        Finding(
+                            FindingKind.SLOW_DEVICE,
+                            (node,),
+                            f"node {node}, parked {waited:.0f}s with no recovery report: {read}; back once "
+                            f"within {self._recovered_bar:.3g}x",
+                        )
+                    )
+                continue
+            report = SlowReport(
+                node=node,
+                generation=self.gate.generation if self.gate.generation >= 0 else 0,
+                step=0,
+                onset_step=0,
+                slowdown=min(1.0, reading.ratio / slowdown),  # its speed now over its slowed one
+                baseline_s=reading.level_s * slowdown / reading.ratio,
+                level_s=reading.level_s,
+                kind=SlowKind.COMPUTE,
+                recovered=True,
+                detected_at=clock,
+            )
+            self.parked.taken_back(node, clock)
+            self._parked_said.discard(node)
+            self.changed = True
+            measured = f"parked {waited:.0f}s with no recovery report, {read}"
+            decision = self._recovered(report, clock, clock, measured=measured) or decision
+        return decision
+
     def validation_timeout(self, now: float | None = None) -> bool:
         """True (once) when the outstanding pass is older than the spec's timeout: the waiting
         communication candidates go on with their reporters as the suspects."""
@@ -842,6 +913,7 @@ class FailSlowTracker:
             self._sources.pop(node, None)
             self._recovering.pop(node, None)
             self.clocks.forget(node)
+            self.parked.forget(node)
         self.links = {link for link in self.links if not set(link) & gone}
         self.devices -= gone
         self.gate.forget(gone)
@@ -880,6 +952,7 @@ class FailSlowTracker:
             "recent": list(self._recent),
             "rungs": [[action, level] for action, level in self._rungs],
             "rung_check": self.rung_check.state(),
+            "parked_trips": self.parked.state(),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -906,6 +979,7 @@ class FailSlowTracker:
         self._recent = [float(v) for v in state.get("recent", [])][-RECENT:]
         self._rungs = [(str(action), float(level)) for action, level in state.get("rungs", [])]
         self.rung_check.resume(state.get("rung_check"))
+        self.parked.resume(state.get("parked_trips"))
         self.changed = False
 
 

@@ -157,12 +157,15 @@ class TelemetryPass:
             if record.node in current.plan_nodes and record.node not in current.idle:
                 # Parked and drained nodes' probe steps are other work: not in the levels.
                 tracker.observe(record)
+            if record.generation == published.generation:
+                tracker.probe_step(record, in_plan=record.node in current.plan_nodes)
             if record.node in watched and mitigation is None:
                 mitigation = tracker.iteration(record)
         for profile in await redis.new_profiles():
             if profile.node in watched and profile.generation == published.generation:
                 tracker.profile(profile)
         mitigation = await self._validation(ctl, published) or mitigation
+        mitigation = tracker.parked_recheck(current.plan_nodes) or mitigation
         tracker.tick()
         for finding in tracker.drain_findings():
             self._report_finding(ctl, finding)

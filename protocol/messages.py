@@ -145,6 +145,15 @@ class IterationRecord(_Message):
     copied_bytes: int | None = Field(
         default=None, ge=0, le=2**53, description="On a node's first step of a generation: bytes it received."
     )
+    probe_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Now and then, after a step of a node that trains: its device's time for the probe "
+        "product a parked node times (`agent._parked.measure`), its compute chaos order's stretch included. "
+        "The operator judges a parked node's probe against these (`operator._failslow_parked`).",
+    )
 
 
 class SlowKind(StrEnum):

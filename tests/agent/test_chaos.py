@@ -648,6 +648,50 @@ def test_a_drained_node_reports_its_probe_product_slowed_by_the_factor(
 
 
 @pytest.mark.torch
+def test_a_training_node_times_the_parked_probe_now_and_then_slowed_by_its_order(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference a parked node's probe is read against (`IterationRecord.probe_s`): timed after the
+    worker's start-up steps and then every `reference_every_s`, by the parked probe's own measure,
+    stretched by a compute order as the node's training is, leaving the worker's threads as they were."""
+    import io
+
+    from resilientjob.agent._worker_probe import REFERENCE_FIRST_STEP, WorkerProbe
+
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    probe = WorkerProbe(3, io.StringIO(), reference_every_s=0.3)
+    try:
+        probe.start_chaos(KEYS, client)
+        assert probe.watcher is not None
+
+        def step(number: int) -> dict[str, Any]:
+            probe.begin_step()
+            time.sleep(0.02)
+            return probe.end_step(1, number, 4, 0.0, "stage")
+
+        lines = [step(n) for n in range(REFERENCE_FIRST_STEP + 2)]
+        assert [n for n, line in enumerate(lines, 1) if "probe_s" in line] == [REFERENCE_FIRST_STEP]
+        assert torch.get_num_threads() == 2  # the probe's one thread is put back
+        time.sleep(0.3)
+        healthy = step(3).get("probe_s")
+        write_order(client, KEYS, 3, ChaosOrder(factor=4.0, until=time.time() + 60))
+        probe.watcher.poll()
+        time.sleep(0.3)
+        slowed = step(4).get("probe_s")
+        assert healthy is not None and slowed is not None
+        assert slowed > 2.5 * healthy, (healthy, slowed)
+        # A drained node's steps time their own probe (`drained_on`), never the reference.
+        time.sleep(0.3)
+        assert "probe_s" not in probe.end_step(1, 5, 0, 0.0, "drained", drained_on="cpu")
+    finally:
+        probe.stop()
+        tracing.uninstall()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.torch
 def test_a_compute_order_does_not_stretch_the_wait_between_steps(redis_url: str, tmp_path: Path) -> None:
     """A slowed worker that waits between steps (for the commit, for slower peers: the fast one after S2
     re-balanced) must be slowed by the factor of its compute, not of its wait. The wait used to count as the

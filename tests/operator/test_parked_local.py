@@ -37,13 +37,16 @@ pytestmark = [
 ]
 
 
-def _apply_demo(state: Path, tmp_path: Path, overheads: dict[str, float] | None = None) -> None:
+def _apply_demo(
+    state: Path, tmp_path: Path, overheads: dict[str, float] | None = None, **fail_slow: float
+) -> None:
     """The demo's GPT on four workers (DP4: the job is faster with node 3 than without it), trained 50
-    steps."""
+    steps. `fail_slow`: more of the job's `failSlow` fields."""
     manifest = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     manifest["spec"]["nodes"] = 4
     if overheads is not None:
         manifest["spec"]["failSlow"]["overheads"] = overheads
+    manifest["spec"]["failSlow"].update(fail_slow)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
     rjob_ok(state, "apply", "-f", str(path))
@@ -114,6 +117,24 @@ def test_a_parked_worker_recovers_and_trains_again(local: Path, tmp_path: Path) 
     assert _status(local)["workers"] == "4/4"
 
 
+def test_a_parked_worker_that_recovers_at_once_is_taken_back_on_its_probe(
+    local: Path, tmp_path: Path
+) -> None:
+    """The slowdown ends right as node 3 is parked, before its probe has a level of it: its agent sees no
+    fall and sends no recovery report. `parkedRecheckS` after the park the operator reads its probe against
+    the training nodes' own timings of the same product and takes it back."""
+    _apply_demo(local, tmp_path, {"microbatchS": 60, "topologyS": 60, "restartS": 2}, parkedRecheckS=5)
+    rjob_ok(local, "chaos", "slow", "demo-gpt-node-3", "--factor", "4", "--for", "120s")
+    parked = until(lambda: (s := _status(local)).get("parkedNodes") == [3] and s, 40, "node 3 parked")
+    rjob_ok(local, "chaos", "clear", "demo-gpt-node-3")
+    cleared_at = time.time()
+    back = _until_back(local, parked["planGeneration"], 60, "node 3 back on its probe")
+    assert back["strategy"] == "restore", back
+    log = (local / "operator.log").read_text(errors="replace")
+    assert "with no recovery report, its probe reads" in log, log[-3000:]
+    assert _at(back) >= cleared_at - 1
+
+
 def test_a_drained_worker_recovers_and_gets_its_micro_batches_back(local: Path, tmp_path: Path) -> None:
     _apply_demo(local, tmp_path)
     ordered_at = time.time()
@@ -134,4 +155,7 @@ def test_a_drained_worker_recovers_and_gets_its_micro_batches_back(local: Path, 
     assert back["strategy"] == "restore", back
     log = rjob_ok(local, "logs", "demo-gpt-node-3")
     assert "probing its device" not in log  # it never left: no new worker
-    assert _status(local)["workers"] == "4/4" and not _status(local).get("slowNodes")
+    # Node 3 is healthy and trains its share. (Another node may be slow by now: the runner's parallel load
+    # moves unevenly, and a new episode for it is the operator's to open, not this test's to forbid.)
+    status = _status(local)
+    assert status["workers"] == "4/4" and 3 not in (status.get("slowNodes") or []), status
