@@ -2,8 +2,9 @@
 
 Fail-slow mitigation S4 parks a slow node: the new generation runs without it, its worker leaves (the
 runtime's worker exits when a plan has no part for its node) and its pod stays up. The operator gives the
-node its place back only on the node's own recovery report, so a parked node must go on measuring itself,
-as Falcon keeps profiling a replaced node. Until a generation takes the node back, the agent times one
+node its place back on the node's own recovery report, so a parked node must go on measuring itself, as
+Falcon keeps profiling a replaced node; when that report does not come, on its probe steps read against
+the training nodes' own timings of the same product (`operator._failslow_parked`). Until a generation takes the node back, the agent times one
 matrix product on the node's device every `PROBE_INTERVAL_S`, stretched by the node's compute chaos order
 as the worker's compute would be, and reports it as a probe step: zero samples, and a new role, so its
 watch (`_step_watch`) starts over on the probe's first level and reports the recovery when the level falls
