@@ -373,7 +373,7 @@ class TrainingAgent:
                     return 0
                 print("worker left: no part for this node in the plan; probing its device", flush=True)
                 back = await _parked.until_taken_back(
-                    self.telemetry, stopped, self.probe_device(), self.telemetry.step
+                    self.telemetry, stopped, self.probe_devices(), self.telemetry.step
                 )
                 if back is None:
                     return 0
@@ -396,12 +396,13 @@ class TrainingAgent:
                 keys.workload_errors, str(self.telemetry.node), WORKLOAD_TERMINATION_PREFIX + line
             )
 
-    def probe_device(self) -> str:
-        """The device a parked node probes: its first accelerator, as its first worker used it (only named
-        here: the probing child makes it current, `_parked.measure`)."""
+    def probe_devices(self) -> list[str]:
+        """The devices a parked node probes: each accelerator its workers used (only named here: the probing
+        child makes each current, `_parked.measure`); on the CPU the one "cpu" its lanes shared."""
         from .worker import device_name
 
-        return device_name(self.config.workload.device, 0)
+        kind = self.config.workload.device
+        return [device_name(kind, lane) for lane in range(self.lanes if kind != "cpu" else 1)]
 
     def stop(self) -> None:
         if self.context is not None:

@@ -4,11 +4,11 @@ Fail-slow mitigation S4 parks a slow node: the new generation runs without it, i
 runtime's worker exits when a plan has no part for its node) and its pod stays up. The operator gives the
 node its place back on the node's own recovery report, so a parked node must go on measuring itself, as
 Falcon keeps profiling a replaced node; when that report does not come, on its probe steps read against
-the training nodes' own timings of the same product (`operator._failslow_parked`). Until a generation takes the node back, the agent times one
-matrix product on the node's device every `PROBE_INTERVAL_S`, stretched by the node's compute chaos order
-as the worker's compute would be, and reports it as a probe step: zero samples, and a new role, so its
-watch (`_step_watch`) starts over on the probe's first level and reports the recovery when the level falls
-under it.
+the training nodes' own timings of the same product (`operator._failslow_parked`). Until a generation
+takes the node back, the agent times one matrix product on each of the node's devices every
+`PROBE_INTERVAL_S` (the slowest counts), stretched by the node's compute chaos order as the worker's compute
+would be, and reports it as a probe step: zero samples, and a new role, so its watch (`_step_watch`) starts
+over on the probe's first level and reports the recovery when the level falls under it.
 When a generation takes the node back, the caller starts a new worker, which joins as a replacement node
 does: the plan copies its layers to it from its peers.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from resilientjob.protocol.chaos import ChaosOrder, parse_order
@@ -104,10 +105,11 @@ def measure(device: str, cpu_size: int = PROBE_SIZE, repeats: int = PROBE_REPEAT
         torch.set_num_threads(threads)
 
 
-async def probe(telemetry: Telemetry, device: str, work: DeviceWork) -> ProbeStep:
-    """One probe step: the product timed off the event loop (`work`: off the agent's process on an
-    accelerator), then the chaos order's stretch slept."""
-    seconds = await work.run(measure, device)
+async def probe(telemetry: Telemetry, devices: Sequence[str], work: DeviceWork) -> ProbeStep:
+    """One probe step: the product timed on each of the node's `devices` off the event loop (`work`: off the
+    agent's process on an accelerator), the slowest kept (a node of k devices is as fast as its slowest, as
+    the validation pass counts it), then the chaos order's stretch slept."""
+    seconds = max([await work.run(measure, device) for device in devices])
     delay = seconds * (await compute_factor(telemetry) - 1.0)
     if delay > 0:
         await asyncio.sleep(delay)
@@ -115,19 +117,21 @@ async def probe(telemetry: Telemetry, device: str, work: DeviceWork) -> ProbeSte
 
 
 async def until_taken_back(
-    telemetry: Telemetry, stopped: asyncio.Event, device: str, step: int
+    telemetry: Telemetry, stopped: asyncio.Event, devices: Sequence[str], step: int
 ) -> PlanAnnouncement | None:
-    """Probe and report until a generation runs this node again (returned) or `stopped` (None). `step`: the
-    node's last reported step; probe steps count on from it."""
-    work = DeviceWork(device.partition(":")[0])
+    """Probe the node's `devices` and report until a generation runs this node again (returned) or `stopped`
+    (None). `step`: the node's last reported step; probe steps count on from it."""
+    if not devices:
+        raise ValueError("devices: a parked node probes at least one")
+    work = DeviceWork(devices[0].partition(":")[0])
     try:
-        return await _probe_until_taken_back(telemetry, stopped, device, step, work)
+        return await _probe_until_taken_back(telemetry, stopped, devices, step, work)
     finally:
         work.close()  # the probing child's device context goes before the node's workers start
 
 
 async def _probe_until_taken_back(
-    telemetry: Telemetry, stopped: asyncio.Event, device: str, step: int, work: DeviceWork
+    telemetry: Telemetry, stopped: asyncio.Event, devices: Sequence[str], step: int, work: DeviceWork
 ) -> PlanAnnouncement | None:
     current: PlanAnnouncement | None = None
     with contextlib.suppress(TimeoutError):
@@ -138,7 +142,7 @@ async def _probe_until_taken_back(
         if taken_back(current, telemetry.node):
             return current
         started = time.monotonic()
-        measured = await probe(telemetry, device, work)
+        measured = await probe(telemetry, devices, work)
         step += 1
         await telemetry.record_iteration(
             current.generation if current is not None else telemetry.generation,

@@ -55,8 +55,9 @@ REFERENCE_FIRST_STEP = 5
 read ~20% under a parked node's probe in the training that followed)."""
 REFERENCE_EVERY_S = 30.0
 """Seconds between two reference probes of a node that trains: the parked node's own probe product, timed
-after a step (after step `REFERENCE_FIRST_STEP`, then every this often; a few milliseconds, under 0.1% of
-the node's time).
+after a step (after step `REFERENCE_FIRST_STEP`, then on the first step after each multiple of this on the
+wall clock, so that the nodes of a job time theirs in the same step or the next, and a synchronous job
+pays one product's time (~2 ms on a GPU, 20-30 ms on a CPU core) per period, not one per node).
 The operator judges a parked node's probe against the other nodes' latest (`operator._failslow_parked`): a
 parked node whose slowdown ended before its own probe had a level of it sends no recovery report."""
 
@@ -224,9 +225,10 @@ class WorkerProbe:
         self._window_cursor = 0
         self._window_steps = 0
         self.reference_every_s = reference_every_s
-        self._reference_at: float | None = None
-        """When the last reference probe was timed (None: none yet)."""
+        self._reference_period: int | None = None
+        """The wall clock's period (`reference_every_s`) of the last reference probe (None: none yet)."""
         self._steps_ended = 0
+        self._reference_failed = False
 
     def start_chaos(self, keys: JobKeys, client: redis.Redis | None) -> None:
         """Obey this node's chaos orders if the job allows chaos (`chaos.allowed`)."""
@@ -306,8 +308,9 @@ class WorkerProbe:
             "role": role,
         }
         if drained_on is None and self.lane == 0 and self._reference_due():
-            factor = injector.compute_factor() if injector is not None else 1.0
-            line["probe_s"] = _parked.measure(self.device) * factor
+            reference = self._reference(injector.compute_factor() if injector is not None else 1.0)
+            if reference is not None:
+                line["probe_s"] = reference
         self._write(line)
         self._window_steps += 1
         if self._window_steps >= self.profile_every:
@@ -316,13 +319,23 @@ class WorkerProbe:
 
     def _reference_due(self) -> bool:
         self._steps_ended += 1
-        if self._steps_ended < REFERENCE_FIRST_STEP:
+        if self._steps_ended < REFERENCE_FIRST_STEP or self._reference_failed:
             return False
-        now = time.monotonic()
-        if self._reference_at is not None and now - self._reference_at < self.reference_every_s:
+        period = int(time.time() // self.reference_every_s)
+        if period == self._reference_period:
             return False
-        self._reference_at = now
+        self._reference_period = period
         return True
+
+    def _reference(self, factor: float) -> float | None:
+        """The reference probe, stretched by `factor`; None, and never again in this worker, when it fails
+        (a device near its memory's end: a side measurement must not fail the training)."""
+        try:
+            return _parked.measure(self.device) * factor
+        except Exception as exc:  # whatever the device raised, the step stands
+            self._reference_failed = True
+            print(f"reference probe failed, not timed again in this worker: {exc}", flush=True)
+            return None
 
     def _profile(self, generation: int, step: int) -> None:
         records = self.tracer.ring.records(since=self._window_cursor)

@@ -11,6 +11,11 @@ whether the tracer's compute mark keeps a device's queued compute out of a wait'
    products: its held span should be about the all-reduce alone, against the host's whole wait (products +
    all-reduce), which the tracer counted before.
    The link payload's sizing needs two devices and is not measured here.
+3. The parked probe's two sides (`operator._failslow_parked`): a parked node's agent times the probe
+   product in a spawned child (`_device_work.DeviceWork`; a thread on a CPU), a training worker times the
+   same product in its own process between steps (`IterationRecord.probe_s`), and the operator reads the
+   first against the second with a 1.25x bar (threshold 1.5). Their medians on one device, side by side,
+   in alternating rounds: their ratio should sit well inside the bar.
 
 Everything goes to --out (default $OUT, else ./bench-gpu-failslow-out)/results.json and is printed.
 Usage: python bench/bench_gpu_failslow.py --device cuda
@@ -20,8 +25,10 @@ Usage: python bench/bench_gpu_failslow.py --device cuda
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,8 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilientjob.agent import tracing, validation
+from resilientjob.agent import _parked, tracing, validation
 from resilientjob.agent._device_sync import synchronize
+from resilientjob.agent._device_work import DeviceWork
 from resilientjob.agent._runtime_wait import until_complete
 
 
@@ -104,6 +112,34 @@ def compute_mark(device: str, backlog_s: float) -> dict[str, Any]:
     }
 
 
+def probe_sides(device: str, rounds: int) -> dict[str, Any]:
+    """The probe product timed as a training worker times it (in this process) and as a parked node's agent
+    does (through `DeviceWork`), `rounds` each, alternating; the medians and their ratio."""
+    work = DeviceWork(device.partition(":")[0])
+
+    async def parked() -> float:
+        return await work.run(_parked.measure, device)
+
+    worker_s: list[float] = []
+    parked_s: list[float] = []
+    try:
+        asyncio.run(parked())  # the child's start-up and first product are no probe
+        for _ in range(rounds):
+            worker_s.append(_parked.measure(device))
+            parked_s.append(asyncio.run(parked()))
+    finally:
+        work.close()
+    worker, agent = statistics.median(worker_s), statistics.median(parked_s)
+    return {
+        "rounds": rounds,
+        "worker_median_s": worker,
+        "parked_median_s": agent,
+        "parked_over_worker": agent / worker,
+        "worker_spread": max(worker_s) / min(worker_s),
+        "parked_spread": max(parked_s) / min(parked_s),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, npu:N or cpu (default cuda)")
     parser.add_argument("--repeats", type=int, default=9, help="products timed per GEMM size (default 9)")
     parser.add_argument("--backlog-s", type=float, default=0.2, help="queued compute before the all-reduce")
+    parser.add_argument("--probe-rounds", type=int, default=20, help="probes timed on each side (default 20)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "bench-gpu-failslow-out")
     args = parser.parse_args(argv)
     if args.device.startswith("npu"):
@@ -120,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "gemm_sizing": gemm_sizing(args.device, args.repeats),
         "compute_mark": compute_mark(args.device, args.backlog_s),
+        "probe_sides": probe_sides(args.device, args.probe_rounds),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{mark['backend']}: {mark['products']} products issued in {issue_ms:.1f} ms, the host waited "
         f"{wait_ms:.1f} ms, traced as communication {held_ms:.1f} ms (the all-reduce alone {alone_ms:.1f} ms)"
+    )
+    sides = results["probe_sides"]
+    worker_ms, parked_ms = sides["worker_median_s"] * 1e3, sides["parked_median_s"] * 1e3
+    print(
+        f"probe: a worker's {worker_ms:.3f} ms, a parked agent's {parked_ms:.3f} ms "
+        f"({sides['parked_over_worker']:.2f}x; the recheck's bar 1.25x), spreads "
+        f"{sides['worker_spread']:.2f}x and {sides['parked_spread']:.2f}x over {sides['rounds']} rounds"
     )
 
 

@@ -65,7 +65,7 @@ from resilientjob.protocol.messages import (
 from . import _failslow_validation as _validation
 from ._failslow_clock import NodeClocks
 from ._failslow_job import JobStepTrigger, slowdown_bar
-from ._failslow_parked import ParkedRecheck
+from ._failslow_parked import AGREE, ParkedRecheck
 from ._failslow_persist import first_window_end, persisted
 from ._failslow_plans import (
     link_plan,
@@ -606,16 +606,16 @@ class FailSlowTracker:
         """A record's probe: a parked node's probe step (`in_plan` False: its compute is the product's
         time), or a training node's reference timing of it (`probe_s`)."""
         if not in_plan:
-            if record.compute_s is not None and record.compute_s > 0:
+            if record.samples == 0 and record.compute_s is not None:  # a probe step trains no sample
                 self.parked.probe(record.node, record.compute_s)
         elif record.probe_s is not None and record.node not in self.gone:
             self.parked.reference(record.node, record.probe_s)
 
     def parked_recheck(self, plan_nodes: Collection[int], now: float | None = None) -> Mitigation | None:
         """Parked slow devices (out of `plan_nodes`) that sent no recovery report `parkedRecheckS` after
-        their park, judged by their probe against the training nodes' (`_failslow_parked`): one within the
-        recovered bar is back, on this measurement, as on its agent's report; the restore is returned when
-        it was the episode's last slow node."""
+        their park, judged by their probe against the training nodes' (`_failslow_parked`): one whose
+        windows read within the recovered bar `AGREE` times in a row is back, on this measurement, as on
+        its agent's report; the restore is returned when it was the episode's last slow node."""
         clock = time.time() if now is None else now
         active = self.controller.active and self.spec.enabled
         # Only a slow device's recovery is what the probe measures (as for a drained node's recheck).
@@ -624,9 +624,11 @@ class FailSlowTracker:
             for n in self.slow
             if active and n not in plan_nodes and n not in self.gone and self._lone_device(n)
         ]
+        self._parked_said &= set(parked)  # a node parked again is said again
         decision = None
+        training = set(plan_nodes) - self.idle
         for node in self.parked.due(parked, clock):
-            reading = self.parked.judge(node, slow=set(self.slow))
+            reading = self.parked.judge(node, self._recovered_bar, slow=set(self.slow), among=training)
             if reading is None:
                 continue
             slowdown = self.slow[node]
@@ -647,6 +649,8 @@ class FailSlowTracker:
                         )
                     )
                 continue
+            if not reading.back:
+                continue
             report = SlowReport(
                 node=node,
                 generation=self.gate.generation if self.gate.generation >= 0 else 0,
@@ -662,7 +666,10 @@ class FailSlowTracker:
             self.parked.taken_back(node, clock)
             self._parked_said.discard(node)
             self.changed = True
-            measured = f"parked {waited:.0f}s with no recovery report, {read}"
+            measured = (
+                f"parked {waited:.0f}s with no recovery report, {read}, within {self._recovered_bar:.3g}x "
+                f"{AGREE} windows in a row"
+            )
             decision = self._recovered(report, clock, clock, measured=measured) or decision
         return decision
 

@@ -262,10 +262,11 @@ class FailSlowSpec(_Api):
         le=86400,
         description="A slow device that S4 parked returns on its agent's recovery report, from the probe "
         "product it times while parked; when none has come this long after the park (the node recovered "
-        "before its probe had a level of the slowdown), its probe is judged against the other nodes' own "
-        "timings of the same product, and it is taken back once it reads within half the threshold's "
-        "excess of their median. A node taken back this way that is parked again waits twice as long "
-        "(up to 16x this): a slowdown that only load shows, which an idle device's probe cannot see.",
+        "before its probe had a level of the slowdown), its probe is judged against the training nodes' "
+        "own timings of the same product, and it is taken back once three windows of its probes in a row "
+        "read within half the threshold's excess of their median. A node taken back this way that is "
+        "parked again waits twice as long (up to 16x this): a slowdown that only load shows, which an idle "
+        "device's probe cannot see.",
     )
     micro_batch_split: int = Field(
         default=1,

@@ -71,6 +71,10 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     # The runtime's own device sync and wait on a collective, timed on an accelerator.
     ("bench/bench_gpu_failslow.py", "resilientjob.agent._device_sync"),
     ("bench/bench_gpu_failslow.py", "resilientjob.agent._runtime_wait"),
+    # The parked probe as a worker and as a parked node's agent time it (the operator reads one against
+    # the other).
+    ("bench/bench_gpu_failslow.py", "resilientjob.agent._parked"),
+    ("bench/bench_gpu_failslow.py", "resilientjob.agent._device_work"),
     # The harness stands in for the pod agents and the store pod, which know when a plan is fully applied.
     ("testing/launcher.py", "resilientjob.agent._runtime_schedule"),
 }

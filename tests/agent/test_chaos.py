@@ -672,7 +672,10 @@ def test_a_training_node_times_the_parked_probe_now_and_then_slowed_by_its_order
             return probe.end_step(1, number, 4, 0.0, "stage")
 
         lines = [step(n) for n in range(REFERENCE_FIRST_STEP + 2)]
-        assert [n for n, line in enumerate(lines, 1) if "probe_s" in line] == [REFERENCE_FIRST_STEP]
+        timed = [n for n, line in enumerate(lines, 1) if "probe_s" in line]
+        # The first after the start-up steps, then at most once per period of the wall clock (0.3 s here:
+        # the 7 steps may cross one boundary).
+        assert timed[0] == REFERENCE_FIRST_STEP and len(timed) <= 2, timed
         assert torch.get_num_threads() == 2  # the probe's one thread is put back
         time.sleep(0.3)
         healthy = step(3).get("probe_s")
@@ -681,7 +684,7 @@ def test_a_training_node_times_the_parked_probe_now_and_then_slowed_by_its_order
         time.sleep(0.3)
         slowed = step(4).get("probe_s")
         assert healthy is not None and slowed is not None
-        assert slowed > 2.5 * healthy, (healthy, slowed)
+        assert 2.5 * healthy < slowed < 6 * healthy, (healthy, slowed)  # stretched once, not twice
         # A drained node's steps time their own probe (`drained_on`), never the reference.
         time.sleep(0.3)
         assert "probe_s" not in probe.end_step(1, 5, 0, 0.0, "drained", drained_on="cpu")

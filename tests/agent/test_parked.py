@@ -64,7 +64,7 @@ async def test_a_parked_node_reports_its_recovery_and_stops_probing_when_taken_b
     await operator_side.new_reports()
     stopped = asyncio.Event()
     began = time.monotonic()
-    probing = asyncio.create_task(_parked.until_taken_back(telemetry, stopped, "cpu", step=100))
+    probing = asyncio.create_task(_parked.until_taken_back(telemetry, stopped, ["cpu"], step=100))
 
     steps: list[IterationRecord] = []
     reports: list[SlowReport] = []
@@ -96,7 +96,7 @@ async def test_a_stopped_pod_stops_probing(client: aioredis.Redis) -> None:
     await JobRedis(client, keys).announce(announcement(_plan([0], 3), parked=[1]))
     stopped = asyncio.Event()
     probing = asyncio.create_task(
-        _parked.until_taken_back(Telemetry(client, keys, node=1, pod="p-1"), stopped, "cpu", step=0)
+        _parked.until_taken_back(Telemetry(client, keys, node=1, pod="p-1"), stopped, ["cpu"], step=0)
     )
     await asyncio.sleep(0.5)
     stopped.set()
