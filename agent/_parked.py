@@ -95,14 +95,11 @@ def measure(device: str, cpu_size: int = PROBE_SIZE, repeats: int = PROBE_REPEAT
         return gemm_benchmark(ACCELERATOR_PROBE_SIZE, repeats, device, stretched=False).seconds
     import torch
 
-    # One thread: the thread's CPU time is the product's only then. Put back after: a worker that times a
-    # probe between its steps trains on the threads it had.
-    threads = torch.get_num_threads()
+    # One thread: the thread's CPU time is the product's only then (a worker's caller puts its own count
+    # back, `_worker_probe`; the agent trains nothing itself, and keeps one: switching the count before
+    # every probe is not how it was measured).
     torch.set_num_threads(1)
-    try:
-        return gemm_benchmark(cpu_size, repeats, device, clock=time.thread_time, stretched=False).seconds
-    finally:
-        torch.set_num_threads(threads)
+    return gemm_benchmark(cpu_size, repeats, device, clock=time.thread_time, stretched=False).seconds
 
 
 async def probe(telemetry: Telemetry, devices: Sequence[str], work: DeviceWork) -> ProbeStep:

@@ -148,18 +148,21 @@ class StepWatch:
         return StepChange(event, kind, onset, lasted)
 
     def _probe_recovery(self, event: ChangeEvent | None) -> ChangeEvent | None:
-        """A probe role's change as it counts. A slowdown of a node already out of the step changes nothing
-        and goes as it is. A recovery is the probe's level (the median of the latest `min_after` probes)
-        falling under its first level in the role (`PROBE_FIRST`) by the detector's margin, whenever it
-        falls: a change-point missed the recoveries that came before it had `min_before` probes of the old
-        level, and judged against its last level, so a passing bump (cache contention from the workers
-        sharing the host's cores) read as a recovery when it ended (the demo's drained x4 worker was
-        restored at its slowed level while its order held). Reported once per level, always against the
-        first level: a further fall by the margin is reported again (the operator wants half the slowdown
-        undone, which a recovery in steps reaches only counted from where it began)."""
+        """A probe role's change as it counts. A slowdown of a node already out of the step changes
+        nothing and goes as it is. A recovery is the probe's level (the median of the latest `min_after`
+        probes) falling under its first level in the role (`PROBE_FIRST`) by the detector's margin,
+        whenever it falls (the latest probes all after the first level's): a change-point missed the
+        recoveries that came before it had `min_before` probes of the old level, and judged against its
+        last level, so a passing bump (cache contention from the workers sharing the host's cores) read as
+        a recovery when it ended (the demo's drained x4 worker was restored at its slowed level while its
+        order held). Reported once per level, always against the first level: a further fall by the margin
+        is reported again (the operator wants half the slowdown undone, which a recovery in steps reaches
+        only counted from where it began)."""
         if event is not None and event.kind is not ChangeKind.RECOVERY:
             return event
-        if self._fed < max(PROBE_FIRST, self.config.min_after):
+        # The level is judged on probes after the first level's: windows that shared them read a recovery
+        # from one low probe among the first three and two after it (a CI run, its order still holding).
+        if self._fed < PROBE_FIRST + self.config.min_after:
             return None
         if self._probe is None:
             first = statistics.median(self._first_computes[:PROBE_FIRST])

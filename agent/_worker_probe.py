@@ -62,6 +62,18 @@ The operator judges a parked node's probe against the other nodes' latest (`oper
 parked node whose slowdown ended before its own probe had a level of it sends no recovery report."""
 
 
+def _measured(device: str, size: int = _parked.PROBE_SIZE, repeats: int = _parked.PROBE_REPEATS) -> float:
+    """`_parked.measure` in a worker: the product on one thread, then the worker's own thread count back
+    (it trains on the threads it had)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _parked.measure(device, size, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True, slots=True)
 class BoundaryRequest:
     """A validation request as the workers see it: run it before step `step` of `generation`."""
@@ -283,7 +295,7 @@ class WorkerProbe:
         stretch = 0.0
         if drained_on is not None:
             factor = injector.compute_factor() if injector is not None else 1.0
-            product = _parked.measure(drained_on, DRAINED_PROBE_SIZE, DRAINED_PROBE_REPEATS)
+            product = _measured(drained_on, DRAINED_PROBE_SIZE, DRAINED_PROBE_REPEATS)
             compute, stretch = product * factor, product * (factor - 1.0)  # the wall is the job's: as it was
         elif injector is not None and injector.stretch_step(
             wall - communication, injector.injected_s - self._step_injected
@@ -331,7 +343,7 @@ class WorkerProbe:
         """The reference probe, stretched by `factor`; None, and never again in this worker, when it fails
         (a device near its memory's end: a side measurement must not fail the training)."""
         try:
-            return _parked.measure(self.device) * factor
+            return _measured(self.device) * factor
         except Exception as exc:  # whatever the device raised, the step stands
             self._reference_failed = True
             print(f"reference probe failed, not timed again in this worker: {exc}", flush=True)
