@@ -38,11 +38,15 @@ falling under its first level in the role (`StepWatch._probe_recovery`), not a c
 PROBE_WARMUP_STEPS = 1
 """Steps of a probe role not fed to the detectors: the probe is a product timed on its own, with none of a
 training step's start-up costs; the first one after a switch may still meet a cold cache."""
-PROBE_FIRST = 3
-"""Probes whose median is a probe role's first level, the node's level when it was taken out of the step.
+PROBE_FIRST = 5
+"""Probes whose fastest is a probe role's first level, the node's level when it was taken out of the step.
 A change-point needs `DetectorConfig.min_before` samples of the old level: a node that recovered within
 that many probes of its drain (13 with the warm-up; the CI run of ec2a640 drained a x4 worker 11 s into its
-15 s order) had a first level already recovered, reported nothing, and stayed out of the step for good."""
+15 s order) had a first level already recovered, reported nothing, and stayed out of the step for good
+(until the operator's recheck of it). The fastest, not the median: a probe's CPU time only grows with what
+else runs on its core, and on a loaded 2-core host it read 2x for a second at a time (0.013 -> 0.029 s
+under one x4 order); the median of the first 3 taken in such a second made the next 5, no faster a device,
+read as its recovery (ea3eabe's CI, the order still holding)."""
 WALL_BLIND_ROLES = frozenset({DRAINED_ROLE})
 """Roles whose step wall says nothing of the node: a drained node waits out its peers' step, so only its
 compute (the probe) is watched. (A change in the job's step would read as the node's recovery, and the
@@ -165,7 +169,7 @@ class StepWatch:
         if self._fed < PROBE_FIRST + self.config.min_after:
             return None
         if self._probe is None:
-            first = statistics.median(self._first_computes[:PROBE_FIRST])
+            first = min(self._first_computes[:PROBE_FIRST])
             self._probe = (first, first / (1 + self.config.min_change))
         first, bar = self._probe
         latest = list(self._computes)[-self.config.min_after :]
