@@ -585,18 +585,8 @@ class FailSlowTracker:
                     )
                 )
                 continue
-            gemm = result.gemm_s[node]
-            report = SlowReport(
-                node=node,
-                generation=result.generation,
-                step=result.step,
-                onset_step=result.step,
-                slowdown=min(1.0, ratio / slowdown),  # its speed now over its slowed one, as a probe's is
-                baseline_s=gemm * slowdown / ratio,
-                level_s=gemm,
-                kind=SlowKind.COMPUTE,
-                recovered=True,
-                detected_at=clock,
+            report = _measured_recovery(
+                node, result.generation, result.step, ratio, slowdown, result.gemm_s[node], clock
             )
             measured = f"{held} timed its device at {ratio:.2f}x the median, with no recovery report since S2"
             decision = self._recovered(report, clock, clock, measured=measured) or decision
@@ -651,18 +641,8 @@ class FailSlowTracker:
                 continue
             if not reading.back:
                 continue
-            report = SlowReport(
-                node=node,
-                generation=self.gate.generation if self.gate.generation >= 0 else 0,
-                step=0,
-                onset_step=0,
-                slowdown=min(1.0, reading.ratio / slowdown),  # its speed now over its slowed one
-                baseline_s=reading.level_s * slowdown / reading.ratio,
-                level_s=reading.level_s,
-                kind=SlowKind.COMPUTE,
-                recovered=True,
-                detected_at=clock,
-            )
+            generation = self.gate.generation if self.gate.generation >= 0 else 0
+            report = _measured_recovery(node, generation, 0, reading.ratio, slowdown, reading.level_s, clock)
             self.parked.taken_back(node, clock)
             self._parked_said.discard(node)
             self.changed = True
@@ -988,6 +968,27 @@ class FailSlowTracker:
         self.rung_check.resume(state.get("rung_check"))
         self.parked.resume(state.get("parked_trips"))
         self.changed = False
+
+
+def _measured_recovery(
+    node: int, generation: int, step: int, ratio: float, slowdown: float, level_s: float, clock: float
+) -> SlowReport:
+    """The recovery report the operator writes for a node out of the step whose device it measured itself
+    (a drained node's validation pass, a parked node's probe against the training nodes'): `ratio` its
+    time over the others' median, `slowdown` what the episode charged it, `level_s` its measured time. The
+    report's `slowdown` is its speed now over its slowed one, as an agent's probe recovery reads."""
+    return SlowReport(
+        node=node,
+        generation=generation,
+        step=step,
+        onset_step=step,
+        slowdown=min(1.0, ratio / slowdown),
+        baseline_s=level_s * slowdown / ratio,
+        level_s=level_s,
+        kind=SlowKind.COMPUTE,
+        recovered=True,
+        detected_at=clock,
+    )
 
 
 def _event(report: SlowReport, detected_at: int) -> ChangeEvent:
