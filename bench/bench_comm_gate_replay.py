@@ -6,9 +6,10 @@ asked for one at once. This script takes the JSON that `bench_failslow_e2e.py --
 `iterations`: every node's steps with their walls; its `slow_reports`; its `episodes`) and, for every
 communication report at or over the run's threshold, feeds the gate the reporter's steps as the operator
 keeps them (its last `KEPT_STEPS`), one step at a time from the report's own step on, until the gate
-decides: **asked** (a pass), **dismissed** (back under the bar), or **expired** (still undecided after
-`--ttl-steps`, as the candidate's time to live would end it). The episodes the run opened on communication
-reports are matched to their reports (node and onset) and their outcome printed too.
+decides: **asked** (a pass), **host** (its steps bore it out, but the nodes' compute rose with them:
+dismissed as the host's, `compute_explains`), **dismissed** (back under the bar), or **expired** (still
+undecided after `--ttl-steps`, as the candidate's time to live would end it). The episodes the run opened
+on communication reports are matched to their reports (node and onset) and their outcome printed too.
 
 It judges every step where the live operator judges every pass (0.25 s, one or two steps on the demo), so a
 report the live gate would ask for is asked for here as well: the asked counts are a ceiling. Pending
@@ -28,42 +29,69 @@ from pathlib import Path
 from typing import Any
 
 from resilientjob.operator._failslow_clock import KEPT_STEPS
-from resilientjob.operator._failslow_validation import communication_holds
+from resilientjob.operator._failslow_job import HISTORY, compute_rise
+from resilientjob.operator._failslow_validation import communication_holds, compute_explains
 from resilientjob.protocol.messages import SlowKind, SlowReport
 
 EPISODE = re.compile(r"NodeSlow: node (\d+) is [\d.]+x slower \(communication\).* since step (\d+)")
 
 
-def outcome(report: SlowReport, walls: list[tuple[int, float]], threshold: float, ttl_steps: int) -> str:
-    """asked / dismissed / expired, judging the reporter's kept steps as each of its steps comes."""
+def outcome(
+    report: SlowReport,
+    walls: list[tuple[int, float]],
+    computes: dict[int, list[tuple[int, float]]],
+    threshold: float,
+    ttl_steps: int,
+) -> str:
+    """asked / host / dismissed / expired, judging the reporter's kept steps as each of its steps comes;
+    `host` where the steps bore the report out but the nodes' compute rose with them
+    (`compute_explains`, on every node's compute up to that step as the operator keeps it)."""
     steps = [step for step, _ in walls]
     first = bisect_right(steps, report.step)
     for end in range(first, min(len(walls), first + ttl_steps) + 1):
         kept = walls[max(0, end - KEPT_STEPS) : end]
         holds = communication_holds(report, kept, threshold)
-        if holds is not None:
-            return "asked" if holds else "dismissed"
+        if holds is None:
+            continue
+        if not holds:
+            return "dismissed"
+        now = kept[-1][0] if kept else report.step
+        seen = {node: _upto(samples, now) for node, samples in computes.items()}
+        return "host" if compute_explains(report, kept, compute_rise(seen, report.onset_step)) else "asked"
     return "expired"
+
+
+def _upto(samples: list[tuple[int, float]], step: int) -> list[tuple[int, float]]:
+    """A node's compute through `step`, its last `HISTORY` (what the job-level trigger keeps)."""
+    end = bisect_right([s for s, _ in samples], step)
+    return samples[max(0, end - HISTORY) : end]
 
 
 def replay(path: Path, ttl_steps: int) -> None:
     run: dict[str, Any] = json.loads(path.read_text())
     threshold = float(run["threshold"])
     walls: dict[int, list[tuple[int, float]]] = {}
-    for node, _generation, step, seconds, *_ in run["iterations"]:
+    computes: dict[int, list[tuple[int, float]]] = {}
+    for node, _generation, step, seconds, compute, *_ in run["iterations"]:
         walls.setdefault(int(node), []).append((int(step), float(seconds)))
-    for kept in walls.values():
+        if compute:
+            computes.setdefault(int(node), []).append((int(step), float(compute)))
+    for kept in [*walls.values(), *computes.values()]:
         kept.sort()
     reports = [SlowReport.model_validate(raw) for raw in run["slow_reports"]]
     wanted = [
         r for r in reports if r.kind is SlowKind.COMMUNICATION and not r.recovered and r.slowdown >= threshold
     ]
-    judged = {(r.node, r.onset_step): outcome(r, walls.get(r.node, []), threshold, ttl_steps) for r in wanted}
+    judged = {
+        (r.node, r.onset_step): outcome(r, walls.get(r.node, []), computes, threshold, ttl_steps)
+        for r in wanted
+    }
     counts = Counter(judged.values())
     print(f"{path.name}: threshold {threshold:g}, {run['steps']:,} steps")
     print(
         f"  communication reports at or over the threshold: {len(wanted)} (each asked for a pass before); "
-        f"now asked {counts['asked']}, dismissed {counts['dismissed']}, expired {counts['expired']}"
+        f"now asked {counts['asked']}, dismissed {counts['dismissed']} (back under the bar) and "
+        f"{counts['host']} (the nodes' compute rose with it: the host), expired {counts['expired']}"
     )
     for episode in run.get("episodes", []):
         found = EPISODE.search(episode["finding"])

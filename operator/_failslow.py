@@ -379,6 +379,11 @@ class FailSlowTracker:
             if report.kind is SlowKind.COMMUNICATION:
                 if candidate.validated is None:
                     holds = self._holds(report)
+                    if holds is True and (host := self._host_slowed(report)) is not None:
+                        del self.candidates[node]
+                        self.changed = True
+                        self._dismiss(node, host)
+                        continue
                     if holds is None and clock - candidate.came_at <= ttl:
                         continue  # waiting for its steps to clear their noise, then validation
                     if holds is not True:
@@ -506,6 +511,11 @@ class FailSlowTracker:
         """`_failslow_validation.communication_holds` on the reporter's kept steps."""
         walls = self.clocks.walls(report.node)
         return _validation.communication_holds(report, walls, self.spec.slowdown_threshold)
+
+    def _host_slowed(self, report: SlowReport) -> str | None:
+        """`_failslow_validation.compute_explains` on the reporter's kept steps and the nodes' compute."""
+        walls = self.clocks.walls(report.node)
+        return _validation.compute_explains(report, walls, self.job.compute_rise(report.onset_step))
 
     def _asked(self, candidate: Candidate) -> bool:
         """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not

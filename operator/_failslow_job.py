@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from resilientjob.planner.failslow import ChangeDetector, ChangeKind
 from resilientjob.protocol.messages import IterationRecord, SlowKind, SlowReport
 
-from ._straggler import beyond_noise, relative_spread
+from ._straggler import MIN_WINDOW, beyond_noise, relative_spread
 
 SUSPICION_FACTOR = 1.1
 """A node's compute rise must exceed the other nodes' median rise by this factor to single it out."""
@@ -51,6 +52,8 @@ step of a pending slowdown and its onset is where the detector saw the steps run
 of 300 one-second steps at 17% step noise, threshold 1.2: 6 episodes without the check and with the
 detector's own level before, 1 with the level of the 64 steps before alone, 0 with the check at 2.5, 3.0
 or 3.5 (`test_one_second_steps_with_seventeen_percent_noise_open_no_episode_at_threshold_1_2`)."""
+PRIOR_STEPS = 32
+"""A node's compute steps before an onset whose median is its level before."""
 HISTORY = 256
 """Steps of per-node compute kept for localisation (before and after an onset)."""
 
@@ -58,6 +61,21 @@ HISTORY = 256
 def slowdown_bar(threshold: float) -> float:
     """The ratio a slowdown must reach to count for `threshold`: `MARGIN` of its excess over 1."""
     return 1.0 + MARGIN * (threshold - 1.0)
+
+
+def compute_rise(computes: Mapping[int, Iterable[tuple[int, float]]], onset: int) -> float | None:
+    """How far the nodes' own work rose with a slowdown that began at step `onset`: the median over the
+    nodes of each one's compute since the onset over its median in the `PRIOR_STEPS` steps before
+    (`computes`: each node's (step, compute seconds), oldest first). None where no node has `MIN_WINDOW`
+    steps since and two before."""
+    rises = []
+    for samples in computes.values():
+        kept = list(samples)
+        before = [c for step, c in kept if step < onset][-PRIOR_STEPS:]
+        after = [c for step, c in kept if step >= onset]
+        if len(before) >= 2 and len(after) >= MIN_WINDOW:
+            rises.append(statistics.median(after) / statistics.median(before))
+    return statistics.median(rises) if rises else None
 
 
 @dataclass(slots=True)
@@ -154,7 +172,7 @@ class JobStepTrigger:
                 levels: dict[int, float] = {}
                 spreads = []
                 for node, samples in self._compute.items():
-                    old = [c for st, c in samples if st < onset][-32:]
+                    old = [c for st, c in samples if st < onset][-PRIOR_STEPS:]
                     if len(old) >= 2:
                         levels[node] = statistics.median(old)
                     spread = relative_spread(old)
@@ -176,6 +194,10 @@ class JobStepTrigger:
             return None
         self._pending = None
         return self._localize(step, pending, level, now)
+
+    def compute_rise(self, onset: int) -> float | None:
+        """`compute_rise` on the nodes' compute kept here (outside an episode, since the generation began)."""
+        return compute_rise(self._compute, onset)
 
     def _beyond_noise(self, pending: _Pending) -> bool:
         """Whether the steps after the verification are above the bar and further above the level before

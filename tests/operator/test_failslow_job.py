@@ -10,6 +10,8 @@ import pytest
 from test_failslow_localisation import Job
 
 from resilientjob.operator._failslow import Action, FailSlowTracker, FindingKind
+from resilientjob.operator._failslow_job import compute_rise
+from resilientjob.operator._straggler import MIN_WINDOW
 from resilientjob.operator.api import FailSlowSpec, StrategyOverheads
 from resilientjob.protocol.messages import IterationRecord, SlowKind
 
@@ -225,3 +227,22 @@ def test_the_first_rung_weighs_the_node_by_its_own_rise_when_the_shares_hide_it(
     assert decisions, "no rung in 400 steps"
     assert decisions[0].action is Action.MICROBATCH
     assert decisions[0].factors[7] == pytest.approx(tracker.slow[7])
+
+
+def test_the_nodes_compute_rise_is_their_median_once_each_has_a_window_since_the_onset() -> None:
+    before = [(step, 0.1) for step in range(10)]
+    since = [(step, 0.2) for step in range(10, 10 + MIN_WINDOW)]
+    computes = {
+        0: before + since,
+        1: before + [(s, 0.1) for s, _ in since],
+        2: before + [(s, 0.3) for s, _ in since],
+    }
+    assert compute_rise(computes, onset=10) == pytest.approx(2.0)  # 1x, 2x, 3x
+    assert compute_rise(computes, onset=11) is None  # no node has MIN_WINDOW steps since
+    assert compute_rise({0: before[-1:] + since}, onset=10) is None  # nor two before
+    assert compute_rise({0: before + since, 1: since}, onset=10) == pytest.approx(2.0)  # node 1 left out
+    # The level before is its last 32 steps: an older level is forgotten.
+    old = [(step, 1.0) for step in range(-100, -22)]
+    recent = [(step, 0.1) for step in range(-22, 10)]
+    assert compute_rise({0: old + recent + since}, onset=10) == pytest.approx(2.0)
+    assert compute_rise({0: old[-16:] + recent[16:] + since}, onset=10) == pytest.approx(0.2 / 0.55)

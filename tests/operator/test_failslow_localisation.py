@@ -1054,3 +1054,52 @@ def test_a_pass_answers_only_the_reports_whose_steps_bore_them_out() -> None:
     tracker.validation_sent(2, now=float(last))
     assert tracker.validation_timeout(now=float(last) + spec.validation_timeout_s)
     assert tracker.candidates[3].validated == () and tracker.candidates[6].validated is None
+
+
+@pytest.mark.parametrize("cause", ["host", "link", "device"])
+def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(cause: str) -> None:
+    """In 20 healthy minutes of the demo job at threshold 1.2 on two cores, 9 episodes opened on
+    communication reports that the host's blips made: every node's steps and compute rose together for a
+    few steps (the compute a median 1.2-1.5x), the reporter's own compute less than its detector's 25%, so
+    it reported a wait; a pass then timed some link slow by chance. Such a report is the host's and asks
+    for no pass. A slow link lengthens the waits and not the work, and a slow device the work of one node:
+    both are still validated."""
+    spec = FailSlowSpec(
+        slowdown_threshold=1.2, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=1.0)
+    )
+    tracker = FailSlowTracker(spec)
+    tracker.gate.new_generation(0, {})
+    healthy = [0.09, 0.10, 0.11, 0.12, 0.13] * 8
+    computes = [0.045, 0.05, 0.055, 0.05]
+
+    def compute(node: int, index: int, rising: bool) -> float:
+        own = computes[(index + node) % len(computes)]
+        if not rising or cause == "link":
+            return own
+        if cause == "device":
+            return own * 2.8 if node == 5 else own
+        return own * (1.15 if node == 3 else 1.4)  # the reporter's own compute rose least
+
+    rise = [0.16] * 8  # 1.45x
+    for index, wall in enumerate([*healthy, *rise]):
+        step = index + 1
+        rising = index >= len(healthy)
+        for node in range(NODES):
+            own = compute(node, index, rising)
+            tracker.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
+                    compute_s=own, communication_s=wall - own,
+                ),
+                now=float(step),
+            )  # fmt: skip
+    last = len(healthy) + len(rise)
+    onset = {"onset_step": len(healthy) + 1, "baseline_s": 0.11}
+    tracker.report(report(3, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=onset), now=float(last))
+    tracker.tick(now=float(last))
+    dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    if cause == "host":
+        assert tracker.validation_wanted() is None and 3 not in tracker.candidates
+        assert any("node 3" in m and "machine-wide" in m and "1.40x" in m for m in dismissed), dismissed
+    else:
+        assert tracker.validation_wanted() == [3] and not dismissed, dismissed
