@@ -6,12 +6,15 @@ asked for one at once. This script takes the JSON that `bench_failslow_e2e.py --
 `iterations`: every node's steps with their walls; its `slow_reports`; its `episodes`) and, for every
 communication report at or over the run's threshold, feeds the gate the reporter's steps as the operator
 keeps them (its last `KEPT_STEPS`), one step at a time from the report's own step on, until the gate
-decides: **asked** (a pass), **host** (its steps bore it out, but the nodes' compute rose with them:
-dismissed as the host's, `compute_explains`), **dismissed** (back under the bar), or **expired** (still
+decides: **asked** (a pass), **dismissed** (back under the bar), **host** (its steps bore it out, but the
+nodes' compute rose with them: dismissed as the host's, `compute_explains`), or **expired** (still
 undecided after `--ttl-steps`, as the candidate's time to live would end it). The episodes the run opened
 on communication reports are matched to their reports (node and onset) and their outcome printed too.
 
-It judges every step where the live operator judges every pass (0.25 s, one or two steps on the demo), so a
+The nodes' compute is each node's of the report's generation; the operator keeps none during an episode
+(a report then asks for a pass as before) and none of parked or drained nodes, which this replay does not
+know apart: its `host` counts are for reports outside episodes. It judges every step where the live
+operator judges every pass (0.25 s, one or two steps on the demo), so a
 report the live gate would ask for is asked for here as well: the asked counts are a ceiling. Pending
 candidates and one pass at a time are not modelled: every report is judged on its own.
 
@@ -43,9 +46,10 @@ def outcome(
     threshold: float,
     ttl_steps: int,
 ) -> str:
-    """asked / host / dismissed / expired, judging the reporter's kept steps as each of its steps comes;
+    """asked / dismissed / host / expired, judging the reporter's kept steps as each of its steps comes:
     `host` where the steps bore the report out but the nodes' compute rose with them
-    (`compute_explains`, on every node's compute up to that step as the operator keeps it)."""
+    (`compute_explains`, on every node's compute of the report's generation up to that step, as the
+    operator keeps it)."""
     steps = [step for step, _ in walls]
     first = bisect_right(steps, report.step)
     for end in range(first, min(len(walls), first + ttl_steps) + 1):
@@ -57,7 +61,8 @@ def outcome(
             return "dismissed"
         now = kept[-1][0] if kept else report.step
         seen = {node: _upto(samples, now) for node, samples in computes.items()}
-        return "host" if compute_explains(report, kept, compute_rise(seen, report.onset_step)) else "asked"
+        rise = compute_rise(seen, report.onset_step, now)
+        return "host" if compute_explains(report, kept, rise) is not None else "asked"
     return "expired"
 
 
@@ -71,19 +76,23 @@ def replay(path: Path, ttl_steps: int) -> None:
     run: dict[str, Any] = json.loads(path.read_text())
     threshold = float(run["threshold"])
     walls: dict[int, list[tuple[int, float]]] = {}
-    computes: dict[int, list[tuple[int, float]]] = {}
-    for node, _generation, step, seconds, compute, *_ in run["iterations"]:
+    computes: dict[int, dict[int, list[tuple[int, float]]]] = {}  # by generation, as the trigger keeps them
+    for node, generation, step, seconds, compute, *_ in run["iterations"]:
         walls.setdefault(int(node), []).append((int(step), float(seconds)))
         if compute:
-            computes.setdefault(int(node), []).append((int(step), float(compute)))
-    for kept in [*walls.values(), *computes.values()]:
+            computes.setdefault(int(generation), {}).setdefault(int(node), []).append(
+                (int(step), float(compute))
+            )
+    for kept in [*walls.values(), *(samples for nodes in computes.values() for samples in nodes.values())]:
         kept.sort()
     reports = [SlowReport.model_validate(raw) for raw in run["slow_reports"]]
     wanted = [
         r for r in reports if r.kind is SlowKind.COMMUNICATION and not r.recovered and r.slowdown >= threshold
     ]
     judged = {
-        (r.node, r.onset_step): outcome(r, walls.get(r.node, []), computes, threshold, ttl_steps)
+        (r.node, r.onset_step): outcome(
+            r, walls.get(r.node, []), computes.get(r.generation, {}), threshold, ttl_steps
+        )
         for r in wanted
     }
     counts = Counter(judged.values())

@@ -236,7 +236,7 @@ class FailSlowTracker:
             return
         if report.node in self._sources or report.node in self.candidates:
             return  # the per-worker path has it already
-        candidate = Candidate(report, report.detected_at)
+        candidate = Candidate(report, report.detected_at, job_level=True)
         self.candidates[report.node] = candidate
         self.changed = True
         if report.kind is SlowKind.COMPUTE:
@@ -379,10 +379,12 @@ class FailSlowTracker:
             if report.kind is SlowKind.COMMUNICATION:
                 if candidate.validated is None:
                     holds = self._holds(report)
-                    if holds is True and (host := self._host_slowed(report)) is not None:
+                    if holds is True and (host := self._host_slowed(candidate)) is not None:
+                        # A slow link that came with such a blip, and lasts, is the job-level trigger's: the
+                        # job's step stays slower once the work is back at its level.
                         del self.candidates[node]
                         self.changed = True
-                        self._dismiss(node, host)
+                        self._dismiss(node, f"{host}: the host's load, no link (machine-wide)")
                         continue
                     if holds is None and clock - candidate.came_at <= ttl:
                         continue  # waiting for its steps to clear their noise, then validation
@@ -512,10 +514,21 @@ class FailSlowTracker:
         walls = self.clocks.walls(report.node)
         return _validation.communication_holds(report, walls, self.spec.slowdown_threshold)
 
-    def _host_slowed(self, report: SlowReport) -> str | None:
-        """`_failslow_validation.compute_explains` on the reporter's kept steps and the nodes' compute."""
+    def _host_slowed(self, candidate: Candidate) -> str | None:
+        """`_failslow_validation.compute_explains` on the reporter's kept steps and the nodes' compute over
+        the same steps. Not for the job-level trigger's reports (it judged the nodes' compute itself), nor
+        during an episode or across generations (the job-level trigger keeps no compute then)."""
+        report = candidate.report
         walls = self.clocks.walls(report.node)
-        return _validation.compute_explains(report, walls, self.job.compute_rise(report.onset_step))
+        if (
+            candidate.job_level
+            or self.controller.active
+            or report.generation != self.job.generation
+            or not walls
+        ):
+            return None
+        rise = self.job.compute_rise(report.onset_step, walls[-1][0])
+        return _validation.compute_explains(report, walls, rise)
 
     def _asked(self, candidate: Candidate) -> bool:
         """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not

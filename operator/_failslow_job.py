@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from resilientjob.planner.failslow import ChangeDetector, ChangeKind
@@ -52,6 +52,9 @@ step of a pending slowdown and its onset is where the detector saw the steps run
 of 300 one-second steps at 17% step noise, threshold 1.2: 6 episodes without the check and with the
 detector's own level before, 1 with the level of the 64 steps before alone, 0 with the check at 2.5, 3.0
 or 3.5 (`test_one_second_steps_with_seventeen_percent_noise_open_no_episode_at_threshold_1_2`)."""
+RISE_NODES = 3
+"""Fewest nodes whose compute rise `compute_rise` takes a median of: of two, the median is their mean, and
+one slow device would read as a rise of the whole job's work."""
 PRIOR_STEPS = 32
 """A node's compute steps before an onset whose median is its level before."""
 HISTORY = 256
@@ -63,19 +66,29 @@ def slowdown_bar(threshold: float) -> float:
     return 1.0 + MARGIN * (threshold - 1.0)
 
 
-def compute_rise(computes: Mapping[int, Iterable[tuple[int, float]]], onset: int) -> float | None:
+def compute_rise(
+    computes: Mapping[int, Sequence[tuple[int, float]]], onset: int, through: int
+) -> float | None:
     """How far the nodes' own work rose with a slowdown that began at step `onset`: the median over the
-    nodes of each one's compute since the onset over its median in the `PRIOR_STEPS` steps before
-    (`computes`: each node's (step, compute seconds), oldest first). None where no node has `MIN_WINDOW`
-    steps since and two before."""
+    nodes of each one's compute in steps `onset`..`through` over its median in the `PRIOR_STEPS` steps
+    before (`computes`: each node's (step, compute seconds), oldest first). None where fewer than
+    `RISE_NODES` nodes have `MIN_WINDOW` steps since and two before. Each node's samples are read from the
+    newest back, as far as the window before the onset: a job of thousands of nodes asks it once per step."""
     rises = []
     for samples in computes.values():
-        kept = list(samples)
-        before = [c for step, c in kept if step < onset][-PRIOR_STEPS:]
-        after = [c for step, c in kept if step >= onset]
+        after: list[float] = []
+        before: list[float] = []
+        for step, seconds in reversed(samples):
+            if step >= onset:
+                if step <= through:
+                    after.append(seconds)
+            elif len(before) < PRIOR_STEPS:
+                before.append(seconds)
+            else:
+                break
         if len(before) >= 2 and len(after) >= MIN_WINDOW:
             rises.append(statistics.median(after) / statistics.median(before))
-    return statistics.median(rises) if rises else None
+    return statistics.median(rises) if len(rises) >= RISE_NODES else None
 
 
 @dataclass(slots=True)
@@ -122,6 +135,8 @@ class JobStepTrigger:
     _compute: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     _pending: _Pending | None = None
     """The slowdown the detector verified, until it is confirmed or passes."""
+    _rises: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
+    """`compute_rise` by (onset, through, the latest step fed)."""
 
     @property
     def _bar(self) -> float:
@@ -135,6 +150,7 @@ class JobStepTrigger:
         self._fed_step = -1
         self._job.clear()
         self._compute.clear()
+        self._rises.clear()
         self._pending = None
 
     def observe(self, record: IterationRecord, now: float) -> JobVerdict | None:
@@ -195,9 +211,15 @@ class JobStepTrigger:
         self._pending = None
         return self._localize(step, pending, level, now)
 
-    def compute_rise(self, onset: int) -> float | None:
-        """`compute_rise` on the nodes' compute kept here (outside an episode, since the generation began)."""
-        return compute_rise(self._compute, onset)
+    def compute_rise(self, onset: int, through: int) -> float | None:
+        """`compute_rise` on the nodes' compute kept here (outside an episode, since the generation began),
+        remembered until a step comes: every tick asks it for each pending communication report."""
+        key = (onset, through, self._fed_step)
+        if key not in self._rises:
+            if len(self._rises) >= 64:
+                self._rises.clear()
+            self._rises[key] = compute_rise(self._compute, onset, through)
+        return self._rises[key]
 
     def _beyond_noise(self, pending: _Pending) -> bool:
         """Whether the steps after the verification are above the bar and further above the level before

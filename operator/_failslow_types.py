@@ -84,6 +84,8 @@ class Candidate:
     devices: tuple[int, ...] = ()
     """Communication: the nodes among `validated` whose device validation timed slow (a link's end may be
     one too)."""
+    job_level: bool = False
+    """Made by the job-level trigger (`_failslow_job`), which judged the nodes' compute rise itself."""
     decisive_steps: int = 0
     """Compute: the length of the short first window that decided the node a straggler
     (`StragglerGate.decisive`; the second must decide it on as many steps), 0 while none has, -1 once the
@@ -99,6 +101,7 @@ class Candidate:
             "swept": self.swept,
             "devices": list(self.devices),
             "decisive_steps": self.decisive_steps,
+            "job_level": self.job_level,
         }
 
     @classmethod
@@ -112,5 +115,6 @@ class Candidate:
             None if validated is None else tuple(int(n) for n in validated),
             bool(raw.get("swept", False)),
             tuple(int(n) for n in raw.get("devices", ())),
+            bool(raw.get("job_level", False)),
             int(raw.get("decisive_steps", 0)),
         )

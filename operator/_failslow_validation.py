@@ -70,13 +70,16 @@ def _wall_rise(
 def compute_explains(
     report: SlowReport, walls: Sequence[tuple[int, float]], compute_rise: float | None
 ) -> str | None:
-    """Why a communication report is the host's and no link's, or None: the nodes' own compute rose with
-    the reporter's steps (`compute_rise`, their median, `JobStepTrigger.compute_rise`) by at least
-    `EXPLAINED` of the steps' rise. A slow link lengthens the waits, not the work; a host that slows every
-    worker lengthens both, and an agent whose own compute happened to rise less than its detector's 25%
-    reports the blip as a wait: in 20 healthy minutes of the demo job at threshold 1.2 on two cores, 9 such
-    reports (every node's compute up a median 1.2-1.5x for a few steps) met a pass that timed a link slow
-    by chance, and opened episodes."""
+    """How the nodes' own compute rose with a communication report's steps, when it explains the rise, or
+    None: `compute_rise` (their median over the same steps, `JobStepTrigger.compute_rise`) at least
+    `EXPLAINED` of the reporter's wall rise, in ratio (a host's load slows the work and the waits alike).
+    A slow link lengthens the waits, not the work, and a slow device the work of one node; a host that
+    slows every worker lengthens both, and an agent whose own compute happened to rise less than its
+    detector's 25% reports the blip as a wait: in 20 healthy minutes of the demo job at threshold 1.2 on
+    two cores, 9 such reports (every node's compute up a median 1.2-1.5x for a few steps) met a pass that
+    timed some link slow by chance, and opened episodes. Such a report is dismissed (`FailSlowTracker.tick`);
+    a slow link that came with a blip and lasts is the job-level trigger's (`_failslow_job`): the job's step
+    stays slower once the work is back at its level."""
     rise = _wall_rise(report, walls) if walls else None
     if rise is None or compute_rise is None:
         return None
@@ -84,8 +87,8 @@ def compute_explains(
     if ratio <= 1.0 or compute_rise < 1.0 + EXPLAINED * (ratio - 1.0):
         return None
     return (
-        f"its step time rose {ratio:.2f}x since step {report.onset_step}, and the nodes' compute with it "
-        f"({compute_rise:.2f}x, their median): the host slowed their work, no link (machine-wide)"
+        f"its step time since step {report.onset_step} rose {ratio:.2f}x and the nodes' compute with it "
+        f"({compute_rise:.2f}x, their median)"
     )
 
 

@@ -232,17 +232,25 @@ def test_the_first_rung_weighs_the_node_by_its_own_rise_when_the_shares_hide_it(
 def test_the_nodes_compute_rise_is_their_median_once_each_has_a_window_since_the_onset() -> None:
     before = [(step, 0.1) for step in range(10)]
     since = [(step, 0.2) for step in range(10, 10 + MIN_WINDOW)]
-    computes = {
-        0: before + since,
-        1: before + [(s, 0.1) for s, _ in since],
-        2: before + [(s, 0.3) for s, _ in since],
-    }
-    assert compute_rise(computes, onset=10) == pytest.approx(2.0)  # 1x, 2x, 3x
-    assert compute_rise(computes, onset=11) is None  # no node has MIN_WINDOW steps since
-    assert compute_rise({0: before[-1:] + since}, onset=10) is None  # nor two before
-    assert compute_rise({0: before + since, 1: since}, onset=10) == pytest.approx(2.0)  # node 1 left out
+    last = since[-1][0]
+
+    def rising(*factors: float) -> dict[int, list[tuple[int, float]]]:
+        return {node: before + [(s, 0.1 * f) for s, _ in since] for node, f in enumerate(factors)}
+
+    assert compute_rise(rising(1, 2, 3), onset=10, through=last) == pytest.approx(2.0)
+    assert compute_rise(rising(1, 2, 3), onset=11, through=last) is None  # no node has MIN_WINDOW since
+    assert compute_rise(rising(1, 2, 3), onset=10, through=last - 1) is None  # nor through an earlier step
+    # Steps after `through` are not the reporter's: left out.
+    later = {node: samples + [(last + 1, 9.0)] * 5 for node, samples in rising(1, 2, 3).items()}
+    assert compute_rise(later, onset=10, through=last) == pytest.approx(2.0)
+    # Two nodes: one slow device would be half the job's rise.
+    assert compute_rise(rising(1, 3), onset=10, through=last) is None
+    # A node with fewer than two steps before the onset is left out, and then too few are left.
+    assert compute_rise({**rising(1, 2), 2: before[-1:] + since}, onset=10, through=last) is None
     # The level before is its last 32 steps: an older level is forgotten.
     old = [(step, 1.0) for step in range(-100, -22)]
     recent = [(step, 0.1) for step in range(-22, 10)]
-    assert compute_rise({0: old + recent + since}, onset=10) == pytest.approx(2.0)
-    assert compute_rise({0: old[-16:] + recent[16:] + since}, onset=10) == pytest.approx(0.2 / 0.55)
+    three = dict.fromkeys(range(3), old + recent + since)
+    assert compute_rise(three, onset=10, through=last) == pytest.approx(2.0)
+    mixed = dict.fromkeys(range(3), old[-16:] + recent[16:] + since)
+    assert compute_rise(mixed, onset=10, through=last) == pytest.approx(0.2 / 0.55)

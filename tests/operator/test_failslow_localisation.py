@@ -22,6 +22,7 @@ from resilientjob.operator._failslow import (
     Mitigation,
     link_plan,
 )
+from resilientjob.operator._failslow_types import Candidate
 from resilientjob.operator._mitigation import topology_change
 from resilientjob.operator._straggler import (
     _median_without,
@@ -1056,14 +1057,11 @@ def test_a_pass_answers_only_the_reports_whose_steps_bore_them_out() -> None:
     assert tracker.candidates[3].validated == () and tracker.candidates[6].validated is None
 
 
-@pytest.mark.parametrize("cause", ["host", "link", "device"])
-def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(cause: str) -> None:
-    """In 20 healthy minutes of the demo job at threshold 1.2 on two cores, 9 episodes opened on
-    communication reports that the host's blips made: every node's steps and compute rose together for a
-    few steps (the compute a median 1.2-1.5x), the reporter's own compute less than its detector's 25%, so
-    it reported a wait; a pass then timed some link slow by chance. Such a report is the host's and asks
-    for no pass. A slow link lengthens the waits and not the work, and a slow device the work of one node:
-    both are still validated."""
+def _rising_job(cause: str, rising: int = 8) -> tuple[FailSlowTracker, int, int]:
+    """Eight nodes, 40 healthy steps (walls 0.09-0.13 s, compute ~0.05 s), then `rising` steps of walls
+    1.45x with `cause`: the host (every node's compute up 1.4x, the reporter's own 1.15x), a link (no
+    compute moves) or node 5's device (its compute 2.8x). Returns the tracker, the rise's first step and
+    the last step."""
     spec = FailSlowSpec(
         slowdown_threshold=1.2, min_duration_s=0, overheads=StrategyOverheads(microbatch_s=1.0)
     )
@@ -1071,21 +1069,21 @@ def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(ca
     tracker.gate.new_generation(0, {})
     healthy = [0.09, 0.10, 0.11, 0.12, 0.13] * 8
     computes = [0.045, 0.05, 0.055, 0.05]
+    rise = [0.16] * rising
 
-    def compute(node: int, index: int, rising: bool) -> float:
+    def compute(node: int, index: int) -> float:
         own = computes[(index + node) % len(computes)]
-        if not rising or cause == "link":
+        since = index - len(healthy)
+        if since < 0 or cause == "link":
             return own
         if cause == "device":
             return own * 2.8 if node == 5 else own
         return own * (1.15 if node == 3 else 1.4)  # the reporter's own compute rose least
 
-    rise = [0.16] * 8  # 1.45x
     for index, wall in enumerate([*healthy, *rise]):
         step = index + 1
-        rising = index >= len(healthy)
         for node in range(NODES):
-            own = compute(node, index, rising)
+            own = compute(node, index)
             tracker.observe(
                 IterationRecord(
                     node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step),
@@ -1093,13 +1091,66 @@ def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(ca
                 ),
                 now=float(step),
             )  # fmt: skip
-    last = len(healthy) + len(rise)
-    onset = {"onset_step": len(healthy) + 1, "baseline_s": 0.11}
-    tracker.report(report(3, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=onset), now=float(last))
+    return tracker, len(healthy) + 1, len(healthy) + len(rise)
+
+
+def _waits(tracker: FailSlowTracker, node: int, onset: int, last: int) -> None:
+    """`node` reports a communication slowdown of its steps since `onset`, and the tracker judges it."""
+    update = {"onset_step": onset, "baseline_s": 0.11}
+    tracker.report(
+        report(node, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=update), now=float(last)
+    )
     tracker.tick(now=float(last))
+
+
+@pytest.mark.parametrize("cause", ["host", "link", "device"])
+def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(cause: str) -> None:
+    """In 20 healthy minutes of the demo job at threshold 1.2 on two cores, 9 episodes opened on
+    communication reports that the host's blips made: every node's steps and compute rose together for a
+    few steps (the compute a median 1.2-1.5x), the reporter's own compute less than its detector's 25%, so
+    it reported a wait; a pass then timed some link slow by chance. Such a report is dismissed. A slow link
+    lengthens the waits and not the work, and a slow device the work of one node: both are validated."""
+    tracker, onset, last = _rising_job(cause)
+    _waits(tracker, 3, onset, last)
     dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
-    if cause == "host":
-        assert tracker.validation_wanted() is None and 3 not in tracker.candidates
-        assert any("node 3" in m and "machine-wide" in m and "1.40x" in m for m in dismissed), dismissed
-    else:
+    if cause != "host":
+        assert tracker.job.compute_rise(onset, last) == pytest.approx(1.0, abs=0.06)
         assert tracker.validation_wanted() == [3] and not dismissed, dismissed
+        return
+    assert tracker.job.compute_rise(onset, last) == pytest.approx(1.4, rel=0.1)
+    assert tracker.validation_wanted() is None and 3 not in tracker.candidates
+    assert any("node 3" in m and "machine-wide" in m and "1.40x" in m for m in dismissed), dismissed
+
+
+def test_a_slow_link_that_came_with_a_host_blip_is_the_job_level_triggers_once_the_blip_is_over() -> None:
+    tracker, onset, last = _rising_job("host", rising=4)
+    _waits(tracker, 3, onset, last)
+    assert tracker.validation_wanted() is None and 3 not in tracker.candidates  # the work rose with it
+    steps = iter(range(last + 1, last + 100))
+    waited = 0
+    while tracker.validation_wanted() is None and waited < 40:
+        number = next(steps)
+        for node in range(NODES):
+            _waited(tracker, node, number, 0.16)  # the waits go on, the work is back
+        tracker.tick(now=float(number))
+        waited += 1
+    # The job's step stays 1.45x: Falcon's trigger on it asks for the pass the report did not.
+    print(f"asked for a pass {waited} steps after the report")
+    assert tracker.validation_wanted() is not None and waited < 40, waited
+    assert [c.job_level for c in tracker.candidates.values()] == [True]
+
+
+def test_the_job_level_triggers_own_report_and_one_of_another_generation_are_not_held() -> None:
+    """The job-level trigger judged the nodes' compute itself (every node's rise, `_localize`); a report of
+    a generation whose compute the trigger does not keep has nothing to be judged by."""
+    tracker, onset, last = _rising_job("host")
+    update = {"onset_step": onset, "baseline_s": 0.11}
+    mine = report(3, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=update)
+    tracker.candidates[3] = Candidate(mine, float(last), job_level=True)
+    tracker.report(mine.model_copy(update={"node": 4, "generation": 1}), now=float(last))
+    tracker.tick(now=float(last))
+    assert tracker.validation_wanted() == [3, 4]
+    # And a restart keeps where a candidate came from.
+    restored = FailSlowTracker(tracker.spec)
+    restored.restore(json.loads(json.dumps(tracker.state())))
+    assert restored.candidates[3].job_level and not restored.candidates[4].job_level
