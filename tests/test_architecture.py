@@ -62,6 +62,7 @@ ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = {
     # The validation gate on recorded runs, with the steps the operator keeps per node.
     ("bench/bench_comm_gate_replay.py", "resilientjob.operator._failslow_validation"),
     ("bench/bench_comm_gate_replay.py", "resilientjob.operator._failslow_clock"),
+    ("bench/bench_comm_gate_replay.py", "resilientjob.operator._failslow_job"),
     ("bench/bench_data.py", "resilientjob.agent._data_files"),  # the data loader's file index
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_commit"),  # the commit vote's cost per step
     ("bench/bench_overhead.py", "resilientjob.agent._runtime_grads"),  # gradient bucketing's cost per step
