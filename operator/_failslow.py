@@ -171,6 +171,9 @@ class FailSlowTracker:
     """Nodes of the current plan that compute nothing (S2 drained their replica; set per generation)."""
     _parked_said: set[int] = field(default_factory=set)
     """Parked nodes whose probe was judged still slow in this park (said once, as an Event)."""
+    _behind: set[int] = field(default_factory=set)
+    """Communication candidates that the latest `tick` left waiting for the other nodes' records of their
+    reporter's latest step (`_compute_behind`): no pass is asked for them meanwhile."""
     _recovering: dict[int, Candidate] = field(default_factory=dict)
     """Recovery reports of the episode's sources that the job-wide rule could not judge yet (too few of the
     node's steps since the report's onset had come): judged again by `recheck`."""
@@ -364,6 +367,7 @@ class FailSlowTracker:
     def tick(self, now: float | None = None) -> None:
         """Judge the candidates: open the episode for those confirmed long enough, dismiss stale ones."""
         clock = time.time() if now is None else now
+        self._behind.clear()
         if self.spec.enabled and not self.controller.active:
             self._sweep(clock)
         compute = {
@@ -379,13 +383,21 @@ class FailSlowTracker:
             if report.kind is SlowKind.COMMUNICATION:
                 if candidate.validated is None:
                     holds = self._holds(report)
-                    if holds is True and (host := self._host_slowed(candidate)) is not None:
-                        # A slow link that came with such a blip, and lasts, is the job-level trigger's: the
-                        # job's step stays slower once the work is back at its level.
-                        del self.candidates[node]
-                        self.changed = True
-                        self._dismiss(node, f"{host}: the host's load, no link (machine-wide)")
-                        continue
+                    if holds is True:
+                        host = self._host_slowed(candidate)
+                        if host is not None:
+                            # A slow link that came with such a blip, and lasts, is the job-level trigger's:
+                            # the job's step stays slower once the work is back at its level.
+                            del self.candidates[node]
+                            self.changed = True
+                            self._dismiss(node, f"{host}: the host's load, no link (machine-wide)")
+                            continue
+                        if clock - candidate.came_at <= ttl and self._compute_behind(candidate):
+                            # Judged before the other nodes' records of the same steps were in, 25 reports
+                            # asked for a pass in 20 healthy minutes at 1.2 and were dismissed as the
+                            # host's a few milliseconds later, the pass out (training held ~0.5 s each).
+                            self._behind.add(node)
+                            continue
                     if holds is None and clock - candidate.came_at <= ttl:
                         continue  # waiting for its steps to clear their noise, then validation
                     if holds is not True:
@@ -530,6 +542,20 @@ class FailSlowTracker:
         rise = self.job.compute_rise(report.onset_step, walls[-1][0])
         return _validation.compute_explains(report, walls, rise)
 
+    def _compute_behind(self, candidate: Candidate) -> bool:
+        """Whether `_host_slowed` may judge `candidate` once the nodes' records of its reporter's latest
+        step are in: most nodes' compute is not there yet (and the rule applies to it at all)."""
+        report = candidate.report
+        walls = self.clocks.walls(report.node)
+        if (
+            candidate.job_level
+            or self.controller.active
+            or report.generation != self.job.generation
+            or not walls
+        ):
+            return False
+        return self.job.behind(walls[-1][0])
+
     def _asked(self, candidate: Candidate) -> bool:
         """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not
         validated yet, and its own steps bear its slowdown out. One still short of that waits for a pass
@@ -538,6 +564,7 @@ class FailSlowTracker:
         return (
             report.kind is SlowKind.COMMUNICATION
             and candidate.validated is None
+            and report.node not in self._behind
             and self._holds(report) is True
         )
 

@@ -135,8 +135,10 @@ class JobStepTrigger:
     _compute: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     _pending: _Pending | None = None
     """The slowdown the detector verified, until it is confirmed or passes."""
+    _computed: int = 0
+    """Compute samples kept so far (what `_rises` is valid for)."""
     _rises: dict[tuple[int, int, int], float | None] = field(default_factory=dict)
-    """`compute_rise` by (onset, through, the latest step fed)."""
+    """`compute_rise` by (onset, through, `_computed`)."""
 
     @property
     def _bar(self) -> float:
@@ -162,6 +164,7 @@ class JobStepTrigger:
             self._compute.setdefault(record.node, deque(maxlen=HISTORY)).append(
                 (record.step, record.compute_s)
             )
+            self._computed += 1
         if record.step <= self._fed_step:
             return None
         self._steps.setdefault(record.step, []).append(record.seconds)
@@ -211,10 +214,19 @@ class JobStepTrigger:
         self._pending = None
         return self._localize(step, pending, level, now)
 
+    def behind(self, step: int) -> bool:
+        """Whether most nodes' compute kept here has not reached `step` yet: their records of it are on
+        their way (a reporter's own records may come first). False where fewer than `RISE_NODES` nodes
+        report compute at all."""
+        latest = [samples[-1][0] for samples in self._compute.values() if samples]
+        if len(latest) < RISE_NODES:
+            return False  # too few nodes with compute for `compute_rise`: nothing to wait for
+        return 2 * sum(last >= step for last in latest) <= len(latest)
+
     def compute_rise(self, onset: int, through: int) -> float | None:
         """`compute_rise` on the nodes' compute kept here (outside an episode, since the generation began),
-        remembered until a step comes: every tick asks it for each pending communication report."""
-        key = (onset, through, self._fed_step)
+        remembered until a node's compute comes: every tick asks it for each pending communication report."""
+        key = (onset, through, self._computed)
         if key not in self._rises:
             if len(self._rises) >= 64:
                 self._rises.clear()

@@ -1154,3 +1154,52 @@ def test_the_job_level_triggers_own_report_and_one_of_another_generation_are_not
     restored = FailSlowTracker(tracker.spec)
     restored.restore(json.loads(json.dumps(tracker.state())))
     assert restored.candidates[3].job_level and not restored.candidates[4].job_level
+
+
+def test_a_report_ahead_of_the_other_nodes_records_waits_for_them_before_a_pass() -> None:
+    """Judged before the other nodes' records of its latest steps were in, 25 reports asked for a pass in
+    20 healthy minutes at 1.2 and were dismissed as the host's milliseconds later, the pass out (training
+    held ~0.5 s each): a report waits for them, and a job whose nodes report no compute does not wait."""
+    tracker, onset, last = _rising_job("host", rising=2)
+    # The reporter's records of 4 more steps of the blip come first: its steps bear its report out, and
+    # the other nodes' compute has too few steps since the onset to be judged.
+    for step in range(last + 1, last + 5):
+        tracker.observe(
+            IterationRecord(
+                node=3, generation=0, step=step, seconds=0.16, samples=4, sent_at=float(step),
+                compute_s=0.058, communication_s=0.102,
+            ),
+            now=float(step),
+        )  # fmt: skip
+    _waits(tracker, 3, onset, last + 4)
+    assert tracker.job.compute_rise(onset, last + 4) is None and tracker.job.behind(last + 4)
+    assert tracker.validation_wanted() is None and 3 in tracker.candidates
+    for step in range(last + 1, last + 5):  # the others' records of those steps
+        for node in set(range(NODES)) - {3}:
+            tracker.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=0.16, samples=4, sent_at=float(step),
+                    compute_s=0.07, communication_s=0.09,
+                ),
+                now=float(step),
+            )  # fmt: skip
+    tracker.tick(now=float(last + 4))
+    assert not tracker.job.behind(last + 4) and 3 not in tracker.candidates  # the host's, and no pass
+    dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
+    assert any("node 3" in m and "machine-wide" in m for m in dismissed), dismissed
+
+    # Without compute in the records there is nothing to wait for: the pass is asked.
+    tracker = FailSlowTracker(tracker.spec)
+    for step in range(1, 50):
+        for node in range(NODES):
+            wall = 0.11 if step < 41 else 0.16
+            tracker.observe(
+                IterationRecord(
+                    node=node, generation=0, step=step, seconds=wall, samples=4, sent_at=float(step)
+                ),
+                now=float(step),
+            )
+    assert not tracker.job.behind(49)
+    _waits(tracker, 3, 41, 49)
+    wanted = tracker.validation_wanted()
+    assert wanted is not None and 3 in wanted  # (with the job-level trigger's own report, node 0's)
