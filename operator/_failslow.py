@@ -526,35 +526,30 @@ class FailSlowTracker:
         walls = self.clocks.walls(report.node)
         return _validation.communication_holds(report, walls, self.spec.slowdown_threshold)
 
-    def _host_slowed(self, candidate: Candidate) -> str | None:
-        """`_failslow_validation.compute_explains` on the reporter's kept steps and the nodes' compute over
-        the same steps. Not for the job-level trigger's reports (it judged the nodes' compute itself), nor
-        during an episode or across generations (the job-level trigger keeps no compute then)."""
+    def _host_rule_walls(self, candidate: Candidate) -> list[tuple[int, float]] | None:
+        """The reporter's kept steps, where the host-blip rule (`_host_slowed`) applies to `candidate`:
+        not to the job-level trigger's reports (it judged the nodes' compute itself), nor during an episode
+        or across generations (the job-level trigger keeps no compute then)."""
         report = candidate.report
         walls = self.clocks.walls(report.node)
-        if (
-            candidate.job_level
-            or self.controller.active
-            or report.generation != self.job.generation
-            or not walls
-        ):
+        if candidate.job_level or self.controller.active or report.generation != self.job.generation:
             return None
-        rise = self.job.compute_rise(report.onset_step, walls[-1][0])
-        return _validation.compute_explains(report, walls, rise)
+        return walls or None
+
+    def _host_slowed(self, candidate: Candidate) -> str | None:
+        """`_failslow_validation.compute_explains` on the reporter's kept steps and the nodes' compute over
+        the same steps, where the rule applies (`_host_rule_walls`)."""
+        walls = self._host_rule_walls(candidate)
+        if walls is None:
+            return None
+        rise = self.job.compute_rise(candidate.report.onset_step, walls[-1][0])
+        return _validation.compute_explains(candidate.report, walls, rise)
 
     def _compute_behind(self, candidate: Candidate) -> bool:
         """Whether `_host_slowed` may judge `candidate` once the nodes' records of its reporter's latest
         step are in: most nodes' compute is not there yet (and the rule applies to it at all)."""
-        report = candidate.report
-        walls = self.clocks.walls(report.node)
-        if (
-            candidate.job_level
-            or self.controller.active
-            or report.generation != self.job.generation
-            or not walls
-        ):
-            return False
-        return self.job.behind(walls[-1][0])
+        walls = self._host_rule_walls(candidate)
+        return walls is not None and self.job.behind(walls[-1][0])
 
     def _asked(self, candidate: Candidate) -> bool:
         """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not
