@@ -171,9 +171,6 @@ class FailSlowTracker:
     """Nodes of the current plan that compute nothing (S2 drained their replica; set per generation)."""
     _parked_said: set[int] = field(default_factory=set)
     """Parked nodes whose probe was judged still slow in this park (said once, as an Event)."""
-    _behind: set[int] = field(default_factory=set)
-    """Communication candidates that the latest `tick` left waiting for the other nodes' records of their
-    reporter's latest step (`_compute_behind`): no pass is asked for them meanwhile."""
     _recovering: dict[int, Candidate] = field(default_factory=dict)
     """Recovery reports of the episode's sources that the job-wide rule could not judge yet (too few of the
     node's steps since the report's onset had come): judged again by `recheck`."""
@@ -367,7 +364,6 @@ class FailSlowTracker:
     def tick(self, now: float | None = None) -> None:
         """Judge the candidates: open the episode for those confirmed long enough, dismiss stale ones."""
         clock = time.time() if now is None else now
-        self._behind.clear()
         if self.spec.enabled and not self.controller.active:
             self._sweep(clock)
         compute = {
@@ -376,8 +372,7 @@ class FailSlowTracker:
             if candidate.report.kind is SlowKind.COMPUTE
         }
         verdicts = self.gate.judge(compute) if compute else {}
-        # Confirmation takes a level window of steps: a job of long steps gets as long for it.
-        ttl = max(CANDIDATE_TTL_S, 2 * self.gate.window * self.gate.step_s)
+        ttl = self._ttl()
         for node, candidate in list(self.candidates.items()):
             report = candidate.report
             if report.kind is SlowKind.COMMUNICATION:
@@ -393,11 +388,7 @@ class FailSlowTracker:
                             self._dismiss(node, f"{host}: the host's load, no link (machine-wide)")
                             continue
                         if clock - candidate.came_at <= ttl and self._compute_behind(candidate):
-                            # Judged before the other nodes' records of the same steps were in, 25 reports
-                            # asked for a pass in 20 healthy minutes at 1.2 and were dismissed as the
-                            # host's a few milliseconds later, the pass out (training held ~0.5 s each).
-                            self._behind.add(node)
-                            continue
+                            continue  # for the other nodes' records of its steps (`_asked` waits too)
                     if holds is None and clock - candidate.came_at <= ttl:
                         continue  # waiting for its steps to clear their noise, then validation
                     if holds is not True:
@@ -463,6 +454,11 @@ class FailSlowTracker:
                     why = f": {self.gate.why_not(node, report.onset_step)}" if verdict is False else ""
                     self._dismiss(node, f"not confirmed against the other nodes within {ttl:.0f}s{why}")
 
+    def _ttl(self) -> float:
+        """How long a candidate may wait to be confirmed: a level window of steps, so that a job of long
+        steps gets as long for it."""
+        return max(CANDIDATE_TTL_S, 2 * self.gate.window * self.gate.step_s)
+
     def _rising(self, node: int, candidate: Candidate, young: bool) -> bool:
         """Whether a compute candidate that the rule found no straggler is still worth waiting for: young,
         and slower than the other nodes by the threshold (its cost to the job fell short). Its level since
@@ -513,11 +509,12 @@ class FailSlowTracker:
         )
 
     # ---- validation --------------------------------------------------------------------------------------
-    def validation_wanted(self) -> list[int] | None:
+    def validation_wanted(self, now: float | None = None) -> list[int] | None:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
         if self.awaiting is not None:
             return None
-        ready = [node for node, candidate in self.candidates.items() if self._asked(candidate)]
+        clock = time.time() if now is None else now
+        ready = [node for node, candidate in self.candidates.items() if self._asked(candidate, clock)]
         found = _validation.suspects(ready, self.profiles)
         return None if found is None else [node for node in found if node not in self.gone]
 
@@ -551,17 +548,19 @@ class FailSlowTracker:
         walls = self._host_rule_walls(candidate)
         return walls is not None and self.job.behind(walls[-1][0])
 
-    def _asked(self, candidate: Candidate) -> bool:
+    def _asked(self, candidate: Candidate, clock: float) -> bool:
         """Whether a communication candidate waits for a pass (and a pass's answer is its answer): not
-        validated yet, and its own steps bear its slowdown out. One still short of that waits for a pass
-        of its own; another reporter's pass neither confirms nor dismisses it."""
+        validated yet, its own steps bear its slowdown out, and `tick` would not dismiss it as the host's
+        nor wait for the other nodes' records of its steps first. One short of that waits for a pass of its
+        own; another reporter's pass neither confirms nor dismisses it. The operator's pass asks before its
+        `tick` judges the reports that came with it: asked on `_holds` alone, the passes of 15 healthy
+        minutes at 1.2 (training held ~0.5 s each) came milliseconds before the host rule's dismissals."""
         report = candidate.report
-        return (
-            report.kind is SlowKind.COMMUNICATION
-            and candidate.validated is None
-            and report.node not in self._behind
-            and self._holds(report) is True
-        )
+        if report.kind is not SlowKind.COMMUNICATION or candidate.validated is not None:
+            return False
+        if self._holds(report) is not True or self._host_slowed(candidate) is not None:
+            return False
+        return clock - candidate.came_at > self._ttl() or not self._compute_behind(candidate)
 
     def validation_sent(
         self, request_id: int, now: float | None = None, revalidating: Iterable[int] = ()
@@ -593,14 +592,15 @@ class FailSlowTracker:
             return None
         self.awaiting = None
         self.changed = True
+        clock = time.time() if now is None else now
         if self.revalidation.asked:
-            return self._revalidated(result, time.time() if now is None else now)
+            return self._revalidated(result, clock)
         links, devices, findings = _validation.named_by(result)
         self.links.update(links)
         self.findings.extend(findings)
         named = tuple(sorted({n for link in links for n in link} | set(devices)))
         for node, candidate in list(self.candidates.items()):
-            if not self._asked(candidate):
+            if not self._asked(candidate, clock):
                 continue  # still waiting for its own steps to clear their noise: a pass of its own
             if named:
                 candidate.validated, candidate.devices = named, tuple(devices)
@@ -719,7 +719,7 @@ class FailSlowTracker:
             )
             return False
         for candidate in self.candidates.values():
-            if self._asked(candidate):
+            if self._asked(candidate, clock):
                 candidate.validated = ()  # unvalidated: the episode goes on with the reporter alone
         return True
 

@@ -1057,7 +1057,7 @@ def test_a_pass_answers_only_the_reports_whose_steps_bore_them_out() -> None:
     assert tracker.candidates[3].validated == () and tracker.candidates[6].validated is None
 
 
-def _rising_job(cause: str, rising: int = 8) -> tuple[FailSlowTracker, int, int]:
+def rising_job(cause: str, rising: int = 8) -> tuple[FailSlowTracker, int, int]:
     """Eight nodes, 40 healthy steps (walls 0.09-0.13 s, compute ~0.05 s), then `rising` steps of walls
     1.45x with `cause`: the host (every node's compute up 1.4x, the reporter's own 1.15x), a link (no
     compute moves) or node 5's device (its compute 2.8x). Returns the tracker, the rise's first step and
@@ -1110,7 +1110,7 @@ def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(ca
     few steps (the compute a median 1.2-1.5x), the reporter's own compute less than its detector's 25%, so
     it reported a wait; a pass then timed some link slow by chance. Such a report is dismissed. A slow link
     lengthens the waits and not the work, and a slow device the work of one node: both are validated."""
-    tracker, onset, last = _rising_job(cause)
+    tracker, onset, last = rising_job(cause)
     _waits(tracker, 3, onset, last)
     dismissed = [f.message for f in tracker.drain_findings() if f.kind is FindingKind.DISMISSED]
     if cause != "host":
@@ -1123,7 +1123,7 @@ def test_a_wait_the_nodes_compute_rose_with_is_the_hosts_and_asks_for_no_pass(ca
 
 
 def test_a_slow_link_that_came_with_a_host_blip_is_the_job_level_triggers_once_the_blip_is_over() -> None:
-    tracker, onset, last = _rising_job("host", rising=4)
+    tracker, onset, last = rising_job("host", rising=4)
     _waits(tracker, 3, onset, last)
     assert tracker.validation_wanted() is None and 3 not in tracker.candidates  # the work rose with it
     steps = iter(range(last + 1, last + 100))
@@ -1143,7 +1143,7 @@ def test_a_slow_link_that_came_with_a_host_blip_is_the_job_level_triggers_once_t
 def test_the_job_level_triggers_own_report_and_one_of_another_generation_are_not_held() -> None:
     """The job-level trigger judged the nodes' compute itself (every node's rise, `_localize`); a report of
     a generation whose compute the trigger does not keep has nothing to be judged by."""
-    tracker, onset, last = _rising_job("host")
+    tracker, onset, last = rising_job("host")
     update = {"onset_step": onset, "baseline_s": 0.11}
     mine = report(3, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=update)
     tracker.candidates[3] = Candidate(mine, float(last), job_level=True)
@@ -1160,7 +1160,7 @@ def test_a_report_ahead_of_the_other_nodes_records_waits_for_them_before_a_pass(
     """Judged before the other nodes' records of its latest steps were in, 25 reports asked for a pass in
     20 healthy minutes at 1.2 and were dismissed as the host's milliseconds later, the pass out (training
     held ~0.5 s each): a report waits for them, and a job whose nodes report no compute does not wait."""
-    tracker, onset, last = _rising_job("host", rising=2)
+    tracker, onset, last = rising_job("host", rising=2)
     # The reporter's records of 4 more steps of the blip come first: its steps bear its report out, and
     # the other nodes' compute has too few steps since the onset to be judged.
     for step in range(last + 1, last + 5):
@@ -1173,7 +1173,7 @@ def test_a_report_ahead_of_the_other_nodes_records_waits_for_them_before_a_pass(
         )  # fmt: skip
     _waits(tracker, 3, onset, last + 4)
     assert tracker.job.compute_rise(onset, last + 4) is None and tracker.job.behind(last + 4)
-    assert tracker.validation_wanted() is None and 3 in tracker.candidates
+    assert tracker.validation_wanted(now=float(last + 4)) is None and 3 in tracker.candidates
     for step in range(last + 1, last + 5):  # the others' records of those steps
         for node in set(range(NODES)) - {3}:
             tracker.observe(

@@ -8,7 +8,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 from test_failslow_decisions import PROFILE, grid_plan
-from test_failslow_localisation import profile, report, result
+from test_failslow_localisation import profile, report, result, rising_job
 
 from resilientjob.agent.telemetry import Telemetry
 from resilientjob.operator._failslow import FailSlowTracker
@@ -16,7 +16,7 @@ from resilientjob.operator._redis_state import JobRedis, Published, announcement
 from resilientjob.operator._telemetry_pass import EventThrottle, PassContext, TelemetryPass
 from resilientjob.operator.api import FailSlowSpec
 from resilientjob.protocol.keys import JobKeys
-from resilientjob.protocol.messages import SlowKind
+from resilientjob.protocol.messages import SlowKind, encode
 
 
 def test_one_event_per_interval_and_the_next_counts_those_held_back() -> None:
@@ -99,3 +99,40 @@ async def test_a_parked_nodes_probe_steps_are_no_training_progress(redis_url: st
     finally:
         await client.delete(keys.iterations)
         await client.aclose()
+
+
+@pytest.mark.parametrize("cause", ["host", "link"])
+async def test_a_pass_judges_the_reports_that_came_with_it_by_the_host_rule_before_it_asks_validation(
+    redis_url: str, cause: str
+) -> None:
+    """The pass asks for validation before its `tick` judges the reports that came with it: asked on the
+    reporter's own steps alone, 15 healthy minutes at 1.2 held training for 15 passes that came
+    milliseconds before the host rule dismissed their reports. A wait that the nodes' compute rose with
+    asks for none; a slow link's still does."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = JobKeys("default", f"blip-{cause}")
+    tracker, onset, last = rising_job(cause)
+    ctl = PassContext(
+        namespace="default",
+        name=f"blip-{cause}",
+        redis=JobRedis(client, keys),
+        tracker=tracker,
+        profile=PROFILE,
+        validation_timeout_s=30.0,
+        working=lambda node: True,
+        event=lambda kind, reason, message: None,
+    )
+    current = Published.of(announcement(grid_plan([[0, 1], [2, 3], [4, 5], [6, 7]])))
+    update = {"onset_step": onset, "baseline_s": 0.11}
+    wait = report(3, last, 1.45, SlowKind.COMMUNICATION).model_copy(update=update)
+    try:
+        assert await Telemetry(client, keys, 3, "pod-3")._send(keys.reports, encode(wait), keep=True)
+        await TelemetryPass().run(ctl, current)
+        asked = await client.exists(keys.validation_request)
+    finally:
+        await client.delete(keys.reports, keys.validation_request)
+        await client.aclose()
+    if cause == "host":
+        assert asked == 0 and tracker.awaiting is None and 3 not in tracker.candidates
+    else:
+        assert asked == 1 and tracker.awaiting is not None and 3 in tracker.candidates
