@@ -513,10 +513,14 @@ class FailSlowTracker:
         """Suspects for a validation pass, when a communication report waits for one and none is out."""
         if self.awaiting is not None:
             return None
-        clock = time.time() if now is None else now
-        ready = [node for node, candidate in self.candidates.items() if self._asked(candidate, clock)]
+        ready = [candidate.report.node for candidate in self.asking(now)]
         found = _validation.suspects(ready, self.profiles)
         return None if found is None else [node for node in found if node not in self.gone]
+
+    def asking(self, now: float | None = None) -> list[Candidate]:
+        """The communication candidates that wait for a pass now (`_asked`): a pass's reason names them."""
+        clock = time.time() if now is None else now
+        return [candidate for candidate in self.candidates.values() if self._asked(candidate, clock)]
 
     def _holds(self, report: SlowReport) -> bool | None:
         """`_failslow_validation.communication_holds` on the reporter's kept steps."""

@@ -24,6 +24,7 @@ from resilientjob.planner.profile import ModelProfile
 from resilientjob.protocol.messages import PlanAnnouncement
 
 from . import _failslow, api, metrics
+from ._failslow_types import Candidate
 from ._redis_state import JobRedis, Published
 from ._straggler import planned_shares
 
@@ -210,7 +211,8 @@ class TelemetryPass:
         suspects = tracker.validation_wanted()
         drained = None if suspects is not None else tracker.revalidation_wanted()
         if suspects is not None:
-            reason = f"communication slowdown reported; suspects {suspects}"
+            reporters = ", ".join(_reporter(candidate) for candidate in tracker.asking())
+            reason = f"communication slowdown reported by {reporters}; suspects {suspects}"
         elif drained is not None:
             suspects = drained
             reason = f"drained nodes {drained} sent no recovery report; their devices timed again"
@@ -261,6 +263,13 @@ class TelemetryPass:
             "slow_links": [f"{a}->{b}" for a, b in sorted(tracker.links)],
             **(_progress_status(*self.progress) if self.progress is not None else {}),
         }
+
+
+def _reporter(candidate: Candidate) -> str:
+    """Who reported a communication slowdown that waits for a pass, and what, for the pass's reason."""
+    report = candidate.report
+    who = "the job-level trigger" if candidate.job_level else "its agent"
+    return f"node {report.node} ({who}: {report.slowdown:.2f}x since step {report.onset_step})"
 
 
 def _progress_status(generation: int, step: int, loss: float | None) -> dict[str, int | float | None]:

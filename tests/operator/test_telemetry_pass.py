@@ -65,6 +65,7 @@ async def test_validation_requests_are_logged_each_and_posted_as_events_at_most_
         await client.aclose()
     requested = [e for e in events if e[1] == "ValidationRequested"]
     assert len(requested) == 1 and requested[0][2].startswith("validation 1 at generation 0"), events
+    assert "reported by node 2 (its agent: 1.60x since step 16); suspects" in requested[0][2], events
     logged = [r.getMessage() for r in caplog.records if "validation " in r.getMessage()]
     assert [m.split("validation ")[1].split()[0] for m in logged] == ["1", "2", "3"], logged
 
