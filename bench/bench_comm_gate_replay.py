@@ -18,7 +18,7 @@ operator judges every pass (0.25 s, one or two steps on the demo), so a
 report the live gate would ask for is asked for here as well: the asked counts are a ceiling. Pending
 candidates and one pass at a time are not modelled: every report is judged on its own.
 
-Usage: .venv/bin/python bench/bench_comm_gate_replay.py RUN.json [RUN.json ...]
+Usage: .venv/bin/python bench/bench_comm_gate_replay.py [--later STEPS] RUN.json [RUN.json ...]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def outcome(
     computes: dict[int, list[tuple[int, float]]],
     threshold: float,
     ttl_steps: int,
+    later: int = 0,
 ) -> str:
     """asked / dismissed / host / expired, judging the reporter's kept steps as each of its steps comes:
     `host` where the steps bore the report out but the nodes' compute rose with them
@@ -59,6 +60,11 @@ def outcome(
             continue
         if not holds:
             return "dismissed"
+        if later:  # the host rule judged `later` steps after the gate first decided (the gate again then)
+            end = min(len(walls), end + later)
+            kept = walls[max(0, end - KEPT_STEPS) : end]
+            if not communication_holds(report, kept, threshold):
+                return "dismissed"
         now = kept[-1][0] if kept else report.step
         seen = {node: _upto(samples, now) for node, samples in computes.items()}
         rise = compute_rise(seen, report.onset_step, now)
@@ -72,7 +78,7 @@ def _upto(samples: list[tuple[int, float]], step: int) -> list[tuple[int, float]
     return samples[max(0, end - HISTORY) : end]
 
 
-def replay(path: Path, ttl_steps: int) -> None:
+def replay(path: Path, ttl_steps: int, later: int = 0) -> None:
     run: dict[str, Any] = json.loads(path.read_text())
     threshold = float(run["threshold"])
     walls: dict[int, list[tuple[int, float]]] = {}
@@ -91,7 +97,7 @@ def replay(path: Path, ttl_steps: int) -> None:
     ]
     judged = {
         (r.node, r.onset_step): outcome(
-            r, walls.get(r.node, []), computes.get(r.generation, {}), threshold, ttl_steps
+            r, walls.get(r.node, []), computes.get(r.generation, {}), threshold, ttl_steps, later
         )
         for r in wanted
     }
@@ -118,9 +124,15 @@ def main() -> None:
     parser.add_argument(
         "--ttl-steps", type=int, default=400, help="steps a report may stay undecided (60 s of 0.15 s steps)"
     )
+    parser.add_argument(
+        "--later",
+        type=int,
+        default=0,
+        help="judge the host rule this many steps after the gate first decides (what waiting would win)",
+    )
     args = parser.parse_args()
     for path in args.runs:
-        replay(path, args.ttl_steps)
+        replay(path, args.ttl_steps, args.later)
 
 
 if __name__ == "__main__":
