@@ -61,8 +61,8 @@ def outcome(
         if not holds:
             return "dismissed"
         if later:  # the host rule judged `later` steps after the gate first decided (the gate again then)
-            end = min(len(walls), end + later)
-            kept = walls[max(0, end - KEPT_STEPS) : end]
+            waited = min(len(walls), end + later)
+            kept = walls[max(0, waited - KEPT_STEPS) : waited]
             if not communication_holds(report, kept, threshold):
                 return "dismissed"
         now = kept[-1][0] if kept else report.step
