@@ -21,6 +21,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from resilientjob.cli._demo import DEFAULT_MANIFEST
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("planner", "agent", "operator", "cli", "protocol", "localstack")
 OPTIONAL = {"torch_npu": "ascend", "kmock": "local", "celpy": "local", "attrs": "local"}
@@ -162,8 +164,10 @@ def test_the_wheel_ships_every_shipped_file_and_builds_quietly(tmp_path: Path) -
         for package, folder in package_dirs.items()
         for path in sorted((ROOT / folder).rglob("*"))
         if path.is_file()
-        and path.suffix in {".py", ".json", ".csv", ".typed"}
+        and path.suffix in {".py", ".json", ".csv", ".typed", ".yaml"}
         and "__pycache__" not in path.parts
         and f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder)}" not in shipped
     ]
     assert missing == []
+    # `rjob demo`'s default manifest, where an installed `rjob` looks for it (a plain install once had none).
+    assert f"resilientjob/{DEFAULT_MANIFEST.relative_to(ROOT)}" in shipped
