@@ -227,6 +227,9 @@ class ProcessKubelet:
                         f"{'Secret' if kind == 'secret' else 'ConfigMap'} {found['metadata']['namespace']}"
                     )
                     raise ContainerConfigError(f"couldn't find key {ref['key']} in {where}/{ref['name']}")
+        # The image's `python` is this environment's, also where a shell finds it on PATH: an Ascend worker's
+        # command runs behind `sh -c '...; exec "$@"' sh python -m ...`, which ran the host's bare python.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH") or os.defpath])
         env["RJOB_PODINFO_DIR"] = str(podinfo)
         # The container's last words, which a kubelet keeps in its status (`/dev/termination-log` there).
         env["RJOB_TERMINATION_LOG"] = str(podinfo.parent / "termination-log")

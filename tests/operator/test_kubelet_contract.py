@@ -167,3 +167,48 @@ async def test_a_new_pod_under_an_old_name_has_its_own_log(tmp_path: Path) -> No
             stopped.set()
             await asyncio.wait({runner}, timeout=15)
             await kube.close()
+
+
+async def test_a_shell_wrapped_python_is_this_environments(tmp_path: Path) -> None:
+    """An Ascend worker's command reaches `python` through a shell (`_manifests._worker_command`): the
+    image's python is this environment's there too (the host's bare python, without the project, made the
+    Ascend example fail `ProfileFailed` on the local stack)."""
+    import asyncio
+    import sys
+
+    import kopf
+    from _rjob_stack import NAMESPACE, Kube, api_server, eventually
+
+    from resilientjob.operator import api
+    from resilientjob.operator.kube import core_path
+
+    spec = api.ResilientJobSpec.model_validate(
+        {"nodes": 2, "model": "gpt", "image": "i", "globalBatchSize": 8, "microBatchSize": 1,
+         "deviceResource": "huawei.com/Ascend910",
+         "command": ["python", "-c", "import sys; print('prefix', sys.prefix, flush=True)"]}
+    )  # fmt: skip
+    command = _manifests._worker_command(spec)
+    assert command[:2] == ["sh", "-c"] and "python" in command[2:]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "wrapped", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+        "spec": {"containers": [{"name": "c", "command": command}]},
+    }
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        stopped = asyncio.Event()
+        runner = asyncio.create_task(kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+        log = kubelet.pod_directory(tmp_path / "kubelet" / "pods", NAMESPACE, "wrapped") / "log"
+
+        async def printed() -> bool:
+            return log.exists() and "prefix" in log.read_text()
+
+        try:
+            await kube.api.create(core_path(NAMESPACE, "pods"), body)
+            await eventually(printed, 20, "the wrapped python's output")
+            assert f"prefix {sys.prefix}" in log.read_text()
+        finally:
+            stopped.set()
+            await asyncio.wait({runner}, timeout=15)
+            await kube.close()
