@@ -65,6 +65,12 @@ STORE_PORT_ENV = "RJOB_STORE_PORT"
 WORKLOAD_ENV = "RJOB_WORKLOAD"
 HOST_TMP = "/tmp"
 
+# A kubelet's `FallbackToLogsOnError`: the tail of a failed container's log when it left no message.
+FALLBACK_LINES = 80
+FALLBACK_BYTES = 2048
+LOG_DRAIN_S = 2.0
+"""How long the report of a failed pod waits for its output's last lines to reach the log."""
+
 
 def _host_env(host: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a pod's environment starts from: the host's (this process's now, by default), less the stack's
@@ -97,6 +103,11 @@ class RunningPod:
     """RFC 3339: when its process started (its container status's `running.startedAt`)."""
     ended: bool = False
     """Its main process exited and what it left in its group was killed: the group id may be reused now."""
+    log_capture: threading.Thread | None = None
+    """The thread that copies its output to its log (done once the output ends)."""
+    fallback_to_logs: bool = False
+    """Its container's `terminationMessagePolicy` is `FallbackToLogsOnError`: a failure that left no
+    termination message is told by its log's tail."""
 
 
 class ContainerConfigError(Exception):
@@ -294,12 +305,13 @@ class ProcessKubelet:
             )
             process, output = cold, cold.stdout
         assert output is not None
-        threading.Thread(
+        log_capture = threading.Thread(
             target=capture_log,
             args=(output, directory / "log", directory / LOG_TIMES),
             name=f"log {namespace}/{name}",
             daemon=True,
-        ).start()
+        )
+        log_capture.start()
         (directory / "pid").write_text(str(process.pid))
         annotations = dict(body["metadata"].get("annotations") or {})
         return RunningPod(
@@ -312,6 +324,9 @@ class ProcessKubelet:
             metrics_port=metrics_port,
             container=body["spec"]["containers"][0]["name"],
             started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            log_capture=log_capture,
+            fallback_to_logs=body["spec"]["containers"][0].get("terminationMessagePolicy")
+            == "FallbackToLogsOnError",
         )
 
     async def _waiting(self, body: dict[str, Any], reason: str, message: str) -> None:
@@ -353,6 +368,10 @@ class ProcessKubelet:
             reason = "Completed" if code == 0 else "Error"
             terminated: dict[str, Any] = {"exitCode": code, "reason": reason}
             last_words = _termination_message(pod.podinfo.parent / "termination-log")
+            if not last_words and code != 0 and pod.fallback_to_logs:
+                if pod.log_capture is not None:  # its last lines may still be on their way to the log
+                    await asyncio.to_thread(pod.log_capture.join, LOG_DRAIN_S)
+                last_words = _log_tail(pod.podinfo.parent / "log")
             if last_words:
                 terminated["message"] = last_words
             status = {
@@ -466,6 +485,18 @@ def _signal_group(pod: RunningPod, signum: int) -> None:
     if not pod.ended:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pod.process.pid, signum)
+
+
+def _log_tail(path: Path) -> str:
+    """A failed container's termination message under `FallbackToLogsOnError`, as a kubelet makes it: the
+    log's last `FALLBACK_LINES` lines, at most `FALLBACK_BYTES` of them."""
+    try:
+        with path.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - FALLBACK_BYTES))
+            tail = log.read()
+    except OSError:
+        return ""
+    return b"\n".join(tail.splitlines()[-FALLBACK_LINES:]).decode(errors="replace")
 
 
 def _termination_message(path: Path) -> str:

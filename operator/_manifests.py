@@ -258,6 +258,9 @@ def pod_manifest(
         "name": "worker",
         "image": spec.image,
         "command": _worker_command(spec),
+        # A worker that dies before its agent can write its termination message (a bad image, a missing
+        # module) is told by its log's tail: the job's failure quotes it after the pod is deleted.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": env,
         "ports": [{"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
         "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),
@@ -351,6 +354,7 @@ def store_pod_manifest(body: Mapping[str, Any], spec: api.ResilientJobSpec, redi
         "name": "store",
         "image": spec.image,
         "command": list(STORE_COMMAND),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": copy.deepcopy(STORE_RESOURCES),
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": STORE_PORT, "protocol": "TCP"}],

@@ -153,7 +153,7 @@ async def _keep_node0(ctl: JobView, failed_pods: set[str], field: str) -> None:
                 raise PlannerError(
                     field,
                     f"node 0's pod failed {len(failed_pods)} times before it reported the profile (last: "
-                    f"{pod.failed}); its log says why",
+                    f"{pod.failed})",
                 )
             cause = f"node 0: {pod.failed} before it reported the profile; re-created"
             ctl.event("Warning", api.Reason.WAITING_FOR_PROFILE, cause)

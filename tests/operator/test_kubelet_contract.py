@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from resilientjob.agent import store_host
 from resilientjob.localstack import kubelet
@@ -212,3 +215,56 @@ async def test_a_shell_wrapped_python_is_this_environments(tmp_path: Path) -> No
             stopped.set()
             await asyncio.wait({runner}, timeout=15)
             await kube.close()
+
+
+@pytest.mark.parametrize("policy", ["FallbackToLogsOnError", "File"])
+async def test_a_failure_without_last_words_is_told_by_its_logs_tail_where_the_pod_asks(
+    tmp_path: Path, policy: str
+) -> None:
+    """A worker that dies before its agent writes a termination message (a missing module) is told by its
+    log's tail, as a kubelet does under `FallbackToLogsOnError`: the operator's pods ask for it, and the
+    job's failure quotes it once the pod is deleted. Under `File`, nothing."""
+    import asyncio
+    import sys
+
+    import kopf
+    from _rjob_stack import NAMESPACE, Kube, api_server, eventually
+
+    from resilientjob.operator.kube import core_path
+
+    said = "ModuleNotFoundError: no resilientjob"
+    code = f"import sys; print('\\n'.join(map(str, range(200)))); sys.exit({said!r})"
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crasher", "labels": {kubelet.LABEL_MANAGED_BY: kubelet.MANAGER}},
+        "spec": {
+            "containers": [
+                {"name": "c", "command": [sys.executable, "-c", code], "terminationMessagePolicy": policy}
+            ]
+        },
+    }
+    async with api_server() as (_, url):
+        kube = Kube(kopf.ConnectionInfo(server=url, insecure=True, default_namespace=NAMESPACE))
+        stopped = asyncio.Event()
+        runner = asyncio.create_task(kubelet.ProcessKubelet(kube.api, tmp_path / "kubelet").run(stopped))
+
+        async def terminated() -> dict[str, Any] | None:
+            pod = await kube.get("pods", "crasher")
+            statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or [{}]
+            return statuses[0].get("state", {}).get("terminated")
+
+        try:
+            await kube.api.create(core_path(NAMESPACE, "pods"), body)
+            state = await eventually(terminated, 20, "the pod's container terminated")
+        finally:
+            stopped.set()
+            await asyncio.wait({runner}, timeout=15)
+            await kube.close()
+    assert state["exitCode"] == 1
+    if policy == "File":
+        assert "message" not in state
+        return
+    lines = state["message"].splitlines()
+    assert lines[-1] == said
+    assert len(lines) == kubelet.FALLBACK_LINES and lines[0] == str(200 - kubelet.FALLBACK_LINES + 1)

@@ -80,6 +80,15 @@ def test_the_store_pod_runs_beside_the_workers_without_their_accelerator_or_size
     validate(pod)
 
 
+def test_a_worker_or_store_that_dies_before_its_last_words_is_told_by_its_logs_tail() -> None:
+    """A container that dies before it can write its termination message (a bad image, a missing module)
+    leaves its log's tail there instead: the job's failure quotes it, after its pods are deleted."""
+    store = store_pod_manifest(BODY, _job_spec("nvidia.com/gpu"), "redis://r:6379/0")
+    for pod in (_job_pod("nvidia.com/gpu"), _job_pod("huawei.com/Ascend910"), store):
+        assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        validate(pod)
+
+
 def test_an_ascend_worker_loads_canns_environment_before_the_agent() -> None:
     """A pod's `command` replaces the image's entry point, which sources CANN's set_env.sh on Ascend: the
     worker's command does it itself, then runs the agent with its arguments untouched."""
