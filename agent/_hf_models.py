@@ -187,7 +187,11 @@ def family_config(family: HFFamily, keys: Mapping[str, Any]) -> Any:
     unknown = sorted(set(keys) - known)
     if unknown:
         raise ValueError(f"model: hf:{family} has no configuration key {unknown[0]!r}")
-    config = cls(**keys)
+    try:
+        config = cls(**keys)
+    except Exception as exc:  # transformers' own checks: ValueError, TypeError, huggingface_hub's errors
+        said = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ValueError(f"model: hf:{family}: {said[-1] if said else type(exc).__name__}") from None
     config._attn_implementation = "sdpa"  # the causal mask without an explicit attention mask
     return config
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import importlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -320,8 +320,13 @@ def user_model(target: str, vocab: int | None, seq_len: int, seed: int = 0) -> M
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"model: cannot load {target!r}: {exc}") from None
+    if not callable(function):
+        raise ValueError(f"model: {target!r} is a {type(function).__name__}, not a function")
     torch.manual_seed(seed)
-    layers: Sequence[nn.Module] = list(function())
+    made = function()
+    if not isinstance(made, Iterable):
+        raise ValueError(f"model: {target!r} must return a non-empty sequence of torch.nn.Module")
+    layers: Sequence[nn.Module] = list(made)
     if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
         raise ValueError(f"model: {target!r} must return a non-empty sequence of torch.nn.Module")
     with torch.no_grad():

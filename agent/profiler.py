@@ -210,3 +210,24 @@ def measure_message_latency(rounds: int = 60) -> float:
                 side.kill()
                 side.join()
     return statistics.median(trips[rounds // 10 :]) / 2
+
+
+def check_device(text: str) -> None:
+    """`text` names a device this torch has; ValueError naming `device` otherwise."""
+    if text.partition(":")[0] == "npu":
+        try:
+            import torch_npu  # noqa: F401  - registers the npu device type and torch.npu (extra `ascend`)
+        except ImportError:
+            raise ValueError("device: npu needs torch_npu (pip install 'resilientjob[ascend]')") from None
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"device: expected cpu, cuda[:N] or npu[:N], got {text!r}") from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.npu (once torch_npu is imported), ...
+    if backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise ValueError(f"device: {text}: this torch sees no {device.type} device")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device: {text}: this machine has {count} {device.type} device(s)")

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,6 +40,15 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             return fail(str(exc))
 
     return run
+
+
+def make_directory(path: Path, what: str) -> None:
+    """`mkdir -p path`; CliError naming `what` (the flag or variable that gave it) when it cannot be one."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "a file is there" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise CliError(f"{what}: cannot make the folder {path}: {reason}") from None
 
 
 def emit(

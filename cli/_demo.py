@@ -27,7 +27,7 @@ from typing import Any
 
 from resilientjob.protocol.store_keys import COMMITTED_KEY, event_key, loss_key
 
-from ._common import CliError, guarded
+from ._common import CliError, guarded, make_directory
 from ._demo_failslow import BASELINE_S, FailSlowWatch
 from ._manifest_files import load_documents
 
@@ -507,7 +507,7 @@ def _run(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, ValueError):
         raise CliError(f"{document.where}: spec.nodes: required (an integer)") from None
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "out")
     os.environ["RJOB_LOCAL_DIR"] = str((out / "stack").resolve())
 
     from rich.console import Console

@@ -21,7 +21,7 @@ from typing import Any
 from resilientjob.protocol.chaos import ALLOW_ENV
 
 from ._chaos import SWITCH_HELP, break_said, break_window_s, check_fault_applies, parse_duration
-from ._common import CliError, guarded
+from ._common import CliError, guarded, make_directory
 from ._manifest_files import Document, load_documents
 
 GROUP, VERSION, PLURAL = "resilientjob.io", "v1alpha1", "resilientjobs"
@@ -171,7 +171,7 @@ def _up() -> int:
     if (directory / "state.json").exists():
         print(f"already up ({directory})")
         return 0
-    directory.mkdir(parents=True, exist_ok=True)
+    make_directory(directory, "RJOB_LOCAL_DIR")
     log = directory / "stack.log"
     with log.open("ab") as output:
         # Spawned, not a Popen: the stack outlives this command (and `rjob demo`, which calls this here).

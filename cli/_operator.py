@@ -6,8 +6,19 @@ import argparse
 import asyncio
 import dataclasses
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ._common import guarded
+from ._common import CliError, guarded
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from resilientjob.operator.settings import OperatorSettings
+
+FLAGS = ("api_url", "kubeconfig", "redis_url", "namespace", "metrics_port", "health_port")
+"""The settings that flags of `rjob operator` set (the others come from `RJOB_*` variables only)."""
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,12 +45,18 @@ def _run(args: argparse.Namespace) -> int:
     # memo (`handlers.settings_of`); nothing reads them at import.
     flags = {
         name: getattr(args, name)
-        for name in ("api_url", "kubeconfig", "redis_url", "namespace", "metrics_port", "health_port")
+        for name in FLAGS
         if getattr(args, name) is not None and str(getattr(args, name))  # an empty flag: not given
     }
     if args.standalone:
         flags["standalone"] = True
-    settings = dataclasses.replace(OperatorSettings.from_env(), **flags)
+    try:
+        settings = dataclasses.replace(OperatorSettings.from_env(), **flags)
+    except ValueError as exc:
+        raise CliError(_as_flag(str(exc))) from None
+    missing = credentials_missing(settings, os.environ)
+    if missing is not None:
+        raise CliError(missing)
 
     import resilientjob.operator.handlers  # noqa: F401  (importing it registers the handlers with kopf)
 
@@ -57,3 +74,35 @@ def _run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _as_flag(message: str) -> str:
+    """A settings error names the field (`metrics_port must be ...`): the flag that sets it, for the user."""
+    field, _, rest = message.partition(" ")
+    if field in FLAGS and rest.startswith("must"):
+        return f"--{field.replace('_', '-')}: {rest}"
+    return message
+
+
+def credentials_missing(settings: OperatorSettings, environ: Mapping[str, str]) -> str | None:
+    """Why the operator could not log in at all, in one line, or None: checked before kopf starts (kopf
+    logs a LoginError traceback and retries each minute, forever)."""
+    if settings.api_url:
+        return None
+    if settings.kubeconfig:
+        if not Path(settings.kubeconfig).expanduser().is_file():
+            return f"--kubeconfig: no such file: {settings.kubeconfig}"
+        return None
+    if environ.get("KUBERNETES_SERVICE_HOST") and SERVICE_ACCOUNT_TOKEN.is_file():
+        return None  # in a pod: its service account
+    listed = [path for path in environ.get("KUBECONFIG", "").split(os.pathsep) if path]
+    if listed:
+        if any(Path(path).expanduser().is_file() for path in listed):
+            return None
+        return f"KUBECONFIG: no such file: {environ['KUBECONFIG']}"
+    if (Path(environ.get("HOME") or Path.home()) / ".kube" / "config").is_file():
+        return None
+    return (
+        "no cluster to log in to: no in-cluster service account, no --kubeconfig, no KUBECONFIG and no "
+        "~/.kube/config (on this machine: rjob local up, then export the KUBECONFIG it prints)"
+    )

@@ -50,12 +50,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _run(args: argparse.Namespace) -> int:
     # torch is imported only when this command runs, so `rjob plan` stays light.
     from resilientjob.agent.models import ModelKind, load_model
-    from resilientjob.agent.profiler import computed_profile, measure_profile
+    from resilientjob.agent.profiler import check_device, computed_profile, measure_profile
 
     if args.device_flops is not None and not args.computed:
         raise CliError("device-flops: only with --computed (a measured profile times this device)")
     length = {} if args.seq_len is None else {"seq_len": args.seq_len}
     try:
+        if not args.computed:
+            check_device(args.device)  # before anything is built
         if args.model in {kind.value for kind in ModelKind}:
             spec = load_model(
                 args.model,
@@ -84,7 +86,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.out is None:
         print(json.dumps(document, indent=2))
         return 0
-    args.out.write_text(json.dumps(document, indent=2))
+    try:
+        args.out.write_text(json.dumps(document, indent=2))
+    except OSError as exc:
+        raise CliError(f"out: cannot write {args.out}: {exc.strerror or exc}") from None
     emit(
         {
             "profile": str(args.out),

@@ -108,7 +108,13 @@ class OperatorSettings:
             ("pods_refused_retry_s", "RJOB_PODS_REFUSED_RETRY_S", float),
         ):
             if env.get(variable):
-                given[name] = kind(env[variable])
+                try:
+                    given[name] = kind(env[variable])
+                except ValueError:
+                    raise ValueError(
+                        f"{variable}: expected {'an integer' if kind is int else 'a number'}, "
+                        f"got {env[variable]!r}"
+                    ) from None
         given["standalone"] = env.get("RJOB_STANDALONE", "") in ("1", "true", "yes")
         return cls(**given)  # type: ignore[arg-type]
 

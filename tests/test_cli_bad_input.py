@@ -1,0 +1,86 @@
+"""Bad input to `rjob` commands ends in one line on stderr naming the field, exit 2, never a traceback: the
+cases a new user's first session found printing tracebacks (2026-12-08)."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from resilientjob.cli import main
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rjob: error: ") and "\n" not in err, err
+    return err.removeprefix("rjob: error: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["gpt", "--device", "banana"], "device: expected cpu, cuda[:N] or npu[:N], got 'banana'"),
+        (["gpt", "--device", "cuda:99"], "device: cuda:99: this "),  # no CUDA here, or not 100 devices
+        pytest.param(
+            ["gpt", "--device", "npu"],
+            "device: npu needs torch_npu",
+            marks=pytest.mark.skipif(find_spec("torch_npu") is not None, reason="torch_npu is installed"),
+        ),
+        (["hf:llama?num_hidden_layers=abc", "--computed"], "model: hf:llama: TypeError: Field 'num_hidden"),
+        (["os:path"], "model: 'os:path' is a module, not a function"),
+    ],
+)
+def test_rjob_profile(capsys: pytest.CaptureFixture[str], args: list[str], said: str) -> None:
+    assert _one_line(capsys, ["profile", *args]).startswith(said)
+
+
+def test_rjob_profile_into_a_missing_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "missing" / "p.json"
+    args = ["profile", "gpt", "--layers", "3", "--repeats", "1", "--out", str(out)]
+    assert _one_line(capsys, args) == f"out: cannot write {out}: No such file or directory"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--metrics-port", "-1"], {}, "--metrics-port: must be 0..65535, got -1"),
+        (["--health-port", "99999"], {}, "--health-port: must be 0..65535, got 99999"),
+        ([], {"RJOB_METRICS_PORT": "abc"}, "RJOB_METRICS_PORT: expected an integer, got 'abc'"),
+        (
+            ["--kubeconfig", "/nonexistent/kubeconfig"],
+            {},
+            "--kubeconfig: no such file: /nonexistent/kubeconfig",
+        ),
+        ([], {"KUBECONFIG": "/nonexistent/a:/nonexistent/b"}, "KUBECONFIG: no such file: /nonexistent/a:"),
+        ([], {}, "no cluster to log in to: no in-cluster service account, no --kubeconfig"),
+    ],
+)
+def test_rjob_operator_that_cannot_start(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    args: list[str],
+    env: dict[str, str],
+    said: str,
+) -> None:
+    """Refused before kopf starts: a LoginError was a traceback, then a retry each minute, forever."""
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "RJOB_API_URL", "RJOB_KUBECONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _one_line(capsys, ["operator", *args]).startswith(said)
+
+
+def test_rjob_local_up_and_demo_where_a_file_is(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    monkeypatch.setenv("RJOB_LOCAL_DIR", str(taken))
+    said = f"cannot make the folder {taken}: a file is there"
+    assert _one_line(capsys, ["local", "up"]) == f"RJOB_LOCAL_DIR: {said}"
+    assert _one_line(capsys, ["demo", "--out", str(taken)]) == f"out: {said}"
+    assert taken.read_text() == "mine"
