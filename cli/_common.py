@@ -72,8 +72,9 @@ def int_list(text: str, field: str) -> list[int]:
 
 
 def float_list(text: str, field: str) -> list[float]:
+    """Parse `1.5,2` into [1.5, 2.0]; an empty item (`1,,2`) is refused, not skipped."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = [float(part) for part in text.split(",")] if text.strip() else []
     except ValueError:
         raise CliError(f"{field}: expected comma-separated numbers, got {text!r}") from None
     if not values:

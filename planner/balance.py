@@ -39,13 +39,20 @@ def balance_linear(unit_times: Sequence[float], total: int, minimum: int = 1) ->
     times = np.asarray(unit_times, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise PlannerError("times", "per-micro-batch times must be finite and positive")
+    # The split does not depend on the unit: in units of the fastest group, no product below overflows (at
+    # 1e20 against 1, counts cast from floats past int64 wrapped negative and the greedy loop never ended).
+    with np.errstate(over="ignore"):
+        times = times / times.min()
+    if not np.all(np.isfinite(times)):
+        raise PlannerError("times", "the slowest group's time is too many times the fastest's to compare")
 
     def allocation(makespan: float) -> np.ndarray:
-        # Units whose finishing time t_i * k is <= makespan, never below the minimum.
-        return np.maximum(minimum, np.floor(makespan / times + 1e-12)).astype(np.int64)
+        # Units whose finishing time t_i * k is <= makespan, never below the minimum (nor above the total).
+        return np.clip(np.floor(makespan / times + 1e-12), minimum, max(total, minimum)).astype(np.int64)
 
-    # Bisection on the makespan for the largest allocation that does not exceed `total`.
-    low, high = 0.0, float(times.max()) * total
+    # Bisection on the makespan for the largest allocation that does not exceed `total`: the fastest group
+    # alone doing all of it is an upper bound.
+    low, high = 0.0, float(total)
     for _ in range(64):
         middle = (low + high) / 2
         if int(allocation(middle).sum()) <= total:
@@ -55,12 +62,13 @@ def balance_linear(unit_times: Sequence[float], total: int, minimum: int = 1) ->
     counts = allocation(low)
     remaining = total - int(counts.sum())
     # The last few units follow the greedy order exactly (ties to the lower index).
-    heap = [(float(times[i] * (counts[i] + 1)), i) for i in range(len(times))]
+    # Python floats: a product past the largest float is inf, which still orders (numpy warned).
+    heap = [(float(times[i]) * (int(counts[i]) + 1), i) for i in range(len(times))]
     heapq.heapify(heap)
     for _ in range(remaining):
         _, index = heapq.heappop(heap)
         counts[index] += 1
-        heapq.heappush(heap, (float(times[index] * (counts[index] + 1)), index))
+        heapq.heappush(heap, (float(times[index]) * (int(counts[index]) + 1), index))
     return [int(c) for c in counts]
 
 

@@ -84,3 +84,10 @@ def test_rjob_local_up_and_demo_where_a_file_is(
     assert _one_line(capsys, ["local", "up"]) == f"RJOB_LOCAL_DIR: {said}"
     assert _one_line(capsys, ["demo", "--out", str(taken)]) == f"out: {said}"
     assert taken.read_text() == "mine"
+
+
+@pytest.mark.parametrize("times", ["1,,2", "1,2,", ","])
+def test_rjob_rebalance_refuses_an_empty_group(capsys: pytest.CaptureFixture[str], times: str) -> None:
+    """`1,,2` was read as two groups, not three."""
+    said = _one_line(capsys, ["rebalance", "--times", times, "--microbatches", "4"])
+    assert said == f"times: expected comma-separated numbers, got {times!r}"

@@ -108,3 +108,14 @@ def test_large_instance_is_exact_against_greedy() -> None:
     counts = balance_linear(times, 4096)
     greedy = balance_monotone(lambda i, m: times[i] * m, 512, 4096)
     assert makespan(times, counts) == pytest.approx(makespan(times, greedy))
+
+
+@pytest.mark.parametrize(("slow", "fast"), [(1e20, 1.0), (1e308, 1.0), (1.0, 1e-300), (3e-300, 1e-300)])
+def test_linear_far_apart_times_split_as_their_ratio_says_and_end(slow: float, fast: float) -> None:
+    """Counts were cast from floats past int64 (1e308 against 1: negative micro-batches), or the greedy
+    loop ran on a wrapped count and never ended (1e20 against 1, 1e-300 against 1)."""
+    counts = balance_linear([slow, fast], 4)
+    scaled = [slow / fast, 1.0] if slow / fast < 1e6 else [1e6, 1.0]  # beyond 1e6: as good as infinitely slow
+    assert counts == balance_linear(scaled, 4) and sum(counts) == 4
+    with pytest.raises(PlannerError, match="too many times the fastest"):
+        balance_linear([1e308, 1e-300], 4)
