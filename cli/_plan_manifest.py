@@ -66,7 +66,7 @@ def manifest_job(path: Path, edits: Mapping[str, Any], profile: str | None) -> M
     job = jobs[0]
     raw = job.body.get("spec")
     try:
-        spec = api.parse_spec({**raw, **edits} if isinstance(raw, Mapping) else raw)
+        spec = api.parse_spec({**raw, **edits} if isinstance(raw, Mapping) else raw, as_served=True)
         referenced: dict[str, Any] | None
         given: ModelProfile | None
         if profile is not None:

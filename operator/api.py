@@ -11,6 +11,7 @@ Past 600 lines on purpose: one place holds the whole API, and every field carrie
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from collections.abc import Mapping
@@ -749,11 +750,18 @@ class ResilientJobStatus(_Api):
 RECOVERY_HISTORY = 50
 
 
-def parse_spec(raw: Mapping[str, Any] | None) -> ResilientJobSpec:
-    """Validate a manifest's spec; raises PlannerError naming the field as `spec.<camelCaseField>`."""
+def parse_spec(raw: Mapping[str, Any] | None, *, as_served: bool = False) -> ResilientJobSpec:
+    """Validate a manifest's spec; raises PlannerError naming the field as `spec.<camelCaseField>`.
+
+    `as_served`: as strictly as the API server's schema takes a manifest (`rjob plan -f` on a file no server
+    has seen): JSON's types exactly (`nodes: "8"` is no integer) and the camelCase names only (the Python
+    names, which this model also takes, are unknown fields there)."""
     if not isinstance(raw, Mapping):
         raise PlannerError("spec", "missing or not a mapping")
     try:
+        if as_served:
+            text = json.dumps(dict(raw), default=str)  # YAML's dates and the like: strings, as JSON has
+            return ResilientJobSpec.model_validate_json(text, strict=True, by_alias=True, by_name=False)
         return ResilientJobSpec.model_validate(dict(raw))
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -91,3 +91,23 @@ def test_rjob_rebalance_refuses_an_empty_group(capsys: pytest.CaptureFixture[str
     """`1,,2` was read as two groups, not three."""
     said = _one_line(capsys, ["rebalance", "--times", times, "--microbatches", "4"])
     assert said == f"times: expected comma-separated numbers, got {times!r}"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ("  nodes: 8\n", '  nodes: "8"\n', "spec.nodes: Input should be a valid integer"),
+        ("  nodes: 8\n", "  nodez: 8\n", "spec.nodez: unknown field"),
+        ("forwardS", "forward_s", "spec.profile.inline.0.forward_s: unknown field"),
+    ],
+)
+def test_rjob_plan_takes_a_manifest_as_the_api_server_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, old: str, new: str, said: str
+) -> None:
+    """`kubectl apply` refuses these (a string for an integer, the Python names of camelCase fields, an
+    unknown field); `rjob plan -f` planned the first two, and named the third's missing `spec.nodes`."""
+    demo = (Path(__file__).resolve().parent.parent / "examples" / "demo.yaml").read_text()
+    assert old in demo
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(demo.replace(old, new))
+    assert _one_line(capsys, ["plan", "-f", str(manifest)]).endswith(f"(resilientjob/demo-gpt): {said}")
