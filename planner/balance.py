@@ -48,7 +48,8 @@ def balance_linear(unit_times: Sequence[float], total: int, minimum: int = 1) ->
 
     def allocation(makespan: float) -> np.ndarray:
         # Units whose finishing time t_i * k is <= makespan, never below the minimum (nor above the total).
-        return np.clip(np.floor(makespan / times + 1e-12), minimum, max(total, minimum)).astype(np.int64)
+        counts: np.ndarray = np.clip(np.floor(makespan / times + 1e-12), minimum, max(total, minimum))
+        return counts.astype(np.int64)
 
     # Bisection on the makespan for the largest allocation that does not exceed `total`: the fastest group
     # alone doing all of it is an upper bound.
