@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._common import CliError, emit, guarded
+
+if TYPE_CHECKING:
+    from resilientjob.planner.profile import ModelProfile
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="--computed: the device's FLOP/s (default: for cpu, this CPU's timed fp32 matrix product, as "
         "node 0 prices it; for an accelerator 150e12)",
+    )
+    parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="write it as a manifest's spec.profile (YAML, camelCase: paste it under a ResilientJob's spec)",
     )
     parser.add_argument("--out", type=Path, help="write the profile here (default: print it)")
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
@@ -82,12 +91,12 @@ def _run(args: argparse.Namespace) -> int:
             profile = measure_profile(spec, args.microbatch_size, args.repeats, args.device)
     except ValueError as exc:  # PlannerError included
         raise CliError(str(exc)) from None
-    document = profile.model_dump(mode="json")
+    text = _inline(profile, args) if args.inline else json.dumps(profile.model_dump(mode="json"), indent=2)
     if args.out is None:
-        print(json.dumps(document, indent=2))
+        print(text)
         return 0
     try:
-        args.out.write_text(json.dumps(document, indent=2))
+        args.out.write_text(text)
     except OSError as exc:
         raise CliError(f"out: cannot write {args.out}: {exc.strerror or exc}") from None
     emit(
@@ -100,3 +109,20 @@ def _run(args: argparse.Namespace) -> int:
         lambda p: f"wrote {p['profile']}: {p['layers']} layers, {p['step_s'] * 1e3:.2f} ms per micro-batch",
     )
     return 0
+
+
+def _inline(profile: ModelProfile, args: argparse.Namespace) -> str:
+    """The profile as a ResilientJob's `spec.profile` block: the API's camelCase names (the planner's JSON,
+    which `configMapRef` and `--profile` take, has Python's)."""
+    import yaml
+
+    from resilientjob.operator.api import LayerSpec
+
+    layers = [
+        LayerSpec.model_validate(layer.model_dump(mode="json")).model_dump(mode="json", by_alias=True)
+        for layer in profile.layers
+    ]
+    made = f"rjob profile {args.model}" + (" --computed" if args.computed else f" on {args.device}")
+    return f"# spec.profile of a ResilientJob ({made})\n" + yaml.safe_dump(
+        {"profile": {"inline": layers}}, sort_keys=False
+    )

@@ -181,7 +181,8 @@ class ProfileSource(_Api):
         default=None,
         min_length=1,
         max_length=4096,
-        description="The layers in order, per micro-batch of microBatchSize on one device (`rjob profile`).",
+        description="The layers in order, per micro-batch of microBatchSize on one device (`rjob profile "
+        "--inline` writes them).",
     )
     config_map_ref: ConfigMapKeyRef | None = Field(
         default=None, description="A ConfigMap key holding the profile as JSON or YAML (`rjob profile`)."

@@ -111,3 +111,22 @@ def test_rjob_plan_takes_a_manifest_as_the_api_server_does(
     manifest = tmp_path / "job.yaml"
     manifest.write_text(demo.replace(old, new))
     assert _one_line(capsys, ["plan", "-f", str(manifest)]).endswith(f"(resilientjob/demo-gpt): {said}")
+
+
+def test_rjob_profile_inline_is_a_block_a_manifest_takes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`rjob profile --out` writes the planner's JSON (Python names), which `spec.profile.inline` refuses
+    (camelCase names): `--inline` writes the block a manifest takes, and the job plans with it."""
+    import yaml
+
+    assert main(["profile", "gpt", "--layers", "3", "--repeats", "1", "--inline"]) == 0
+    block = yaml.safe_load(capsys.readouterr().out)
+    assert [layer["name"] for layer in block["profile"]["inline"]][0] == "embedding0"
+    assert {"forwardS", "paramBytes"} <= set(block["profile"]["inline"][0])
+    demo = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "demo.yaml").read_text())
+    demo["spec"] = {**demo["spec"], **block}
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(demo))
+    assert main(["plan", "-f", str(manifest), "--json"]) == 0
+    assert "spec.profile.inline (3 layers)" in capsys.readouterr().out
