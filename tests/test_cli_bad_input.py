@@ -122,7 +122,7 @@ def test_rjob_profile_inline_is_a_block_a_manifest_takes(
 
     assert main(["profile", "gpt", "--layers", "3", "--repeats", "1", "--inline"]) == 0
     block = yaml.safe_load(capsys.readouterr().out)
-    assert [layer["name"] for layer in block["profile"]["inline"]][0] == "embedding0"
+    assert [layer["name"] for layer in block["profile"]["inline"]][:2] == ["embedding0", "gptblock1"]
     assert {"forwardS", "paramBytes"} <= set(block["profile"]["inline"][0])
     demo = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "demo.yaml").read_text())
     demo["spec"] = {**demo["spec"], **block}
