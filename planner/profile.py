@@ -109,14 +109,24 @@ class ModelProfile(BaseModel):
         candidate = Path(path)
         if not candidate.exists() and (_BUILTIN_DIR / f"{path}.json").exists():
             candidate = _BUILTIN_DIR / f"{path}.json"
+        if not candidate.exists():
+            raise PlannerError(
+                "profile",
+                f"{str(path)!r} is no file and no built-in profile ({', '.join(builtin_profiles())})",
+            )
         try:
             text = candidate.read_text()
         except OSError as exc:
             raise PlannerError("profile", f"cannot read {str(path)!r}: {exc.strerror}") from None
         try:
             data = json.loads(text) if candidate.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise PlannerError("profile", f"{str(path)!r} is not valid JSON/YAML: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise PlannerError("profile", f"{str(path)!r} is not valid JSON: {exc}") from None
+        except yaml.YAMLError as exc:  # one line: where, and what (PyYAML's own text quotes the source)
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise PlannerError("profile", f"{str(path)!r} is not valid YAML{where}: {problem}") from None
         return cls.from_mapping(data, source="profile")
 
     # ---- micro-batch size ----------------------------------------------------------------------------

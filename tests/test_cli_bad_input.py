@@ -130,3 +130,24 @@ def test_rjob_profile_inline_is_a_block_a_manifest_takes(
     manifest.write_text(yaml.safe_dump(demo))
     assert main(["plan", "-f", str(manifest), "--json"]) == 0
     assert "spec.profile.inline (3 layers)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "said"),
+    [
+        ("p.yaml", "layers:\n  - forward_s: 1\n bad: [\n", "is not valid YAML at line 3, column 2: expected"),
+        ("p.json", '{"layers":', "is not valid JSON: Expecting value"),
+        ("", "", "is no file and no built-in profile (bert-large, gpt3-2.7b"),
+    ],
+)
+def test_rjob_templates_with_a_bad_profile(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str, said: str
+) -> None:
+    """A malformed YAML profile printed PyYAML's seven-line report; a name that is neither a file nor a
+    built-in profile said only that the file could not be read."""
+    path = tmp_path / (name or "llama-typo")
+    if name:
+        path.write_text(text)
+    assert _one_line(capsys, ["templates", "--profile", str(path), "--nodes", "4"]).startswith(
+        f"profile: '{path}' {said}"
+    )

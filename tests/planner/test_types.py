@@ -68,7 +68,7 @@ def test_bad_profile_names_the_field(layers: list[dict[str, object]], field: str
 
 
 def test_missing_and_malformed_profile_files(tmp_path: Path) -> None:
-    with pytest.raises(PlannerError, match="cannot read"):
+    with pytest.raises(PlannerError, match="is no file and no built-in profile"):
         ModelProfile.load(tmp_path / "absent.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(PlannerError, match="not valid JSON"):
