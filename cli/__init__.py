@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.flags = [*getattr(args, "flags", []), *extra]
     handler = getattr(args, "handler", None)
+    args.option_flags = _option_flags(parser, getattr(args, "command", None))
     if handler is None:
         parser.print_help()
         return 0 if command is None else 2
@@ -73,6 +74,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     return result
+
+
+def _option_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """dest -> its long flag, of `command`'s options and of the subcommand it ran (`rjob local chaos slow`):
+    an error that names a field the user set by a flag names the flag (`_common.guarded`)."""
+    flags: dict[str, str] = {}
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+            elif action.option_strings and action.dest not in flags:
+                flags[action.dest] = max(action.option_strings, key=len)
+    return flags
 
 
 def _stdout_gone() -> bool:

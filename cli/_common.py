@@ -33,13 +33,31 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
         try:
             return handler(args)
         except PlannerError as exc:
-            return fail(str(exc))
+            return fail(_as_flag(str(exc), args))
         except ValidationError as exc:
-            return fail(str(error_from_validation(exc)))
+            return fail(_as_flag(str(error_from_validation(exc)), args))
         except CliError as exc:
-            return fail(str(exc))
+            return fail(_as_flag(str(exc), args))
 
     return run
+
+
+DEST_OF_FIELD = {
+    "fault_tolerance": "ft",
+    "device_memory_bytes": "device_memory",
+    "latency_s": "latency",
+    "bandwidth_bps": "bandwidth",
+    "failure_rate_per_node_hour": "failure_rate",
+}
+"""Planner fields that an option of another name sets (the others are named as their options' `dest`)."""
+
+
+def _as_flag(message: str, args: argparse.Namespace) -> str:
+    """An error that starts with a field the user set by an option (`fault_tolerance: must be >= 0`) names
+    the option instead (`--ft: must be >= 0`); `main` puts the command's options in `args.option_flags`."""
+    field, colon, rest = message.partition(":")
+    flag = getattr(args, "option_flags", {}).get(DEST_OF_FIELD.get(field, field)) if colon else None
+    return f"{flag}:{rest}" if flag is not None else message
 
 
 def make_directory(path: Path, what: str) -> None:

@@ -21,15 +21,16 @@ def _one_line(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["gpt", "--device", "banana"], "device: expected cpu, cuda[:N] or npu[:N], got 'banana'"),
-        (["gpt", "--device", "cuda:99"], "device: cuda:99: this "),  # no CUDA here, or not 100 devices
+        (["gpt", "--device", "banana"], "--device: expected cpu, cuda[:N] or npu[:N], got 'banana'"),
+        (["gpt", "--device", "cuda:99"], "--device: cuda:99: this "),  # no CUDA here, or not 100 devices
         pytest.param(
             ["gpt", "--device", "npu"],
-            "device: npu needs torch_npu",
+            "--device: npu needs torch_npu",
             marks=pytest.mark.skipif(find_spec("torch_npu") is not None, reason="torch_npu is installed"),
         ),
         (["hf:llama?num_hidden_layers=abc", "--computed"], "model: hf:llama: TypeError: Field 'num_hidden"),
-        (["os:path"], "model: 'os:path' is a module, not a function"),
+        (["os:path"], "model: 'os:path' is a module, not a function"),  # a positional: no flag
+        (["llama2-7b", "--computed", "--seq-len", "0"], "--seq-len: must be >= 1, got 0"),  # not seq_len
     ],
 )
 def test_rjob_profile(capsys: pytest.CaptureFixture[str], args: list[str], said: str) -> None:
@@ -39,7 +40,7 @@ def test_rjob_profile(capsys: pytest.CaptureFixture[str], args: list[str], said:
 def test_rjob_profile_into_a_missing_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "missing" / "p.json"
     args = ["profile", "gpt", "--layers", "3", "--repeats", "1", "--out", str(out)]
-    assert _one_line(capsys, args) == f"out: cannot write {out}: No such file or directory"
+    assert _one_line(capsys, args) == f"--out: cannot write {out}: No such file or directory"
 
 
 @pytest.mark.parametrize(
@@ -82,7 +83,7 @@ def test_rjob_local_up_and_demo_where_a_file_is(
     monkeypatch.setenv("RJOB_LOCAL_DIR", str(taken))
     said = f"cannot make the folder {taken}: a file is there"
     assert _one_line(capsys, ["local", "up"]) == f"RJOB_LOCAL_DIR: {said}"
-    assert _one_line(capsys, ["demo", "--out", str(taken)]) == f"out: {said}"
+    assert _one_line(capsys, ["demo", "--out", str(taken)]) == f"--out: {said}"
     assert taken.read_text() == "mine"
 
 
@@ -90,7 +91,7 @@ def test_rjob_local_up_and_demo_where_a_file_is(
 def test_rjob_rebalance_refuses_an_empty_group(capsys: pytest.CaptureFixture[str], times: str) -> None:
     """`1,,2` was read as two groups, not three."""
     said = _one_line(capsys, ["rebalance", "--times", times, "--microbatches", "4"])
-    assert said == f"times: expected comma-separated numbers, got {times!r}"
+    assert said == f"--times: expected comma-separated numbers, got {times!r}"
 
 
 @pytest.mark.parametrize(
@@ -149,5 +150,5 @@ def test_rjob_templates_with_a_bad_profile(
     if name:
         path.write_text(text)
     assert _one_line(capsys, ["templates", "--profile", str(path), "--nodes", "4"]).startswith(
-        f"profile: '{path}' {said}"
+        f"--profile: '{path}' {said}"
     )

@@ -210,7 +210,7 @@ def test_checkpoint_flags_are_the_manifests_own(tmp_path: Path, capsys: pytest.C
     assert line.startswith("rjob: error: --checkpointing: not with -f"), line
     line = _error(capsys, "-f", _write(tmp_path, _job()), "--last-checkpoint-step", "0")
     assert line.startswith("rjob: error: --last-checkpoint-step: not with -f"), line
-    assert "gpus_per_node" in _error(capsys, *_same_job_by_flags(tmp_path, **{"--gpus-per-node": "0"}))
+    assert "--gpus-per-node" in _error(capsys, *_same_job_by_flags(tmp_path, **{"--gpus-per-node": "0"}))
     assert "--profile: required without -f" in _error(capsys, "--nodes", "3")
 
 

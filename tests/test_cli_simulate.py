@@ -107,14 +107,14 @@ def test_spot_trace_replays_joins(capsys: pytest.CaptureFixture[str]) -> None:
     ("flags", "field"),
     [
         (["--nodes", "0"], "nodes"),
-        (["--failure-rate", "-1"], "failure_rate"),
+        (["--failure-rate", "-1"], "--failure-rate"),
         (["--policy", "magic"], "policy"),
         (["--hours", "0"], "hours"),
         (["--trace", "/nonexistent.csv"], "trace"),
         (["--profile", "/nonexistent.json"], "profile"),
         (["--global-batch", "33", "--microbatch-size", "2"], "global_batch"),
         (["--seeds", "0"], "seeds"),
-        (["--device-memory", "80 GB"], "device_memory"),
+        (["--device-memory", "80 GB"], "--device-memory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(

@@ -47,12 +47,15 @@ def test_device_memory_changes_n0(capsys: pytest.CaptureFixture[str]) -> None:
     ("extra", "field"),
     [
         (["--profile", "bert-large", "--nodes", "0", "--ft", "1"], "nodes"),
-        (["--profile", "bert-large", "--nodes", "2", "--ft", "2"], "fault_tolerance"),
+        (["--profile", "bert-large", "--nodes", "2", "--ft", "2"], "--ft"),
         (["--profile", "no-such-profile", "--nodes", "4", "--ft", "1"], "profile"),
-        (["--profile", "gpt3-6.7b", "--nodes", "4", "--ft", "1", "--device-memory", "1000"], "device_memory"),
+        (
+            ["--profile", "gpt3-6.7b", "--nodes", "4", "--ft", "1", "--device-memory", "1000"],
+            "--device-memory",
+        ),
         (
             ["--profile", "gpt3-6.7b", "--nodes", "4", "--ft", "1", "--device-memory", "40 GB"],
-            "device_memory",
+            "--device-memory",
         ),
         (
             [
@@ -67,7 +70,7 @@ def test_device_memory_changes_n0(capsys: pytest.CaptureFixture[str]) -> None:
                 "--microbatch-size",
                 "2",
             ],
-            "global_batch",
+            "--global-batch",
         ),
     ],
 )
