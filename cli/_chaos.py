@@ -258,6 +258,8 @@ def _run(args: argparse.Namespace) -> int:
             write_order(client, keys, node, fault)
         else:
             link = _peer_node(cluster, job, args.link) if args.link else None
+            if link == node:
+                raise CliError(f"link: {args.link!r} is {args.pod}'s own node {node}: a link joins two nodes")
             order = ChaosOrder(
                 factor=args.factor,
                 until=time.time() + seconds,

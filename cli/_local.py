@@ -456,6 +456,8 @@ def _slow(
                 f"link: {link!r} belongs to job {peer_labels['resilientjob.io/job']!r}, not {job!r}"
             )
         peer = int(peer_labels["resilientjob.io/node"])
+        if str(peer) == labels["resilientjob.io/node"]:
+            raise CliError(f"link: {link!r} is {pod}'s own node {peer}: a link joins two nodes")
     try:
         order = ChaosOrder(
             factor=factor,

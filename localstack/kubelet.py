@@ -72,10 +72,14 @@ LOG_DRAIN_S = 2.0
 """How long the report of a failed pod waits for its output's last lines to reach the log."""
 
 
-def _host_env(host: Mapping[str, str] | None = None) -> dict[str, str]:
+def pod_base_env(host: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a pod's environment starts from: the host's (this process's now, by default), less the stack's
-    own settings."""
-    return {key: value for key, value in (host or os.environ).items() if not key.startswith("RJOB_")}
+    own settings, with this environment's `python` first on PATH."""
+    env = {key: value for key, value in (host or os.environ).items() if not key.startswith("RJOB_")}
+    # The image's `python` is this environment's, also where a shell finds it: an Ascend worker's command
+    # runs behind `sh -c '...; exec "$@"' sh python -m ...`, which ran the host's bare python.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH") or os.defpath])
+    return env
 
 
 def pod_directory(pods: Path, namespace: str, name: str) -> Path:
@@ -148,7 +152,7 @@ class ProcessKubelet:
         """Sync until `stopped`; then call `before_stop` (the stack stops its operator there) and stop every
         pod's process, all at once so that shutting down takes one grace period, not one per pod."""
         if self.warm_starter is not None:
-            self.warm_starter.prestart(_host_env(self.host_env))
+            self.warm_starter.prestart(pod_base_env(self.host_env))
         try:
             while not stopped.is_set():
                 await self.sync_once()
@@ -210,7 +214,7 @@ class ProcessKubelet:
             os.replace(temporary, directory / name)
 
     async def _env(self, body: dict[str, Any], podinfo: Path, volumes: Mapping[str, Path]) -> dict[str, str]:
-        env = _host_env(self.host_env)
+        env = pod_base_env(self.host_env)
         container = body["spec"]["containers"][0]
         fields = {
             "metadata.name": body["metadata"]["name"],
@@ -238,9 +242,6 @@ class ProcessKubelet:
                         f"{'Secret' if kind == 'secret' else 'ConfigMap'} {found['metadata']['namespace']}"
                     )
                     raise ContainerConfigError(f"couldn't find key {ref['key']} in {where}/{ref['name']}")
-        # The image's `python` is this environment's, also where a shell finds it on PATH: an Ascend worker's
-        # command runs behind `sh -c '...; exec "$@"' sh python -m ...`, which ran the host's bare python.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH") or os.defpath])
         env["RJOB_PODINFO_DIR"] = str(podinfo)
         # The container's last words, which a kubelet keeps in its status (`/dev/termination-log` there).
         env["RJOB_TERMINATION_LOG"] = str(podinfo.parent / "termination-log")

@@ -28,6 +28,7 @@ from resilientjob.localstack._warm_start import (
 )
 
 # Every test takes its ports from here (why: that module's docstring).
+from resilientjob.localstack.kubelet import pod_base_env
 from resilientjob.localstack.ports import free_port
 
 T = TypeVar("T")
@@ -81,7 +82,8 @@ def pods_warm_server() -> str:
     the agent again, each while its first pods wait."""
     if not _SESSION_SERVERS:
         path = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-pods.sock"
-        server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), child_env())
+        # The environment the stacks' pods start from (their kubelet's), as a stack's own warm interpreter has.
+        server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), pod_base_env(child_env()))
         _SESSION_SERVERS.append(server)
         atexit.register(server.close)
     return str(_SESSION_SERVERS[0].path)

@@ -504,6 +504,8 @@ async def test_cli_break_and_hang_write_fault_orders(
         (["demo-0", "--factor", "2", "--for", "60s", "--bandwidth", "0"], "bandwidth: must be > 0"),
         (["demo-0", "--factor", "2", "--for", "60s", "--latency", "-1"], "latency: must be in [0, 10]"),
         (["demo-0", "--factor", "2", "--for", "60s", "--link", "prod-0"], "belongs to job 'prod'"),
+        (["demo-0", "--factor", "2", "--for", "60s", "--link", "demo-0"], "is demo-0's own node 0"),
+        (["demo-0", "--factor", "2", "--for", "60s", "--link", "0"], "is demo-0's own node 0"),
     ],
 )
 async def test_cli_slow_refuses_with_one_line(

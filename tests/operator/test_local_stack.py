@@ -121,6 +121,8 @@ def test_local_stack_up_apply_get_chaos_down(stack: Path) -> None:
     assert "slowed x2.0" in slow.stdout
     bad = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--factor", "0.5", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "factor" in bad.stderr
+    own = rjob(stack, "chaos", "slow", "local-cpu-node-1", "--link", "local-cpu-node-1", check=False)
+    assert own.returncode == 2 and "is local-cpu-node-1's own node 1" in own.stderr, own.stderr
     # A duration of nothing would replace the live order with one already over (a clear in disguise).
     zero = rjob(stack, "chaos", "hang", "local-cpu-node-1", "--for", "0s", check=False)
     assert zero.returncode == 2 and "for: must be a positive duration" in zero.stderr, zero.stderr

@@ -212,7 +212,7 @@ async def test_kubelets_sharing_a_warm_server_each_take_only_their_own_pods_when
     pods and their groups with it, as its own warm interpreter's death would; the other kubelet's pods go
     on, and later pods still start warm."""
     warm = WarmStart(preload=("colorsys",), programs=("podprobe",), env={"SAID": "hello"})
-    server = WarmServer(warm, probe / "warm.sock", probe / "warm.log", os.environ)
+    server = WarmServer(warm, probe / "warm.sock", probe / "warm.log", kubelet.pod_base_env())
     assert (probe / "warm.sock").stat().st_mode & 0o777 == 0o600  # who connects runs programs as us
     try:
         async with (
