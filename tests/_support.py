@@ -82,7 +82,7 @@ def pods_warm_server() -> str:
     the agent again, each while its first pods wait."""
     if not _SESSION_SERVERS:
         path = Path(tempfile.gettempdir()) / f"rjob-tests-{os.getpid()}-pods.sock"
-        # The environment the stacks' pods start from (their kubelet's), as a stack's own warm interpreter has.
+        # What the stacks' pods start from (their kubelet's env), as a stack's own warm interpreter has.
         server = WarmServer(AGENT_WARM_START, path, _session_log("pods"), pod_base_env(child_env()))
         _SESSION_SERVERS.append(server)
         atexit.register(server.close)
