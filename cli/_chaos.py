@@ -24,6 +24,7 @@ import base64
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from resilientjob.protocol.chaos import ALLOW_ENV
@@ -48,6 +49,17 @@ def check_fault_applies(fault: str | None, model: str | None, job: str) -> None:
 
 
 SWITCH_HELP = "fail the pod's next switch to a new generation instead (its rendezvous), whenever it comes"
+
+
+def check_slow(factor: float, latency_s: float, bandwidth_bps: float) -> None:
+    """A slow order's numbers, checked before anything is read or written (`rjob chaos` and `rjob local
+    chaos` alike)."""
+    if not 1.0 <= factor <= 100.0:
+        raise CliError(f"factor: must be in [1, 100], got {factor}")
+    if not 0.0 <= latency_s <= 10.0:
+        raise CliError(f"latency: must be in [0, 10] seconds, got {latency_s}")
+    if not bandwidth_bps > 0.0:
+        raise CliError(f"bandwidth: must be > 0 bytes per second, got {bandwidth_bps}")
 
 
 def break_window_s(switch: bool) -> float:
@@ -117,6 +129,17 @@ class _Cluster:
             configuration.host = args.server.rstrip("/")
             api_client = client.ApiClient(configuration)
         else:
+            source, named = next(
+                ((what, value) for what, value in (
+                    ("kubeconfig", args.kubeconfig),
+                    ("RJOB_KUBECONFIG", os.environ.get("RJOB_KUBECONFIG")),
+                    ("KUBECONFIG", os.environ.get("KUBECONFIG")),
+                ) if value),
+                ("", ""),
+            )  # fmt: skip
+            paths = [Path(part).expanduser() for part in named.split(os.pathsep) if part]
+            if paths and not any(path.is_file() for path in paths):
+                raise CliError(f"{source}: no such file: {named}")
             try:
                 api_client = config.new_client_from_config(  # type: ignore[no-untyped-call]
                     config_file=args.kubeconfig or os.environ.get("RJOB_KUBECONFIG")
@@ -214,12 +237,7 @@ def _peer_node(cluster: _Cluster, job: str, peer: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.chaos_command == "slow":  # check the flags before touching the cluster
-        if not 1.0 <= args.factor <= 100.0:
-            raise CliError(f"factor: must be in [1, 100], got {args.factor}")
-        if not 0.0 <= args.latency <= 10.0:
-            raise CliError(f"latency: must be in [0, 10] seconds, got {args.latency}")
-        if not args.bandwidth > 0.0:
-            raise CliError(f"bandwidth: must be > 0 bytes per second, got {args.bandwidth}")
+        check_slow(args.factor, args.latency, args.bandwidth)
         seconds = parse_duration(args.duration)
     elif args.chaos_command == "hang":
         seconds = parse_duration(args.duration)

@@ -20,7 +20,14 @@ from typing import Any
 
 from resilientjob.protocol.chaos import ALLOW_ENV
 
-from ._chaos import SWITCH_HELP, break_said, break_window_s, check_fault_applies, parse_duration
+from ._chaos import (
+    SWITCH_HELP,
+    break_said,
+    break_window_s,
+    check_fault_applies,
+    check_slow,
+    parse_duration,
+)
 from ._common import CliError, guarded, make_directory
 from ._manifest_files import Document, load_documents
 
@@ -436,6 +443,8 @@ def _slow(
     from resilientjob.protocol.keys import JobKeys
 
     seconds = parse_duration(duration)  # bad input is refused before anything is read or written
+    if fault is None:
+        check_slow(factor, latency_s, bandwidth_bps)
     labels, body = _worker(pod, "pod", namespace)
     job = labels["resilientjob.io/job"]
     containers = (body.get("spec") or {}).get("containers") or []

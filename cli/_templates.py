@@ -21,7 +21,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--device-memory", default=None, help="memory per accelerator: a quantity (80Gi, 64G) or bytes"
     )
-    parser.add_argument("--global-batch", type=int, default=None, help="also instantiate N nodes")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per step: with --microbatch-size, also instantiate the templates for the N nodes "
+        "(micro-batches per pipeline)",
+    )
     parser.add_argument("--microbatch-size", type=int, default=None, help="samples per micro-batch")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=guarded(_run))

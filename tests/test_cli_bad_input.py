@@ -152,3 +152,15 @@ def test_rjob_templates_with_a_bad_profile(
     assert _one_line(capsys, ["templates", "--profile", str(path), "--nodes", "4"]).startswith(
         f"--profile: '{path}' {said}"
     )
+
+
+def test_rjob_chaos_with_a_missing_kubeconfig_says_which(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It said only "no cluster configuration found", not that the file it was given is not there."""
+    monkeypatch.delenv("RJOB_KUBECONFIG", raising=False)
+    missing = str(tmp_path / "kubeconfig")
+    monkeypatch.setenv("KUBECONFIG", missing)
+    assert _one_line(capsys, ["chaos", "kill", "pod-0"]) == f"KUBECONFIG: no such file: {missing}"
+    said = _one_line(capsys, ["chaos", "kill", "pod-0", "--kubeconfig", missing + "2"])
+    assert said == f"--kubeconfig: no such file: {missing}2"
