@@ -262,3 +262,20 @@ async def test_the_suites_operators_fork_warm_in_every_test_and_phase(stack: Sta
             assert parent == operator_starter().pid
     finally:
         another.stop()
+
+
+async def test_a_program_the_warm_interpreter_preloaded_runs_as_main_without_a_warning(probe: Path) -> None:
+    """The local stack preloads `resilientjob.agent.store_host`, which its store pods then run with `-m`:
+    runpy warned in every store pod's log that the module was in sys.modules before it ran it."""
+    (probe / "quiet").mkdir()
+    (probe / "quiet" / "__init__.py").write_text("")  # a module of a package, as store_host is
+    (probe / "quiet" / "probe.py").write_text(
+        "import json, os\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'name': __name__, 'parent': os.getppid()}), flush=True)\n"
+    )
+    warm = WarmStart(preload=("colorsys", "quiet.probe"), programs=("quiet.probe",), env={"SAID": "hello"})
+    pod = _pod("quiet", 0)
+    pod["spec"]["containers"][0]["command"] = ["python", "-m", "quiet.probe"]
+    async with _running(probe / "warm", warm, [pod]) as ran:  # its log must be the one JSON line
+        assert ran.pods["quiet"]["said"] == {"name": "__main__", "parent": ran.warm_pid()}
