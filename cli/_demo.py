@@ -56,7 +56,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--duration", type=float, default=180.0, help="seconds of training, from its first step (default 180)"
     )
     parser.add_argument("--out", default="demo-out", help="directory for demo.png and the stack's files")
-    parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table (CI)")
+    parser.add_argument(
+        "--no-live", action="store_true", help="log lines instead of the live table (as with no terminal)"
+    )
     parser.add_argument("-f", "--filename", default=str(DEFAULT_MANIFEST), help="the job manifest")
     parser.add_argument(
         "--slow-factor",
@@ -517,7 +519,10 @@ def _run(args: argparse.Namespace) -> int:
     # Logs and CI have no terminal: rich would wrap the summary at 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=150)
 
+    stopped_by: list[int] = []
+
     def interrupted(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
@@ -538,6 +543,7 @@ def _run(args: argparse.Namespace) -> int:
         chaos = Chaos(job, nodes, args.duration, kill_node=min(2, nodes - 1), factor=args.slow_factor)
         _watch(seen, probe, chaos, args, console, job)
     except KeyboardInterrupt:
+        stopped_by.append(signal.SIGINT)  # Ctrl-C's KeyboardInterrupt; a SIGTERM said so already
         console.print("interrupted: tearing down")
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -551,8 +557,10 @@ def _run(args: argparse.Namespace) -> int:
         with _quiet():
             _local._down()
     if probe is None:
-        return 1
-    return _report(seen, out, console)
+        return 128 + stopped_by[0] if stopped_by else 1
+    reported = _report(seen, out, console)
+    # What it measured until then is reported; the exit status still says it was stopped, as a shell's does.
+    return 128 + stopped_by[0] if stopped_by else reported
 
 
 def _watch(
@@ -563,7 +571,7 @@ def _watch(
     def tick() -> list[str]:
         return probe.sample(seen) + chaos.step(seen, probe.committed_step)
 
-    if args.no_live:
+    if args.no_live or not console.is_terminal:  # redirected: a live table shows only its last frame
         last_line = 0.0
         while seen.running(args.duration):
             for text in tick():
@@ -583,6 +591,8 @@ def _watch(
             tick()
             live.update(_render(seen, args.duration, job))
             time.sleep(SAMPLE_S)
+        probe.sample(seen)  # the last frame shows what the summary below it reports
+        live.update(_render(seen, args.duration, job))
 
 
 def _report(seen: Observed, out: Path, console: Any) -> int:

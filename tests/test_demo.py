@@ -239,3 +239,28 @@ def test_labels_of_event_lines_a_few_seconds_apart_stand_side_by_side() -> None:
     assert _label_columns([41.0, 42.0, 56.5, 59.5, 60.5, 120.0], 180.0) == [0, 1, 0, 0, 1, 0]
     assert _label_columns([10.0, 10.5, 11.0, 11.5], 180.0) == [0, 1, 2, 3]
     assert _label_columns([], 180.0) == []
+
+
+@pytest.mark.torch
+@pytest.mark.cluster
+def test_a_stopped_demo_tears_down_and_exits_as_a_stopped_program(tmp_path: Path) -> None:
+    """Ctrl-C or SIGTERM tears the stack down, and the exit status says the demo was stopped (128 + the
+    signal), as a shell reports a stopped program (it exited 0). Its output, redirected, comes as log lines
+    while it runs, not as the live table's last frame at the end."""
+    import signal
+
+    command = [sys.executable, "-m", "resilientjob.cli", "demo", "--duration", "60", "--out", str(tmp_path)]
+    env = {key: value for key, value in os.environ.items() if key != "RJOB_LOCAL_DIR"}
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as demo:
+        assert demo.stdout is not None
+        said = []
+        for line in demo.stdout:  # log lines as they come: the redirected demo shows no live table
+            said.append(line)
+            if "training: first step committed" in line:
+                demo.send_signal(signal.SIGTERM)
+                break
+        rest, _ = demo.communicate(timeout=120)
+    output = "".join(said) + rest
+    assert demo.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted: tearing down" in output
+    assert not (tmp_path / "stack" / "state.json").exists()  # torn down
