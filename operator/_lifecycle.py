@@ -104,7 +104,8 @@ async def _say_waiting(ctl: JobView, found: list[Leftover], orphans: list[str]) 
     Planned condition too, which outlives Events (about an hour): what the job waits for, and the command
     that deletes the orphans."""
     names = ", ".join(leftover.name for leftover in found[:4])
-    message = f"waiting for an earlier job of this name to be deleted: {names}"
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    message = f"waiting for an earlier job of this name to be deleted: {len(found)} objects ({names}{more})"
     if orphans:
         message += (
             f"; {len(orphans)} of them orphaned (deleted with --cascade=orphan), which nothing deletes: "

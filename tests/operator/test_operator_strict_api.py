@@ -176,6 +176,9 @@ async def test_an_earlier_jobs_orphaned_objects_are_waited_for_not_taken(stack: 
     told = (await eventually(warned, 20, "the WaitingForEarlierJob warning"))[0]
     assert told["type"] == "Warning" and "--cascade=orphan" in told["message"], told
     command = told["message"].split("`")[1]
+    # How many it waits for says the same as how many of them are orphans (it named 4, then "6 of them").
+    listed = int(told["message"].split("deleted: ")[1].split()[0])
+    assert f"; {listed} of them orphaned" in told["message"] and listed == len(command.split()[4:]), told
     assert command.startswith("kubectl delete -n ") and "configmap/orph-plan" in command, command
     assert all(f"pod/{p['metadata']['name']}" in command for p in pods), command
     await asyncio.sleep(1.0)
