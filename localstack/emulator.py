@@ -325,7 +325,14 @@ class LocalApiServer(kmock.KubernetesEmulator):
     async def _log(self, request: rendering.Request, key: Key) -> aiohttp.web.StreamResponse:
         """`GET pods/NAME/log`: what the process kubelet captured of the pod's process, with kubectl's
         options (`_local_api_logs`)."""
-        self._existing(self.kind_of(key[0]), key)
+        pod = self._existing(self.kind_of(key[0]), key)
+        if request.params.get("previous") in ("true", "1"):
+            # The process kubelet restarts no container in place: there is never a previous one.
+            containers = ((pod or {}).get("spec") or {}).get("containers") or [{}]
+            container = request.params.get("container") or containers[0].get("name", "")
+            raise refuse(
+                400, "BadRequest", f'previous terminated container "{container}" in pod "{key[2]}" not found'
+            )
         options = logs.LogOptions.of(request.params, time.time())
         path = None if self.pod_logs is None else pod_directory(self.pod_logs, key[1] or "", key[2]) / "log"
         lines, offset = logs.read_lines(path) if path is not None else ([], 0)

@@ -171,6 +171,9 @@ def test_kubectl_drives_the_local_stack(tmp_path: Path) -> None:
             "the talker done",
         )
         assert kubectl("logs", "-f", "talker").stdout.endswith("last\n")
+        # No container restarts in place here: there is no previous one (it gave the current log, exit 0).
+        previous = kubectl("logs", "talker", "--previous", ok=False)
+        assert previous.returncode != 0 and 'previous terminated container "' in previous.stderr, previous
 
         # kubectl's typed commands send protobuf. A namespace, a secret and a pod in it whose environment
         # comes from that secret: the kubelet runs pods of every namespace, as a node's does.
