@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,13 @@ def _run(args: argparse.Namespace) -> int:
                 args.model, spec.seq_len, args.microbatch_size, device, built=spec, flops=args.device_flops
             )
         else:
+            if spec.hf is not None:  # a 7B model is minutes and GBs to build: say so before, on stderr
+                print(
+                    f"measuring {args.model}: builds and times each of its {spec.num_layers} layers on "
+                    f"{args.device} (--computed answers from its configuration without building it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             profile = measure_profile(spec, args.microbatch_size, args.repeats, args.device)
     except ValueError as exc:  # PlannerError included
         raise CliError(str(exc)) from None

@@ -68,3 +68,16 @@ def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
         status = process.wait(timeout=120)
     assert status == 141, error
     assert "Traceback" not in error and "BrokenPipeError" not in error, error
+
+
+def test_measuring_a_hugging_face_model_says_so_first_and_points_at_computed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`rjob profile llama2-7b` built a 7B model for minutes, silently: it says what it does first (on
+    stderr: the profile on stdout stays JSON)."""
+    model = "hf:gpt2?n_layer=1&n_embd=16&n_head=2&vocab_size=32&n_positions=8"
+    assert main(["profile", model, "--repeats", "1"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["layers"]
+    assert captured.err.startswith(f"measuring {model}: builds and times each of its 3 layers on cpu")
+    assert "--computed" in captured.err
