@@ -75,7 +75,7 @@ def test_measuring_a_hugging_face_model_says_so_first_and_points_at_computed(
 ) -> None:
     """`rjob profile llama2-7b` built a 7B model for minutes, silently: it says what it does first (on
     stderr: the profile on stdout stays JSON)."""
-    model = "hf:gpt2?n_layer=1&n_embd=16&n_head=2&vocab_size=32&n_positions=8"
+    model = "hf:gpt2?n_layer=1&n_embd=16&n_head=2&vocab_size=32&n_positions=16"
     assert main(["profile", model, "--repeats", "1"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["layers"]
