@@ -546,16 +546,23 @@ def _run(args: argparse.Namespace) -> int:
         stopped_by.append(signal.SIGINT)  # Ctrl-C's KeyboardInterrupt; a SIGTERM said so already
         console.print("interrupted: tearing down")
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if probe is not None:
-            with contextlib.suppress(Exception):
-                probe.sample(seen)
-                for recovery in seen.recoveries:
-                    generation = int(recovery.get("generation", 0))
-                    seen.switches[generation] = probe.transfers(generation)
-            probe.close()
-        with _quiet():
-            _local._down()
+        # The teardown runs to its end: a second Ctrl-C or SIGTERM (an impatient user, a CI timeout's
+        # escalation) in the middle of it left the whole stack running, its workers training on.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if probe is not None:
+                with contextlib.suppress(Exception):
+                    probe.sample(seen)
+                    for recovery in seen.recoveries:
+                        generation = int(recovery.get("generation", 0))
+                        seen.switches[generation] = probe.transfers(generation)
+                probe.close()
+            with _quiet():
+                _local._down()
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous)
     if probe is None:
         return 128 + stopped_by[0] if stopped_by else 1
     reported = _report(seen, out, console)

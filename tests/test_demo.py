@@ -259,6 +259,11 @@ def test_a_stopped_demo_tears_down_and_exits_as_a_stopped_program(tmp_path: Path
             if "training: first step committed" in line:
                 demo.send_signal(signal.SIGTERM)
                 break
+        for line in demo.stdout:
+            said.append(line)
+            if "interrupted: tearing down" in line:
+                demo.send_signal(signal.SIGINT)  # an impatient second signal: the teardown still ends
+                break
         rest, _ = demo.communicate(timeout=120)
     output = "".join(said) + rest
     assert demo.returncode == 128 + signal.SIGTERM, output
