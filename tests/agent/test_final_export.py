@@ -118,13 +118,13 @@ def test_layers_nobody_holds_any_more_come_from_the_last_steps_checkpoint(
     ).save_pretrained(wider)
     capsys.readouterr()
     for argv, said in [
-        ([checkpoints, "--model", model, "--out", str(tmp_path / "x"), "--step", "7"], "step: "),
+        ([checkpoints, "--model", model, "--out", str(tmp_path / "x"), "--step", "7"], "--step: "),
         ([str(tmp_path / "none"), "--model", model, "--out", str(tmp_path / "x")], "checkpoint: "),
         ([checkpoints, "--model", f"hf:{deeper}", "--out", str(tmp_path / "x")], "checkpoint: "),
-        ([checkpoints, "--model", f"hf:{wider}", "--out", str(tmp_path / "x")], "model: "),
+        ([checkpoints, "--model", f"hf:{wider}", "--out", str(tmp_path / "x")], "--model: "),
         (
             [checkpoints, "--model", model, "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path)],
-            "tokenizer: ",
+            "--tokenizer: ",
         ),
     ]:
         assert main(["export", *argv]) == 2

@@ -201,9 +201,9 @@ def test_an_affinity_of_every_kind_reaches_the_pods_as_written() -> None:
          "spec.podOverrides.env.0.valueFrom.secretKeyRef.key", "pattern"),
         ({"tolerations": [{"key": "k", "tolerationSeconds": 5}]}, "spec.podOverrides.tolerations.0",
          "NoExecute"),
-        ({"affinity": {"nodeAfinity": {}}}, "spec.podOverrides.affinity.nodeAfinity", "not permitted"),
+        ({"affinity": {"nodeAfinity": {}}}, "spec.podOverrides.affinity.nodeAfinity", "unknown field"),
         ({"affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}},
-         "spec.podOverrides.affinity.nodeAffinity.requiredDuringScheduling", "not permitted"),
+         "spec.podOverrides.affinity.nodeAffinity.requiredDuringScheduling", "unknown field"),
         ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In"}]}]}}}},
          "spec.podOverrides.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
