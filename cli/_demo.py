@@ -523,9 +523,14 @@ def _run(args: argparse.Namespace) -> int:
 
     def interrupted(signum: int, frame: object) -> None:
         stopped_by.append(signum)
+        # The teardown runs to its end: a second Ctrl-C or SIGTERM (an impatient user, a CI timeout's
+        # escalation) in the middle of it left the whole stack running, its workers training on.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
+    previous_int = signal.signal(signal.SIGINT, interrupted)
     seen = Observed()
     probe: Probe | None = None
     try:
@@ -543,12 +548,9 @@ def _run(args: argparse.Namespace) -> int:
         chaos = Chaos(job, nodes, args.duration, kill_node=min(2, nodes - 1), factor=args.slow_factor)
         _watch(seen, probe, chaos, args, console, job)
     except KeyboardInterrupt:
-        stopped_by.append(signal.SIGINT)  # Ctrl-C's KeyboardInterrupt; a SIGTERM said so already
         console.print("interrupted: tearing down")
     finally:
-        # The teardown runs to its end: a second Ctrl-C or SIGTERM (an impatient user, a CI timeout's
-        # escalation) in the middle of it left the whole stack running, its workers training on.
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # also after a normal end: the teardown runs whole
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if probe is not None:
