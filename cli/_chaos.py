@@ -24,13 +24,12 @@ import base64
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from resilientjob.protocol.chaos import ALLOW_ENV
 from resilientjob.protocol.models import SYNTHETIC_PREFIX
 
-from ._common import CliError, guarded
+from ._common import CliError, guarded, kubeconfig_missing
 
 LABEL_JOB = "resilientjob.io/job"
 LABEL_NODE = "resilientjob.io/node"
@@ -137,9 +136,9 @@ class _Cluster:
                 ) if value),
                 ("", ""),
             )  # fmt: skip
-            paths = [Path(part).expanduser() for part in named.split(os.pathsep) if part]
-            if paths and not any(path.is_file() for path in paths):
-                raise CliError(f"{source}: no such file: {named}")
+            missing = kubeconfig_missing(source, named)
+            if missing is not None:
+                raise CliError(missing)
             try:
                 api_client = config.new_client_from_config(  # type: ignore[no-untyped-call]
                     config_file=args.kubeconfig or os.environ.get("RJOB_KUBECONFIG")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,15 @@ def _as_flag(message: str, args: argparse.Namespace) -> str:
     field, colon, rest = message.partition(":")
     flag = getattr(args, "option_flags", {}).get(DEST_OF_FIELD.get(field, field)) if colon else None
     return f"{flag}:{rest}" if flag is not None else message
+
+
+def kubeconfig_missing(source: str, value: str) -> str | None:
+    """The one line for a kubeconfig `value` (a path, or KUBECONFIG's list of them) of which no file is
+    there, naming where it came from (`source`: the flag's field or the variable); None when one is."""
+    paths = [Path(part).expanduser() for part in value.split(os.pathsep) if part]
+    if paths and not any(path.is_file() for path in paths):
+        return f"{source}: no such file: {value}"
+    return None
 
 
 def make_directory(path: Path, what: str) -> None:

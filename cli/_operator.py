@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._common import CliError, guarded
+from ._common import CliError, guarded, kubeconfig_missing
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -52,8 +52,9 @@ def _run(args: argparse.Namespace) -> int:
         flags["standalone"] = True
     try:
         settings = dataclasses.replace(OperatorSettings.from_env(), **flags)
-    except ValueError as exc:
-        raise CliError(_as_flag(str(exc))) from None
+    except ValueError as exc:  # `metrics_port must be ...`: field first, as `guarded` names its flag
+        field, _, rest = str(exc).partition(" ")
+        raise CliError(f"{field}: {rest}" if rest.startswith("must") else str(exc)) from None
     missing = credentials_missing(settings, os.environ)
     if missing is not None:
         raise CliError(missing)
@@ -76,30 +77,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_flag(message: str) -> str:
-    """A settings error names the field (`metrics_port must be ...`): the flag that sets it, for the user."""
-    field, _, rest = message.partition(" ")
-    if field in FLAGS and rest.startswith("must"):
-        return f"--{field.replace('_', '-')}: {rest}"
-    return message
-
-
 def credentials_missing(settings: OperatorSettings, environ: Mapping[str, str]) -> str | None:
     """Why the operator could not log in at all, in one line, or None: checked before kopf starts (kopf
     logs a LoginError traceback and retries each minute, forever)."""
     if settings.api_url:
         return None
     if settings.kubeconfig:
-        if not Path(settings.kubeconfig).expanduser().is_file():
-            return f"--kubeconfig: no such file: {settings.kubeconfig}"
-        return None
+        return kubeconfig_missing("kubeconfig", settings.kubeconfig)
     if environ.get("KUBERNETES_SERVICE_HOST") and SERVICE_ACCOUNT_TOKEN.is_file():
         return None  # in a pod: its service account
-    listed = [path for path in environ.get("KUBECONFIG", "").split(os.pathsep) if path]
-    if listed:
-        if any(Path(path).expanduser().is_file() for path in listed):
-            return None
-        return f"KUBECONFIG: no such file: {environ['KUBECONFIG']}"
+    if environ.get("KUBECONFIG"):
+        return kubeconfig_missing("KUBECONFIG", environ["KUBECONFIG"])
     if (Path(environ.get("HOME") or Path.home()) / ".kube" / "config").is_file():
         return None
     return (

@@ -387,7 +387,7 @@ class FailSlowTracker:
                             self.changed = True
                             self._dismiss(node, f"{host}: the host's load, no link (machine-wide)")
                             continue
-                        if clock - candidate.came_at <= ttl and self._compute_behind(candidate):
+                        if self._waits_for_records(candidate, clock):
                             continue  # for the other nodes' records of its steps (`_asked` waits too)
                     if holds is None and clock - candidate.came_at <= ttl:
                         continue  # waiting for its steps to clear their noise, then validation
@@ -546,9 +546,11 @@ class FailSlowTracker:
         rise = self.job.compute_rise(candidate.report.onset_step, walls[-1][0])
         return _validation.compute_explains(candidate.report, walls, rise)
 
-    def _compute_behind(self, candidate: Candidate) -> bool:
-        """Whether `_host_slowed` may judge `candidate` once the nodes' records of its reporter's latest
-        step are in: most nodes' compute is not there yet (and the rule applies to it at all)."""
+    def _waits_for_records(self, candidate: Candidate, clock: float) -> bool:
+        """Whether `candidate`, still young, waits for the nodes' records of its reporter's latest step
+        before `_host_slowed` judges it: most nodes' compute is not there yet (and the rule applies)."""
+        if clock - candidate.came_at > self._ttl():
+            return False
         walls = self._host_rule_walls(candidate)
         return walls is not None and self.job.behind(walls[-1][0])
 
@@ -564,7 +566,7 @@ class FailSlowTracker:
             return False
         if self._holds(report) is not True or self._host_slowed(candidate) is not None:
             return False
-        return clock - candidate.came_at > self._ttl() or not self._compute_behind(candidate)
+        return not self._waits_for_records(candidate, clock)
 
     def validation_sent(
         self, request_id: int, now: float | None = None, revalidating: Iterable[int] = ()
