@@ -504,11 +504,9 @@ def _become(request: Mapping[str, Any], output: int, warm_pid: int) -> None:
         sys.modules["numpy.random"].seed()  # its global generator was seeded once, in the warm interpreter
     _, module, *args = request["argv"]
     sys.argv = [module, *args]
-    # A preloaded program module (the store host) runs afresh as __main__, as `python -m` runs it: what it
-    # imported stays warm, and runpy does not warn that it was in sys.modules before it ran. A package
-    # (`-m resilientjob.agent`) runs its own `__main__` and stays the one its preloaded submodules belong to.
-    if not hasattr(sys.modules.get(module), "__path__"):
-        sys.modules.pop(module, None)
+    # A preloaded program (the store host) runs afresh as __main__, as `python -m` runs it: what it imported
+    # stays warm, and runpy does not warn that it was in sys.modules before it ran.
+    sys.modules.pop(module, None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
